@@ -1,0 +1,110 @@
+"""Acceptance rules: decide which draft nodes the target keeps, and the one token it adds.
+
+Given a ``DraftTree`` and the target's distributions at the root and at every node (``p[0]`` at the root,
+``p[i + 1]`` after node i), a rule returns the accepted root-to-node path and one more token:
+- *recovered*: drawn from the residual distribution after the last rejection;
+- *bonus*: drawn from p at the end of a fully accepted path.
+
+``GreedyMatch`` (temperature 0): follow the child whose token equals argmax p; lossless, the output equals greedy
+autoregressive decoding token for token.
+
+``RejectionSampling``: speculative sampling (Leviathan et al., 2023; Chen et al., 2023), generalised to trees by
+recursive rejection over a node's children (SpecInfer, Miao et al., 2024). At a node with children c_1..c_m and
+residual r (initially p): accept c_i with probability min(1, r(x_i) / q_i(x_i)); on rejection set
+r <- norm(max(r - q_i, 0)) and try the next child; when all are rejected, draw the recovered token from r.
+A child without probabilities counts as one-hot q, so accepting it has probability r(x_i) and rejecting it zeroes
+r(x_i). Lossless when the children of a node are distinct one-hot drafts or independent draws from their q_i:
+the committed tokens are distributed exactly as samples from p (tested statistically).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .tree import children_lists
+from .types import DraftTree, StepResult
+
+
+class AcceptanceRule(Protocol):
+    lossless: bool
+    name: str
+
+    def accept(self, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None) -> StepResult:
+        """``p``: [N + 1, V] processed target probabilities (row 0 = root); or [N + 1] argmax ids for greedy."""
+        ...
+
+
+class GreedyMatch:
+    """Accept while the draft token equals the target's argmax. Lossless for greedy decoding."""
+
+    lossless = True
+    name = "greedy"
+
+    def accept(self, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None = None) -> StepResult:
+        best = p.argmax(-1).tolist() if p.dim() == 2 else p.tolist()  # [N + 1] target argmax per position
+        if tree.is_chain:  # fast path: no child lists needed
+            toks = tree.tokens.tolist()
+            n = 0
+            while n < len(toks) and toks[n] == best[n]:
+                n += 1
+            return StepResult(list(range(n)), best[n], bonus=n == len(toks))
+        kids = children_lists(tree.parents)
+        toks = tree.tokens.tolist()
+        path: list[int] = []
+        node = -1
+        while True:
+            want = best[node + 1]
+            nxt = next((c for c in kids[node + 1] if toks[c] == want), None)
+            if nxt is None:
+                return StepResult(path, want, bonus=not kids[node + 1])
+            path.append(nxt)
+            node = nxt
+
+
+def _residual(r: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """norm(max(r - q, 0)); q None = one-hot at ``token``. Falls back to r when the residual has no mass."""
+    if q is None:
+        res = r.clone()
+        res[token] = 0.0
+    else:
+        res = (r - q).clamp_min_(0.0)
+    total = res.sum()
+    if total <= 0:  # only reachable through float round-off (e.g. q == p); keep r rather than divide by zero
+        return r
+    return res / total
+
+
+class RejectionSampling:
+    """Exact speculative sampling over a chain or tree; one-hot q for deterministic drafts. Lossless."""
+
+    lossless = True
+    name = "rejection-sampling"
+
+    def accept(self, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None) -> StepResult:
+        kids = children_lists(tree.parents)
+        toks = tree.tokens.tolist()
+        q_all = tree.draft_probs
+        n_nodes = len(toks)
+        # one uniform per node, drawn up front: a single RNG call per step
+        u = torch.rand(max(1, n_nodes), generator=generator).tolist()
+        path: list[int] = []
+        node = -1
+        while True:
+            r = p[node + 1]  # [V] residual starts as p at this position
+            chosen = None
+            for c in kids[node + 1]:
+                x = toks[c]
+                q = None if q_all is None else q_all[c]
+                qx = 1.0 if q is None else float(q[x])
+                rx = float(r[x])
+                if qx > 0 and u[c] * qx < rx:  # u < min(1, r(x)/q(x)), without dividing
+                    chosen = c
+                    break
+                r = _residual(r, q, x)
+            if chosen is None:
+                bonus = not kids[node + 1]
+                return StepResult(path, int(torch.multinomial(r, 1, generator=generator)), bonus=bonus)
+            path.append(chosen)
+            node = chosen

@@ -1,0 +1,122 @@
+"""The speculative decoding loop, and the naive autoregressive generator that is its test oracle.
+
+The engine knows nothing about tokenization: it takes prompt token ids and yields lists of committed token ids as
+soon as each verification step commits them (streaming). Stop strings are the caller's business (close the
+generator); EOS ids and ``max_new_tokens`` are handled here.
+
+Loop invariant: the target's KV cache holds every committed token except the last one, which is the root of the
+next draft tree. One step = draft (drafter.propose) -> one target forward over [root, *tree] (Verifier.score) ->
+acceptance rule -> commit the accepted path to the cache -> feedback (drafter.observe).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .acceptance import AcceptanceRule, GreedyMatch, RejectionSampling
+from .config import SamplingConfig
+from .drafters.base import DecodeContext, Drafter
+from .sampling import make_generator, probs_from_logits
+from .tree import depths
+from .types import SpecStats
+from .verify import Verifier
+
+
+def default_rule(sampling: SamplingConfig) -> AcceptanceRule:
+    return GreedyMatch() if sampling.greedy else RejectionSampling()
+
+
+def speculative_generate(
+    target: torch.nn.Module,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    *,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    eos_ids: frozenset[int] = frozenset(),
+    stats: SpecStats | None = None,
+    rule: AcceptanceRule | None = None,
+) -> Iterator[list[int]]:
+    """Yield committed token ids step by step; fills ``stats`` as it goes."""
+    stats = stats if stats is not None else SpecStats()
+    rule = rule or default_rule(sampling)
+    gen = make_generator(sampling.seed)
+    verifier = Verifier(target, want_hidden="hidden_states" in drafter.needs)
+    max_pos = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+    stats.prompt_tokens = len(prompt_ids)
+
+    def pick(p_rows: torch.Tensor) -> torch.Tensor:  # logits -> what the rule consumes
+        return p_rows if sampling.greedy else probs_from_logits(p_rows, sampling)
+
+    t0 = time.perf_counter()
+    first_logits = verifier.prefill(prompt_ids)  # [V]
+    first = int(first_logits.argmax()) if sampling.greedy else int(
+        torch.multinomial(probs_from_logits(first_logits, sampling), 1, generator=gen))
+    ctx = DecodeContext(tokens=list(prompt_ids) + [first], prompt_len=len(prompt_ids), sampling=sampling,
+                        generator=gen)
+    if verifier.want_hidden:
+        ctx.target_hidden = verifier.last_hidden[-1]
+    drafter.prefill(ctx)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.target_calls, stats.new_tokens = 1, 1
+    t_start = time.perf_counter()
+    try:
+        yield [first]
+        done = first in eos_ids or max_new_tokens <= 1
+        while not done:
+            if len(ctx.tokens) >= max_pos:  # the model has no position left for another token
+                break
+            # draft room: new tokens still allowed (minus the recovered/bonus one) and positions in the model
+            budget = min(max_new_tokens - stats.new_tokens - 1, max_pos - len(ctx.tokens) - 1)
+            t = time.perf_counter()
+            tree = drafter.propose(ctx, max(0, budget))
+            t_draft = time.perf_counter()
+            logits = verifier.score(ctx.tokens[-1], tree)  # [1 + N, V]
+            t_verify = time.perf_counter()
+            step = rule.accept(tree, pick(logits), gen)
+            verifier.commit(step.accepted_nodes)
+            stats.draft_s += t_draft - t
+            stats.verify_s += t_verify - t_draft
+            toks = tree.tokens[step.accepted_nodes].tolist() + [step.next_token]
+            depth = len(tree) if tree.is_chain else int(depths(tree.parents).max())
+            stats.record_step(depth, len(tree), len(step.accepted_nodes))
+            drafter.observe(len(step.accepted_nodes), len(tree))
+            for i, tok in enumerate(toks):  # cut at EOS / max_new_tokens
+                if tok in eos_ids or stats.new_tokens + i + 1 >= max_new_tokens:
+                    toks = toks[: i + 1]
+                    done = True
+                    break
+            ctx.tokens.extend(toks)
+            if verifier.want_hidden:
+                ctx.target_hidden = verifier.last_hidden[([0] + [a + 1 for a in step.accepted_nodes])[-1]]
+            stats.new_tokens += len(toks)
+            yield toks
+    finally:
+        stats.decode_s = time.perf_counter() - t_start
+
+
+@torch.inference_mode()
+def autoregressive_generate(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    *,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    eos_ids: frozenset[int] = frozenset(),
+) -> list[int]:
+    """The oracle: recompute the whole sequence each step (no cache, no drafting). Slow and obviously right."""
+    gen = make_generator(sampling.seed)
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]  # [V]
+        tok = int(logits.argmax()) if sampling.greedy else int(
+            torch.multinomial(probs_from_logits(logits, sampling), 1, generator=gen))
+        ids.append(tok)
+        out.append(tok)
+        if tok in eos_ids:
+            break
+    return out

@@ -1,0 +1,91 @@
+"""``sd``: a small draft LM proposes a chain of gamma tokens (Leviathan et al., 2023; Chen et al., 2023).
+
+The draft samples each token from its processed distribution q (same temperature / top-k / top-p as the target)
+and returns q with the chain, so ``RejectionSampling`` can accept with min(1, p/q); at temperature 0 it proposes
+argmax tokens and q is omitted (``GreedyMatch`` needs none).
+
+The draft keeps its own KV cache. Invariant: ``self.cached`` lists exactly the tokens whose keys/values are in the
+draft cache; each ``propose`` crops it to the longest prefix still committed, so rejected draft tokens are
+forgotten without any other bookkeeping.
+
+Adaptive gamma (optional): +2 after a fully accepted chain, -1 after a rejection, within [1, max_gamma] — the same
+schedule as Hugging Face's ``heuristic`` assistant schedule, so comparisons are like for like.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv import KVCache
+from ..sampling import probs_from_logits
+from ..types import DraftTree
+from .base import DecodeContext, register
+
+
+class SmallLMDrafter:
+    name = "sd"
+    needs: frozenset[str] = frozenset()
+
+    def __init__(self, model: torch.nn.Module, gamma: int = 5, adaptive: bool = False, max_gamma: int = 16):
+        self.model = model
+        self.gamma = gamma
+        self.adaptive = adaptive
+        self.max_gamma = max(max_gamma, gamma)
+        self.device = next(model.parameters()).device
+        self.kv = KVCache(model)
+        self.cached: list[int] = []
+
+    def prefill(self, ctx: DecodeContext) -> None:
+        self.kv = KVCache(self.model)
+        self.cached = []
+
+    @torch.inference_mode()
+    def _step(self, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids`` after the cached tokens; returns the [V] logits after the last one."""
+        start = len(self.cached)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        out = self.model(input_ids=x, position_ids=pos, past_key_values=self.kv.cache, use_cache=True)
+        self.cached.extend(ids)
+        return out.logits[0, -1]
+
+    def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
+        gamma = min(self.gamma, budget)
+        if gamma <= 0:
+            return DraftTree.empty()
+        # roll the cache back to the longest prefix of committed tokens it still holds
+        keep = min(len(self.cached), len(ctx.tokens) - 1)
+        while keep > 0 and self.cached[keep - 1] != ctx.tokens[keep - 1]:
+            keep -= 1
+        self.kv.crop(keep)
+        del self.cached[keep:]
+        logits = self._step(ctx.tokens[keep:])
+        greedy = ctx.sampling.greedy
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(gamma):
+            if greedy:
+                tok = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits, ctx.sampling)  # [V]
+                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
+                qs.append(q)
+            tokens.append(tok)
+            if i + 1 < gamma:
+                logits = self._step([tok])
+        return DraftTree.chain(tokens, None if greedy else torch.stack(qs))
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        if accepted == drafted:
+            self.gamma = min(self.max_gamma, self.gamma + 2)
+        else:
+            self.gamma = max(1, self.gamma - 1)
+
+
+@register("sd")
+def _make_sd(*, draft_model=None, gamma: int = 5, adaptive: bool = False, **_) -> SmallLMDrafter:
+    if draft_model is None:
+        raise ValueError("method 'sd' needs a draft model")
+    return SmallLMDrafter(draft_model, gamma=gamma, adaptive=adaptive)

@@ -1,0 +1,49 @@
+"""Turning logits into the distribution that decoding samples from, and sampling it.
+
+``probs_from_logits`` applies temperature, then top-k, then top-p (nucleus), in that order, as Hugging Face's
+default logits processors do. Speculative decoding is lossless with respect to *this processed* distribution:
+the target's p and the draft's q are both processed with the same knobs before any acceptance test.
+
+Invariant: every random draw goes through the ``torch.Generator`` passed in, so a seed fixes the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingConfig
+
+
+def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """[..., V] logits -> [..., V] float32 probabilities. Greedy (temperature 0) gives one-hot argmax rows."""
+    logits = logits.float()
+    if cfg.greedy:
+        out = torch.zeros_like(logits)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (always keeps the top token)
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = before >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a [V] distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

@@ -1,0 +1,142 @@
+"""A small, CPU-friendly causal-LM training loop for the zoo (and for users' own tiny models).
+
+Two modes:
+- language modelling: cross-entropy on the next token;
+- distillation: the student (draft, q) matches a frozen teacher's (target, p) full next-token distribution with
+  forward KL(p || q), mixed with a little cross-entropy. Acceptance in speculative decoding is
+  ``sum_x min(p(x), q(x)) = 1 - TV(p, q)``, so matching p directly is what makes a draft useful.
+
+Invariants: batches are drawn from a seeded generator over one token stream; the learning-rate schedule depends
+only on the token budget, so a build is reproducible given the seed (up to float non-associativity).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+
+@dataclass
+class TrainConfig:
+    tokens: int  # token budget (sequence positions seen)
+    seq_len: int = 512
+    batch_size: int = 4
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    distill_alpha: float = 0.9  # weight of KL(p || q) when a teacher is given; rest is cross-entropy
+    log_every: int = 25
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    seconds: float
+    final_loss: float
+    losses: list[float] = field(default_factory=list)
+
+
+def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def _batch(stream: np.ndarray, gen: np.random.Generator, cfg: TrainConfig) -> torch.Tensor:
+    starts = gen.integers(0, len(stream) - cfg.seq_len - 1, size=cfg.batch_size)
+    rows = np.stack([stream[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int64)
+    return torch.from_numpy(rows)  # [batch, seq_len + 1]
+
+
+def train_lm(
+    model: torch.nn.Module,
+    stream: np.ndarray,
+    cfg: TrainConfig,
+    teacher: torch.nn.Module | None = None,
+    desc: str = "train",
+) -> TrainResult:
+    """Train ``model`` in place on random windows of ``stream`` (1-D token ids) for ``cfg.tokens`` tokens."""
+    if len(stream) <= cfg.seq_len + 1:
+        raise ValueError(f"token stream of {len(stream)} tokens is shorter than seq_len + 1 = {cfg.seq_len + 1}")
+    torch.manual_seed(cfg.seed)
+    gen = np.random.default_rng(cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    total_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.seq_len))
+    model.train()
+    if teacher is not None:
+        teacher.eval()
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    bar = tqdm(range(total_steps), desc=desc, unit="step", dynamic_ncols=True)
+    running = None
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, total_steps, cfg)
+        rows = _batch(stream, gen, cfg)
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        logits = model(input_ids=inputs).logits  # [batch, seq, vocab]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        if teacher is None:
+            loss = ce
+        else:
+            with torch.no_grad():
+                p_logits = teacher(input_ids=inputs).logits  # [batch, seq, vocab]
+            kl = F.kl_div(
+                F.log_softmax(logits, -1).reshape(-1, logits.shape[-1]),
+                F.log_softmax(p_logits, -1).reshape(-1, logits.shape[-1]),
+                log_target=True,
+                reduction="batchmean",
+            )
+            loss = cfg.distill_alpha * kl + (1 - cfg.distill_alpha) * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        value = float(loss.detach())
+        running = value if running is None else 0.98 * running + 0.02 * value
+        if step % cfg.log_every == 0 or step == total_steps - 1:
+            losses.append(running)
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix(loss=f"{running:.3f}", tok_s=f"{(step + 1) * cfg.batch_size * cfg.seq_len / elapsed:.0f}")
+    model.eval()
+    seconds = time.perf_counter() - t0
+    return TrainResult(
+        steps=total_steps,
+        tokens=total_steps * cfg.batch_size * cfg.seq_len,
+        seconds=seconds,
+        final_loss=running if running is not None else float("nan"),
+        losses=losses,
+    )
+
+
+@torch.no_grad()
+def eval_loss(model: torch.nn.Module, stream: np.ndarray, seq_len: int = 512, max_windows: int = 64) -> float:
+    """Mean next-token cross-entropy over up to ``max_windows`` consecutive windows of ``stream``."""
+    model.eval()
+    n = min(max_windows, (len(stream) - 1) // seq_len)
+    if n == 0:
+        return float("nan")
+    total = 0.0
+    for i in range(n):
+        rows = torch.from_numpy(stream[i * seq_len : (i + 1) * seq_len + 1].astype(np.int64))[None]
+        logits = model(input_ids=rows[:, :-1]).logits
+        total += float(F.cross_entropy(logits[0], rows[0, 1:]))
+    return total / n

@@ -1,0 +1,133 @@
+"""Typed hand-offs between the stages: Drafter -> Verifier -> AcceptanceRule.
+
+Vocabulary (used everywhere in retrospec):
+- p: the target's next-token distribution; q: the draft's.
+- After one verification step the committed tokens are: the *accepted* draft tokens, then exactly one more token:
+  *recovered* (sampled from the residual after a rejection) or *bonus* (from p after the whole path was accepted).
+- tau (mean accepted tokens) = new tokens / target forward calls; plain decoding has tau = 1.00 because the prefill
+  call produces the first token.
+- acceptance rate = accepted draft tokens / drafted tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes below the last committed token (the implicit root), in topological order.
+
+    ``tokens[i]`` is node i's token id and ``parents[i]`` its parent node (-1 = the root), with parents[i] < i.
+    A chain is ``parents = [-1, 0, 1, ...]``. ``draft_probs[i]`` is q(. | path to parent of i), the distribution
+    node i was drawn from; ``None`` means a deterministic draft, treated as one-hot q by the acceptance rules.
+    """
+
+    tokens: torch.Tensor  # [N] int64
+    parents: torch.Tensor  # [N] int64
+    draft_probs: torch.Tensor | None = None  # [N, V] float, or None
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if self.parents.shape != (n,):
+            raise ValueError(f"parents shape {tuple(self.parents.shape)} != tokens shape ({n},)")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != n:
+            raise ValueError("draft_probs must have one row per node")
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        z = torch.zeros(0, dtype=torch.long)
+        return cls(z, z.clone())
+
+    @classmethod
+    def chain(cls, tokens: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        parents = torch.arange(-1, toks.shape[0] - 1, dtype=torch.long)
+        return cls(toks, parents, draft_probs)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def is_chain(self) -> bool:
+        n = len(self)
+        return bool(torch.equal(self.parents, torch.arange(-1, n - 1, dtype=torch.long)))
+
+
+@dataclass
+class StepResult:
+    """What an acceptance rule decided for one verification step."""
+
+    accepted_nodes: list[int]  # node indices of the accepted path, root-to-leaf order
+    next_token: int  # the recovered token (after a rejection) or the bonus token (full acceptance)
+    bonus: bool  # True when every node on the chosen path was accepted and the path ended at a leaf
+
+
+@dataclass
+class SpecStats:
+    """Per-request statistics; field names are part of the CLI/JSON contract."""
+
+    method: str = ""
+    new_tokens: int = 0
+    target_calls: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prompt_tokens: int = 0
+    per_position_drafted: list[int] = field(default_factory=list)  # index d: steps that drafted depth d+1
+    per_position_accepted: list[int] = field(default_factory=list)  # index d: steps that accepted depth d+1
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode-phase throughput: new tokens / seconds after the prompt forward."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    def record_step(self, drafted_depth: int, drafted_nodes: int, accepted: int) -> None:
+        self.target_calls += 1
+        self.drafted_tokens += drafted_nodes
+        self.accepted_tokens += accepted
+        grow = drafted_depth - len(self.per_position_drafted)
+        if grow > 0:
+            self.per_position_drafted.extend([0] * grow)
+            self.per_position_accepted.extend([0] * grow)
+        for d in range(drafted_depth):
+            self.per_position_drafted[d] += 1
+        for d in range(accepted):
+            self.per_position_accepted[d] += 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            mean_accepted_tokens=self.mean_accepted_tokens,
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_s=self.tokens_per_s,
+            per_position_acceptance=self.per_position_acceptance,
+        )
+        return d
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids only
+    stats: SpecStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}

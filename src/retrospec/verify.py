@@ -1,0 +1,70 @@
+"""The verifier: one target forward over ``[root, *tree]`` and commitment of the accepted path.
+
+The root is the last committed token, which is not yet in the KV cache (invariant of the decode loop: the cache
+holds every committed token except the last). A chain is scored with the model's own causal mask; a tree gets an
+explicit 4D additive mask (each node sees the cached prefix, the root and its own ancestors) and explicit
+``position_ids`` (prefix length + depth), through the public ``attention_mask`` / ``position_ids`` arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv import KVCache
+from .tree import ancestor_mask, depths
+from .types import DraftTree
+
+
+class Verifier:
+    def __init__(self, model: torch.nn.Module, want_hidden: bool = False):
+        self.model = model
+        self.want_hidden = want_hidden
+        self.kv = KVCache(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.last_hidden: torch.Tensor | None = None  # [1 + N, H] when want_hidden
+        self._pending = 0  # positions written by the last score() and not yet committed
+
+    def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=self.kv.cache,
+            use_cache=True,
+            output_hidden_states=self.want_hidden,
+        )
+        if self.want_hidden:
+            self.last_hidden = out.hidden_states[-1][0]
+        return out.logits[0]  # [T, V]
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Run the prompt; returns the [V] logits for the first new token."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(len(prompt_ids), device=self.device)[None]
+        return self._forward(ids, pos, None)[-1]
+
+    @torch.inference_mode()
+    def score(self, root: int, tree: DraftTree) -> torch.Tensor:
+        """[1 + N, V] logits: row 0 after the root, row i + 1 after node i (given its ancestors)."""
+        past = len(self.kv)
+        n = len(tree)
+        self._pending = 1 + n
+        ids = torch.cat([torch.tensor([root]), tree.tokens]).to(self.device)[None]  # [1, 1 + N]
+        if tree.is_chain:
+            pos = torch.arange(past, past + 1 + n, device=self.device)[None]
+            return self._forward(ids, pos, None)
+        pos = (past + torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])).to(self.device)[None]
+        block = torch.zeros(1 + n, 1 + n, dtype=torch.bool)
+        block[:, 0] = True
+        block[1:, 1:] = ancestor_mask(tree.parents)
+        allowed = torch.cat([torch.ones(1 + n, past, dtype=torch.bool), block], dim=1)  # [1 + N, past + 1 + N]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return self._forward(ids, pos, mask[None, None].to(self.device))
+
+    def commit(self, accepted_nodes: list[int]) -> None:
+        """Keep the root and the accepted path in the cache; drop every other scored node."""
+        start = len(self.kv) - self._pending
+        self.kv.keep(start, [0] + [a + 1 for a in accepted_nodes])
+        self._pending = 0
