@@ -1,0 +1,157 @@
+"""Python API: ``generate`` (one call, one result) and ``stream`` (text as soon as it is committed).
+
+Both resolve models (paths, loaded models, or the bundled zoo when none is given), validate every knob, encode the
+prompt, build the drafter from the registry, and run the decode loop. Stop strings are applied here, on decoded
+text; the engine below works on token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .config import DecodeConfig, SamplingConfig
+from .decode import speculative_generate
+from .drafters import REGISTRY
+from .errors import RetrospecError
+from .models import LoadedModel, check_same_vocab, load_model, zoo_path
+from .types import GenerationResult, SpecStats
+
+DEFAULT_GAMMA = {"sd": 5, "pld": 10}
+NEEDS_DRAFT_MODEL = {"sd"}
+
+
+@dataclass
+class Request:
+    target: LoadedModel
+    draft: LoadedModel | None
+    method: str
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    decode: DecodeConfig
+    options: dict = field(default_factory=dict)
+
+    def drafter(self):
+        opts = dict(self.options)
+        if self.draft is not None:
+            opts["draft_model"] = self.draft.model
+        return REGISTRY[self.method](**opts)
+
+
+def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
+            temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+            gamma: int | None = None, adaptive_gamma: bool = False, stop: tuple[str, ...] | list[str] = (),
+            tokenizer=None, **options) -> Request:
+    """Validate everything and load what is needed; raises ``RetrospecError`` on any user error."""
+    if method not in REGISTRY:
+        raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(REGISTRY))}")
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
+    if gamma is not None and gamma < 1:
+        raise RetrospecError(f"gamma must be >= 1, got {gamma}")
+    if isinstance(prompt, str) and not prompt.strip() or not isinstance(prompt, str) and len(prompt) == 0:
+        raise RetrospecError("prompt is empty")
+    use_zoo = target is None
+    tgt = load_model(zoo_path("target") if use_zoo else target, role="target", tokenizer=tokenizer)
+    drf = None
+    if method in NEEDS_DRAFT_MODEL:
+        if draft is None and not use_zoo:
+            raise RetrospecError(f"method '{method}' needs a draft model (--draft DIR / draft=...)")
+        drf = load_model(zoo_path("draft") if draft is None else draft, role="draft")
+        check_same_vocab(tgt, drf)
+    if isinstance(prompt, str):
+        if tgt.tokenizer is None:
+            raise RetrospecError(f"target {tgt.path} has no tokenizer; pass token ids or tokenizer=...")
+        prompt_ids = tgt.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = [int(i) for i in prompt]
+    if not prompt_ids:
+        raise RetrospecError("prompt is empty")
+    if tgt.max_positions and len(prompt_ids) >= tgt.max_positions:
+        raise RetrospecError(
+            f"prompt has {len(prompt_ids)} tokens but the target supports at most {tgt.max_positions} positions")
+    opts = dict(options)
+    opts["gamma"] = gamma or DEFAULT_GAMMA.get(method, 5)
+    opts["adaptive"] = adaptive_gamma
+    return Request(tgt, drf, method, prompt_ids, sampling, decode, opts)
+
+
+class GenerationStream:
+    """Iterate to receive text pieces as they are committed; ``.result`` holds the full result afterwards."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.stats = SpecStats(method=request.method)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.result: GenerationResult | None = None
+
+    def token_chunks(self) -> Iterator[list[int]]:
+        """Committed token ids per verification step (stop strings applied)."""
+        req = self.request
+        tok = req.target.tokenizer
+        steps = speculative_generate(req.target.model, req.drafter(), req.prompt_ids, sampling=req.sampling,
+                                     max_new_tokens=req.decode.max_new_tokens, eos_ids=req.target.eos_ids(),
+                                     stats=self.stats)
+        try:
+            for chunk in steps:
+                if req.decode.stop_strings and tok is not None:
+                    chunk, hit = self._cut_at_stop(chunk)
+                    self.token_ids.extend(chunk)
+                    yield chunk
+                    if hit:
+                        break
+                else:
+                    self.token_ids.extend(chunk)
+                    yield chunk
+        finally:
+            steps.close()
+            self._finish()
+
+    def _cut_at_stop(self, chunk: list[int]) -> tuple[list[int], bool]:
+        tok = self.request.target.tokenizer
+        for i in range(len(chunk)):
+            text = tok.decode(self.token_ids + chunk[: i + 1], skip_special_tokens=True)
+            if any(s in text for s in self.request.decode.stop_strings):
+                return chunk[: i + 1], True
+        return chunk, False
+
+    def __iter__(self) -> Iterator[str]:
+        tok = self.request.target.tokenizer
+        emitted = ""
+        for _ in self.token_chunks():
+            if tok is None:
+                continue
+            text = tok.decode(self.token_ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+                continue
+            if text.startswith(emitted):
+                yield text[len(emitted):]
+                emitted = text
+        final = self.text
+        if final.startswith(emitted) and len(final) > len(emitted):
+            yield final[len(emitted):]
+
+    def _finish(self) -> None:
+        tok = self.request.target.tokenizer
+        self.text = tok.decode(self.token_ids, skip_special_tokens=True) if tok is not None else ""
+        self.result = GenerationResult(self.text, list(self.token_ids), self.stats)
+
+
+def stream(prompt: str | list[int], **kwargs) -> GenerationStream:
+    """Like ``generate`` but returns a ``GenerationStream``; iterate it for text pieces."""
+    return GenerationStream(prepare(prompt, **kwargs))
+
+
+def generate(prompt: str | list[int], **kwargs) -> GenerationResult:
+    """Generate a continuation of ``prompt``.
+
+    Keyword arguments: ``target`` / ``draft`` (directory, ``LoadedModel`` or transformers model; default: the
+    bundled zoo), ``method`` ('ar', 'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy),
+    ``top_p``, ``top_k``, ``seed``, ``gamma`` (draft length), ``adaptive_gamma``, ``stop`` (stop strings).
+    """
+    s = stream(prompt, **kwargs)
+    for _ in s.token_chunks():
+        pass
+    assert s.result is not None
+    return s.result

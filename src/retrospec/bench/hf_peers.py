@@ -1,0 +1,131 @@
+"""Hugging Face's own speculative decoding, run on the same models and prompts as our methods.
+
+- ``hf-assisted``: ``generate(assistant_model=draft)`` with our gamma, a constant schedule and the assistant's
+  dynamic confidence cut-off disabled (the configuration that matches our ``sd``).
+- ``hf-assisted-default``: the same with transformers' default assistant settings (20 tokens, confidence 0.4).
+- ``hf-pld``: ``generate(prompt_lookup_num_tokens=k)`` with our k and our maximum n-gram size.
+
+Statistics come from public PyTorch forward hooks on the target and the draft (no patching): the number of target
+forward calls, the tokens each verification call scored (drafted tokens), and time spent inside model forwards.
+Decode time = generate() wall time minus the first target forward (the prompt), as for our own methods.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager
+
+import torch
+
+from ..config import SamplingConfig
+from ..types import SpecStats
+
+HF_METHODS = ("hf-assisted", "hf-assisted-default", "hf-pld")
+
+
+class ForwardProbe:
+    """Counts calls, input lengths and time inside a module's forward via hooks."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.lengths: list[int] = []  # input length of each call
+        self.durations: list[float] = []  # seconds inside each call
+        self._t = 0.0
+        self._handles = []
+
+    def _pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.lengths.append(int(ids.shape[1]) if ids is not None else 0)
+        self._t = time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        self.durations.append(time.perf_counter() - self._t)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.durations)
+
+    def __enter__(self):
+        self._handles = [
+            self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            self.module.register_forward_hook(self._post, with_kwargs=True),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+
+@contextmanager
+def _assistant_config(draft: torch.nn.Module, **settings):
+    saved = draft.generation_config
+    cfg = copy.deepcopy(saved)
+    for k, v in settings.items():
+        setattr(cfg, k, v)
+    draft.generation_config = cfg
+    try:
+        yield
+    finally:
+        draft.generation_config = saved
+
+
+@torch.inference_mode()
+def run_hf(method: str, target, draft, prompt_ids: list[int], *, sampling: SamplingConfig, max_new_tokens: int,
+           eos_ids: frozenset[int], pad_id: int | None, gamma: int, pld_k: int,
+           pld_ngram: int) -> tuple[list[int], SpecStats, float]:
+    """Run one HF peer; returns (generated ids, stats, seconds inside model forwards during decoding)."""
+    from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # generate() warns about config plumbing that is not ours to fix
+    gen_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
+                      eos_token_id=sorted(eos_ids) or None, pad_token_id=pad_id)
+    if not sampling.greedy:
+        gen_kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    ids = torch.tensor([prompt_ids])
+    mask = torch.ones_like(ids)
+    stats = SpecStats(method=method, prompt_tokens=len(prompt_ids))
+    probes = [ForwardProbe(target)] + ([ForwardProbe(draft)] if method != "hf-pld" else [])
+    if method == "hf-pld":
+        extra, ctx = dict(prompt_lookup_num_tokens=pld_k, max_matching_ngram_size=pld_ngram), _noop()
+    elif method == "hf-assisted":
+        extra = dict(assistant_model=draft)
+        ctx = _assistant_config(draft, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
+                                assistant_confidence_threshold=0.0)
+    elif method == "hf-assisted-default":
+        extra = dict(assistant_model=draft)
+        ctx = _assistant_config(draft, num_assistant_tokens=20, num_assistant_tokens_schedule="constant",
+                                assistant_confidence_threshold=0.4)
+    else:
+        raise ValueError(method)
+    config = GenerationConfig(**gen_kwargs)
+    with ctx, probes[0] as tp:
+        for p in probes[1:]:
+            p.__enter__()
+        try:
+            t0 = time.perf_counter()
+            out = target.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
+            total = time.perf_counter() - t0
+        finally:
+            for p in probes[1:]:
+                p.__exit__()
+    new = out[0, len(prompt_ids):].tolist()
+    stats.new_tokens = len(new)
+    stats.target_calls = len(tp.lengths)
+    # first call scores the prompt (+ candidates for assisted decoding); later calls score 1 + candidates
+    drafted = max(0, tp.lengths[0] - len(prompt_ids)) + sum(n - 1 for n in tp.lengths[1:])
+    stats.drafted_tokens = drafted
+    stats.accepted_tokens = max(0, stats.new_tokens - stats.target_calls)
+    stats.prefill_s = tp.durations[0]
+    stats.decode_s = max(1e-9, total - stats.prefill_s)
+    forward_s = sum(p.seconds for p in probes) - stats.prefill_s
+    return new, stats, forward_s
+
+
+@contextmanager
+def _noop():
+    yield

@@ -1,0 +1,72 @@
+"""Bench reports: a markdown table, a console table (rich) and a speedup bar chart (matplotlib)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "lossless")
+
+
+def _row(s: dict) -> list[str]:
+    lossless = {True: "yes", False: "NO", None: "n/a"}[s["lossless"]]
+    return [s["method"], f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['ideal_speedup']:.2f}x",
+            f"{s['mean_accepted_tokens']:.2f}", f"{s['acceptance_rate']:.2f}", lossless]
+
+
+def render_markdown(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        "# retrospec bench",
+        "",
+        f"- target: `{c['target']}`; draft: `{c['draft']}`",
+        f"- {c['prompts']} prompts, {c['max_new_tokens']} new tokens max, temperature {c['temperature']}, "
+        f"gamma {c['gamma']}, pld k {c['pld_k']} (max n-gram {c['pld_max_ngram']})",
+        f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(_row(s)) + " |" for s in result["summary"]]
+    lines += [
+        "",
+        "tokens/s: decode phase (after the prompt forward), token-weighted over prompts. speedup: tokens/s over "
+        "`ar` in this run. ideal: speedup with zero engine overhead (model-forward time only). tau: new tokens per "
+        "target forward. acceptance: accepted / drafted tokens. lossless: every output token-identical to `ar` "
+        "(greedy runs only). hf-* rows run transformers' own generate(); their decode time is wall time minus "
+        "a prompt forward of the same prompt.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def print_table(summary: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="retrospec bench")
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for s in summary:
+        table.add_row(*_row(s))
+    Console().print(table)
+
+
+def render_plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s["method"] for s in summary]
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(names)), 3.6))
+    ax.bar([i - 0.2 for i in x], [s["speedup"] for s in summary], width=0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [s["ideal_speedup"] for s in summary], width=0.4, label="ideal (no overhead)",
+           alpha=0.6)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(x), names, rotation=20)
+    ax.set_ylabel("speedup over ar")
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

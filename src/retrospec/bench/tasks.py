@@ -1,0 +1,75 @@
+"""Benchmark prompt sources: jsonl files and built-in presets generated from held-out stdlib code.
+
+A jsonl file needs a ``prompt`` field per line (HumanEval / MBPP files work as they are). Presets are generated
+deterministically from the standard library's held-out packages (never seen in zoo training), so the demo and
+benchmarks need no external data.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from ..errors import RetrospecError
+from ..train.corpus import stdlib_files, stdlib_root
+
+PRESETS = ("heldout",)
+
+
+def load_prompts(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise RetrospecError(f"prompts file not found: {path}")
+    rows = []
+    with path.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise RetrospecError(f"{path}:{n}: not valid JSON") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise RetrospecError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
+            rows.append(row)
+    if not rows:
+        raise RetrospecError(f"prompts file has no prompts: {path}")
+    return rows
+
+
+def heldout_prompts(n: int = 20, context_lines: int = 12) -> list[dict]:
+    """Prompts = a function's header + docstring (with a few lines of preceding context) from held-out packages.
+
+    Functions are taken in a fixed order spread across the held-out files; the model continues the body.
+    """
+    root = stdlib_root()
+    candidates: list[dict] = []
+    for path in stdlib_files("heldout"):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+                continue
+            doc = ast.get_docstring(node)
+            first = node.body[0]
+            if doc is None or len(node.body) < 3 or first.end_lineno is None:
+                continue
+            start = max(0, node.lineno - 1 - context_lines)
+            prompt = "".join(lines[start:first.end_lineno])
+            candidates.append({"prompt": prompt, "source": f"{path.relative_to(root)}:{node.lineno}",
+                               "entry_point": node.name})
+    if not candidates:
+        raise RetrospecError("no held-out prompts could be built from the standard library")
+    stride = max(1, len(candidates) // n)
+    return candidates[::stride][:n]
+
+
+def preset(name: str, n: int) -> list[dict]:
+    if name == "heldout":
+        return heldout_prompts(n)
+    raise RetrospecError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")

@@ -1,0 +1,58 @@
+"""``retrospec`` command line: ``generate``, ``bench``, ``zoo build|info``.
+
+Contract: a user error (bad path, bad knob, mismatched vocabularies, empty or over-long prompt, unknown method)
+prints exactly one line ``retrospec: error: ...`` on stderr and exits with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse would print a usage block first)
+        raise SystemExit(_fail(f"{self.prog}: {message}"))
+
+
+def _fail(message: str) -> int:
+    print(f"retrospec: error: {message}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import bench_cmd, generate_cmd, zoo_cmd
+
+    parser = _Parser(prog="retrospec", description="Speculative decoding for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    generate_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
+    zoo_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    from ..errors import RetrospecError
+
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except RetrospecError as exc:
+        return _fail(str(exc))
+    except SystemExit as exc:
+        return int(exc.code or 0) if isinstance(exc.code, int) else _fail(str(exc.code))
+    except KeyboardInterrupt:
+        print("retrospec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def entry() -> None:
+    sys.exit(main())

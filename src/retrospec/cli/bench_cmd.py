@@ -1,0 +1,63 @@
+"""``retrospec bench``: methods x prompts, results.json + report.md + speedup.png, table on the console."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import RetrospecError
+
+
+def add_parser(sub) -> None:
+    from .generate_cmd import add_sampling_args
+
+    p = sub.add_parser("bench", help="benchmark methods side by side on a prompt set")
+    p.add_argument("--methods", default="ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld",
+                   help="comma-separated (ar is always included as the baseline)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help="jsonl file with a 'prompt' field per line (HumanEval/MBPP files work)")
+    src.add_argument("--preset", help="built-in prompt set: heldout (held-out stdlib functions)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--pld-k", type=int, default=10, help="pld / hf-pld draft length")
+    p.add_argument("--pld-ngram", type=int, default=3, help="pld / hf-pld maximum n-gram size")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--no-warmup", action="store_true")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..bench.harness import BenchConfig, run_bench, validate_methods, write_outputs
+    from ..bench.report import print_table
+    from ..bench.tasks import load_prompts, preset
+    from ..config import DecodeConfig, SamplingConfig
+    from ..models import check_same_vocab, load_model, zoo_path
+
+    if args.limit is not None and args.limit <= 0:
+        raise RetrospecError(f"--limit must be > 0, got {args.limit}")
+    if args.gamma is not None and args.gamma < 1:
+        raise RetrospecError(f"--gamma must be >= 1, got {args.gamma}")
+    if args.pld_k < 1 or args.pld_ngram < 1:
+        raise RetrospecError("--pld-k and --pld-ngram must be >= 1")
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    DecodeConfig(max_new_tokens=args.max_new_tokens)  # validates
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    use_zoo = args.target is None
+    target = load_model(zoo_path("target") if use_zoo else args.target, role="target")
+    draft_src = zoo_path("draft") if (use_zoo and args.draft is None) else args.draft
+    draft = load_model(draft_src, role="draft") if draft_src is not None else None
+    if draft is not None:
+        check_same_vocab(target, draft)
+    if target.tokenizer is None:
+        raise RetrospecError(f"target {target.path} has no tokenizer files")
+    methods = validate_methods(methods, has_draft=draft is not None)
+    prompts = load_prompts(args.prompts) if args.prompts else preset(args.preset, args.limit or 20)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
+                      pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup)
+    result = run_bench(target, draft, prompts, cfg)
+    out = Path(args.out)
+    write_outputs(result, out)
+    print_table(result["summary"])
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'speedup.png'}")
+    return 0
