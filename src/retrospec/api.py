@@ -32,9 +32,10 @@ class Request:
     options: dict = field(default_factory=dict)
 
     def drafter(self):
+        """Build this request's drafter. Factories get the method options plus ``target`` (a ``LoadedModel``),
+        ``draft`` (a ``LoadedModel`` or None) and ``draft_model`` (the draft's torch module, or None)."""
         opts = dict(self.options)
-        if self.draft is not None:
-            opts["draft_model"] = self.draft.model
+        opts.update(target=self.target, draft=self.draft, draft_model=self.draft.model if self.draft else None)
         return REGISTRY[self.method](**opts)
 
 

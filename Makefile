@@ -1,0 +1,31 @@
+# retrospec — two commands on a fresh clone, offline: `make demo` and `make test`.
+# torch is installed first and pinned exactly: a looser spec would pull GBs of CUDA wheels.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m retrospec.demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+# The issue's acceptance bench: 20 MBPP prompts from ../shared/data, greedy, 128 new tokens.
+bench: $(STAMP)
+	$(VENV)/bin/retrospec bench --prompts ../shared/data/mbpp_sanitized.jsonl --limit 20 --max-new-tokens 128 \
+		--methods ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld --out runs/bench-mbpp
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
