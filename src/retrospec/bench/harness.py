@@ -42,6 +42,7 @@ class BenchConfig:
     pld_k: int = DEFAULT_GAMMA["pld"]
     pld_ngram: int = 3
     warmup: bool = True
+    method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per method name
 
 
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
@@ -57,8 +58,9 @@ def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
 def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
               cfg: BenchConfig, max_new: int) -> tuple[list[int], SpecStats, float]:
     gamma = cfg.gamma or DEFAULT_GAMMA.get(method, 5)
-    req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new),
-                  {"gamma": gamma if method != "pld" else cfg.pld_k, "max_ngram": cfg.pld_ngram})
+    options = {"gamma": gamma if method != "pld" else cfg.pld_k, "max_ngram": cfg.pld_ngram}
+    options.update(cfg.method_options.get(method, {}))
+    req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options)
     stats = SpecStats(method=method)
     probes = [ForwardProbe(target.model)] + ([ForwardProbe(draft.model)] if draft is not None else [])
     for p in probes:
