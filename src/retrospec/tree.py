@@ -89,3 +89,56 @@ def path_to(parents: torch.Tensor, node: int) -> list[int]:
         path.append(node)
         node = par[node]
     return path[::-1]
+
+
+def frequency_trie(seqs, weights, max_nodes: int) -> DraftTree:
+    """REST's draft tree: the trie of weighted continuations, pruned to the ``max_nodes`` most frequent nodes.
+
+    ``seqs``: [S, L] int token ids, -1 after a sequence's end; ``weights``: [S] positive counts. A node's count is
+    the total weight of the sequences through it, so a child never outweighs its parent; selecting nodes by
+    (count desc, depth asc, lexicographic rank) therefore always keeps a node's parent, and the result is a trie.
+    Output order: by depth, then count desc, then token order (topological; deterministic).
+    """
+    import numpy as np
+
+    seqs = np.asarray(seqs, dtype=np.int64).reshape(len(seqs), -1)  # [S, L]
+    weights = np.asarray(weights, dtype=np.int64).reshape(-1)  # [S]
+    if max_nodes <= 0 or seqs.size == 0:
+        return DraftTree.empty()
+    order = np.lexsort(seqs.T[::-1])  # rows in lexicographic order (column 0 is the primary key)
+    s, w = seqs[order], weights[order]
+    n_rows, n_cols = s.shape
+    diff = s[1:] != s[:-1]  # [S - 1, L]
+    lcp = np.zeros(n_rows, dtype=np.int64)  # [S] length of the common prefix with the previous row
+    lcp[1:] = np.where(diff.any(1), diff.argmax(1), n_cols)
+    depth_l, start_l, tok_l, cnt_l, par_l = [], [], [], [], []
+    prev_starts = None
+    prev_ids = None  # global node id per run at depth d - 1 (-1 for invalid runs)
+    n_total = 0
+    for d in range(1, n_cols + 1):
+        starts = np.flatnonzero(lcp < d)  # [R] first row of each distinct prefix of length d
+        toks = s[starts, d - 1]
+        counts = np.add.reduceat(w, starts)
+        if prev_starts is None:
+            parents = np.full(len(starts), -1, dtype=np.int64)
+        else:
+            parents = prev_ids[np.searchsorted(prev_starts, starts, side="right") - 1]
+        valid = (toks >= 0) & ((parents >= 0) | (d == 1))
+        ids = np.full(len(starts), -1, dtype=np.int64)
+        ids[valid] = n_total + np.arange(int(valid.sum()))
+        n_total += int(valid.sum())
+        depth_l.append(np.full(int(valid.sum()), d))
+        start_l.append(starts[valid])
+        tok_l.append(toks[valid])
+        cnt_l.append(counts[valid])
+        par_l.append(parents[valid])
+        prev_starts, prev_ids = starts, ids
+        if not valid.any():
+            break
+    depth, start, tok, cnt, par = (np.concatenate(x) for x in (depth_l, start_l, tok_l, cnt_l, par_l))
+    keep = np.lexsort((start, depth, -cnt))[:max_nodes]  # most frequent first; parents win ties (shallower)
+    keep = keep[np.lexsort((start[keep], -cnt[keep], depth[keep]))]  # topological output order
+    new_index = np.full(n_total, -1, dtype=np.int64)
+    new_index[keep] = np.arange(len(keep))
+    parents = np.where(par[keep] >= 0, new_index[np.maximum(par[keep], 0)], -1)
+    return DraftTree(torch.as_tensor(tok[keep], dtype=torch.long), torch.as_tensor(parents, dtype=torch.long))

@@ -28,9 +28,12 @@ class DraftTree:
     tokens: torch.Tensor  # [N] int64
     parents: torch.Tensor  # [N] int64
     draft_probs: torch.Tensor | None = None  # [N, V] float, or None
+    is_chain: bool = field(default=None, compare=False)  # derived from parents when not given
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
+        if self.is_chain is None:
+            self.is_chain = bool(torch.equal(self.parents, torch.arange(-1, n - 1, dtype=torch.long)))
         if self.parents.shape != (n,):
             raise ValueError(f"parents shape {tuple(self.parents.shape)} != tokens shape ({n},)")
         if self.draft_probs is not None and self.draft_probs.shape[0] != n:
@@ -39,21 +42,16 @@ class DraftTree:
     @classmethod
     def empty(cls) -> "DraftTree":
         z = torch.zeros(0, dtype=torch.long)
-        return cls(z, z.clone())
+        return cls(z, z.clone(), is_chain=True)
 
     @classmethod
     def chain(cls, tokens: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> "DraftTree":
         toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         parents = torch.arange(-1, toks.shape[0] - 1, dtype=torch.long)
-        return cls(toks, parents, draft_probs)
+        return cls(toks, parents, draft_probs, is_chain=True)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
-
-    @property
-    def is_chain(self) -> bool:
-        n = len(self)
-        return bool(torch.equal(self.parents, torch.arange(-1, n - 1, dtype=torch.long)))
 
 
 @dataclass

@@ -26,9 +26,12 @@ class SmallLMDrafter:
     name = "sd"
     needs: frozenset[str] = frozenset()
 
-    def __init__(self, model: torch.nn.Module, gamma: int = 5, adaptive: bool = False, max_gamma: int = 16):
+    def __init__(self, model: torch.nn.Module, gamma: int = 5, adaptive: bool = False, max_gamma: int = 16,
+                 probs_when_greedy: bool = False, prefill_prompt: bool = False):
         self.model = model
         self.gamma = gamma
+        self.probs_when_greedy = probs_when_greedy  # greedy drafts still carry q = softmax(logits) (RAPID, eta > 0)
+        self.prefill_prompt = prefill_prompt  # run the draft over its prompt in prefill(), not in the first propose()
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.device = next(model.parameters()).device
@@ -38,6 +41,8 @@ class SmallLMDrafter:
     def prefill(self, ctx: DecodeContext) -> None:
         self.kv = KVCache(self.model)
         self.cached = []
+        if self.prefill_prompt and len(self.sequence(ctx)) > 1:
+            self._step(self.sequence(ctx)[:-1])
 
     @torch.inference_mode()
     def _step(self, ids: list[int]) -> torch.Tensor:
@@ -49,23 +54,30 @@ class SmallLMDrafter:
         self.cached.extend(ids)
         return out.logits[0, -1]
 
+    def sequence(self, ctx: DecodeContext) -> list[int]:
+        """The token sequence this drafter continues: every committed token (RAPID overrides it)."""
+        return ctx.tokens
+
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         gamma = min(self.gamma, budget)
         if gamma <= 0:
             return DraftTree.empty()
+        seq = self.sequence(ctx)
         # roll the cache back to the longest prefix of committed tokens it still holds
-        keep = min(len(self.cached), len(ctx.tokens) - 1)
-        while keep > 0 and self.cached[keep - 1] != ctx.tokens[keep - 1]:
+        keep = min(len(self.cached), len(seq) - 1)
+        while keep > 0 and self.cached[keep - 1] != seq[keep - 1]:
             keep -= 1
         self.kv.crop(keep)
         del self.cached[keep:]
-        logits = self._step(ctx.tokens[keep:])
+        logits = self._step(seq[keep:])
         greedy = ctx.sampling.greedy
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(gamma):
             if greedy:
                 tok = int(logits.argmax())
+                if self.probs_when_greedy:
+                    qs.append(logits.float().softmax(-1))
             else:
                 q = probs_from_logits(logits, ctx.sampling)  # [V]
                 tok = int(torch.multinomial(q, 1, generator=ctx.generator))
@@ -73,7 +85,7 @@ class SmallLMDrafter:
             tokens.append(tok)
             if i + 1 < gamma:
                 logits = self._step([tok])
-        return DraftTree.chain(tokens, None if greedy else torch.stack(qs))
+        return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
 
     def observe(self, accepted: int, drafted: int) -> None:
         if not self.adaptive or drafted == 0:

@@ -1,27 +1,120 @@
-"""Adapter over a ``transformers`` ``DynamicCache`` with the two operations speculative decoding needs.
+"""KV cache for speculative decoding: preallocated, position-indexed, rollback by moving a length pointer.
 
-- ``crop(length)``: drop everything past ``length`` (a rejected chain suffix) through the public ``Cache.crop``.
-- ``keep(start, offsets)``: after a tree verification, keep positions ``[0, start)`` plus ``start + o`` for each
-  offset (the root and the accepted path), dropping the siblings that were scored but rejected. A contiguous
-  ``offsets = [0, 1, ..., k-1]`` is just a crop; otherwise each layer's keys/values are gathered once.
+``BufferLayer`` implements transformers' public ``CacheLayerMixin`` interface over a buffer
+``[batch, kv_heads, capacity, head_dim]`` that doubles when full. ``update`` writes the new keys/values in place
+and returns views of the filled prefix, so a decode step copies only the new tokens (``DynamicLayer`` concatenates
+the whole cache every step). This is the gpt-fast layout: rejecting draft tokens is free.
+
+``KVCache`` is the adapter the engine uses, with the two operations speculative decoding needs:
+- ``crop(length)``: forget everything past ``length`` (a rejected chain suffix);
+- ``keep(start, offsets)``: after a tree verification keep ``[0, start)`` plus ``start + o`` for each offset (the
+  root and the accepted path) and drop the scored-but-rejected siblings; a contiguous ``offsets = [0..k-1]`` is a
+  crop, otherwise one in-place gather per layer.
+
+Models whose layers are not plain full attention (sliding-window or hybrid configs) get transformers' own
+``DynamicCache``; ``crop`` works there and ``keep`` of a non-contiguous path is refused clearly.
 
 Invariant (tested): after ``keep``, the cache equals one computed from scratch on the committed tokens, because a
 tree forward with an ancestor mask and depth-based ``position_ids`` writes exactly the keys/values a chain forward
-of that path would. Only full-attention dynamic layers are supported; others are refused clearly.
+of the same path would.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ..errors import RetrospecError
 
 
+class BufferLayer(CacheLayerMixin):
+    """One layer's keys/values in a growable preallocated buffer; ``keys``/``values`` are views of the filled part."""
+
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, initial_capacity: int = 256):
+        super().__init__()
+        self.capacity = initial_capacity
+        self.length = 0
+        self._k: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
+        self._v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self._k = key_states.new_zeros(b, h, self.capacity, d)
+        self._v = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        cap = self.capacity
+        while cap < needed:
+            cap *= 2
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], cap, old.shape[-1])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = cap
+
+    def _refresh_views(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if self.length + n > self.capacity:
+            self._grow(self.length + n)
+        self._k[:, :, self.length : self.length + n] = key_states
+        self._v[:, :, self.length : self.length + n] = value_states
+        self.length += n
+        self._refresh_views()
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' convention: a negative count of tokens to drop from the end."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+        if self.is_initialized:
+            self._refresh_views()
+
+    def gather_tail(self, start: int, idx: torch.Tensor) -> None:
+        """Keep positions [0, start) followed by positions ``idx`` (all >= start); drop the rest."""
+        m = idx.numel()
+        self._k[:, :, start : start + m] = self._k.index_select(2, idx)
+        self._v[:, :, start : start + m] = self._v.index_select(2, idx)
+        self.length = start + m
+        self._refresh_views()
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._refresh_views()
+
+
 class KVCache:
+    """The engine's handle on one model's KV cache (``.cache`` is what goes into ``past_key_values``)."""
+
     def __init__(self, model: torch.nn.Module):
-        self.cache = DynamicCache(config=model.config)
+        probe = DynamicCache(config=model.config)
+        if probe.layers and all(type(layer) is DynamicLayer for layer in probe.layers):
+            self.cache: Cache = Cache(layers=[BufferLayer() for _ in probe.layers])
+        else:  # sliding-window / hybrid attention: keep transformers' own layer types
+            self.cache = probe
 
     def __len__(self) -> int:
         return int(self.cache.get_seq_length())
@@ -37,15 +130,12 @@ class KVCache:
             return
         idx = torch.tensor([start + o for o in offsets], dtype=torch.long)
         for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer or isinstance(layer, DynamicSlidingWindowLayer):
+            if not isinstance(layer, BufferLayer):
                 raise RetrospecError(
                     f"tree verification needs full-attention cache layers; this model uses {type(layer).__name__}"
                 )
-            if not layer.is_initialized:
-                continue
-            idx_d = idx.to(layer.keys.device)
-            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, idx_d)], dim=-2)
-            layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx_d)], dim=-2)
+            if layer.is_initialized:
+                layer.gather_tail(start, idx.to(layer.device))
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, each [batch, kv_heads, seq, head_dim]; read-only views for drafters/tests."""

@@ -1,0 +1,192 @@
+"""Corpora for datastores: where the text comes from and how it becomes token-id documents.
+
+Sources (``--corpus``):
+- ``stdlib`` (= ``stdlib:train``): the zoo's training split of the standard library (``retrospec.train.corpus``);
+  ``stdlib:heldout``: the held-out packages (for ``datastore eval``);
+- a ``.jsonl`` file: one document per line, from a ``text`` field or ``prompt`` + ``completion``;
+- any other file: UTF-8 text, one document (files over ``CHUNK_CHARS`` are cut into documents at line ends);
+- a directory: every non-hidden file below it in sorted order, each read as above (non-UTF-8 files skipped).
+
+``--from-generations PROMPTS.jsonl`` gives an in-distribution (ID) corpus: the target's own greedy continuations of
+the prompts, produced by the engine itself (the lossless ``pld`` drafter, so outputs equal plain greedy decoding).
+Each such document is prompt + continuation with ``index_from`` at the continuation: dense stores index only the
+positions that produce the target's own tokens (the paper's "response" datastore); suffix stores keep every token.
+
+Invariant: documents come out in a deterministic order, so the same corpus gives the same store.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..errors import RetrospecError
+
+CHUNK_CHARS = 4_000_000
+
+
+@dataclass
+class TokenDoc:
+    ids: np.ndarray  # [n] int32 token ids
+    index_from: int = 0  # dense stores index the keys whose produced token is at position >= index_from
+
+
+@dataclass
+class TextCorpus:
+    description: str
+    texts: list[str] | None = None  # in memory (stdlib, jsonl)
+    files: list[Path] | None = None  # read lazily (directories, big files)
+
+    def __iter__(self) -> Iterator[str]:
+        if self.texts is not None:
+            yield from self.texts
+            return
+        for f in self.files or []:
+            yield from _read_file(f, skip_bad=True)
+
+    def __len__(self) -> int:
+        return len(self.texts) if self.texts is not None else len(self.files or [])
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    texts = []
+    with path.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise RetrospecError(f"{path}:{n}: not valid JSON") from None
+            if isinstance(row, dict) and isinstance(row.get("text"), str):
+                texts.append(row["text"])
+            elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+                texts.append(row["prompt"] + row["completion"])
+            else:
+                raise RetrospecError(f"{path}:{n}: each line needs a string 'text', or 'prompt' and 'completion'")
+    return texts
+
+
+def _read_file(path: Path, skip_bad: bool = False) -> Iterator[str]:
+    if path.suffix == ".jsonl":
+        yield from _read_jsonl(path)
+        return
+    try:
+        with path.open(encoding="utf-8") as fh:
+            while True:
+                chunk = fh.read(CHUNK_CHARS)
+                if not chunk:
+                    return
+                rest = fh.readline()  # finish the line so documents end at line boundaries
+                yield chunk + rest
+    except UnicodeDecodeError:
+        if skip_bad:
+            return
+        raise RetrospecError(f"corpus file is not UTF-8 text: {path}") from None
+
+
+def open_text_corpus(spec: str) -> TextCorpus:
+    """Resolve ``--corpus``; raises ``RetrospecError`` for a missing or empty source."""
+    from ..train.corpus import read_texts, stdlib_files, stdlib_root
+
+    if spec in ("stdlib", "stdlib:train", "stdlib:heldout"):
+        split = "heldout" if spec.endswith("heldout") else "train"
+        files = stdlib_files(split)
+        return TextCorpus(f"python stdlib ({split} split) at {stdlib_root()}", texts=read_texts(files))
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise RetrospecError(f"corpus not found: {path} (a file, a directory, a .jsonl file, or 'stdlib')")
+    if path.is_dir():
+        files = sorted((p for p in path.rglob("*") if p.is_file()
+                        and not any(part.startswith(".") for part in p.relative_to(path).parts)),
+                       key=lambda p: p.relative_to(path).as_posix())
+        if not files:
+            raise RetrospecError(f"corpus directory has no files: {path}")
+        return TextCorpus(f"directory {path} ({len(files)} files)", files=files)
+    if path.suffix == ".jsonl":
+        texts = _read_jsonl(path)
+        if not texts:
+            raise RetrospecError(f"corpus file has no documents: {path}")
+        return TextCorpus(f"jsonl {path} ({len(texts)} documents)", texts=texts)
+    if path.stat().st_size == 0:
+        raise RetrospecError(f"corpus file is empty: {path}")
+    return TextCorpus(f"text file {path}", files=[path])
+
+
+def tokenize(texts: Iterable[str], tokenizer, *, total: int | None = None, batch: int = 64,
+             progress: bool = True) -> Iterator[TokenDoc]:
+    """Encode texts in batches (no special tokens); empty documents are dropped."""
+    bar = tqdm(total=total, desc="tokenize", unit="doc", disable=not progress, dynamic_ncols=True)
+    buf: list[str] = []
+
+    def flush():
+        for enc in tokenizer(buf, add_special_tokens=False)["input_ids"]:
+            if enc:
+                yield TokenDoc(np.asarray(enc, dtype=np.int32))
+        bar.update(len(buf))
+        buf.clear()
+
+    for text in texts:
+        if text.strip():
+            buf.append(text)
+        if len(buf) >= batch:
+            yield from flush()
+    if buf:
+        yield from flush()
+    bar.close()
+
+
+def limit_tokens(docs: Iterable[TokenDoc], max_tokens: int | None) -> Iterator[TokenDoc]:
+    """Stop after ``max_tokens`` tokens (the last document is cut)."""
+    if max_tokens is None:
+        yield from docs
+        return
+    left = max_tokens
+    for d in docs:
+        if left <= 0:
+            return
+        if len(d.ids) > left:
+            d = TokenDoc(d.ids[:left], min(d.index_from, left))
+        left -= len(d.ids)
+        yield d
+
+
+def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: int = 128,
+                         progress: bool = True) -> tuple[list[TokenDoc], str]:
+    """The target's own greedy continuations of the prompts in a jsonl file (``prompt`` field per line).
+
+    ``target`` is a ``LoadedModel`` with a tokenizer. Returns the documents and a description."""
+    from ..bench.tasks import load_prompts
+    from ..config import SamplingConfig
+    from ..decode import speculative_generate
+    from ..drafters.prompt_lookup import PromptLookupDrafter
+
+    if target.tokenizer is None:
+        raise RetrospecError(f"--from-generations needs a target with a tokenizer ({target.path} has none)")
+    prompts = load_prompts(prompts_path)
+    eos = target.eos_ids()
+    limit = target.max_positions or 1 << 30
+    docs: list[TokenDoc] = []
+    generated = 0
+    for row in tqdm(prompts, desc="generate", unit="prompt", disable=not progress, dynamic_ncols=True):
+        ids = target.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        if not ids or len(ids) >= limit:
+            continue
+        out: list[int] = []
+        for chunk in speculative_generate(target.model, PromptLookupDrafter(k=10), ids,
+                                          sampling=SamplingConfig(), max_new_tokens=max_new_tokens, eos_ids=eos):
+            out.extend(chunk)
+        if out and out[-1] in eos:
+            out = out[:-1]  # the document separator (EOS) is added by the builders
+        generated += len(out)
+        docs.append(TokenDoc(np.asarray(ids + out, dtype=np.int32), index_from=len(ids)))
+    if not docs:
+        raise RetrospecError(f"no usable prompts in {prompts_path}")
+    desc = (f"greedy generations of {target.path} on {len(docs)} prompts from {prompts_path} "
+            f"(max {max_new_tokens} new tokens, {generated} generated tokens)")
+    return docs, desc
