@@ -49,10 +49,14 @@ def draft(arch):
     return (tiny_llama if arch == "llama" else tiny_qwen2)(seed=1, layers=1)
 
 
+
 # ======================================================================================================================
 # User-facing suite (test_cli / test_api / test_loading / test_bench): tiny *saved* checkpoints with real tokenizers.
-# Built once per session: a byte-level BPE trained on stdlib source, a 2-layer Llama target, a 1-layer draft distilled
-# from it, plus drafts whose vocabularies do not match the target's (different size; same size, different tokens).
+# Built once per session, in about a second: a byte-level BPE (300 tokens) trained on stdlib source; a 2-layer Llama
+# target (random weights: varied, deterministic greedy output, including partial UTF-8 byte tokens); a 1-layer
+# "early exit" draft made of the target's embeddings, first layer, norm and head (so drafts are accepted sometimes
+# and rejected sometimes); drafts whose vocabulary does not match the target's (different size; same size, other
+# tokenizer). Each is saved with save_pretrained + tokenizer.save_pretrained, like a hub checkpoint.
 # ======================================================================================================================
 
 import inspect  # noqa: E402
@@ -63,63 +67,66 @@ from pathlib import Path  # noqa: E402
 @dataclass(frozen=True)
 class SavedModels:
     target: Path  # 2-layer Llama + tokenizer
-    draft: Path  # 1-layer Llama distilled from the target, same tokenizer
+    draft: Path  # 1-layer early-exit copy of the target, same tokenizer
     draft_other_size: Path  # different vocabulary size (different tokenizer)
     draft_other_tokens: Path  # same vocabulary size as the target, different tokenizer
+    trained: Path  # 2-layer Llama trained a few steps with retrospec.train.lm (a second, non-random target)
     vocab_size: int
     max_positions: int
     eos_id: int
 
 
-def _corpus_texts(modules) -> list[str]:
-    return [inspect.getsource(m) for m in modules]
-
-
-def _saved_llama(tok, out: Path, *, layers: int, seed: int, max_pos: int, stream=None, teacher=None, steps: int = 0):
-    from retrospec.train.lm import TrainConfig, train_lm
-
+def _tiny_saved_llama(tok, layers: int, seed: int, max_pos: int):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(cfg)
-    if steps:
-        tcfg = TrainConfig(tokens=steps * 4 * 64, seq_len=64, batch_size=4, lr=3e-3, warmup_steps=5, seed=seed,
-                           log_every=1000)
-        train_lm(model, stream, tcfg, teacher=teacher, desc=f"tiny-{out.name}")
-    model.eval()
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _save(model, tok, out: Path) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    return model
+    return out
 
 
 @pytest.fixture(scope="session")
 def saved_models(tmp_path_factory) -> SavedModels:
-    import ast
     import json as _json
     import textwrap
 
     import numpy as np
 
+    from retrospec.train.lm import TrainConfig, train_lm
     from retrospec.train.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("saved_models")
-    texts = _corpus_texts([textwrap])  # ~20 KB of Python
+    max_pos = 128
+    texts = [inspect.getsource(textwrap)]  # ~20 KB of Python
     tok = train_bpe(texts, vocab_size=300)
-    other_size_tok = train_bpe(_corpus_texts([_json.decoder]), vocab_size=280)
-    # same size as the target's vocabulary, different merges (trained on different text)
-    other_tok = train_bpe(_corpus_texts([inspect]), vocab_size=300)
+    other_size_tok = train_bpe([inspect.getsource(_json.decoder)], vocab_size=280)
+    other_tok = train_bpe([inspect.getsource(inspect)], vocab_size=300)  # same size, different merges
     assert len(tok) == len(other_tok) and tok.get_vocab() != other_tok.get_vocab()
     assert len(other_size_tok) != len(tok)
 
+    target = _tiny_saved_llama(tok, layers=2, seed=1, max_pos=max_pos)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)  # peakier p: sampling runs look like a real model's
+    draft = _tiny_saved_llama(tok, layers=1, seed=2, max_pos=max_pos)
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.1.")})
+
+    trained = _tiny_saved_llama(tok, layers=2, seed=3, max_pos=max_pos)
     stream = np.array(tok("\n".join(texts), add_special_tokens=False)["input_ids"], dtype=np.int64)
-    max_pos = 128
-    target = _saved_llama(tok, root / "target", layers=2, seed=0, max_pos=max_pos, stream=stream, steps=30)
-    _saved_llama(tok, root / "draft", layers=1, seed=1, max_pos=max_pos, stream=stream, teacher=target, steps=30)
-    _saved_llama(other_size_tok, root / "draft_other_size", layers=1, seed=2, max_pos=max_pos)
-    _saved_llama(other_tok, root / "draft_other_tokens", layers=1, seed=3, max_pos=max_pos)
-    return SavedModels(root / "target", root / "draft", root / "draft_other_size", root / "draft_other_tokens",
-                       vocab_size=len(tok), max_positions=max_pos, eos_id=tok.eos_token_id)
+    train_lm(trained, stream, TrainConfig(tokens=10 * 4 * 64, seq_len=64, batch_size=4, lr=3e-3, warmup_steps=2,
+                                          log_every=1000), desc="tiny-trained")
+    return SavedModels(
+        target=_save(target, tok, root / "target"),
+        draft=_save(draft, tok, root / "draft"),
+        draft_other_size=_save(_tiny_saved_llama(other_size_tok, 1, 4, max_pos), other_size_tok,
+                               root / "draft_other_size"),
+        draft_other_tokens=_save(_tiny_saved_llama(other_tok, 1, 5, max_pos), other_tok, root / "draft_other_tokens"),
+        trained=_save(trained.eval(), tok, root / "trained"),
+        vocab_size=len(tok), max_positions=max_pos, eos_id=tok.eos_token_id)
 
 
 # ======================================================================================================================

@@ -98,8 +98,9 @@ def run_hf(method: str, target, draft, prompt_ids: list[int], *, sampling: Sampl
                                 assistant_confidence_threshold=0.0)
     elif method == "hf-assisted-default":
         extra = dict(assistant_model=draft)
-        ctx = _assistant_config(draft, num_assistant_tokens=20, num_assistant_tokens_schedule="constant",
-                                assistant_confidence_threshold=0.4)
+        # None = let transformers fill in its own defaults (5.23: 20 tokens, constant, confidence 0.4)
+        ctx = _assistant_config(draft, num_assistant_tokens=None, num_assistant_tokens_schedule=None,
+                                assistant_confidence_threshold=None)
     else:
         raise ValueError(method)
     config = GenerationConfig(**gen_kwargs)

@@ -14,6 +14,7 @@ def add_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--target-tokens", type=int, default=4_000_000)
     b.add_argument("--draft-tokens", type=int, default=2_500_000)
+    b.add_argument("--reuse-target", help="existing zoo dir: keep its tokenizer and target, retrain only the draft")
     b.set_defaults(func=run_build)
     i = zsub.add_parser("info", help="print the bundled zoo's manifest")
     i.add_argument("dir", nargs="?", help="zoo directory (default: bundled)")
@@ -26,8 +27,11 @@ def run_build(args) -> int:
 
     if args.target_tokens <= 0 or args.draft_tokens <= 0:
         raise RetrospecError("token budgets must be > 0")
+    reuse = Path(args.reuse_target) if args.reuse_target else None
+    if reuse is not None and not (reuse / "target" / "config.json").is_file():
+        raise RetrospecError(f"--reuse-target: no zoo target at {reuse / 'target'}")
     build_zoo(ZooBuildConfig(out=Path(args.out), seed=args.seed, target_tokens=args.target_tokens,
-                             draft_tokens=args.draft_tokens))
+                             draft_tokens=args.draft_tokens, reuse_target=reuse))
     return 0
 
 

@@ -97,7 +97,8 @@ class SmallLMDrafter:
 
 
 @register("sd")
-def _make_sd(*, draft_model=None, gamma: int = 5, adaptive: bool = False, **_) -> SmallLMDrafter:
+def _make_sd(*, draft_model=None, gamma: int = 5, adaptive: bool = False, prefill_prompt: bool = False,
+             **_) -> SmallLMDrafter:
     if draft_model is None:
         raise ValueError("method 'sd' needs a draft model")
-    return SmallLMDrafter(draft_model, gamma=gamma, adaptive=adaptive)
+    return SmallLMDrafter(draft_model, gamma=gamma, adaptive=adaptive, prefill_prompt=prefill_prompt)

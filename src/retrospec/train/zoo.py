@@ -71,6 +71,7 @@ class ZooBuildConfig:
     target_tokens: int = 4_000_000
     draft_tokens: int = 2_500_000
     threads: int = 0  # 0 = torch default
+    reuse_target: Path | None = None  # an existing zoo dir: keep its tokenizer + target, retrain only the draft
 
 
 def _encode_stream(tokenizer, texts: list[str]) -> np.ndarray:
@@ -112,7 +113,12 @@ def build_zoo(cfg: ZooBuildConfig, log=print) -> dict:
     train_texts = [train_texts[i] for i in order]
 
     t0 = time.perf_counter()
-    tokenizer = train_bpe(train_texts, vocab_size=cfg.vocab_size)
+    if cfg.reuse_target is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(Path(cfg.reuse_target) / "target")
+    else:
+        tokenizer = train_bpe(train_texts, vocab_size=cfg.vocab_size)
     train_stream = _encode_stream(tokenizer, train_texts)
     heldout_stream = _encode_stream(tokenizer, heldout_texts)
     log(f"tokenizer: vocab {len(tokenizer)}, {len(train_stream):,} training tokens, "
@@ -120,14 +126,25 @@ def build_zoo(cfg: ZooBuildConfig, log=print) -> dict:
 
     vocab = len(tokenizer)
     results = {}
-    torch.manual_seed(cfg.seed)
-    target = LlamaForCausalLM(TARGET_SPEC.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                                 cfg.max_positions))
-    tcfg = TrainConfig(tokens=cfg.target_tokens, seq_len=cfg.seq_len, batch_size=4, lr=1.5e-3, seed=cfg.seed)
-    res = train_lm(target, train_stream, tcfg, desc="target")
-    results["target"] = {"train": asdict(res) | {"losses": None}, "heldout_loss": eval_loss(target, heldout_stream)}
-    _save_model(target, tokenizer, tmp / "target")
-    log(f"target: {res.tokens:,} tokens in {res.seconds:.0f}s, held-out loss {results['target']['heldout_loss']:.3f}")
+    if cfg.reuse_target is not None:
+        src = Path(cfg.reuse_target)
+        target = LlamaForCausalLM.from_pretrained(src / "target", dtype=torch.float32).eval()
+        shutil.copytree(src / "target", tmp / "target")
+        old = json.loads((src / "zoo.json").read_text()) if (src / "zoo.json").exists() else {}
+        results["target"] = {k: v for k, v in old.get("models", {}).get("target", {}).items()
+                             if k in ("train", "heldout_loss")}
+        log(f"target: reused from {src}")
+    else:
+        torch.manual_seed(cfg.seed)
+        target = LlamaForCausalLM(TARGET_SPEC.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                                     cfg.max_positions))
+        tcfg = TrainConfig(tokens=cfg.target_tokens, seq_len=cfg.seq_len, batch_size=4, lr=1.5e-3, seed=cfg.seed)
+        res = train_lm(target, train_stream, tcfg, desc="target")
+        results["target"] = {"train": asdict(res) | {"losses": None},
+                             "heldout_loss": eval_loss(target, heldout_stream)}
+        _save_model(target, tokenizer, tmp / "target")
+        log(f"target: {res.tokens:,} tokens in {res.seconds:.0f}s, "
+            f"held-out loss {results['target']['heldout_loss']:.3f}")
 
     torch.manual_seed(cfg.seed + 1)
     draft = LlamaForCausalLM(DRAFT_SPEC.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id,
@@ -171,9 +188,10 @@ def main(argv: list[str] | None = None) -> None:  # `python -m retrospec.train.z
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target-tokens", type=int, default=ZooBuildConfig.target_tokens)
     ap.add_argument("--draft-tokens", type=int, default=ZooBuildConfig.draft_tokens)
+    ap.add_argument("--reuse-target", type=Path, default=None)
     args = ap.parse_args(argv)
     build_zoo(ZooBuildConfig(out=args.out, seed=args.seed, target_tokens=args.target_tokens,
-                             draft_tokens=args.draft_tokens))
+                             draft_tokens=args.draft_tokens, reuse_target=args.reuse_target))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""``magicdec``: the target drafts for itself from a StreamingLLM KV cache (MagicDec: Chen et al., 2024;
+StreamingLLM: Xiao et al., ICLR 2024).
+
+The drafter is the target model reading only ``sink`` attention-sink positions (default 4) and the ``window`` most
+recent positions of the context, so a draft step costs a short-cache forward instead of a long one; verification
+by the target over its full cache keeps the output exact (lossless, greedy identical to the target's own decoding).
+
+The draft cache starts from the target's prefill (declared in ``needs`` as ``target_kv``: a read-only view whose
+sink and window slices are copied, so the long prompt is not run twice); without it the drafter runs the prompt
+itself once. Per step: roll back last step's draft entries, feed the committed tokens it has not seen (their
+true positions), evict down to sinks + window, then draft gamma tokens.
+
+Default window: the same budget as RAPID's default retrieval length, max(1024, ceil(context / 24)) tokens, so the
+two drafters read contexts of the same size ("scaled to the context"); ``window=N`` overrides it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kv.streaming import SinkWindowCache
+from ..sampling import probs_from_logits
+from ..types import DraftTree
+from .base import DecodeContext, register
+
+DEFAULT_SINK = 4
+
+
+def default_window(context_tokens: int, min_tokens: int = 1024, fraction: float = 1 / 24) -> int:
+    return max(min_tokens, math.ceil(fraction * context_tokens))
+
+
+class MagicDecDrafter:
+    name = "magicdec"
+    needs: frozenset[str] = frozenset({"target_kv"})
+
+    def __init__(self, model: torch.nn.Module, gamma: int = 10, sink: int = DEFAULT_SINK, window: int | None = None,
+                 adaptive: bool = False, max_gamma: int = 16):
+        self.model = model
+        self.gamma = gamma
+        self.sink = sink
+        self.window = window
+        self.adaptive = adaptive
+        self.max_gamma = max(max_gamma, gamma)
+        self.device = next(model.parameters()).device
+        self.cache: SinkWindowCache | None = None
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int], start: int) -> torch.Tensor:
+        """Feed ``ids`` at true positions start, start + 1, ...; returns the [V] logits after the last one."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        return self.model(input_ids=x, position_ids=pos, past_key_values=self.cache.cache, use_cache=True).logits[0, -1]
+
+    def prefill(self, ctx: DecodeContext) -> None:
+        window = self.window or default_window(ctx.prompt_len)
+        kv = ctx.extras.get("target_kv")
+        if kv is not None and len(kv) == ctx.prompt_len:
+            self.cache = SinkWindowCache.from_layers(self.model.config, kv.layer_tensors(), self.sink, window)
+        else:  # no shared prefill: run the prompt once, then compress
+            self.cache = SinkWindowCache(self.model.config, self.sink, window)
+            self._forward(ctx.tokens[: ctx.prompt_len], 0)
+            self.cache.mark_committed(ctx.prompt_len)
+            self.cache.evict()
+
+    def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
+        gamma = min(self.gamma, budget)
+        if gamma <= 0:
+            return DraftTree.empty()
+        cache = self.cache
+        cache.rollback()
+        new = ctx.tokens[cache.seen:]  # committed tokens not yet in the draft cache (ends with the root)
+        logits = self._forward(new, cache.seen)
+        cache.mark_committed(len(new))
+        cache.evict()
+        greedy = ctx.sampling.greedy
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        pos = cache.seen
+        for i in range(gamma):
+            if greedy:
+                tok = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits, ctx.sampling)  # [V]
+                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
+                qs.append(q)
+            tokens.append(tok)
+            if i + 1 < gamma:
+                logits = self._forward([tok], pos + i)
+        return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        self.gamma = min(self.max_gamma, self.gamma + 2) if accepted == drafted else max(1, self.gamma - 1)
+
+
+@register("magicdec")
+def _make_magicdec(*, target=None, gamma: int = 10, sink: int = DEFAULT_SINK, window: int | None = None,
+                   adaptive: bool = False, **_) -> MagicDecDrafter:
+    model = getattr(target, "model", target)
+    if model is None:
+        raise ValueError("method 'magicdec' needs the target model")
+    return MagicDecDrafter(model, gamma=gamma, sink=sink, window=window, adaptive=adaptive)
