@@ -49,14 +49,16 @@ def draft(arch):
     return (tiny_llama if arch == "llama" else tiny_qwen2)(seed=1, layers=1)
 
 
-
 # ======================================================================================================================
 # User-facing suite (test_cli / test_api / test_loading / test_bench): tiny *saved* checkpoints with real tokenizers.
-# Built once per session, in about a second: a byte-level BPE (300 tokens) trained on stdlib source; a 2-layer Llama
-# target (random weights: varied, deterministic greedy output, including partial UTF-8 byte tokens); a 1-layer
-# "early exit" draft made of the target's embeddings, first layer, norm and head (so drafts are accepted sometimes
-# and rejected sometimes); drafts whose vocabulary does not match the target's (different size; same size, other
-# tokenizer). Each is saved with save_pretrained + tokenizer.save_pretrained, like a hub checkpoint.
+# Built once per session in about a second (no training steps: they cost tens of seconds on a busy 2-core machine):
+# - a byte-level BPE (300 tokens) trained on stdlib source;
+# - a 2-layer Llama target with random weights and a sharpened head: varied, deterministic greedy output, including
+#   tokens that are partial UTF-8 sequences;
+# - a 1-layer "early exit" draft made of the target's embeddings, first layer, norm and head, so its drafts are
+#   accepted sometimes and rejected sometimes;
+# - drafts whose vocabulary does not match the target's (different size; same size but another tokenizer).
+# Each is saved with save_pretrained + tokenizer.save_pretrained, like a hub checkpoint.
 # ======================================================================================================================
 
 import inspect  # noqa: E402
@@ -70,7 +72,6 @@ class SavedModels:
     draft: Path  # 1-layer early-exit copy of the target, same tokenizer
     draft_other_size: Path  # different vocabulary size (different tokenizer)
     draft_other_tokens: Path  # same vocabulary size as the target, different tokenizer
-    trained: Path  # 2-layer Llama trained a few steps with retrospec.train.lm (a second, non-random target)
     vocab_size: int
     max_positions: int
     eos_id: int
@@ -95,13 +96,10 @@ def saved_models(tmp_path_factory) -> SavedModels:
     import json as _json
     import textwrap
 
-    import numpy as np
-
-    from retrospec.train.lm import TrainConfig, train_lm
     from retrospec.train.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("saved_models")
-    max_pos = 128
+    max_pos = 512  # room for MBPP and held-out preset prompts (up to ~500 tokens with this tiny BPE)
     texts = [inspect.getsource(textwrap)]  # ~20 KB of Python
     tok = train_bpe(texts, vocab_size=300)
     other_size_tok = train_bpe([inspect.getsource(_json.decoder)], vocab_size=280)
@@ -114,19 +112,60 @@ def saved_models(tmp_path_factory) -> SavedModels:
         target.lm_head.weight.mul_(4.0)  # peakier p: sampling runs look like a real model's
     draft = _tiny_saved_llama(tok, layers=1, seed=2, max_pos=max_pos)
     draft.load_state_dict({k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.1.")})
-
-    trained = _tiny_saved_llama(tok, layers=2, seed=3, max_pos=max_pos)
-    stream = np.array(tok("\n".join(texts), add_special_tokens=False)["input_ids"], dtype=np.int64)
-    train_lm(trained, stream, TrainConfig(tokens=10 * 4 * 64, seq_len=64, batch_size=4, lr=3e-3, warmup_steps=2,
-                                          log_every=1000), desc="tiny-trained")
     return SavedModels(
         target=_save(target, tok, root / "target"),
         draft=_save(draft, tok, root / "draft"),
         draft_other_size=_save(_tiny_saved_llama(other_size_tok, 1, 4, max_pos), other_size_tok,
                                root / "draft_other_size"),
         draft_other_tokens=_save(_tiny_saved_llama(other_tok, 1, 5, max_pos), other_tok, root / "draft_other_tokens"),
-        trained=_save(trained.eval(), tok, root / "trained"),
         vocab_size=len(tok), max_positions=max_pos, eos_id=tok.eos_token_id)
+
+
+@dataclass
+class CliRun:
+    """Outcome of one in-process ``retrospec.cli.main([...])`` call."""
+
+    rc: int
+    out: str
+    err: str
+
+    def assert_user_error(self, *fragments: str) -> str:
+        """The CLI contract for user errors: exit 2, exactly one line on stderr starting with 'retrospec: error:',
+        no traceback, nothing on stdout. Returns the line; each fragment must appear in it (case-insensitive)."""
+        assert self.rc == 2, f"exit code {self.rc}, stderr: {self.err!r}"
+        assert "Traceback" not in self.err
+        lines = self.err.splitlines()
+        assert len(lines) == 1, f"expected one stderr line, got {lines!r}"
+        assert lines[0].startswith("retrospec: error:"), lines[0]
+        assert self.out == "", f"stdout should be empty on error, got {self.out!r}"
+        for frag in fragments:
+            assert frag.lower() in lines[0].lower(), f"{frag!r} not in {lines[0]!r}"
+        return lines[0]
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the CLI in-process: ``cli("generate", "--prompt", "x", ...) -> CliRun``."""
+    from retrospec.cli import main
+
+    def run(*args) -> CliRun:
+        capsys.readouterr()
+        rc = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return CliRun(rc, out, err)
+
+    return run
+
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for tiny models: with the machine's 2 cores busy, 2 OpenMP threads make a 2-layer forward
+    hundreds of times slower (spin-waiting), and tiny matmuls gain nothing from a second thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # ======================================================================================================================

@@ -10,10 +10,19 @@ from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
 from retrospec.drafters.base import DecodeContext
-from retrospec.tree import merge_sequences
+from retrospec.tree import children_lists, merge_sequences
 from retrospec.types import DraftTree, SpecStats
 
 GREEDY = SamplingConfig(temperature=0.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread; on a busy 2-core machine two OpenMP threads can be 100x slower."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
 N_NEW = 48
 PROMPT = [5, 17, 3, 42, 8, 17, 3, 42, 8, 61, 5, 17]  # repeats, so prompt lookup finds n-gram matches
 
@@ -90,7 +99,7 @@ def test_sd_different_draft(target, draft, expected):
     assert out == expected
     check_stats(stats, out, chunks)
     assert stats.drafted_tokens > 0
-    assert stats.acceptance_rate < 1.0  # an unrelated random draft is rejected at least sometimes
+    assert stats.acceptance_rate < 0.5  # an unrelated random draft is mostly rejected
     assert max(len(c) for c in chunks) <= 5  # at most gamma accepted + 1
     assert all(d <= stats.target_calls - 1 for d in stats.per_position_drafted)
     assert len(stats.per_position_drafted) == 4
@@ -140,9 +149,8 @@ def test_sharpened_repetitive_output_pld_speeds_up(make_model):
     out, stats, chunks = run(model, REGISTRY["pld"](gamma=5))
     assert out == want
     check_stats(stats, out, chunks)
-    if len(set(want[-20:])) <= 6:  # the output has settled into a short loop
-        assert stats.mean_accepted_tokens > 1.0
-        assert stats.accepted_tokens > 0
+    assert len(set(want[-12:])) <= 6  # the output has settled into a short loop (deterministic: fixed seed)
+    assert stats.mean_accepted_tokens > 1.0 and stats.accepted_tokens > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -215,21 +223,32 @@ class OracleTreeDrafter:
         self.depth = depth
         self.truth = truth
         self.trees: list[DraftTree] = []
+        self.expect_accepted: list[int] = []
 
     def prefill(self, ctx: DecodeContext) -> None:
-        self.trees = []
+        self.trees, self.expect_accepted = [], []
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         n = len(ctx.tokens)
         assert ctx.tokens == self.full[:n]  # greedy engine committed exactly the oracle's tokens so far
         true = self.full[n : n + self.depth]
         if not true or budget <= 0:
-            return DraftTree.empty()
+            self.trees.append(DraftTree.empty())
+            self.expect_accepted.append(0)
+            return self.trees[-1]
         junk = [(t + 1) % self.vocab for t in true]
         half = true[:2] + [(t + 3) % self.vocab for t in true[2:]]
         seqs = [junk, true, half] if self.truth else [junk, [(t + 5) % self.vocab for t in true]]
         tree = merge_sequences(seqs, max_nodes=budget)
         self.trees.append(tree)
+        # greedy verification must accept exactly the part of the true continuation that made it into the tree
+        kids, toks, node, depth = children_lists(tree.parents), tree.tokens.tolist(), -1, 0
+        while depth < len(true):
+            node = next((c for c in kids[node + 1] if toks[c] == true[depth]), None)
+            if node is None:
+                break
+            depth += 1
+        self.expect_accepted.append(depth)
         return tree
 
     def observe(self, accepted: int, drafted: int) -> None:
@@ -244,9 +263,11 @@ def test_tree_drafter(target, expected, truth):
     assert out == expected
     check_stats(stats, out, chunks)
     assert any(not t.is_chain for t in drafter.trees)
+    assert len(drafter.trees) == stats.target_calls - 1
+    assert stats.accepted_tokens == sum(drafter.expect_accepted)
+    assert [len(c) for c in chunks[1:]] == [a + 1 for a in drafter.expect_accepted]
     if truth:
         assert stats.mean_accepted_tokens > 1.0
-        assert stats.accepted_tokens >= 4 * (stats.target_calls - 2)  # the true branch is accepted to its end
-        assert max(len(c) for c in chunks) == 5
+        assert max(len(c) for c in chunks) == 5  # 4 accepted (a non-contiguous path in node order) + bonus
     else:
         assert stats.accepted_tokens == 0 and stats.mean_accepted_tokens == 1.0

@@ -30,6 +30,8 @@ class Request:
     sampling: SamplingConfig
     decode: DecodeConfig
     options: dict = field(default_factory=dict)
+    rule: object = None  # an AcceptanceRule; None = the exact rule for the sampling mode
+    info: dict = field(default_factory=dict)  # request-level stats (long context: retrieval_s, retrieved_tokens)
 
     def drafter(self):
         """Build this request's drafter. Factories get the method options plus ``target`` (a ``LoadedModel``),
@@ -42,14 +44,25 @@ class Request:
 def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             gamma: int | None = None, adaptive_gamma: bool = False, stop: tuple[str, ...] | list[str] = (),
-            tokenizer=None, **options) -> Request:
-    """Validate everything and load what is needed; raises ``RetrospecError`` on any user error."""
+            tokenizer=None, context: str | None = None, **options) -> Request:
+    """Validate everything and load what is needed; raises ``RetrospecError`` on any user error.
+
+    With ``context`` (a long document; methods lc, rag, sd, magicdec, rapid) the prompt is the query and the
+    long-context knobs of ``long_context.LongContextOptions`` are accepted as keyword arguments."""
     if method not in REGISTRY:
         raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(REGISTRY))}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
     if gamma is not None and gamma < 1:
         raise RetrospecError(f"gamma must be >= 1, got {gamma}")
+    if context is not None:
+        from .long_context import prepare_long_request
+
+        return prepare_long_request(prompt, context, target=target, draft=draft, method=method, sampling=sampling,
+                                    decode=decode, gamma=gamma, adaptive_gamma=adaptive_gamma, tokenizer=tokenizer,
+                                    **options)
+    if method in ("rag", "rapid"):
+        raise RetrospecError(f"method '{method}' needs a long context (context=... / --context-file FILE)")
     if isinstance(prompt, str) and not prompt.strip() or not isinstance(prompt, str) and len(prompt) == 0:
         raise RetrospecError("prompt is empty")
     use_zoo = target is None
@@ -82,7 +95,7 @@ class GenerationStream:
 
     def __init__(self, request: Request):
         self.request = request
-        self.stats = SpecStats(method=request.method)
+        self.stats = SpecStats(method=request.method, **request.info)
         self.token_ids: list[int] = []
         self.text = ""
         self.result: GenerationResult | None = None
@@ -93,7 +106,7 @@ class GenerationStream:
         tok = req.target.tokenizer
         steps = speculative_generate(req.target.model, req.drafter(), req.prompt_ids, sampling=req.sampling,
                                      max_new_tokens=req.decode.max_new_tokens, eos_ids=req.target.eos_ids(),
-                                     stats=self.stats)
+                                     stats=self.stats, rule=req.rule)
         try:
             for chunk in steps:
                 if req.decode.stop_strings and tok is not None:
@@ -124,11 +137,12 @@ class GenerationStream:
             if tok is None:
                 continue
             text = tok.decode(self.token_ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-                continue
-            if text.startswith(emitted):
-                yield text[len(emitted):]
-                emitted = text
+            # hold back only trailing U+FFFD (an incomplete multi-byte character may be completed by the next
+            # tokens); the text before it is final, so invalid bytes mid-output never stall the stream
+            stable = text.rstrip("\ufffd")
+            if len(stable) > len(emitted) and stable.startswith(emitted):
+                yield stable[len(emitted):]
+                emitted = stable
         final = self.text
         if final.startswith(emitted) and len(final) > len(emitted):
             yield final[len(emitted):]
@@ -150,6 +164,12 @@ def generate(prompt: str | list[int], **kwargs) -> GenerationResult:
     Keyword arguments: ``target`` / ``draft`` (directory, ``LoadedModel`` or transformers model; default: the
     bundled zoo), ``method`` ('ar', 'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy),
     ``top_p``, ``top_k``, ``seed``, ``gamma`` (draft length), ``adaptive_gamma``, ``stop`` (stop strings).
+
+    Long context (RAPID and baselines): ``context`` (the document; ``prompt`` is then the query), ``method`` in
+    lc | rag | sd | magicdec | rapid, ``draft`` (the drafter; default the target itself), ``eta`` (> 0 = RAPID's
+    LOSSY retrieval-augmented target), ``chunk_tokens``, ``retrieval_tokens``, ``min_retrieval_tokens``,
+    ``max_retrieval_fraction``, ``similarity_floor``, ``embedder`` (a sentence-transformers dir), ``sink``,
+    ``window``, ``template`` (with {context} and {query}).
     """
     s = stream(prompt, **kwargs)
     for _ in s.token_chunks():

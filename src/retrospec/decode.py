@@ -22,7 +22,7 @@ from .drafters.base import DecodeContext, Drafter
 from .sampling import make_generator, probs_from_logits
 from .tree import depths
 from .types import SpecStats
-from .verify import Verifier
+from .verify import PrefillMemo, Verifier
 
 
 def default_rule(sampling: SamplingConfig) -> AcceptanceRule:
@@ -39,10 +39,13 @@ def speculative_generate(
     eos_ids: frozenset[int] = frozenset(),
     stats: SpecStats | None = None,
     rule: AcceptanceRule | None = None,
+    prefill_memo: PrefillMemo | None = None,
 ) -> Iterator[list[int]]:
-    """Yield committed token ids step by step; fills ``stats`` as it goes."""
+    """Yield committed token ids step by step; fills ``stats`` as it goes. ``prefill_memo`` reuses a prompt forward
+    across calls with the same target and prompt (see ``verify.PrefillMemo``)."""
     stats = stats if stats is not None else SpecStats()
     rule = rule or default_rule(sampling)
+    stats.rule, stats.lossless = rule.name, rule.lossless
     gen = make_generator(sampling.seed)
     verifier = Verifier(target, want_hidden="hidden_states" in drafter.needs)
     max_pos = getattr(target.config, "max_position_embeddings", None) or 1 << 30
@@ -52,13 +55,15 @@ def speculative_generate(
         return p_rows if sampling.greedy else probs_from_logits(p_rows, sampling)
 
     t0 = time.perf_counter()
-    first_logits = verifier.prefill(prompt_ids)  # [V]
+    first_logits = verifier.prefill(prompt_ids, prefill_memo)  # [V]
     first = int(first_logits.argmax()) if sampling.greedy else int(
         torch.multinomial(probs_from_logits(first_logits, sampling), 1, generator=gen))
     ctx = DecodeContext(tokens=list(prompt_ids) + [first], prompt_len=len(prompt_ids), sampling=sampling,
                         generator=gen)
     if verifier.want_hidden:
         ctx.target_hidden = verifier.last_hidden[-1]
+    if "target_kv" in drafter.needs:  # read-only view (MagicDec copies slices of it)
+        ctx.extras["target_kv"] = verifier.kv
     drafter.prefill(ctx)
     stats.prefill_s = time.perf_counter() - t0
     stats.target_calls, stats.new_tokens = 1, 1

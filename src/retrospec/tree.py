@@ -101,9 +101,11 @@ def frequency_trie(seqs, weights, max_nodes: int) -> DraftTree:
     """
     import numpy as np
 
+    if max_nodes <= 0 or len(seqs) == 0:
+        return DraftTree.empty()
     seqs = np.asarray(seqs, dtype=np.int64).reshape(len(seqs), -1)  # [S, L]
     weights = np.asarray(weights, dtype=np.int64).reshape(-1)  # [S]
-    if max_nodes <= 0 or seqs.size == 0:
+    if seqs.size == 0:
         return DraftTree.empty()
     order = np.lexsort(seqs.T[::-1])  # rows in lexicographic order (column 0 is the primary key)
     s, w = seqs[order], weights[order]

@@ -77,6 +77,10 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prompt_tokens: int = 0
+    rule: str = ""  # the acceptance rule's name
+    lossless: bool = True  # False when the rule changes the output distribution (RAPID with eta > 0)
+    retrieval_s: float = 0.0  # long-context methods: time to chunk, embed and select the retrieved context
+    retrieved_tokens: int = 0  # long-context methods: target tokens in the retrieved context
     per_position_drafted: list[int] = field(default_factory=list)  # index d: steps that drafted depth d+1
     per_position_accepted: list[int] = field(default_factory=list)  # index d: steps that accepted depth d+1
 

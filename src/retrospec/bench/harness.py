@@ -163,6 +163,8 @@ def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         "gamma": cfg.gamma or DEFAULT_GAMMA["sd"],
         "pld_k": cfg.pld_k,
         "pld_max_ngram": cfg.pld_ngram,
+        "method_options": {m: {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+                               for k, v in o.items()} for m, o in cfg.method_options.items()},
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

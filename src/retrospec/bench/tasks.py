@@ -21,18 +21,21 @@ def load_prompts(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise RetrospecError(f"prompts file not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise RetrospecError(f"prompts file is not UTF-8 text: {path}") from None
     rows = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise RetrospecError(f"{path}:{n}: not valid JSON") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise RetrospecError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
-            rows.append(row)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise RetrospecError(f"{path}:{n}: not valid JSON") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise RetrospecError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
+        rows.append(row)
     if not rows:
         raise RetrospecError(f"prompts file has no prompts: {path}")
     return rows

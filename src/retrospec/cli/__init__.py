@@ -1,4 +1,5 @@
-"""``retrospec`` command line: ``generate``, ``bench``, ``zoo build|info``.
+"""``retrospec`` command line: ``generate``, ``bench``, ``zoo build|info``, ``tasks make``,
+``datastore build|info|eval``.
 
 Contract: a user error (bad path, bad knob, mismatched vocabularies, empty or over-long prompt, unknown method)
 prints exactly one line ``retrospec: error: ...`` on stderr and exits with code 2, never a traceback.
@@ -23,13 +24,15 @@ def _fail(message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench_cmd, generate_cmd, zoo_cmd
+    from . import bench_cmd, datastore_cmd, generate_cmd, tasks_cmd, zoo_cmd
 
     parser = _Parser(prog="retrospec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     zoo_cmd.add_parser(sub)
+    tasks_cmd.add_parser(sub)
+    datastore_cmd.add_parser(sub)
     return parser
 
 

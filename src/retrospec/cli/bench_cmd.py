@@ -14,7 +14,9 @@ def add_parser(sub) -> None:
     p.add_argument("--methods", default="ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld",
                    help="comma-separated (ar is always included as the baseline)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", help="jsonl file with a 'prompt' field per line (HumanEval/MBPP files work)")
+    src.add_argument("--prompts", help="jsonl file with a 'prompt' field per line (HumanEval/MBPP files work); "
+                                       "rows with a 'context' field (retrospec tasks make; several files "
+                                       "comma-separated) run the long-context bench: lc,rag,sd,magicdec,rapid")
     src.add_argument("--preset", help="built-in prompt set: heldout (held-out stdlib functions)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--pld-k", type=int, default=10, help="pld / hf-pld draft length")
@@ -22,7 +24,13 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-warmup", action="store_true")
     add_sampling_args(p)
-    p.set_defaults(func=run)
+    from .long_args import add_long_context_args
+
+    add_long_context_args(p, context_file=False)  # rows with a 'context' field: lc, rag, sd, magicdec, rapid
+    from .datastore_cmd import add_retrieval_args
+
+    add_retrieval_args(p, multiple=True)  # rest / dresd: --datastore (one per kind), --num-drafts, --draft-len
+    p.set_defaults(func=run, default_methods=p.get_default("methods"))
 
 
 def run(args) -> int:
@@ -31,9 +39,18 @@ def run(args) -> int:
     from ..bench.tasks import load_prompts, preset
     from ..config import DecodeConfig, SamplingConfig
     from ..models import check_same_vocab, load_model, zoo_path
+    from .datastore_cmd import bench_method_options
 
     if args.limit is not None and args.limit <= 0:
         raise RetrospecError(f"--limit must be > 0, got {args.limit}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise RetrospecError(f"--out must be a directory, but {args.out} is a file")
+    if args.prompts:  # long-context rows (retrospec tasks make): a separate harness
+        from .long_bench import load_long_rows, run_long
+
+        rows = load_long_rows(args.prompts)
+        if rows is not None:
+            return run_long(args, rows)
     if args.gamma is not None and args.gamma < 1:
         raise RetrospecError(f"--gamma must be >= 1, got {args.gamma}")
     if args.pld_k < 1 or args.pld_ngram < 1:
@@ -54,7 +71,8 @@ def run(args) -> int:
     if args.limit:
         prompts = prompts[: args.limit]
     cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
-                      pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup)
+                      pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup,
+                      method_options=bench_method_options(args, methods, target))
     result = run_bench(target, draft, prompts, cfg)
     out = Path(args.out)
     write_outputs(result, out)

@@ -23,13 +23,20 @@ def add_sampling_args(p) -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a continuation of one prompt")
-    p.add_argument("--method", default="sd", help="ar | sd | pld (default: sd)")
+    p.add_argument("--method", default="sd",
+                   help="ar | sd | pld; with --context-file: lc | rag | sd | magicdec | rapid (default: sd)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")
     add_sampling_args(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    from .long_args import add_long_context_args
+
+    add_long_context_args(p)
+    from .datastore_cmd import add_retrieval_args
+
+    add_retrieval_args(p)  # rest / dresd: --datastore, --num-drafts, --draft-len
     p.set_defaults(func=run)
 
 
@@ -49,18 +56,30 @@ JSON_STATS = ("method", "new_tokens", "target_calls", "drafted_tokens", "accepte
               "acceptance_rate", "prefill_s", "decode_s", "tokens_per_s")
 
 
+LONG_STATS = ("rule", "lossless", "prompt_tokens", "retrieval_s", "retrieved_tokens", "draft_s", "verify_s")
+
+
 def run(args) -> int:
     from ..api import stream
+    from .datastore_cmd import retrieval_options
+    from .long_args import long_context_kwargs, read_context
 
+    context = read_context(getattr(args, "context_file", None))
+    long_kwargs = long_context_kwargs(args) if context is not None else {}
+    if context is None and (long_context_kwargs(args) or args.method in ("rag", "rapid")):
+        raise RetrospecError("long-context options and methods rag / rapid need --context-file FILE")
     s = stream(read_prompt(args), target=args.target, draft=args.draft, method=args.method,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-               seed=args.seed, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma, stop=args.stop)
+               seed=args.seed, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma, stop=args.stop,
+               **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args))
     if args.json:
         for _ in s.token_chunks():
             pass
         res = s.result
         full = res.stats.to_dict()
         stats = {k: full[k] for k in JSON_STATS} | {"per_position_acceptance": full["per_position_acceptance"]}
+        if context is not None:
+            stats |= {k: full[k] for k in LONG_STATS}
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
         return 0
     for piece in s:
@@ -68,5 +87,7 @@ def run(args) -> int:
         sys.stdout.flush()
     st = s.result.stats
     print(f"\n[{st.method}] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, tau {st.mean_accepted_tokens:.2f}, "
-          f"acceptance {st.acceptance_rate:.2f}, prefill {st.prefill_s * 1000:.0f} ms", file=sys.stderr)
+          f"acceptance {st.acceptance_rate:.2f}, prefill {st.prefill_s * 1000:.0f} ms"
+          + (f", retrieval {st.retrieval_s * 1000:.0f} ms ({st.retrieved_tokens} tokens)" if context is not None else "")
+          + ("" if st.lossless else f", LOSSY rule {st.rule}"), file=sys.stderr)
     return 0

@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--target-tokens", type=int, default=4_000_000)
     b.add_argument("--draft-tokens", type=int, default=2_500_000)
+    b.add_argument("--self-distill-tokens", type=int, default=0,
+                   help="also distil the draft on this many tokens the target generates from corpus prefixes")
     b.add_argument("--reuse-target", help="existing zoo dir: keep its tokenizer and target, retrain only the draft")
     b.set_defaults(func=run_build)
     i = zsub.add_parser("info", help="print the bundled zoo's manifest")
@@ -31,7 +33,8 @@ def run_build(args) -> int:
     if reuse is not None and not (reuse / "target" / "config.json").is_file():
         raise RetrospecError(f"--reuse-target: no zoo target at {reuse / 'target'}")
     build_zoo(ZooBuildConfig(out=Path(args.out), seed=args.seed, target_tokens=args.target_tokens,
-                             draft_tokens=args.draft_tokens, reuse_target=reuse))
+                             draft_tokens=args.draft_tokens, reuse_target=reuse,
+                             self_distill_tokens=max(0, args.self_distill_tokens)))
     return 0
 
 

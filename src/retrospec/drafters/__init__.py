@@ -1,6 +1,7 @@
 """Drafting methods, one file each, behind the ``Drafter`` protocol; ``REGISTRY`` maps method names to factories."""
 
-from . import prompt_lookup, small_lm  # noqa: F401  (registration side effect)
+from . import magicdec, prompt_lookup, rapid, small_lm  # noqa: F401  (registration side effect)
+from . import dresd, rest  # noqa: F401  (retrieval drafters: REST, DReSD)
 from .base import REGISTRY, DecodeContext, Drafter, NoDraft, register
 
 __all__ = ["REGISTRY", "DecodeContext", "Drafter", "NoDraft", "register"]

@@ -92,8 +92,12 @@ class BufferLayer(CacheLayerMixin):
         if self.is_initialized:
             self._refresh_views()
 
+    @torch.inference_mode()
     def gather_tail(self, start: int, idx: torch.Tensor) -> None:
-        """Keep positions [0, start) followed by positions ``idx`` (all >= start); drop the rest."""
+        """Keep positions [0, start) followed by positions ``idx`` (all >= start); drop the rest.
+
+        Runs in inference mode: the buffers were allocated by a forward under inference mode (inference tensors),
+        which refuse in-place writes outside it, and callers such as ``Verifier.commit`` run outside it."""
         m = idx.numel()
         self._k[:, :, start : start + m] = self._k.index_select(2, idx)
         self._v[:, :, start : start + m] = self._v.index_select(2, idx)

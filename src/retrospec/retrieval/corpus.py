@@ -125,7 +125,7 @@ def tokenize(texts: Iterable[str], tokenizer, *, total: int | None = None, batch
     buf: list[str] = []
 
     def flush():
-        for enc in tokenizer(buf, add_special_tokens=False)["input_ids"]:
+        for enc in tokenizer(buf, add_special_tokens=False, verbose=False)["input_ids"]:
             if enc:
                 yield TokenDoc(np.asarray(enc, dtype=np.int32))
         bar.update(len(buf))

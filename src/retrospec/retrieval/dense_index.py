@@ -197,7 +197,7 @@ def _make_index(kind: str, dim: int, n: int, train: np.ndarray):
 def build_dense_store(model: torch.nn.Module, docs: Iterable[TokenDoc], out: str | Path, *, tokenizer_info: dict,
                       target_info: dict, corpus: dict, value_len: int = 20, pca_dims: int = 64,
                       pca_sample: int = 1_000_000, index: str = "auto", window: int = 512, overlap: int = 128,
-                      batch_tokens: int = 8192, memory_budget_mb: int = 2048, seed: int = 0,
+                      batch_tokens: int = 8192, memory_budget_mb: float = 2048, seed: int = 0,
                       overwrite: bool = False, progress: bool = True) -> dict:
     """Write a DReSD store to ``out`` atomically; returns its meta."""
     if value_len < 1 or pca_dims < 0 or pca_sample < 1 or window < 2 or not 0 <= overlap < window:

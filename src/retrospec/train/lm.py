@@ -54,22 +54,40 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def _batch(stream: np.ndarray, gen: np.random.Generator, cfg: TrainConfig) -> torch.Tensor:
-    starts = gen.integers(0, len(stream) - cfg.seq_len - 1, size=cfg.batch_size)
-    rows = np.stack([stream[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int64)
-    return torch.from_numpy(rows)  # [batch, seq_len + 1]
+Streams = np.ndarray | list[tuple[np.ndarray, float]]
+
+
+def _as_mixture(streams: Streams, seq_len: int) -> tuple[list[np.ndarray], np.ndarray]:
+    pairs = [(streams, 1.0)] if isinstance(streams, np.ndarray) else list(streams)
+    for s, _ in pairs:
+        if len(s) <= seq_len + 1:
+            raise ValueError(f"token stream of {len(s)} tokens is shorter than seq_len + 1 = {seq_len + 1}")
+    weights = np.array([w for _, w in pairs], dtype=np.float64)
+    return [s for s, _ in pairs], weights / weights.sum()
+
+
+def _batch(streams: list[np.ndarray], weights: np.ndarray, gen: np.random.Generator,
+           cfg: TrainConfig) -> torch.Tensor:
+    """Random windows; each row's source stream is drawn with the mixture weights."""
+    sources = gen.choice(len(streams), size=cfg.batch_size, p=weights)
+    rows = []
+    for src in sources:
+        s = streams[src]
+        start = int(gen.integers(0, len(s) - cfg.seq_len - 1))
+        rows.append(s[start : start + cfg.seq_len + 1])
+    return torch.from_numpy(np.stack(rows).astype(np.int64))  # [batch, seq_len + 1]
 
 
 def train_lm(
     model: torch.nn.Module,
-    stream: np.ndarray,
+    stream: Streams,
     cfg: TrainConfig,
     teacher: torch.nn.Module | None = None,
     desc: str = "train",
 ) -> TrainResult:
-    """Train ``model`` in place on random windows of ``stream`` (1-D token ids) for ``cfg.tokens`` tokens."""
-    if len(stream) <= cfg.seq_len + 1:
-        raise ValueError(f"token stream of {len(stream)} tokens is shorter than seq_len + 1 = {cfg.seq_len + 1}")
+    """Train ``model`` in place for ``cfg.tokens`` tokens on random windows of ``stream`` (1-D token ids), or of
+    a weighted mixture ``[(stream, weight), ...]``."""
+    streams, weights = _as_mixture(stream, cfg.seq_len)
     torch.manual_seed(cfg.seed)
     gen = np.random.default_rng(cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -90,7 +108,7 @@ def train_lm(
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, total_steps, cfg)
-        rows = _batch(stream, gen, cfg)
+        rows = _batch(streams, weights, gen, cfg)
         inputs, targets = rows[:, :-1], rows[:, 1:]
         logits = model(input_ids=inputs).logits  # [batch, seq, vocab]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

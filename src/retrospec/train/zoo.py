@@ -72,6 +72,7 @@ class ZooBuildConfig:
     draft_tokens: int = 2_500_000
     threads: int = 0  # 0 = torch default
     reuse_target: Path | None = None  # an existing zoo dir: keep its tokenizer + target, retrain only the draft
+    self_distill_tokens: int = 0  # target-generated tokens mixed 50/50 into the draft's distillation data
 
 
 def _encode_stream(tokenizer, texts: list[str]) -> np.ndarray:
@@ -150,14 +151,25 @@ def build_zoo(cfg: ZooBuildConfig, log=print) -> dict:
     draft = LlamaForCausalLM(DRAFT_SPEC.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                                cfg.max_positions))
     dcfg = TrainConfig(tokens=cfg.draft_tokens, seq_len=cfg.seq_len, batch_size=8, lr=3e-3, seed=cfg.seed + 1)
-    res = train_lm(draft, train_stream, dcfg, teacher=target, desc="draft (distil)")
+    draft_data = train_stream
+    if cfg.self_distill_tokens > 0:
+        from .selfgen import generate_stream
+
+        t0 = time.perf_counter()
+        gen_stream = generate_stream(target, train_stream, cfg.self_distill_tokens, eos_id=tokenizer.eos_token_id,
+                                     pad_id=tokenizer.pad_token_id, seed=cfg.seed + 2)
+        results["self_generation"] = {"tokens": int(len(gen_stream)), "seconds": time.perf_counter() - t0}
+        draft_data = [(train_stream, 0.5), (gen_stream, 0.5)]
+        log(f"self-generation: {len(gen_stream):,} target tokens in {time.perf_counter() - t0:.0f}s")
+    res = train_lm(draft, draft_data, dcfg, teacher=target, desc="draft (distil)")
     results["draft"] = {"train": asdict(res) | {"losses": None}, "heldout_loss": eval_loss(draft, heldout_stream)}
     _save_model(draft, tokenizer, tmp / "draft")
     log(f"draft: {res.tokens:,} tokens in {res.seconds:.0f}s, held-out loss {results['draft']['heldout_loss']:.3f}")
 
     manifest = {
         "command": f"retrospec zoo build --out {out} --seed {cfg.seed} --target-tokens {cfg.target_tokens} "
-                   f"--draft-tokens {cfg.draft_tokens}",
+                   f"--draft-tokens {cfg.draft_tokens} --self-distill-tokens {cfg.self_distill_tokens}"
+                   + (f" --reuse-target {cfg.reuse_target}" if cfg.reuse_target else ""),
         "seed": cfg.seed,
         "corpus": f"Python {platform.python_version()} standard library (.py, tests excluded)",
         "heldout_packages": list(HELDOUT_PACKAGES),
@@ -169,6 +181,7 @@ def build_zoo(cfg: ZooBuildConfig, log=print) -> dict:
             "draft": {"spec": asdict(DRAFT_SPEC), "params": sum(p.numel() for p in draft.parameters()),
                       "distilled_from": "target"} | results["draft"],
         },
+        "self_generation": results.get("self_generation"),
         "build_seconds": round(time.perf_counter() - started, 1),
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
@@ -189,9 +202,11 @@ def main(argv: list[str] | None = None) -> None:  # `python -m retrospec.train.z
     ap.add_argument("--target-tokens", type=int, default=ZooBuildConfig.target_tokens)
     ap.add_argument("--draft-tokens", type=int, default=ZooBuildConfig.draft_tokens)
     ap.add_argument("--reuse-target", type=Path, default=None)
+    ap.add_argument("--self-distill-tokens", type=int, default=0)
     args = ap.parse_args(argv)
     build_zoo(ZooBuildConfig(out=args.out, seed=args.seed, target_tokens=args.target_tokens,
-                             draft_tokens=args.draft_tokens, reuse_target=args.reuse_target))
+                             draft_tokens=args.draft_tokens, reuse_target=args.reuse_target,
+                             self_distill_tokens=args.self_distill_tokens))
 
 
 if __name__ == "__main__":

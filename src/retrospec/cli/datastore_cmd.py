@@ -1,0 +1,265 @@
+"""``retrospec datastore build|info|eval``: retrieval datastores for ``rest`` (suffix) and ``dresd`` (dense).
+
+Also home of the ``--datastore / --num-drafts / --draft-len`` options that ``generate`` and ``bench`` share
+(``add_retrieval_args``, ``retrieval_options``, ``bench_method_options``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import RetrospecError
+
+RETRIEVAL_METHODS = {"rest": "suffix", "dresd": "dense"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("datastore", help="build, describe or evaluate retrieval datastores (rest, dresd)")
+    dsub = p.add_subparsers(dest="datastore_command", required=True, parser_class=type(p))
+
+    b = dsub.add_parser("build", help="build a suffix (rest) or dense (dresd) datastore, atomically")
+    b.add_argument("--kind", required=True, choices=("suffix", "dense"))
+    b.add_argument("--out", required=True, help="store directory to create")
+    b.add_argument("--target", help="target model directory (default: bundled zoo target); its tokenizer (and, "
+                                    "for dense, its hidden states) define the store")
+    b.add_argument("--corpus", help="text file, .jsonl (text | prompt+completion), directory, 'stdlib' "
+                                    "(zoo training split) or 'stdlib:heldout'")
+    b.add_argument("--from-generations", metavar="PROMPTS.jsonl",
+                   help="in-distribution store: the target's own greedy outputs on these prompts")
+    b.add_argument("--gen-max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    b.add_argument("--max-tokens", type=int, default=None, help="use at most N corpus tokens")
+    b.add_argument("--value-len", type=int, default=20, help="dense: tokens stored after each key (default 20)")
+    b.add_argument("--pca-dims", type=int, default=64, help="dense: PCA dimensions, 0 = no PCA (default 64)")
+    b.add_argument("--pca-sample", type=int, default=1_000_000, help="dense: positions the z-norm/PCA are fit on")
+    b.add_argument("--index", default="auto", choices=("auto", "flat", "hnsw", "ivf"),
+                   help="dense: FAISS index (auto: exact up to 100k entries, HNSW above)")
+    b.add_argument("--window", type=int, default=512, help="dense: tokens per forward window (default 512)")
+    b.add_argument("--batch-tokens", type=int, default=8192, help="dense: tokens per forward batch")
+    b.add_argument("--memory-budget-mb", type=int, default=2048,
+                   help="dense: hidden states larger than this are memory-mapped on disk (default 2048)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
+    b.set_defaults(func=run_build)
+
+    i = dsub.add_parser("info", help="describe a datastore")
+    i.add_argument("dir")
+    i.add_argument("--json", action="store_true", help="print meta.json")
+    i.set_defaults(func=run_info)
+
+    e = dsub.add_parser("eval", help="intrinsic quality on held-out text (dense: MRR; suffix: hit rate)")
+    e.add_argument("dir")
+    e.add_argument("--corpus", required=True, help="held-out corpus (same forms as build), e.g. stdlib:heldout")
+    e.add_argument("--target", help="target model directory (default: the store's target, else the zoo target)")
+    e.add_argument("--max-tokens", type=int, default=50_000, help="held-out tokens to read (default 50000)")
+    e.add_argument("--max-queries", type=int, default=1000)
+    e.add_argument("--k", type=int, default=10, help="dense: neighbours for MRR@k")
+    e.add_argument("--match-len", type=int, default=4, help="dense: tokens that must match for relevance")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=run_eval)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# shared with generate / bench
+
+
+def add_retrieval_args(p, multiple: bool = False) -> None:
+    if multiple:
+        p.add_argument("--datastore", action="append", default=[], metavar="DIR",
+                       help="retrieval store for rest (suffix) / dresd (dense); repeat to give both")
+    else:
+        p.add_argument("--datastore", metavar="DIR", help="rest: suffix store; dresd: dense store")
+    p.add_argument("--num-drafts", type=int, default=None,
+                   help="rest/dresd: drafts per step (default 3 greedy, 10 sampling)")
+    p.add_argument("--draft-len", type=int, default=None,
+                   help="rest/dresd: tokens per draft (default 20 greedy, 10 sampling)")
+
+
+def _check_shape(args) -> None:
+    for name in ("num_drafts", "draft_len"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+
+def retrieval_options(args) -> dict:
+    """``generate``: the API options for rest / dresd (empty for other methods)."""
+    _check_shape(args)
+    if args.method not in RETRIEVAL_METHODS:
+        return {}
+    if not args.datastore:
+        raise RetrospecError(f"method '{args.method}' needs --datastore DIR (a {RETRIEVAL_METHODS[args.method]} "
+                             f"store; see 'retrospec datastore build')")
+    return {"datastore": args.datastore, "num_drafts": args.num_drafts, "draft_len": args.draft_len}
+
+
+def bench_method_options(args, methods: list[str], target=None) -> dict[str, dict]:
+    """``bench``: per-method options; each rest/dresd method gets the given store of its kind (checked against
+    the target up front, so a mismatch fails before any run)."""
+    from ..retrieval import load_meta, open_store
+
+    _check_shape(args)
+    by_kind: dict[str, str] = {}
+    for path in args.datastore:
+        kind = load_meta(path)["kind"]
+        if kind in by_kind:
+            raise RetrospecError(f"two {kind} datastores given ({by_kind[kind]}, {path}); give one per kind")
+        by_kind[kind] = path
+    options = {}
+    for m in methods:
+        if m in RETRIEVAL_METHODS:
+            kind = RETRIEVAL_METHODS[m]
+            if kind not in by_kind:
+                raise RetrospecError(f"method '{m}' needs a {kind} datastore (--datastore DIR)")
+            if target is not None:
+                open_store(by_kind[kind], kind, target=target)
+            options[m] = {"datastore": by_kind[kind], "num_drafts": args.num_drafts, "draft_len": args.draft_len}
+    return options
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# commands
+
+
+def _load_target(path):
+    from ..models import load_model, zoo_path
+
+    return load_model(zoo_path("target") if path is None else path, role="target")
+
+
+def _eos_id(target) -> int:
+    tok_eos = getattr(target.tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        return tok_eos
+    ids = sorted(target.eos_ids())
+    if not ids:
+        raise RetrospecError(f"target {target.path} defines no EOS token (needed as the document separator)")
+    return ids[0]
+
+
+def _documents(corpus: str | None, target, max_tokens: int | None, progress: bool = True):
+    from .. import retrieval  # noqa: F401
+    from ..retrieval.corpus import limit_tokens, open_text_corpus, tokenize
+
+    if target.tokenizer is None:
+        raise RetrospecError(f"target {target.path} has no tokenizer; a text corpus cannot be encoded")
+    text = open_text_corpus(corpus)
+    docs = limit_tokens(tokenize(text, target.tokenizer, total=len(text), progress=progress), max_tokens)
+    return docs, text.description
+
+
+def run_build(args) -> int:
+    import itertools
+
+    from ..retrieval import build_dense_store, build_suffix_store
+    from ..retrieval.corpus import generation_documents, limit_tokens
+    from ..retrieval.store import target_meta, tokenizer_meta
+
+    if not args.corpus and not args.from_generations:
+        raise RetrospecError("give --corpus PATH|stdlib and/or --from-generations PROMPTS.jsonl")
+    for name in ("max_tokens", "value_len", "pca_sample", "window", "batch_tokens", "memory_budget_mb",
+                 "gen_max_new_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.pca_dims < 0:
+        raise RetrospecError(f"--pca-dims must be >= 0, got {args.pca_dims}")
+    out = Path(args.out)
+    if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise RetrospecError(f"{out} already exists; choose another --out or pass --overwrite")
+    target = _load_target(args.target)
+    if target.tokenizer is None:
+        raise RetrospecError(f"target {target.path} has no tokenizer files")
+    sources, parts = [], []
+    if args.from_generations:
+        gdocs, gdesc = generation_documents(args.from_generations, target, max_new_tokens=args.gen_max_new_tokens)
+        sources.append(gdocs)
+        parts.append(gdesc)
+    if args.corpus:
+        docs, desc = _documents(args.corpus, target, None)
+        sources.append(docs)
+        parts.append(desc)
+    docs = limit_tokens(itertools.chain(*sources), args.max_tokens)
+    corpus = {"description": "; ".join(parts), "corpus": args.corpus, "from_generations": args.from_generations,
+              "distribution": "ID (target generations)" if args.from_generations and not args.corpus else
+              ("OOD (raw text)" if not args.from_generations else "mixed"), "max_tokens": args.max_tokens}
+    tok = tokenizer_meta(target.tokenizer, target.vocab_size, _eos_id(target), source=target.path)
+    if args.kind == "suffix":
+        meta = build_suffix_store(docs, out, tokenizer_info=tok, corpus=corpus, target_info={"path": target.path},
+                                  overwrite=args.overwrite)
+    else:
+        meta = build_dense_store(target.model, docs, out, tokenizer_info=tok,
+                                 target_info=target_meta(target.model, target.path), corpus=corpus,
+                                 value_len=args.value_len, pca_dims=args.pca_dims, pca_sample=args.pca_sample,
+                                 index=args.index, window=args.window, batch_tokens=args.batch_tokens,
+                                 memory_budget_mb=args.memory_budget_mb, seed=args.seed, overwrite=args.overwrite)
+    print(summary(out, meta))
+    return 0
+
+
+def summary(path, meta: dict) -> str:
+    c, p, b = meta.get("counts", {}), meta.get("params", {}), meta.get("build", {})
+    size = sum((meta.get("files") or {}).values())
+    lines = [f"{path}: {meta['kind']} datastore ({'rest' if meta['kind'] == 'suffix' else 'dresd'})"]
+    if meta["kind"] == "suffix":
+        lines.append(f"  tokens {c.get('tokens', 0):,} in {c.get('documents', 0):,} documents")
+    else:
+        idx = p.get("index")
+        extra = {"hnsw": f"M={p.get('M')}, efSearch={p.get('ef_search')}",
+                 "ivf": f"nlist={p.get('nlist')}, nprobe={p.get('nprobe')}"}.get(idx, "exact")
+        lines.append(f"  entries {c.get('entries', 0):,} from {c.get('documents', 0):,} documents; keys "
+                     f"{p.get('key_dim')}-d (PCA {p.get('pca_dims') or 'off'}, fit on {p.get('pca_sample', 0):,}); "
+                     f"values 1 + {p.get('value_len')} tokens; index {idx} ({extra})")
+        t = meta.get("target") or {}
+        lines.append(f"  target {t.get('path')} (fingerprint {t.get('fingerprint')}, layer {t.get('layer')}, "
+                     f"hidden {t.get('hidden_size')})")
+    tk = meta.get("tokenizer") or {}
+    lines.append(f"  tokenizer {tk.get('fingerprint')} (vocab {tk.get('vocab_size')}, eos {tk.get('eos_id')})")
+    lines.append(f"  corpus: {(meta.get('corpus') or {}).get('description', '?')}")
+    lines.append(f"  size {size / 2**20:.1f} MiB; built {b.get('created')} in {b.get('seconds')} s, "
+                 f"peak RSS {b.get('peak_rss_mb')} MiB")
+    return "\n".join(lines)
+
+
+def run_info(args) -> int:
+    from ..retrieval import load_meta
+
+    meta = load_meta(args.dir)
+    print(json.dumps(meta, indent=2) if args.json else summary(args.dir, meta))
+    return 0
+
+
+def run_eval(args) -> int:
+    from ..retrieval import load_meta, open_store
+    from ..retrieval.evaluate import eval_dense, eval_suffix
+
+    for name in ("max_tokens", "max_queries", "k", "match_len"):
+        if getattr(args, name) < 1:
+            raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    meta = load_meta(args.dir)
+    target_path = args.target
+    if target_path is None:
+        recorded = ((meta.get("target") or {}).get("path")) or (meta.get("tokenizer") or {}).get("source")
+        if recorded and Path(recorded).is_dir():
+            target_path = recorded
+    target = _load_target(target_path)
+    store = open_store(args.dir, meta["kind"], target=target)
+    docs, desc = _documents(args.corpus, target, args.max_tokens)
+    docs = list(docs)
+    if not docs:
+        raise RetrospecError(f"held-out corpus {args.corpus} has no tokens")
+    if meta["kind"] == "suffix":
+        res = eval_suffix(store, docs, max_queries=args.max_queries, seed=args.seed)
+    else:
+        if args.match_len > store.value_len + 1:
+            raise RetrospecError(f"--match-len must be <= {store.value_len + 1} for this store")
+        res = eval_dense(store, target.model, docs, max_queries=args.max_queries, k=args.k, match_len=args.match_len,
+                         seed=args.seed)
+    res = {"datastore": str(args.dir), "kind": meta["kind"], "heldout": desc} | res
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for key, v in res.items():
+            print(f"{key}: {v:.4f}" if isinstance(v, float) else f"{key}: {v}")
+    return 0

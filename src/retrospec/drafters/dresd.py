@@ -1,0 +1,82 @@
+"""``dresd``: Dense Retrieval for Speculative Decoding (Gritta, Xue, Lampouras, Findings of ACL 2025).
+
+Each step: the target's last-layer hidden state that produced the last committed token (``ctx.target_hidden``,
+declared through ``needs = {"hidden_states"}``) is transformed exactly as the datastore keys were (z-norm -> PCA
+-> L2) and searched in the store's FAISS index. Neighbours whose stored sequence does not start with the last
+committed token are dropped; the first ``num_drafts`` distinct continuations (in similarity order) of the rest,
+cut to ``draft_len`` tokens (and after an EOS), are merged into one trie (``tree.merge_sequences``) and verified
+in one target forward. Defaults from the paper: 3 x 20 for greedy decoding, 10 x 10 for sampling.
+
+Invariants: the draft is deterministic given the context and carries no probabilities (one-hot q), so greedy
+output equals plain greedy decoding and sampling is exact; the drafter only reads the hidden state it is handed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import RetrospecError
+from ..tree import merge_sequences
+from ..types import DraftTree
+from .base import DecodeContext, register
+from .rest import DEFAULTS, check_shape
+
+
+class DresdDrafter:
+    name = "dresd"
+    needs: frozenset[str] = frozenset({"hidden_states"})
+
+    def __init__(self, store, num_drafts: int | None = None, draft_len: int | None = None,
+                 neighbours: int | None = None):
+        check_shape(num_drafts, draft_len)
+        self.store = store
+        self.num_drafts, self.draft_len, self.neighbours = num_drafts, draft_len, neighbours
+        self._k = self._len = self._search_k = 0
+
+    def prefill(self, ctx: DecodeContext) -> None:
+        k, length = DEFAULTS[ctx.sampling.greedy]
+        self._k = self.num_drafts or k
+        self._len = min(self.draft_len or length, self.store.value_len)
+        self._search_k = self.neighbours or max(32, 10 * self._k)
+
+    def drafts(self, hidden: np.ndarray, last_token: int) -> list[list[int]]:
+        """Up to num_drafts distinct continuations of ``last_token`` retrieved with ``hidden`` [H]."""
+        _, ids = self.store.search(hidden[None], self._search_k)  # [1, k]
+        ids = ids[0][ids[0] >= 0]
+        vals = np.asarray(self.store.values[ids])  # [k, 1 + N] in similarity order
+        vals = vals[vals[:, 0] == last_token, 1 : 1 + self._len]  # keep neighbours that produced last_token
+        out: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        eos = self.store.eos_id
+        for row in vals.tolist():
+            if eos in row:
+                row = row[: row.index(eos) + 1]
+            key = tuple(row)
+            if key not in seen:
+                seen.add(key)
+                out.append(row)
+                if len(out) == self._k:
+                    break
+        return out
+
+    def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
+        if budget <= 0 or ctx.target_hidden is None:
+            return DraftTree.empty()
+        hidden = ctx.target_hidden.detach().float().cpu().numpy()  # [H]
+        seqs = self.drafts(hidden, ctx.tokens[-1])
+        return merge_sequences(seqs, max_nodes=budget) if seqs else DraftTree.empty()
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        pass
+
+
+@register("dresd")
+def _make_dresd(*, datastore=None, num_drafts: int | None = None, draft_len: int | None = None,
+                neighbours: int | None = None, target=None, **_) -> DresdDrafter:
+    from ..retrieval import open_store
+
+    if datastore is None:
+        raise RetrospecError("method 'dresd' needs a dense datastore (--datastore DIR; build one with "
+                             "'retrospec datastore build --kind dense')")
+    store = open_store(datastore, "dense", target=target)
+    return DresdDrafter(store, num_drafts=num_drafts, draft_len=draft_len, neighbours=neighbours)

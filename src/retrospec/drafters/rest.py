@@ -1,0 +1,70 @@
+"""``rest``: Retrieval-Based Speculative Decoding (He et al., NAACL 2024).
+
+Each step: the longest suffix of the committed tokens (16 down to 2 tokens) is looked up in a suffix-array
+datastore (``retrieval.suffix_array``); the next ``draft_len`` tokens after up to ``max_samples`` of its
+occurrences are counted into a trie, and the ``num_drafts x draft_len`` most frequent nodes form the draft tree
+(``tree.frequency_trie``), verified in one target forward.
+
+Invariants: the draft is deterministic (same store + same context -> same tree) and carries no probabilities, so
+it is verified as one-hot q: greedy output equals plain greedy decoding and sampling is exact at any temperature.
+The drafter never touches the target. Node budget defaults: 3 x 20 for greedy and 10 x 10 for sampling, the same
+budget as ``dresd`` so the two can be compared at equal draft size.
+"""
+
+from __future__ import annotations
+
+from ..errors import RetrospecError
+from ..tree import frequency_trie
+from ..types import DraftTree
+from .base import DecodeContext, register
+
+DEFAULTS = {True: (3, 20), False: (10, 10)}  # greedy -> (num_drafts, draft_len); sampling -> ...
+
+
+def check_shape(num_drafts: int | None, draft_len: int | None) -> None:
+    for name, v in (("num_drafts", num_drafts), ("draft_len", draft_len)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise RetrospecError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+class RestDrafter:
+    name = "rest"
+    needs: frozenset[str] = frozenset()
+
+    def __init__(self, store, num_drafts: int | None = None, draft_len: int | None = None, max_nodes: int | None = None,
+                 max_samples: int = 512, max_suffix: int = 16, min_suffix: int = 2):
+        check_shape(num_drafts, draft_len)
+        self.store = store
+        self.num_drafts, self.draft_len, self.max_nodes = num_drafts, draft_len, max_nodes
+        self.max_samples, self.max_suffix, self.min_suffix = max_samples, max_suffix, min_suffix
+        self._len, self._nodes = 0, 0
+
+    def prefill(self, ctx: DecodeContext) -> None:
+        k, length = DEFAULTS[ctx.sampling.greedy]
+        self._len = self.draft_len or length
+        self._nodes = self.max_nodes or (self.num_drafts or k) * self._len
+
+    def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
+        n = min(self._nodes, budget)
+        if n <= 0:
+            return DraftTree.empty()
+        match = self.store.search(ctx.tokens, self.max_suffix, self.min_suffix)
+        if match is None:
+            return DraftTree.empty()
+        seqs, counts = self.store.continuations(match, self._len, self.max_samples)  # [U, L], [U]
+        return frequency_trie(seqs, counts, n)
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        pass
+
+
+@register("rest")
+def _make_rest(*, datastore=None, num_drafts: int | None = None, draft_len: int | None = None, target=None,
+               **_) -> RestDrafter:
+    from ..retrieval import open_store
+
+    if datastore is None:
+        raise RetrospecError("method 'rest' needs a suffix datastore (--datastore DIR; build one with "
+                             "'retrospec datastore build --kind suffix')")
+    store = open_store(datastore, "suffix", target=target)
+    return RestDrafter(store, num_drafts=num_drafts, draft_len=draft_len)

@@ -1,0 +1,187 @@
+"""Long-context requests: which prompt the target reads, which the drafter reads, and which rule verifies.
+
+RAPID (Chen, Feng, Ni, Li, Shieh, ICML 2025) and its baselines differ only in these three choices:
+
+| method   | target reads                   | drafter                                         | rule                   |
+|----------|--------------------------------|-------------------------------------------------|------------------------|
+| lc       | template(full context, query)  | none (autoregressive)                           | exact                  |
+| rag      | template(retrieved, query)     | none (autoregressive)                           | exact                  |
+| sd       | template(full context, query)  | draft LM over the same full prompt              | exact (eta = 0)        |
+| magicdec | template(full context, query)  | the target over sinks + window (StreamingLLM)   | exact                  |
+| rapid    | template(full context, query)  | draft LM over template(retrieved, query)        | exact if eta = 0, else |
+|          |                                |                                                 | RAPID's p_hat (LOSSY)  |
+
+The draft LM defaults to the target itself (self-speculation); any causal LM with the target's vocabulary works
+(a larger one = upward speculation). Templates (``ContextTemplate``) format ``{context}`` and ``{query}``; when the
+tokenizer has a chat template, the formatted text becomes one user message rendered with it (``chat=False`` turns
+that off). Retrieval (``retrieval.long_context``) is timed and reported as ``retrieval_s`` / ``retrieved_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .acceptance import AcceptanceRule
+from .acceptance_rapid import make_rapid_rule
+from .config import SamplingConfig
+from .drafters.magicdec import DEFAULT_SINK
+from .drafters.rapid import DEFAULT_GAMMA as RAPID_GAMMA
+from .errors import RetrospecError
+from .retrieval.long_context import LongContextRetriever, RetrievalConfig, Retrieved
+
+LONG_METHODS = ("lc", "rag", "sd", "magicdec", "rapid")
+USES_RETRIEVAL = ("rag", "rapid")
+USES_DRAFT_LM = ("sd", "rapid")
+DEFAULT_TEMPLATE = "{context}\n\n{query}"
+
+
+@dataclass(frozen=True)
+class ContextTemplate:
+    text: str = DEFAULT_TEMPLATE  # must contain {context} and {query}
+    chat: bool = True  # use the tokenizer's chat template when it has one
+
+    def __post_init__(self) -> None:
+        if "{context}" not in self.text or "{query}" not in self.text:
+            raise RetrospecError("a context template needs both {context} and {query}")
+
+    def render(self, context: str, query: str, tokenizer=None) -> str:
+        body = self.text.replace("{context}", context).replace("{query}", query)  # no str.format: code has braces
+        if self.chat and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template([{"role": "user", "content": body}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return body
+
+
+@dataclass(frozen=True)
+class LongContextOptions:
+    """Every long-context knob, validated (CLI flags and API keyword arguments map 1:1 onto these fields)."""
+
+    eta: float = 0.0  # RAPID's retrieval-augmented target strength; > 0 is LOSSY
+    chunk_tokens: int = 512
+    retrieval_tokens: int | None = None
+    min_retrieval_tokens: int = 1024
+    max_retrieval_fraction: float = 1 / 24
+    similarity_floor: float = 0.3
+    embedder: object = None  # None = bundled all-MiniLM-L6-v2; a path; or an object with encode/count/max_tokens
+    sink: int = DEFAULT_SINK
+    window: int | None = None
+    template: ContextTemplate = field(default_factory=ContextTemplate)
+
+    def __post_init__(self) -> None:
+        if not self.eta >= 0:
+            raise RetrospecError(f"eta must be >= 0, got {self.eta}")
+        if self.sink < 0:
+            raise RetrospecError(f"sink must be >= 0, got {self.sink}")
+        if self.window is not None and self.window < 1:
+            raise RetrospecError(f"window must be >= 1, got {self.window}")
+        self.retrieval  # validates the retrieval knobs
+
+    @property
+    def retrieval(self) -> RetrievalConfig:
+        return RetrievalConfig(chunk_tokens=self.chunk_tokens, similarity_floor=self.similarity_floor,
+                               retrieval_tokens=self.retrieval_tokens, min_tokens=self.min_retrieval_tokens,
+                               max_fraction=self.max_retrieval_fraction)
+
+    @classmethod
+    def pop_from(cls, options: dict) -> "LongContextOptions":
+        """Take this class's fields out of a keyword dict (``None`` values = defaults)."""
+        names = set(cls.__dataclass_fields__)
+        given = {k: options.pop(k) for k in list(options) if k in names}
+        if isinstance(given.get("template"), str):
+            given["template"] = ContextTemplate(given["template"])
+        return cls(**{k: v for k, v in given.items() if v is not None})
+
+
+@dataclass
+class LongContextPlan:
+    target_prompt_ids: list[int]
+    drafter_options: dict  # extra factory options (draft_prompt_ids, sink, window, eta, ...)
+    rule: AcceptanceRule | None  # None = the engine's default (exact) rule
+    retrieved: Retrieved | None
+    info: dict  # goes into SpecStats: retrieval_s, retrieved_tokens
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def retrieve(method: str, context: str, query: str, tokenizer, options: LongContextOptions) -> Retrieved | None:
+    """Run retrieval when ``method`` needs it (rag, rapid); None otherwise."""
+    if method not in USES_RETRIEVAL:
+        return None
+    return LongContextRetriever(tokenizer, options.embedder, options.retrieval).retrieve(context, query)
+
+
+def plan(method: str, context: str, query: str, tokenizer, sampling: SamplingConfig,
+         options: LongContextOptions | None = None, retrieved: Retrieved | None = None) -> LongContextPlan:
+    """Build the prompts, drafter options and rule of one long-context request. Pass ``retrieved`` to reuse one
+    retrieval for several methods over the same (context, query) (its time is then reported by each)."""
+    if method not in LONG_METHODS:
+        raise RetrospecError(f"method {method!r} does not take a long context; use one of {', '.join(LONG_METHODS)}")
+    if tokenizer is None:
+        raise RetrospecError("long-context methods need the target's tokenizer")
+    if not context.strip():
+        raise RetrospecError("the long context is empty")
+    options = options or LongContextOptions()
+    if options.eta > 0 and method != "rapid":
+        raise RetrospecError(f"eta applies to method 'rapid' only (got method {method!r})")
+    if method in USES_RETRIEVAL and retrieved is None:
+        retrieved = retrieve(method, context, query, tokenizer, options)
+    tmpl = options.template
+    full_ids = encode(tokenizer, tmpl.render(context, query, tokenizer))
+    short_ids = encode(tokenizer, tmpl.render(retrieved.text, query, tokenizer)) if retrieved is not None else None
+    drafter_options: dict = {"prefill_prompt": True}
+    if method == "rapid":
+        drafter_options.update(draft_prompt_ids=short_ids, eta=options.eta)
+    if method == "magicdec":
+        drafter_options.update(sink=options.sink, window=options.window)
+    info = {"retrieval_s": retrieved.seconds, "retrieved_tokens": retrieved.tokens} if retrieved is not None else {}
+    rule = make_rapid_rule(options.eta, sampling) if method == "rapid" and options.eta > 0 else None
+    return LongContextPlan(target_prompt_ids=short_ids if method == "rag" else full_ids,
+                           drafter_options=drafter_options, rule=rule, retrieved=retrieved, info=info)
+
+
+def default_gamma(method: str) -> int:
+    return RAPID_GAMMA
+
+
+def default_long_target():
+    """The bundled long-context target (``zoo/target-long``) when present, else the bundled target."""
+    from .models import zoo_path
+
+    try:
+        return zoo_path("target-long")
+    except RetrospecError:
+        return zoo_path("target")
+
+
+def prepare_long_request(query, context: str, *, target, draft, method: str, sampling: SamplingConfig, decode,
+                         gamma: int | None, adaptive_gamma: bool, tokenizer=None, **options):
+    """``api.prepare`` for a request with a long context: load models, retrieve, build prompts and the rule."""
+    from .api import Request
+    from .models import check_same_vocab, load_model
+
+    if not isinstance(query, str) or not query.strip():
+        raise RetrospecError("a long-context request needs the query as non-empty text")
+    if not isinstance(context, str):
+        raise RetrospecError("the long context must be text")
+    long_opts = LongContextOptions.pop_from(options)
+    tgt = load_model(default_long_target() if target is None else target, role="target", tokenizer=tokenizer)
+    if tgt.tokenizer is None:
+        raise RetrospecError(f"target {tgt.path} has no tokenizer; long-context methods work on text")
+    drf = None
+    if method in USES_DRAFT_LM:
+        drf = tgt if draft is None else load_model(draft, role="draft")  # default: self-speculation
+        check_same_vocab(tgt, drf)
+    elif draft is not None:
+        raise RetrospecError(f"method '{method}' takes no draft model (--draft applies to sd and rapid)")
+    p = plan(method, context, query, tgt.tokenizer, sampling, long_opts)
+    for name, model, ids in (("target", tgt, p.target_prompt_ids),
+                             ("draft", drf, p.drafter_options.get("draft_prompt_ids"))):
+        if model is not None and ids is not None and model.max_positions and len(ids) >= model.max_positions:
+            raise RetrospecError(f"the {name} prompt has {len(ids)} tokens but the {name} model supports at most "
+                                 f"{model.max_positions} positions")
+    opts = dict(options) | p.drafter_options
+    opts["gamma"] = gamma or default_gamma(method)
+    opts["adaptive"] = adaptive_gamma
+    return Request(tgt, drf, method, p.target_prompt_ids, sampling, decode, opts, rule=p.rule, info=p.info)

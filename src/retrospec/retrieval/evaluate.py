@@ -1,0 +1,136 @@
+"""Intrinsic evaluation of a datastore on held-out documents (``retrospec datastore eval``).
+
+Query positions t are sampled (seeded) from the held-out documents; the truth at t is the sequence that really
+followed, x_{t+1}, x_{t+2}, ...
+
+- dense (DReSD's intrinsic metric): the store is searched with the target's hidden state h_t. MRR@k over the k
+  nearest neighbours, where a neighbour is relevant when its stored sequence starts with the true next
+  ``match_len`` tokens (reported for match_len = 1, the next token, and for the requested length).
+- suffix (REST): hit rate (some suffix of >= 2 tokens of the context occurs in the corpus) and mean match length
+  (the length of the longest matching suffix, over hits).
+- both: the drafts a drafter would propose with its greedy defaults (3 x 20 budget), scored against the truth:
+  ``top1_prefix`` = tokens of the truth reproduced by the first draft, ``tree_prefix`` = tokens of the truth
+  reproduced along the draft tree (what greedy verification would accept, so tau ~ 1 + tree_prefix); and the
+  lookup latency (draft construction included, target forward excluded), p50 / p99 in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .corpus import TokenDoc
+
+
+def _tree_prefix(tree, truth: list[int]) -> int:
+    """Number of truth tokens matched walking down a DraftTree from the root."""
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    node, n = -1, 0
+    for want in truth:
+        nxt = next((i for i in range(len(toks)) if pars[i] == node and toks[i] == want), None)
+        if nxt is None:
+            break
+        node, n = nxt, n + 1
+    return n
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _sample_positions(docs: list[TokenDoc], n: int, seed: int, min_ctx: int) -> list[tuple[int, int]]:
+    """(doc, t) pairs with at least ``min_ctx`` tokens up to t and one token after it."""
+    cands = [(d, t) for d, doc in enumerate(docs) for t in range(min_ctx - 1, len(doc.ids) - 1)]
+    if not cands:
+        return []
+    rng = np.random.default_rng(seed)
+    pick = rng.choice(len(cands), size=min(n, len(cands)), replace=False)
+    return [cands[i] for i in sorted(pick)]
+
+
+def _latency(ms: list[float]) -> dict:
+    a = np.asarray(ms)
+    return {"lookup_p50_ms": float(np.percentile(a, 50)), "lookup_p99_ms": float(np.percentile(a, 99)),
+            "lookup_mean_ms": float(a.mean())}
+
+
+def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0) -> dict:
+    from ..tree import frequency_trie
+
+    num_drafts, draft_len = 3, 20
+    queries = _sample_positions(docs, max_queries, seed, min_ctx=2)
+    hits, lengths, top1, tree_acc, ms = 0, [], [], [], []
+    for d, t in queries:
+        ids = docs[d].ids
+        ctx = ids[max(0, t - 15) : t + 1].tolist()
+        truth = ids[t + 1 : t + 1 + draft_len].tolist()
+        t0 = time.perf_counter()
+        match = store.search(ctx)
+        tree = None
+        if match is not None:
+            seqs, counts = store.continuations(match, draft_len)
+            tree = frequency_trie(seqs, counts, num_drafts * draft_len)
+        ms.append((time.perf_counter() - t0) * 1000)
+        if match is None:
+            top1.append(0)
+            tree_acc.append(0)
+            continue
+        hits += 1
+        lengths.append(match.length)
+        top1.append(_prefix([x for x in seqs[0].tolist() if x >= 0], truth) if len(seqs) else 0)
+        tree_acc.append(_tree_prefix(tree, truth))
+    n = len(queries)
+    return {"queries": n, "hit_rate": hits / n if n else 0.0,
+            "mean_match_length": float(np.mean(lengths)) if lengths else 0.0,
+            "top1_prefix": float(np.mean(top1)) if n else 0.0, "tree_prefix": float(np.mean(tree_acc)) if n else 0.0,
+            } | (_latency(ms) if ms else {})
+
+
+def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queries: int = 1000, k: int = 10,
+               match_len: int = 4, seed: int = 0, batch_tokens: int = 8192, progress: bool = True) -> dict:
+    from ..drafters.dresd import DresdDrafter
+    from ..tree import merge_sequences
+    from .dense_index import _encode, _key_range
+
+    params = store.meta["params"]
+    queries = _sample_positions(docs, max_queries, seed, min_ctx=1)
+    if not queries:
+        return {"queries": 0}
+    used = sorted({d for d, _ in queries})
+    sub = [TokenDoc(docs[d].ids) for d in used]
+    sizes = [max(0, hi - lo) for lo, hi in map(_key_range, sub)]
+    bases = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    hidden = np.empty((int(bases[-1]), int(model.config.hidden_size)), dtype=np.float32)  # [positions, H]
+    _encode(model, sub, bases[:-1].tolist(), hidden, window=params.get("window", 512),
+            overlap=params.get("overlap", 128), batch_tokens=batch_tokens, pad_id=store.eos_id, progress=progress)
+    row_of = {d: int(b) for d, b in zip(used, bases[:-1])}
+    drafter = DresdDrafter(store, num_drafts=3, draft_len=min(20, store.value_len))
+    drafter._k, drafter._len, drafter._search_k = 3, min(20, store.value_len), 32
+    rr1, rrn, top1, tree_acc, ms = [], [], [], [], []
+    for d, t in queries:
+        ids = docs[d].ids
+        h = hidden[row_of[d] + t]  # [H] (key range starts at 0 for these documents)
+        truth = ids[t + 1 : t + 1 + store.value_len + 1].tolist()
+        truth = truth + [store.eos_id] * (store.value_len + 1 - len(truth))  # [1 + N], EOS-padded like values
+        _, nn = store.search(h[None], k)
+        vals = np.asarray(store.values[nn[0][nn[0] >= 0]])  # [k, 1 + N]
+        rank1 = np.flatnonzero(vals[:, 0] == truth[0])
+        rankn = np.flatnonzero((vals[:, :match_len] == np.asarray(truth[:match_len])).all(1))
+        rr1.append(1.0 / (rank1[0] + 1) if rank1.size else 0.0)
+        rrn.append(1.0 / (rankn[0] + 1) if rankn.size else 0.0)
+        t0 = time.perf_counter()
+        seqs = drafter.drafts(h, truth[0])
+        tree = merge_sequences(seqs, max_nodes=60)
+        ms.append((time.perf_counter() - t0) * 1000)
+        top1.append(_prefix(seqs[0], truth[1:]) if seqs else 0)
+        tree_acc.append(_tree_prefix(tree, truth[1:]))
+    return {"queries": len(queries), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
+            f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),
+            "tree_prefix": float(np.mean(tree_acc))} | _latency(ms)
