@@ -71,14 +71,17 @@ def exact_law(model, cfg: SamplingConfig):
     return p1, p2, p3
 
 
-def chisq_pvalue(groups) -> float:
+def chisq_pvalue(groups, strict: bool = True) -> float:
     """Pearson chi-square over groups of (observed, expected) counts, each group with its own total. Expected < 5
-    cells are pooled per group; expected-0 cells must be empty (asserted). df = sum over groups of (cells - 1)."""
+    cells are pooled per group; expected-0 cells must be empty (asserted when ``strict``; otherwise such a cell is a
+    certain rejection: p-value 0). df = sum over groups of (cells - 1)."""
     stat, df = 0.0, 0
     for obs, exp in groups:
         obs, exp = np.asarray(obs, float).ravel(), np.asarray(exp, float).ravel()
         impossible = exp <= 1e-9 * max(exp.sum(), 1.0)
-        assert obs[impossible].sum() == 0, "a token outside the target's support was generated"
+        if obs[impossible].sum() > 0:
+            assert not strict, "a token outside the target's support was generated"
+            return 0.0
         big = (exp >= 5) & ~impossible
         o, e = list(obs[big]), list(exp[big])
         rest = ~big & ~impossible
@@ -184,11 +187,11 @@ def test_first_tokens_follow_target_law(models, case):
     # power: the same histograms reject a law that differs from the target's
     if method == "sd":
         q1, q2, _ = exact_law(draft, cfg)
-        assert chisq_pvalue(joint_groups(c12, q1, q2)) < 1e-6
+        assert chisq_pvalue(joint_groups(c12, q1, q2), strict=False) < 1e-6
     if cfg.top_p < 1.0:
         u1, u2, u3 = exact_law(target, T1)  # the unfiltered law puts mass on tokens that top-p removes
         assert ((p1[:, None] * p2) == 0).any()
-        assert chisq_pvalue(joint_groups(c12, u1, u2) + third_groups(counts, u3)) < 1e-6
+        assert chisq_pvalue(joint_groups(c12, u1, u2) + third_groups(counts, u3), strict=False) < 1e-6
 
 
 def test_seeded_runs_are_reproducible(models):

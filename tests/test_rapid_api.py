@@ -117,7 +117,8 @@ def test_long_bench_harness(saved_models, tmp_path):
     assert summary["rapid"]["retrieved_tokens"] > 0 and summary["rapid"]["prefill_full_s"] > 0
     assert 0.0 <= summary["rag"]["accuracy"] <= 1.0
     probe = result["verify_probes"][0]
-    assert probe["gamma"] == 4 and probe["ratio"] > 0
+    assert probe["gamma"] == 4 and probe["default"]["ratio"] > 0 and probe["prefix_block"]["ratio"] > 0
+    assert target.model.config._attn_implementation == "sdpa"  # the probe restores the model
     write_outputs(result, tmp_path / "bench")
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "LOSSY" in report and "rapid@eta=1.5" in report

@@ -148,3 +148,21 @@ def test_frequency_trie_random_is_closed_and_deterministic():
         assert ancestor_mask(tree.parents).shape == (len(tree), len(tree))
         if len(tree):
             assert depths(tree.parents).max() <= 6
+
+
+def test_sampled_rows_are_sorted_and_give_the_same_trie(tmp_path):
+    """The drafter's fast path (raw suffix-array samples, presorted) builds the same tree as unique + counts."""
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(1, 4, size=int(rng.integers(2, 60))) for _ in range(200)]  # many EOS cuts
+    store = build(tmp_path, docs)
+    for ctx in ([1, 2], [3, 3], [2, 1, 1]):
+        m = store.search(ctx)
+        for max_samples in (16, 10_000):
+            rows = store.sample(m, 6, max_samples)
+            assert np.array_equal(rows, rows[np.lexsort(rows.T[::-1])])
+            seqs, counts = store.continuations(m, 6, max_samples)
+            assert counts.sum() == len(rows)
+            for n in (1, 5, 40):
+                a = frequency_trie(rows, None, n, presorted=True)
+                b = frequency_trie(seqs, counts, n)
+                assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)

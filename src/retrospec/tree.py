@@ -91,52 +91,58 @@ def path_to(parents: torch.Tensor, node: int) -> list[int]:
     return path[::-1]
 
 
-def frequency_trie(seqs, weights, max_nodes: int) -> DraftTree:
+def frequency_trie(seqs, weights, max_nodes: int, presorted: bool = False) -> DraftTree:
     """REST's draft tree: the trie of weighted continuations, pruned to the ``max_nodes`` most frequent nodes.
 
-    ``seqs``: [S, L] int token ids, -1 after a sequence's end; ``weights``: [S] positive counts. A node's count is
-    the total weight of the sequences through it, so a child never outweighs its parent; selecting nodes by
-    (count desc, depth asc, lexicographic rank) therefore always keeps a node's parent, and the result is a trie.
-    Output order: by depth, then count desc, then token order (topological; deterministic).
+    ``seqs``: [S, L] int token ids, -1 after a sequence's end (duplicates allowed); ``weights``: [S] positive counts
+    (None = 1 each); ``presorted``: the rows are already in lexicographic order (as suffix-array samples are).
+    A node's count is the total weight of the sequences through it, so a child never outweighs its parent;
+    selecting nodes by (count desc, depth asc, lexicographic rank) therefore always keeps a node's parent, and the
+    result is a trie. Output order: by depth, then count desc, then token order (topological; deterministic).
     """
     import numpy as np
 
     if max_nodes <= 0 or len(seqs) == 0:
         return DraftTree.empty()
-    seqs = np.asarray(seqs, dtype=np.int64).reshape(len(seqs), -1)  # [S, L]
-    weights = np.asarray(weights, dtype=np.int64).reshape(-1)  # [S]
-    if seqs.size == 0:
+    s = np.asarray(seqs, dtype=np.int64).reshape(len(seqs), -1)  # [S, L]
+    w = np.ones(len(s), dtype=np.int64) if weights is None else np.asarray(weights, dtype=np.int64).reshape(-1)
+    if s.size == 0:
         return DraftTree.empty()
-    order = np.lexsort(seqs.T[::-1])  # rows in lexicographic order (column 0 is the primary key)
-    s, w = seqs[order], weights[order]
+    if not presorted:
+        order = np.lexsort(s.T[::-1])  # rows in lexicographic order (column 0 is the primary key)
+        s, w = s[order], w[order]
     n_rows, n_cols = s.shape
     diff = s[1:] != s[:-1]  # [S - 1, L]
     lcp = np.zeros(n_rows, dtype=np.int64)  # [S] length of the common prefix with the previous row
     lcp[1:] = np.where(diff.any(1), diff.argmax(1), n_cols)
+    cum = np.concatenate([[0], np.cumsum(w)])  # [S + 1] prefix sums of the weights
     depth_l, start_l, tok_l, cnt_l, par_l = [], [], [], [], []
-    prev_starts = None
-    prev_ids = None  # global node id per run at depth d - 1 (-1 for invalid runs)
+    prev_starts = prev_ids = None  # runs at depth d - 1 and their global node ids (-1: no node)
     n_total = 0
     for d in range(1, n_cols + 1):
-        starts = np.flatnonzero(lcp < d)  # [R] first row of each distinct prefix of length d
+        starts = np.flatnonzero(lcp < d)  # [R] first row of each distinct prefix of length d (sorted)
         toks = s[starts, d - 1]
-        counts = np.add.reduceat(w, starts)
-        if prev_starts is None:
+        ends = np.append(starts[1:], n_rows)
+        if prev_ids is None:
             parents = np.full(len(starts), -1, dtype=np.int64)
+            valid = toks >= 0
         else:
             parents = prev_ids[np.searchsorted(prev_starts, starts, side="right") - 1]
-        valid = (toks >= 0) & ((parents >= 0) | (d == 1))
+            valid = (toks >= 0) & (parents >= 0)
+        k = int(valid.sum())
+        if k == 0:
+            break
         ids = np.full(len(starts), -1, dtype=np.int64)
-        ids[valid] = n_total + np.arange(int(valid.sum()))
-        n_total += int(valid.sum())
-        depth_l.append(np.full(int(valid.sum()), d))
+        ids[valid] = np.arange(n_total, n_total + k)
+        n_total += k
+        depth_l.append(np.full(k, d))
         start_l.append(starts[valid])
         tok_l.append(toks[valid])
-        cnt_l.append(counts[valid])
+        cnt_l.append((cum[ends] - cum[starts])[valid])
         par_l.append(parents[valid])
         prev_starts, prev_ids = starts, ids
-        if not valid.any():
-            break
+    if n_total == 0:
+        return DraftTree.empty()
     depth, start, tok, cnt, par = (np.concatenate(x) for x in (depth_l, start_l, tok_l, cnt_l, par_l))
     keep = np.lexsort((start, depth, -cnt))[:max_nodes]  # most frequent first; parents win ties (shallower)
     keep = keep[np.lexsort((start[keep], -cnt[keep], depth[keep]))]  # topological output order

@@ -105,21 +105,35 @@ def with_baseline(methods: list[MethodSpec]) -> list[MethodSpec]:
 def verify_cost(target: torch.nn.Module, prompt_ids: list[int], gamma: int = 10, reps: int = 15,
                 memo: PrefillMemo | None = None) -> dict:
     """Median seconds of one verification forward of ``gamma`` chain tokens vs one decode token after
-    ``prompt_ids`` (cache rolled back after each call, so every call sees the same cache length)."""
+    ``prompt_ids`` (cache rolled back after each call, so every call sees the same cache length), with the
+    attention implementation the model has now and with ``attention.prefix_block`` (restored afterwards)."""
+    from ..attention import prefix_block
+
     ver = Verifier(target)
     ver.prefill(prompt_ids, memo)
     root = prompt_ids[-1]
     chain = DraftTree.chain(prompt_ids[-gamma - 1:-1] if len(prompt_ids) > gamma else [root] * gamma)
-    times: dict[int, list[float]] = {0: [], gamma: []}
-    for _ in range(reps):
-        for n, tree in ((0, DraftTree.empty()), (gamma, chain)):
-            t = time.perf_counter()
-            ver.score(root, tree)
-            times[n].append(time.perf_counter() - t)
-            ver.commit([])  # keep only the root
-            ver.kv.crop(len(prompt_ids))
-    t1, tg = statistics.median(times[0]), statistics.median(times[gamma])
-    return {"cache_tokens": len(prompt_ids), "gamma": gamma, "decode_s": t1, "verify_s": tg, "ratio": tg / t1}
+    before = target.config._attn_implementation
+    out = {"cache_tokens": len(prompt_ids), "gamma": gamma}
+    try:
+        for impl in dict.fromkeys([before, prefix_block.ATTN_NAME]):
+            if impl == prefix_block.ATTN_NAME and not prefix_block.enable(target):
+                continue
+            times: dict[int, list[float]] = {0: [], gamma: []}
+            for _ in range(reps):
+                for n, tree in ((0, DraftTree.empty()), (gamma, chain)):
+                    t = time.perf_counter()
+                    ver.score(root, tree)
+                    times[n].append(time.perf_counter() - t)
+                    ver.commit([])
+                    ver.kv.crop(len(prompt_ids))
+            t1, tg = statistics.median(times[0]), statistics.median(times[gamma])
+            key = "prefix_block" if impl == prefix_block.ATTN_NAME else "default"
+            out[key] = {"attention": impl, "decode_s": t1, "verify_s": tg, "ratio": tg / t1}
+    finally:
+        if target.config._attn_implementation != before:
+            target.set_attn_implementation(before)
+    return out
 
 
 class _Runner:
@@ -190,7 +204,8 @@ def run_long_bench(target: LoadedModel, draft: LoadedModel | None, rows: list[di
         if cfg.verify_probe_gamma and length not in probed and "full" in memos:
             probed.add(length)
             ids = plan("lc", row["context"], row["prompt"], tok, cfg.sampling, cfg.options).target_prompt_ids
-            probes.append(verify_cost(target.model, ids, cfg.verify_probe_gamma, memo=memos["full"]) | {"length": length})
+            probe = verify_cost(target.model, ids, cfg.verify_probe_gamma, memo=memos["full"])
+            probes.append(probe | {"length": length})
     bar.close()
     return {"config": describe(target, draft, rows, cfg, methods), "runs": runs, "summary": summarize(runs),
             "verify_probes": probes}
@@ -253,12 +268,15 @@ def describe(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], c
     o = cfg.options
     return {
         "target": target.path, "draft": draft.path if draft else "(target itself)", "rows": len(rows),
-        "tasks": sorted({r.get("task", "?") for r in rows}), "lengths": sorted({int(r.get("length") or 0) for r in rows}),
+        "tasks": sorted({r.get("task", "?") for r in rows}),
+        "lengths": sorted({int(r.get("length") or 0) for r in rows}),
         "methods": [m.label for m in methods], "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.sampling.temperature, "seed": cfg.sampling.seed, "gamma": cfg.gamma or default_gamma("rapid"),
+        "temperature": cfg.sampling.temperature, "seed": cfg.sampling.seed,
+        "gamma": cfg.gamma or default_gamma("rapid"),
         "eta": o.eta, "chunk_tokens": o.chunk_tokens, "retrieval_tokens": o.retrieval_tokens,
         "min_retrieval_tokens": o.min_retrieval_tokens, "max_retrieval_fraction": o.max_retrieval_fraction,
         "similarity_floor": o.similarity_floor, "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),
         "sink": o.sink, "window": o.window, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
     }

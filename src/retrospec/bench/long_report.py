@@ -52,10 +52,14 @@ def render_markdown(result: dict) -> str:
     lines += ["", "## Per task", ""] + _table([s for s in summary if s["task"] != "all"])
     probes = result.get("verify_probes") or []
     if probes:
-        lines += ["", "## Verification cost (gamma draft tokens vs one decode token, same cache)", "",
-                  "| cache tokens | gamma | decode ms | verify ms | ratio |", "|---|---|---|---|---|"]
-        lines += [f"| {p['cache_tokens']} | {p['gamma']} | {1000 * p['decode_s']:.1f} | {1000 * p['verify_s']:.1f} | "
-                  f"{p['ratio']:.2f} |" for p in probes]
+        lines += ["", "## Verification cost (gamma draft tokens vs one decode token, same cache, median)", "",
+                  "| cache tokens | gamma | attention | decode ms | verify ms | ratio |", "|---|---|---|---|---|---|"]
+        for p in probes:
+            for key in ("default", "prefix_block"):
+                if key in p:
+                    a = p[key]
+                    lines.append(f"| {p['cache_tokens']} | {p['gamma']} | {a['attention']} | "
+                                 f"{1000 * a['decode_s']:.1f} | {1000 * a['verify_s']:.1f} | {a['ratio']:.2f} |")
     lines += [
         "",
         "tok/s: decode phase (after the prompt forward), token-weighted over rows. speedup: tok/s over `lc` at the "

@@ -1,7 +1,8 @@
 """Offline, seeded long-context tasks for RAPID and its baselines (``retrospec tasks make``).
 
 Every row has ``context`` (the long document), ``prompt`` (the query, written so that a base LM continues with the
-answer), ``answers`` (accepted answer strings) and bookkeeping: ``task``, ``id``, ``length`` (the requested
+answer), ``answers`` (accepted answer strings), ``completion`` (the reference continuation of the prompt, used to
+train the zoo's long-context target; None for ``repo``) and bookkeeping: ``task``, ``id``, ``length`` (the requested
 size), ``context_tokens`` (measured with the target tokenizer), ``depth`` (relative position of the needle, when
 there is one) and ``seed``. The requested size is the size of the whole target prompt: the context is filled up to
 ``length`` minus the query's tokens minus a small margin for the template.
@@ -24,6 +25,7 @@ Generators are deterministic given (kind, length, n, seed, tokenizer).
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import uuid
 from collections.abc import Callable
@@ -91,7 +93,8 @@ def _kv(rng, budget: int, count: CountFn) -> dict:
         if count([context])[0] <= budget or n_pairs <= 2:
             break
         n_pairs = max(2, int(n_pairs * 0.98))
-    return {"context": context, "prompt": prompt, "answers": [value], "depth": i / max(1, n_pairs - 1)}
+    return {"context": context, "prompt": prompt, "answers": [value], "completion": f'{value}"',
+            "depth": i / max(1, n_pairs - 1)}
 
 
 def _passkey(rng, budget: int, count: CountFn) -> dict:
@@ -107,7 +110,8 @@ def _passkey(rng, budget: int, count: CountFn) -> dict:
         if count([context])[0] <= budget or n_fill <= 1:
             break
         n_fill -= max(1, n_fill // 50)
-    return {"context": context, "prompt": prompt, "answers": [key], "depth": at / max(1, n_fill)}
+    return {"context": context, "prompt": prompt, "answers": [key], "completion": f" {key}.",
+            "depth": at / max(1, n_fill)}
 
 
 def _person(rng, used: set[str]) -> str:
@@ -158,10 +162,13 @@ def _facts(rng, budget: int, count: CountFn) -> dict:
     field = str(rng.choice(sorted(QUESTIONS)))
     question, stem = (s.replace("{n}", name) for s in QUESTIONS[field])
     prompt = f"Question: {question}\nAnswer: {stem}"
-    return {"context": "".join(docs), "prompt": prompt, "answers": [attrs[field]], "depth": i / max(1, len(docs) - 1)}
+    return {"context": "".join(docs), "prompt": prompt, "answers": [attrs[field]], "completion": f" {attrs[field]}.",
+            "depth": i / max(1, len(docs) - 1)}
 
 
+@functools.lru_cache(maxsize=1)
 def _package_sources() -> dict[str, list[tuple[str, str]]]:
+    """Held-out package name -> [(relative path, source)], read once per process (treat as read-only)."""
     root = stdlib_root()
     out: dict[str, list[tuple[str, str]]] = {}
     for path in stdlib_files("heldout"):
@@ -175,6 +182,7 @@ def _package_sources() -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def _functions(source: str) -> list[tuple[int, int, str]]:
     """(first line index of the body, header line index, first body line) for documented multi-statement functions."""
     try:
@@ -232,7 +240,8 @@ def _repo(rng, budget: int, count: CountFn, prefix_lines: int = 12) -> dict:
         chosen.append((p, block))
         total += n
     context = "".join(b for _, b in sorted(chosen))
-    return {"context": context, "prompt": prompt, "answers": [answer], "depth": None, "source": f"{path}:{header + 1}"}
+    return {"context": context, "prompt": prompt, "answers": [answer], "completion": None, "depth": None,
+            "source": f"{path}:{header + 1}"}
 
 
 _MAKERS = {"kv": _kv, "passkey": _passkey, "facts": _facts, "repo": _repo}

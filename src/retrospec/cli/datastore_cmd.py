@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     b.add_argument("--corpus", help="text file, .jsonl (text | prompt+completion), directory, 'stdlib' "
                                     "(zoo training split) or 'stdlib:heldout'")
     b.add_argument("--from-generations", metavar="PROMPTS.jsonl",
-                   help="in-distribution store: the target's own greedy outputs on these prompts")
+                   help="in-distribution store: the target's own greedy outputs on these prompts (saved in the "
+                        "store as generations.jsonl; passing that file again reuses them)")
     b.add_argument("--gen-max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     b.add_argument("--max-tokens", type=int, default=None, help="use at most N corpus tokens")
     b.add_argument("--value-len", type=int, default=20, help="dense: tokens stored after each key (default 20)")
@@ -39,6 +40,7 @@ def add_parser(sub) -> None:
     b.add_argument("--memory-budget-mb", type=int, default=2048,
                    help="dense: hidden states larger than this are memory-mapped on disk (default 2048)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--threads", type=int, default=0, help="torch threads for the forward passes (0 = default)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
     b.set_defaults(func=run_build)
 
@@ -56,6 +58,7 @@ def add_parser(sub) -> None:
     e.add_argument("--k", type=int, default=10, help="dense: neighbours for MRR@k")
     e.add_argument("--match-len", type=int, default=4, help="dense: tokens that must match for relevance")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--threads", type=int, default=0, help="torch threads for the forward passes (0 = default)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=run_eval)
 
@@ -122,6 +125,15 @@ def bench_method_options(args, methods: list[str], target=None) -> dict[str, dic
 # commands
 
 
+def _set_threads(n: int) -> None:
+    import torch
+
+    if n < 0:
+        raise RetrospecError(f"--threads must be >= 0, got {n}")
+    if n:
+        torch.set_num_threads(n)
+
+
 def _load_target(path):
     from ..models import load_model, zoo_path
 
@@ -153,7 +165,7 @@ def run_build(args) -> int:
     import itertools
 
     from ..retrieval import build_dense_store, build_suffix_store
-    from ..retrieval.corpus import generation_documents, limit_tokens
+    from ..retrieval.corpus import GENERATIONS_FILE, generation_documents, limit_tokens, save_generations
     from ..retrieval.store import target_meta, tokenizer_meta
 
     if not args.corpus and not args.from_generations:
@@ -165,17 +177,20 @@ def run_build(args) -> int:
             raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.pca_dims < 0:
         raise RetrospecError(f"--pca-dims must be >= 0, got {args.pca_dims}")
+    _set_threads(args.threads)
     out = Path(args.out)
     if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
         raise RetrospecError(f"{out} already exists; choose another --out or pass --overwrite")
     target = _load_target(args.target)
     if target.tokenizer is None:
         raise RetrospecError(f"target {target.path} has no tokenizer files")
-    sources, parts = [], []
+    sources, parts, extra = [], [], {}
     if args.from_generations:
-        gdocs, gdesc = generation_documents(args.from_generations, target, max_new_tokens=args.gen_max_new_tokens)
+        gdocs, rows, gdesc = generation_documents(args.from_generations, target,
+                                                  max_new_tokens=args.gen_max_new_tokens)
         sources.append(gdocs)
         parts.append(gdesc)
+        extra[GENERATIONS_FILE] = lambda path: save_generations(rows, path)  # reusable by the next ID build
     if args.corpus:
         docs, desc = _documents(args.corpus, target, None)
         sources.append(docs)
@@ -187,13 +202,14 @@ def run_build(args) -> int:
     tok = tokenizer_meta(target.tokenizer, target.vocab_size, _eos_id(target), source=target.path)
     if args.kind == "suffix":
         meta = build_suffix_store(docs, out, tokenizer_info=tok, corpus=corpus, target_info={"path": target.path},
-                                  overwrite=args.overwrite)
+                                  overwrite=args.overwrite, extra_files=extra)
     else:
         meta = build_dense_store(target.model, docs, out, tokenizer_info=tok,
                                  target_info=target_meta(target.model, target.path), corpus=corpus,
                                  value_len=args.value_len, pca_dims=args.pca_dims, pca_sample=args.pca_sample,
                                  index=args.index, window=args.window, batch_tokens=args.batch_tokens,
-                                 memory_budget_mb=args.memory_budget_mb, seed=args.seed, overwrite=args.overwrite)
+                                 memory_budget_mb=args.memory_budget_mb, seed=args.seed, overwrite=args.overwrite,
+                                 extra_files=extra)
     print(summary(out, meta))
     return 0
 
@@ -237,6 +253,7 @@ def run_eval(args) -> int:
     for name in ("max_tokens", "max_queries", "k", "match_len"):
         if getattr(args, name) < 1:
             raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _set_threads(args.threads)
     meta = load_meta(args.dir)
     target_path = args.target
     if target_path is None:

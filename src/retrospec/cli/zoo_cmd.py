@@ -1,4 +1,4 @@
-"""``retrospec zoo build|info``: train or describe the bundled tiny model zoo."""
+"""``retrospec zoo build|long|info``: train, extend (long-context target) or describe the bundled tiny model zoo."""
 
 from __future__ import annotations
 
@@ -18,6 +18,20 @@ def add_parser(sub) -> None:
                    help="also distil the draft on this many tokens the target generates from corpus prefixes")
     b.add_argument("--reuse-target", help="existing zoo dir: keep its tokenizer and target, retrain only the draft")
     b.set_defaults(func=run_build)
+    lz = zsub.add_parser("long", help="add a long-context target (and optionally a small draft) to a zoo: "
+                                      "continue the zoo target on code + retrieval tasks at <= 2K tokens (RAPID)")
+    lz.add_argument("--base", help="zoo directory with target/ and draft/ (default: bundled)")
+    lz.add_argument("--out", help="zoo directory to write target-long/, draft-long/, long.json (default: --base)")
+    lz.add_argument("--seed", type=int, default=0)
+    lz.add_argument("--steps", type=int, default=400)
+    lz.add_argument("--batch-size", type=int, default=4)
+    lz.add_argument("--max-len", type=int, default=2048, help="training length (batches at 1/4, 1/2, 3/4, 1 of it)")
+    lz.add_argument("--lr", type=float, default=5e-4)
+    lz.add_argument("--draft-steps", type=int, default=0, help="> 0: also distil a small draft-long")
+    lz.add_argument("--draft-intermediate", type=int, default=192)
+    lz.add_argument("--eval-n", type=int, default=6, help="task rows per (task, length) for the accuracy check")
+    lz.add_argument("--threads", type=int, default=0)
+    lz.set_defaults(func=run_long)
     i = zsub.add_parser("info", help="print the bundled zoo's manifest")
     i.add_argument("dir", nargs="?", help="zoo directory (default: bundled)")
     i.set_defaults(func=run_info)
@@ -35,6 +49,28 @@ def run_build(args) -> int:
     build_zoo(ZooBuildConfig(out=Path(args.out), seed=args.seed, target_tokens=args.target_tokens,
                              draft_tokens=args.draft_tokens, reuse_target=reuse,
                              self_distill_tokens=max(0, args.self_distill_tokens)))
+    return 0
+
+
+def run_long(args) -> int:
+    from ..errors import RetrospecError
+    from ..models import ZOO_DIR
+    from ..train.long_zoo import LongZooConfig, build_long_zoo
+
+    base = Path(args.base) if args.base else ZOO_DIR
+    if not (base / "target" / "config.json").is_file():
+        raise RetrospecError(f"no zoo target at {base / 'target'} (build the zoo first)")
+    if args.steps < 1 or args.batch_size < 1 or args.max_len < 256 or args.draft_steps < 0:
+        raise RetrospecError("need --steps >= 1, --batch-size >= 1, --max-len >= 256, --draft-steps >= 0")
+    lengths = tuple(sorted({max(256, args.max_len * k // 4) for k in (1, 2, 3, 4)}))
+    build_long_zoo(LongZooConfig(base=base, out=Path(args.out) if args.out else base, seed=args.seed,
+                                 steps=args.steps, batch_size=args.batch_size, lengths=lengths, lr=args.lr,
+                                 draft_steps=args.draft_steps, draft_intermediate=args.draft_intermediate,
+                                 eval_n=args.eval_n, threads=args.threads,
+                                 command=f"retrospec zoo long --base {base} --out {args.out or base} "
+                                         f"--seed {args.seed} --steps {args.steps} --batch-size {args.batch_size} "
+                                         f"--max-len {args.max_len} --lr {args.lr} --draft-steps {args.draft_steps} "
+                                         f"--draft-intermediate {args.draft_intermediate} --eval-n {args.eval_n}"))
     return 0
 
 

@@ -3,7 +3,10 @@
 
 The longest suffix n-gram of the committed tokens (n from ``max_ngram`` down to ``min_ngram``) is searched for
 earlier in prompt + output; the ``k`` tokens that followed its most recent earlier occurrence are the draft.
-Deterministic draft, no probabilities: verified as one-hot q, so it is lossless at any temperature.
+When that occurrence is closer than ``k`` tokens to the end, the copy overlaps itself (as an LZ77 match does):
+the text after the match is read forward, running into the draft being written, so a period-d repetition is
+continued for the full ``k`` tokens instead of stopping after d. Deterministic draft, no probabilities: verified
+as one-hot q, so it is lossless at any temperature.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ def lookup(tokens: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
+            period = n_tok - start  # distance from the match's continuation to the end, >= 1
+            if period >= k:
+                return tokens[start : start + k].tolist()
+            cycle = tokens[start:].tolist()  # overlapping copy: the continuation repeats with this period
+            return [cycle[i % period] for i in range(k)]
     return []
 
 

@@ -51,8 +51,8 @@ class RestDrafter:
         match = self.store.search(ctx.tokens, self.max_suffix, self.min_suffix)
         if match is None:
             return DraftTree.empty()
-        seqs, counts = self.store.continuations(match, self._len, self.max_samples)  # [U, L], [U]
-        return frequency_trie(seqs, counts, n)
+        rows = self.store.sample(match, self._len, self.max_samples)  # [S, L] in lexicographic order
+        return frequency_trie(rows, None, n, presorted=True)
 
     def observe(self, accepted: int, drafted: int) -> None:
         pass

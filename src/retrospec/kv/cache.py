@@ -118,6 +118,9 @@ class KVCache:
         if probe.layers and all(type(layer) is DynamicLayer for layer in probe.layers):
             self.cache: Cache = Cache(layers=[BufferLayer() for _ in probe.layers])
         else:  # sliding-window / hybrid attention: keep transformers' own layer types
+            # past recording keeps the states a window layer would drop until the next crop, so a rollback past
+            # the window is possible (transformers refuses to crop such a layer otherwise)
+            probe.activate_past_recording()
             self.cache = probe
 
     def __len__(self) -> int:
@@ -125,7 +128,7 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         extra = len(self) - length
-        if extra > 0:
+        if extra > 0 or (extra == 0 and length > 0):  # crop(0): a no-op, but window layers trim to their window
             self.cache.crop(-extra)
 
     def keep(self, start: int, offsets: list[int]) -> None:

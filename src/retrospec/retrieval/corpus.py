@@ -156,37 +156,60 @@ def limit_tokens(docs: Iterable[TokenDoc], max_tokens: int | None) -> Iterator[T
         yield d
 
 
+GENERATIONS_FILE = "generations.jsonl"
+
+
 def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: int = 128,
-                         progress: bool = True) -> tuple[list[TokenDoc], str]:
+                         progress: bool = True) -> tuple[list[TokenDoc], list[dict], str]:
     """The target's own greedy continuations of the prompts in a jsonl file (``prompt`` field per line).
 
-    ``target`` is a ``LoadedModel`` with a tokenizer. Returns the documents and a description."""
+    ``target`` is a ``LoadedModel`` with a tokenizer. Rows that already carry ``prompt_ids`` and
+    ``completion_ids`` from the same target (``target`` fingerprint) and ``max_new_tokens`` - the
+    ``generations.jsonl`` a previous ID build saved in its store - are reused instead of generated again.
+    Returns the documents, the rows to save, and a description."""
     from ..bench.tasks import load_prompts
     from ..config import SamplingConfig
     from ..decode import speculative_generate
     from ..drafters.prompt_lookup import PromptLookupDrafter
+    from .store import model_identity
 
     if target.tokenizer is None:
         raise RetrospecError(f"--from-generations needs a target with a tokenizer ({target.path} has none)")
     prompts = load_prompts(prompts_path)
+    fingerprint = model_identity(target.model)["fingerprint"]
     eos = target.eos_ids()
     limit = target.max_positions or 1 << 30
     docs: list[TokenDoc] = []
-    generated = 0
+    rows: list[dict] = []
+    generated = reused = 0
     for row in tqdm(prompts, desc="generate", unit="prompt", disable=not progress, dynamic_ncols=True):
-        ids = target.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        if not ids or len(ids) >= limit:
-            continue
-        out: list[int] = []
-        for chunk in speculative_generate(target.model, PromptLookupDrafter(k=10), ids,
-                                          sampling=SamplingConfig(), max_new_tokens=max_new_tokens, eos_ids=eos):
-            out.extend(chunk)
-        if out and out[-1] in eos:
-            out = out[:-1]  # the document separator (EOS) is added by the builders
+        if (row.get("target") == fingerprint and row.get("max_new_tokens") == max_new_tokens
+                and isinstance(row.get("prompt_ids"), list) and isinstance(row.get("completion_ids"), list)):
+            ids, out = [int(i) for i in row["prompt_ids"]], [int(i) for i in row["completion_ids"]]
+            reused += 1
+        else:
+            ids = target.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            if not ids or len(ids) >= limit:
+                continue
+            out = []
+            for chunk in speculative_generate(target.model, PromptLookupDrafter(k=10), ids, sampling=SamplingConfig(),
+                                              max_new_tokens=max_new_tokens, eos_ids=eos):
+                out.extend(chunk)
+            if out and out[-1] in eos:
+                out = out[:-1]  # the document separator (EOS) is added by the builders
         generated += len(out)
         docs.append(TokenDoc(np.asarray(ids + out, dtype=np.int32), index_from=len(ids)))
+        rows.append({"prompt": row["prompt"], "prompt_ids": ids, "completion_ids": out, "target": fingerprint,
+                     "max_new_tokens": max_new_tokens})
     if not docs:
         raise RetrospecError(f"no usable prompts in {prompts_path}")
     desc = (f"greedy generations of {target.path} on {len(docs)} prompts from {prompts_path} "
-            f"(max {max_new_tokens} new tokens, {generated} generated tokens)")
-    return docs, desc
+            f"(max {max_new_tokens} new tokens, {generated} generated tokens"
+            + (f", {reused} reused from the file" if reused else "") + ")")
+    return docs, rows, desc
+
+
+def save_generations(rows: list[dict], path: Path) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")

@@ -198,7 +198,7 @@ def build_dense_store(model: torch.nn.Module, docs: Iterable[TokenDoc], out: str
                       target_info: dict, corpus: dict, value_len: int = 20, pca_dims: int = 64,
                       pca_sample: int = 1_000_000, index: str = "auto", window: int = 512, overlap: int = 128,
                       batch_tokens: int = 8192, memory_budget_mb: float = 2048, seed: int = 0,
-                      overwrite: bool = False, progress: bool = True) -> dict:
+                      overwrite: bool = False, progress: bool = True, extra_files: dict | None = None) -> dict:
     """Write a DReSD store to ``out`` atomically; returns its meta."""
     if value_len < 1 or pca_dims < 0 or pca_sample < 1 or window < 2 or not 0 <= overlap < window:
         raise RetrospecError("need value_len >= 1, pca_dims >= 0, pca_sample >= 1, window >= 2, 0 <= overlap < window")
@@ -262,6 +262,8 @@ def build_dense_store(model: torch.nn.Module, docs: Iterable[TokenDoc], out: str
             "counts": {"entries": n, "documents": len(docs), "tokens": int(sum(len(d.ids) for d in docs)),
                        "max_token_id": int(max(int(d.ids.max()) for d in docs))},
         }
+        for name, write in (extra_files or {}).items():  # e.g. the generations of an ID store
+            write(tmp / name)
         meta = write_meta(tmp, meta, started)
     return meta
 

@@ -10,8 +10,10 @@ followed, x_{t+1}, x_{t+2}, ...
   (the length of the longest matching suffix, over hits).
 - both: the drafts a drafter would propose with its greedy defaults (3 x 20 budget), scored against the truth:
   ``top1_prefix`` = tokens of the truth reproduced by the first draft, ``tree_prefix`` = tokens of the truth
-  reproduced along the draft tree (what greedy verification would accept, so tau ~ 1 + tree_prefix); and the
-  lookup latency (draft construction included, target forward excluded), p50 / p99 in milliseconds.
+  reproduced along the draft tree (what greedy verification would accept, so tau ~ 1 + tree_prefix);
+- latency, p50 / p99 in milliseconds, wall clock and thread CPU time: ``search`` (suffix: longest-suffix search;
+  dense: transform + FAISS search) and ``lookup`` (the drafter's whole step: search, continuations / filtering,
+  tree), the target forward excluded.
 """
 
 from __future__ import annotations
@@ -55,10 +57,28 @@ def _sample_positions(docs: list[TokenDoc], n: int, seed: int, min_ctx: int) -> 
     return [cands[i] for i in sorted(pick)]
 
 
-def _latency(ms: list[float]) -> dict:
-    a = np.asarray(ms)
-    return {"lookup_p50_ms": float(np.percentile(a, 50)), "lookup_p99_ms": float(np.percentile(a, 99)),
-            "lookup_mean_ms": float(a.mean())}
+class Timer:
+    """Wall-clock and thread-CPU milliseconds per timed call (CPU time is the cost without waiting for a core,
+    which matters on a shared machine)."""
+
+    def __init__(self):
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def __enter__(self):
+        self._w, self._c = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall.append((time.perf_counter() - self._w) * 1000)
+        self.cpu.append((time.thread_time() - self._c) * 1000)
+
+    def summary(self, name: str) -> dict:
+        if not self.wall:
+            return {}
+        w, c = np.asarray(self.wall), np.asarray(self.cpu)
+        return {f"{name}_p50_ms": float(np.percentile(w, 50)), f"{name}_p99_ms": float(np.percentile(w, 99)),
+                f"{name}_cpu_p50_ms": float(np.percentile(c, 50)), f"{name}_cpu_p99_ms": float(np.percentile(c, 99))}
 
 
 def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0) -> dict:
@@ -66,31 +86,33 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
 
     num_drafts, draft_len = 3, 20
     queries = _sample_positions(docs, max_queries, seed, min_ctx=2)
-    hits, lengths, top1, tree_acc, ms = 0, [], [], [], []
+    hits, lengths, top1, tree_acc = 0, [], [], []
+    search_t, lookup_t = Timer(), Timer()
     for d, t in queries:
         ids = docs[d].ids
         ctx = ids[max(0, t - 15) : t + 1].tolist()
         truth = ids[t + 1 : t + 1 + draft_len].tolist()
-        t0 = time.perf_counter()
-        match = store.search(ctx)
-        tree = None
-        if match is not None:
-            seqs, counts = store.continuations(match, draft_len)
-            tree = frequency_trie(seqs, counts, num_drafts * draft_len)
-        ms.append((time.perf_counter() - t0) * 1000)
+        with search_t:
+            store.search(ctx)
+        with lookup_t:  # what the rest drafter does per step
+            match = store.search(ctx)
+            tree = None
+            if match is not None:
+                tree = frequency_trie(store.sample(match, draft_len), None, num_drafts * draft_len, presorted=True)
         if match is None:
             top1.append(0)
             tree_acc.append(0)
             continue
         hits += 1
         lengths.append(match.length)
+        seqs, _ = store.continuations(match, draft_len)
         top1.append(_prefix([x for x in seqs[0].tolist() if x >= 0], truth) if len(seqs) else 0)
         tree_acc.append(_tree_prefix(tree, truth))
     n = len(queries)
     return {"queries": n, "hit_rate": hits / n if n else 0.0,
             "mean_match_length": float(np.mean(lengths)) if lengths else 0.0,
             "top1_prefix": float(np.mean(top1)) if n else 0.0, "tree_prefix": float(np.mean(tree_acc)) if n else 0.0,
-            } | (_latency(ms) if ms else {})
+            } | search_t.summary("search") | lookup_t.summary("lookup")
 
 
 def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queries: int = 1000, k: int = 10,
@@ -113,24 +135,25 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
     row_of = {d: int(b) for d, b in zip(used, bases[:-1])}
     drafter = DresdDrafter(store, num_drafts=3, draft_len=min(20, store.value_len))
     drafter._k, drafter._len, drafter._search_k = 3, min(20, store.value_len), 32
-    rr1, rrn, top1, tree_acc, ms = [], [], [], [], []
+    rr1, rrn, top1, tree_acc = [], [], [], []
+    search_t, lookup_t = Timer(), Timer()
     for d, t in queries:
         ids = docs[d].ids
         h = hidden[row_of[d] + t]  # [H] (key range starts at 0 for these documents)
         truth = ids[t + 1 : t + 1 + store.value_len + 1].tolist()
         truth = truth + [store.eos_id] * (store.value_len + 1 - len(truth))  # [1 + N], EOS-padded like values
-        _, nn = store.search(h[None], k)
+        with search_t:  # transform + FAISS search
+            _, nn = store.search(h[None], k)
         vals = np.asarray(store.values[nn[0][nn[0] >= 0]])  # [k, 1 + N]
         rank1 = np.flatnonzero(vals[:, 0] == truth[0])
         rankn = np.flatnonzero((vals[:, :match_len] == np.asarray(truth[:match_len])).all(1))
         rr1.append(1.0 / (rank1[0] + 1) if rank1.size else 0.0)
         rrn.append(1.0 / (rankn[0] + 1) if rankn.size else 0.0)
-        t0 = time.perf_counter()
-        seqs = drafter.drafts(h, truth[0])
-        tree = merge_sequences(seqs, max_nodes=60)
-        ms.append((time.perf_counter() - t0) * 1000)
+        with lookup_t:  # what the dresd drafter does per step
+            seqs = drafter.drafts(h, truth[0])
+            tree = merge_sequences(seqs, max_nodes=60)
         top1.append(_prefix(seqs[0], truth[1:]) if seqs else 0)
         tree_acc.append(_tree_prefix(tree, truth[1:]))
     return {"queries": len(queries), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
             f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),
-            "tree_prefix": float(np.mean(tree_acc))} | _latency(ms)
+            "tree_prefix": float(np.mean(tree_acc))} | search_t.summary("search") | lookup_t.summary("lookup")

@@ -80,7 +80,8 @@ def write_tokens(docs: Iterable[TokenDoc], path: Path, eos_id: int) -> dict:
 
 
 def build_suffix_store(docs: Iterable[TokenDoc], out: str | Path, *, tokenizer_info: dict, corpus: dict,
-                       target_info: dict | None = None, overwrite: bool = False, progress: bool = True) -> dict:
+                       target_info: dict | None = None, overwrite: bool = False, progress: bool = True,
+                       extra_files: dict | None = None) -> dict:
     """Write a REST store to ``out`` atomically; returns its meta."""
     started = time.perf_counter()
     with atomic_build(out, overwrite=overwrite) as tmp:
@@ -103,6 +104,8 @@ def build_suffix_store(docs: Iterable[TokenDoc], out: str | Path, *, tokenizer_i
             "corpus": corpus,
             "counts": counts,
         }
+        for name, write in (extra_files or {}).items():  # e.g. the generations of an ID store
+            write(tmp / name)
         meta = write_meta(tmp, meta, started)
     return meta
 
@@ -178,9 +181,10 @@ class SuffixStore:
                 hi_m = mid - 1
         return best
 
-    def continuations(self, match: Match, length: int, max_samples: int = 512) -> tuple[np.ndarray, np.ndarray]:
-        """Unique continuations [U, length] (-1 padded after an EOS or the corpus end) and their counts [U],
-        most frequent first, ties by suffix-array rank."""
+    def sample(self, match: Match, length: int, max_samples: int = 512) -> np.ndarray:
+        """The next ``length`` tokens after up to ``max_samples`` occurrences, [S, length] int32, -1 after an EOS
+        or the corpus end. Rows come in suffix-array order, which is lexicographic order of the continuations
+        (cutting after EOS keeps it), so equal continuations are adjacent."""
         c = match.count
         if c > max_samples:
             ranks = match.lo + (np.arange(max_samples, dtype=np.int64) * c) // max_samples
@@ -192,12 +196,20 @@ class SuffixStore:
         toks[cols >= self.n] = -1
         is_eos = toks == self.eos_id
         toks[(np.cumsum(is_eos, axis=1) - is_eos) > 0] = -1  # cut after the first EOS
-        toks = toks[toks[:, 0] >= 0]
+        return toks[toks[:, 0] >= 0]
+
+    def continuations(self, match: Match, length: int, max_samples: int = 512) -> tuple[np.ndarray, np.ndarray]:
+        """Unique continuations [U, length] (-1 padded after an EOS or the corpus end) and their counts [U],
+        most frequent first, ties by suffix-array rank (stable)."""
+        toks = self.sample(match, length, max_samples)
         if toks.shape[0] == 0:
             return np.zeros((0, length), dtype=np.int32), np.zeros(0, dtype=np.int64)
-        uniq, first, counts = np.unique(toks, axis=0, return_index=True, return_counts=True)
+        new = np.ones(len(toks), dtype=bool)  # rows are sorted: a new continuation starts where a row differs
+        new[1:] = (toks[1:] != toks[:-1]).any(1)
+        first = np.flatnonzero(new)
+        counts = np.diff(np.append(first, len(toks)))
         order = np.lexsort((first, -counts))  # count desc, then first suffix-array rank
-        return uniq[order], counts[order]
+        return toks[first[order]], counts[order]
 
 
 def brute_force_search(tokens: np.ndarray, context, max_suffix: int = 16, min_suffix: int = 2) -> tuple[int, int]:

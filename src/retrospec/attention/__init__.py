@@ -1,0 +1,1 @@
+"""Attention extensions registered through transformers' public ``AttentionInterface`` (no modeling code copied)."""

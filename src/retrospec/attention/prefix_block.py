@@ -1,0 +1,79 @@
+"""Verification attention over a long cached prefix: the prefix unmasked, a small causal block for the new tokens.
+
+Why: verifying gamma draft tokens over a long KV cache should cost about as much as one decode step, because both
+must read the whole cache once (memory-bound) and the extra arithmetic for gamma + 1 queries is small. transformers'
+``sdpa`` path does not get there on CPU for a multi-token query: it materializes a [q, cache] mask and, with a mask
+and grouped-query attention, copies every key/value head ``num_key_value_groups`` times (``repeat_kv``) before a
+masked kernel. At 16K cached tokens that copy dominates the call.
+
+What: ``prefix_block_attention`` is registered through the public ``AttentionInterface`` under
+``ATTN_NAME``. When no mask is given (transformers then passes ``attention_mask=None``, because the name is not a
+registered mask interface) and the query is shorter than the cache, the query tokens are the last ``q`` cache
+entries (the engine's invariant), so every query sees the whole prefix and a causal q x q block at the end. The
+computation packs the query heads that share a key/value head (no ``repeat_kv`` copy), computes scores against the
+keys in one matmul, masks only the last q x q block, and normalises once (one softmax over prefix and block; the
+same as attention over the prefix and over the block merged by their log-sum-exp). Every other case (one query,
+prefill, an explicit 4D tree mask) is handed to transformers' own ``sdpa`` path with the mask it would have built.
+
+Enabling it (``enable``) sets the model's attention implementation through the public ``set_attn_implementation``;
+``disable`` restores ``sdpa``. Equality with ``sdpa`` is tested (outputs and greedy decoding).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+ATTN_NAME = "retrospec_prefix_block"
+
+
+def _block_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+    """query [b, h, q, d]; key/value [b, kvh, L, d] with the q queries at positions L - q .. L - 1."""
+    b, h, q, d = query.shape
+    kvh, length = key.shape[1], key.shape[2]
+    rep = h // kvh
+    qg = query.reshape(b, kvh, rep * q, d)  # heads sharing a key/value head, stacked along the query axis
+    scores = torch.matmul(qg, key.transpose(-1, -2)) * scaling  # [b, kvh, rep * q, L]
+    block = scores.view(b, kvh, rep, q, length)[..., length - q:]  # [b, kvh, rep, q, q] view of the new block
+    future = torch.ones(q, q, dtype=torch.bool, device=query.device).triu_(1)
+    block.masked_fill_(future, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs, value)  # [b, kvh, rep * q, d]
+    return out.view(b, h, q, d).transpose(1, 2).contiguous()  # [b, q, h, d]
+
+
+def prefix_block_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           is_causal=None, **kwargs):
+    q, length = query.shape[2], key.shape[2]
+    if attention_mask is None and 1 < q < length and not module.training and query.shape[1] % key.shape[1] == 0:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return _block_attention(module, query, key, value, scale), None
+    if attention_mask is None and 1 < q < length:  # what sdpa_mask would have given sdpa: causal over the cache
+        attention_mask = sdpa_mask(batch_size=query.shape[0], q_length=q, kv_length=length,
+                                   q_offset=length - q, kv_offset=0, mask_function=causal_mask_function,
+                                   allow_is_causal_skip=False, device=query.device)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+AttentionInterface.register(ATTN_NAME, prefix_block_attention)
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Use the prefix + block attention in ``model`` (public ``set_attn_implementation``); False if unsupported."""
+    if getattr(model.config, "_attn_implementation", None) == ATTN_NAME:
+        return True
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+    except (ValueError, ImportError, AttributeError):
+        return False
+    return getattr(model.config, "_attn_implementation", None) == ATTN_NAME
+
+
+def disable(model: torch.nn.Module) -> None:
+    if getattr(model.config, "_attn_implementation", None) == ATTN_NAME:
+        model.set_attn_implementation("sdpa")

@@ -1,0 +1,278 @@
+"""``retrospec zoo long``: extend the bundled zoo with a long-context target for RAPID (Chen, Feng, Ni, Li,
+Shieh, ICML 2025) benchmarks.
+
+The zoo target is trained on 512-token windows of standard-library code and never saw a retrieval question. This
+step continues training a copy of it (same architecture and tokenizer, so the zoo draft still shares its
+vocabulary) on a mix of
+- standard-library code windows (the zoo's training split; language-modelling loss on every token), and
+- long-context task examples from ``bench.long_tasks`` (kv retrieval, passkey, fact QA; never ``repo``, whose
+  packages are held out), rendered with the default template ``{context}\\n\\n{query}`` followed by the reference
+  completion and EOS; the loss is on the completion tokens only,
+with every batch at one length drawn from ``lengths`` (at most 2048 tokens: the training length). The saved config
+allows ``max_positions`` (default 65536) positions, so the model can be *run* beyond its training length, which is
+where RAPID's drafter over a short retrieved context is meant to help.
+
+Optionally (``draft_steps > 0``) a small ``draft-long`` is distilled from the new target on the same mix
+(forward KL on every non-padding position), initialised from the zoo draft with its MLP cut to
+``draft_intermediate`` units so that all bundled weights stay under 30 MiB.
+
+Outputs (atomic: written next to the destination, renamed into place): ``out/target-long``, optionally
+``out/draft-long``, and ``out/long.json`` (command, seed, steps, wall time, losses, task accuracy of the base and the
+new target at each evaluation length). Weights are stored in float16, like the rest of the zoo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..bench.long_tasks import make_tasks, score
+from ..long_context import DEFAULT_TEMPLATE
+from .corpus import read_texts, stdlib_files
+from .lm import TrainConfig, _lr_at
+
+TRAIN_TASKS = ("kv", "passkey", "facts")
+BUNDLE_LIMIT_MB = 30 * 1024 * 1024
+
+
+@dataclass
+class LongZooConfig:
+    base: Path  # zoo directory holding target/ (and draft/) and their tokenizer
+    out: Path  # zoo directory to add target-long/ (and draft-long/) and long.json to
+    seed: int = 0
+    steps: int = 400
+    batch_size: int = 4
+    lengths: tuple[int, ...] = (512, 1024, 1536, 2048)  # training length = max(lengths)
+    task_fraction: float = 0.5  # share of each batch's rows that are task examples
+    task_weight: float = 0.5  # weight of the completion loss against the code loss
+    lr: float = 5e-4
+    max_positions: int = 65536
+    draft_steps: int = 0
+    draft_intermediate: int = 192
+    draft_lr: float = 2e-3
+    eval_n: int = 6
+    eval_lengths: tuple[int, ...] = (1024, 2048, 4096)
+    eval_base: bool = True
+    threads: int = 0
+    log_every: int = 10
+    command: str = ""
+
+
+@dataclass
+class _Batch:
+    ids: torch.Tensor  # [B, L + 1]
+    mask: torch.Tensor  # [B, L] loss mask over targets
+    is_task: torch.Tensor  # [B] bool
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def task_example(tok, kind: str, length: int, seed: int) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of one rendered task example of at most ``length + 1`` tokens; loss on the completion."""
+    row = make_tasks(kind, max(256, length - 48), 1, seed, tok)[0]
+    prompt = _encode(tok, DEFAULT_TEMPLATE.replace("{context}", row["context"]).replace("{query}", row["prompt"]))
+    completion = _encode(tok, row["completion"]) + [tok.eos_token_id]
+    ids = (prompt + completion)[-(length + 1):]
+    mask = ([0] * len(prompt) + [1] * len(completion))[-(length + 1):][1:]  # mask over targets ids[1:]
+    return ids, mask
+
+
+class MixSampler:
+    """Seeded batches: code windows and task examples, all rows of a batch at one length."""
+
+    def __init__(self, tok, stream: np.ndarray, cfg: LongZooConfig, salt: int = 0):
+        self.tok, self.stream, self.cfg = tok, stream, cfg
+        self.rng = np.random.default_rng([cfg.seed, salt])
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.count = 0
+
+    def next(self) -> _Batch:
+        cfg = self.cfg
+        length = int(self.rng.choice(cfg.lengths))
+        n_task = int(round(cfg.batch_size * cfg.task_fraction))
+        rows, masks, task = [], [], []
+        for r in range(cfg.batch_size):
+            if r < n_task:
+                kind = TRAIN_TASKS[int(self.rng.integers(len(TRAIN_TASKS)))]
+                ids, mask = task_example(self.tok, kind, length, 1_000_000 + self.count)
+                self.count += 1
+                pad = length + 1 - len(ids)
+                rows.append(ids + [self.pad] * pad)
+                masks.append(mask + [0] * pad)
+            else:
+                s = int(self.rng.integers(0, len(self.stream) - length - 1))
+                rows.append(self.stream[s: s + length + 1].astype(np.int64).tolist())
+                masks.append([1] * length)
+            task.append(r < n_task)
+        return _Batch(torch.tensor(rows), torch.tensor(masks, dtype=torch.float32), torch.tensor(task))
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    total = mask.sum()
+    return (values * mask).sum() / total if total > 0 else values.sum() * 0.0
+
+
+def _optimizer(model, lr: float):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooConfig, teacher=None,
+              desc: str = "target-long") -> dict:
+    """Continue training ``model`` on the mix; with a ``teacher``, distil (forward KL) instead of fitting labels."""
+    torch.manual_seed(cfg.seed)
+    opt = _optimizer(model, lr)
+    sched = TrainConfig(tokens=1, lr=lr, warmup_steps=min(50, max(1, steps // 10)))
+    model.train()
+    losses, running, t0 = [], None, time.perf_counter()
+    task_running = None  # the completion loss alone (label training), for the log
+    bar = tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, steps, sched)
+        b = sampler.next()
+        x, y = b.ids[:, :-1], b.ids[:, 1:]
+        logits = model(input_ids=x).logits  # [B, L, V]
+        if teacher is None:
+            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(b.mask)  # [B, L]
+            code = _masked_mean(ce[~b.is_task], b.mask[~b.is_task])
+            task = _masked_mean(ce[b.is_task], b.mask[b.is_task])
+            loss = (1 - cfg.task_weight) * code + cfg.task_weight * task
+            tv = float(task.detach())
+            task_running = tv if task_running is None else 0.95 * task_running + 0.05 * tv
+        else:
+            with torch.no_grad():
+                p_log = teacher(input_ids=x).logits.log_softmax(-1)
+            kl = F.kl_div(logits.log_softmax(-1), p_log, log_target=True, reduction="none").sum(-1)  # [B, L]
+            keep = torch.where(b.is_task[:, None], (y != sampler.pad).float(), torch.ones_like(b.mask))
+            loss = _masked_mean(kl, keep)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = float(loss.detach())
+        running = value if running is None else 0.95 * running + 0.05 * value
+        if step % cfg.log_every == 0 or step == steps - 1:
+            losses.append(round(running, 4))
+            bar.set_postfix(loss=f"{running:.3f}", L=b.ids.shape[1] - 1,
+                            **({"task": f"{task_running:.3f}"} if task_running is not None else {}))
+    model.eval()
+    return {"steps": steps, "seconds": round(time.perf_counter() - t0, 1), "final_loss": running,
+            "final_task_loss": task_running, "losses": losses}
+
+
+@torch.inference_mode()
+def eval_tasks(model, tok, lengths, n: int, seed: int = 12345) -> dict:
+    """Greedy accuracy per (task, length) on fresh seeded rows (the tasks' own scoring), target reading the full
+    context; 'repo' is left out (first-line exact match is near zero for models this small)."""
+    from ..config import SamplingConfig
+    from ..decode import speculative_generate
+    from ..drafters.base import NoDraft
+
+    out: dict = {}
+    for length in lengths:
+        for kind in TRAIN_TASKS:
+            rows = make_tasks(kind, length, n, seed, tok)
+            hits = 0
+            for row in rows:
+                ids = _encode(tok, DEFAULT_TEMPLATE.replace("{context}", row["context"]).replace("{query}",
+                                                                                                 row["prompt"]))
+                budget = len(_encode(tok, row["completion"])) + 4
+                gen = [t for chunk in speculative_generate(model, NoDraft(), ids, sampling=SamplingConfig(),
+                                                           max_new_tokens=budget) for t in chunk]
+                hits += score(row, tok.decode(gen, skip_special_tokens=True))
+            out[f"{kind}@{length}"] = hits / len(rows)
+    return out
+
+
+def _shrunk_draft(base_draft, intermediate: int):
+    """The zoo draft with its MLP cut to the first ``intermediate`` units (structured pruning as initialisation)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = base_draft.config.__class__.from_dict(base_draft.config.to_dict())
+    cfg.intermediate_size = intermediate
+    student = LlamaForCausalLM(cfg)
+    state = base_draft.state_dict()
+    for name, tensor in student.state_dict().items():
+        src = state[name]
+        if src.shape != tensor.shape:  # gate/up: [inter, hidden] rows; down: [hidden, inter] columns
+            src = src[:intermediate] if "down_proj" not in name else src[:, :intermediate]
+        tensor.copy_(src)
+    return student
+
+
+def _weights_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.glob("*/*.safetensors"))
+
+
+def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = None) -> dict:
+    """Train and write target-long (and draft-long); ``stream`` overrides the code corpus (tests)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .zoo import _encode_stream, _save_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    started = time.perf_counter()
+    base, out = Path(cfg.base), Path(cfg.out)
+    tok = AutoTokenizer.from_pretrained(base / "target", local_files_only=True)
+    tok.model_max_length = 1 << 30
+    target = AutoModelForCausalLM.from_pretrained(base / "target", dtype=torch.float32, local_files_only=True)
+    if stream is None:
+        stream = _encode_stream(tok, read_texts(stdlib_files("train")))
+    log(f"code stream: {len(stream):,} tokens; lengths {cfg.lengths}; {cfg.steps} steps of {cfg.batch_size} rows")
+    manifest: dict = {"command": cfg.command, "config": {k: (str(v) if isinstance(v, Path) else v)
+                                                          for k, v in asdict(cfg).items()}}
+    if cfg.eval_base and cfg.eval_n:
+        manifest["base_accuracy"] = eval_tasks(target.eval(), tok, cfg.eval_lengths, cfg.eval_n)
+        log(f"base target accuracy: {manifest['base_accuracy']}")
+    manifest["target_long"] = train_mix(target, MixSampler(tok, stream, cfg, salt=1), cfg.steps, cfg.lr, cfg)
+    target.config.max_position_embeddings = cfg.max_positions
+    if cfg.eval_n:
+        manifest["target_long"]["accuracy"] = eval_tasks(target, tok, cfg.eval_lengths, cfg.eval_n)
+        log(f"target-long accuracy: {manifest['target_long']['accuracy']}")
+    staging = out.with_name(f".{out.name}.long.tmp-{os.getpid()}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    _save_model(target, tok, staging / "target-long")
+    if cfg.draft_steps > 0:
+        base_draft = AutoModelForCausalLM.from_pretrained(base / "draft", dtype=torch.float32, local_files_only=True)
+        student = _shrunk_draft(base_draft, cfg.draft_intermediate)
+        student.config.max_position_embeddings = cfg.max_positions
+        manifest["draft_long"] = train_mix(student, MixSampler(tok, stream, cfg, salt=2), cfg.draft_steps,
+                                           cfg.draft_lr, cfg, teacher=target, desc="draft-long (distil)")
+        manifest["draft_long"]["intermediate_size"] = cfg.draft_intermediate
+        _save_model(student, tok, staging / "draft-long")
+    manifest.update(build_seconds=round(time.perf_counter() - started, 1), torch_threads=torch.get_num_threads(),
+                    machine=platform.machine(), python=platform.python_version())
+    (staging / "long.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("target-long", "draft-long", "long.json"):
+        src, dst = staging / name, out / name
+        if not src.exists():
+            continue
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        elif dst.exists():
+            dst.unlink()
+        src.rename(dst)
+    shutil.rmtree(staging, ignore_errors=True)
+    total = _weights_bytes(out)
+    log(f"bundled weights under {out}: {total / 2**20:.2f} MiB" + (" (OVER the 30 MiB budget)"
+                                                                  if total > BUNDLE_LIMIT_MB else ""))
+    return manifest

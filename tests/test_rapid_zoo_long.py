@@ -1,0 +1,83 @@
+"""``retrospec zoo long`` (the long-context zoo target for RAPID) and the prefix + block verification attention."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import sharpen, tiny_llama, tiny_qwen2
+from retrospec.attention import prefix_block
+from retrospec.config import SamplingConfig
+from retrospec.decode import autoregressive_generate, speculative_generate
+from retrospec.drafters.rapid import RapidDrafter
+from retrospec.models import load_model
+from retrospec.tree import merge_sequences
+from retrospec.types import DraftTree
+from retrospec.verify import Verifier
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_task_example_masks_the_completion(saved_models):
+    from retrospec.train.long_zoo import task_example
+
+    tok = load_model(saved_models.target).tokenizer
+    for kind in ("kv", "passkey", "facts"):
+        ids, mask = task_example(tok, kind, 400, seed=3)
+        assert len(ids) <= 401 and len(mask) == len(ids) - 1
+        n = int(sum(mask))
+        assert n >= 2 and mask[-n:] == [1] * n and ids[-1] == tok.eos_token_id
+        assert tok.decode(ids[-n:-1]).strip(' ."') != ""
+
+
+def test_build_long_zoo_smoke(saved_models, tmp_path):
+    from retrospec.train.long_zoo import LongZooConfig, build_long_zoo
+
+    tok = load_model(saved_models.target).tokenizer
+    stream = np.array(tok(open(torch.__file__).read() * 3)["input_ids"], dtype=np.int64)
+    base = saved_models.target.parent
+    cfg = LongZooConfig(base=base, out=tmp_path / "zoo", steps=2, batch_size=2, lengths=(300,), draft_steps=2,
+                        draft_intermediate=32, eval_n=1, eval_lengths=(300,), eval_base=False, log_every=1)
+    manifest = build_long_zoo(cfg, log=lambda *_: None, stream=stream)
+    out = tmp_path / "zoo"
+    t_cfg = json.loads((out / "target-long" / "config.json").read_text())
+    d_cfg = json.loads((out / "draft-long" / "config.json").read_text())
+    assert t_cfg["max_position_embeddings"] == 65536 and d_cfg["intermediate_size"] == 32
+    assert json.loads((out / "long.json").read_text())["target_long"]["steps"] == 2
+    assert set(manifest["target_long"]["accuracy"]) == {"kv@300", "passkey@300", "facts@300"}
+    drafter = load_model(out / "draft-long", role="draft")
+    assert drafter.vocab_size == load_model(out / "target-long").vocab_size
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+def test_prefix_block_attention_equals_sdpa(make):
+    model = sharpen(make(seed=0, max_pos=512), 4.0)
+    ids = torch.randint(0, 90, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    outs = {}
+    for impl in ("sdpa", prefix_block.ATTN_NAME):
+        if impl == "sdpa":
+            prefix_block.disable(model)
+        else:
+            assert prefix_block.enable(model)
+        ver = Verifier(model)
+        rows = [ver.prefill(ids[:80])]
+        rows.append(ver.score(ids[80], DraftTree.chain(ids[81:92])))  # chain: the prefix + block path
+        ver.commit([0, 1, 2])
+        rows.append(ver.score(ids[84], DraftTree.empty()))  # one token: sdpa as before
+        ver.commit([])
+        rows.append(ver.score(ids[85], merge_sequences([[1, 2, 3], [1, 4], [5, 6, 7]])))  # tree: explicit mask
+        outs[impl] = rows
+    for a, b in zip(*outs.values()):
+        assert torch.allclose(a, b, atol=1e-5)
+    greedy = SamplingConfig()
+    oracle = autoregressive_generate(model, ids[:60], sampling=greedy, max_new_tokens=20)
+    prefix_block.enable(model)
+    out = [t for c in speculative_generate(model, RapidDrafter(model, ids[40:60], gamma=8), ids[:60], sampling=greedy,
+                                           max_new_tokens=20) for t in c]
+    prefix_block.disable(model)
+    assert out == oracle
+    assert model.config._attn_implementation == "sdpa"

@@ -1,0 +1,183 @@
+"""``retrospec datastore build|info|eval`` and the rest / dresd options of ``generate`` and ``bench``, from the
+user's side: success paths on a tiny corpus, and one-line errors (exit 2) for everything a user can get wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CODE = '''def add(a, b):
+    """Return the sum of a and b."""
+    return a + b
+
+
+def mul(a, b):
+    """Return the product of a and b."""
+    return a * b
+
+
+class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def norm(self):
+        return (self.x ** 2 + self.y ** 2) ** 0.5
+'''
+PROMPT = "def add(a, b):\n    "
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds_cli")
+    (root / "corpus.txt").write_text(CODE * 3)
+    (root / "corpus.jsonl").write_text("\n".join(json.dumps({"prompt": CODE[:60], "completion": CODE[60:]})
+                                                 for _ in range(2)) + "\n")
+    (root / "dir").mkdir()
+    (root / "dir" / "a.py").write_text(CODE)
+    (root / "dir" / "b.jsonl").write_text(json.dumps({"text": CODE}) + "\n")
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ("def add(", "class P")) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def stores(saved_models, files, tmp_path_factory):
+    """A suffix and a dense store built through the CLI (in-process)."""
+    from retrospec.cli import main
+
+    root = tmp_path_factory.mktemp("stores")
+    assert main(["datastore", "build", "--kind", "suffix", "--out", str(root / "suffix"), "--target",
+                 str(saved_models.target), "--corpus", str(files / "dir")]) == 0
+    assert main(["datastore", "build", "--kind", "dense", "--out", str(root / "dense"), "--target",
+                 str(saved_models.target), "--corpus", str(files / "corpus.jsonl"), "--from-generations",
+                 str(files / "prompts.jsonl"), "--gen-max-new-tokens", "8", "--pca-dims", "8"]) == 0
+    return root
+
+
+def test_build_info_eval_suffix(cli, saved_models, files, stores, tmp_path):
+    res = cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "s", "--target", saved_models.target,
+              "--corpus", files / "corpus.txt")
+    assert res.rc == 0, res.err
+    assert "suffix datastore" in res.out and "tokens" in res.out
+    info = cli("datastore", "info", tmp_path / "s", "--json")
+    meta = json.loads(info.out)
+    assert meta["kind"] == "suffix" and meta["tokenizer"]["vocab_size"] == saved_models.vocab_size
+    assert meta["counts"]["documents"] == 1 and meta["corpus"]["distribution"] == "OOD (raw text)"
+    ev = cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.txt", "--json")
+    assert ev.rc == 0, ev.err
+    out = json.loads(ev.out.strip().splitlines()[-1])
+    assert out["hit_rate"] > 0.9 and out["mean_match_length"] >= 2 and out["tree_prefix"] > 1
+
+
+def test_info_and_eval_dense(cli, files, stores):
+    info = cli("datastore", "info", stores / "dense")
+    assert info.rc == 0 and "dense datastore" in info.out and "index flat" in info.out
+    meta = json.loads(cli("datastore", "info", stores / "dense", "--json").out)
+    assert meta["corpus"]["distribution"] == "mixed" and meta["params"]["key_dim"] == 8
+    ev = cli("datastore", "eval", stores / "dense", "--corpus", files / "corpus.txt", "--json", "--max-queries", 50)
+    assert ev.rc == 0, ev.err
+    out = json.loads(ev.out.strip().splitlines()[-1])
+    assert out["queries"] == 50 and 0 < out["mrr_next_token"] <= 1 and "lookup_p99_ms" in out
+
+
+def test_id_generations_are_saved_and_reused(cli, saved_models, stores, tmp_path):
+    gen = stores / "dense" / "generations.jsonl"
+    rows = [json.loads(line) for line in gen.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["completion_ids"] and r["prompt_ids"] for r in rows)
+    res = cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "s", "--target", saved_models.target,
+              "--from-generations", gen, "--gen-max-new-tokens", 8)
+    assert res.rc == 0, res.err
+    meta = json.loads(cli("datastore", "info", tmp_path / "s", "--json").out)
+    assert "2 reused" in meta["corpus"]["description"] and meta["corpus"]["distribution"].startswith("ID")
+    assert meta["counts"]["tokens"] == sum(len(r["prompt_ids"]) + len(r["completion_ids"]) + 1 for r in rows)
+
+
+@pytest.mark.parametrize("method", ["rest", "dresd"])
+def test_generate_with_datastore_equals_ar(cli, saved_models, stores, method):
+    def gen(*extra, m):
+        res = cli("generate", "--target", saved_models.target, "--method", m, "--prompt", PROMPT,
+                  "--max-new-tokens", 24, "--json", *extra)
+        assert res.rc == 0, res.err
+        return json.loads(res.out)
+
+    kind = "suffix" if method == "rest" else "dense"
+    ar = gen(m="ar")
+    got = gen("--datastore", stores / kind, "--num-drafts", 2, "--draft-len", 6, m=method)
+    assert got["token_ids"] == ar["token_ids"] and got["stats"]["method"] == method
+
+
+def test_bench_rest_and_dresd(cli, saved_models, files, stores, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    res = cli("bench", "--target", saved_models.target, "--draft", saved_models.draft, "--methods", "ar,rest,dresd",
+              "--prompts", prompts, "--max-new-tokens", 12, "--no-warmup", "--out", tmp_path / "b",
+              "--datastore", stores / "suffix", "--datastore", stores / "dense")
+    assert res.rc == 0, res.err
+    result = json.loads((tmp_path / "b" / "results.json").read_text())
+    rows = {r["method"]: r for r in result["summary"]}
+    assert rows["rest"]["lossless"] and rows["dresd"]["lossless"]
+    assert result["config"]["method_options"]["dresd"]["datastore"] == str(stores / "dense")
+
+
+# ---- errors: one line, exit 2 ---------------------------------------------------------------------------------------
+
+
+def test_build_errors(cli, saved_models, files, stores, tmp_path):
+    t = ["--target", saved_models.target]
+    cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "x", *t).assert_user_error("--corpus")
+    cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "x", *t,
+        "--corpus", tmp_path / "nope.txt").assert_user_error("corpus not found")
+    cli("datastore", "build", "--kind", "suffix", "--out", stores / "suffix", *t,
+        "--corpus", files / "corpus.txt").assert_user_error("already exists", "--overwrite")
+    cli("datastore", "build", "--kind", "vector", "--out", tmp_path / "x", *t,
+        "--corpus", files / "corpus.txt").assert_user_error("--kind")
+    cli("datastore", "build", "--kind", "dense", "--out", tmp_path / "x", *t, "--corpus", files / "corpus.txt",
+        "--value-len", 0).assert_user_error("--value-len")
+    cli("datastore", "build", "--kind", "dense", "--out", tmp_path / "x", "--target", tmp_path / "no_model",
+        "--corpus", files / "corpus.txt").assert_user_error("not found")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"title": "no text"}\n')
+    cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "x", *t,
+        "--corpus", bad).assert_user_error("'text'")
+    cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "x", *t,
+        "--from-generations", files / "corpus.txt").assert_user_error("not valid JSON")
+    assert not (tmp_path / "x").exists()
+
+
+def test_info_and_eval_errors(cli, saved_models, files, stores, tmp_path):
+    cli("datastore", "info", tmp_path / "missing").assert_user_error("not found")
+    (tmp_path / "empty").mkdir()
+    cli("datastore", "info", tmp_path / "empty").assert_user_error("no meta.json")
+    broken = tmp_path / "broken"
+    shutil.copytree(stores / "suffix", broken)
+    (broken / "sa.npy").write_bytes(b"xx")
+    cli("datastore", "eval", broken, "--corpus", files / "corpus.txt").assert_user_error("corrupt", "sa.npy")
+    cli("datastore", "eval", stores / "dense", "--corpus", files / "corpus.txt",
+        "--target", saved_models.draft).assert_user_error("another target")
+    cli("datastore", "eval", stores / "dense", "--corpus", files / "corpus.txt",
+        "--target", saved_models.draft_other_tokens).assert_user_error("another tokenizer")
+    cli("datastore", "eval", stores / "suffix", "--corpus", tmp_path / "nope").assert_user_error("corpus not found")
+
+
+def test_generate_and_bench_errors(cli, saved_models, stores, tmp_path):
+    base = ["generate", "--target", saved_models.target, "--prompt", PROMPT, "--max-new-tokens", 4]
+    cli(*base, "--method", "rest").assert_user_error("--datastore")
+    cli(*base, "--method", "dresd", "--datastore", stores / "suffix").assert_user_error("needs a dense store")
+    cli(*base, "--method", "rest", "--datastore", stores / "dense").assert_user_error("needs a suffix store")
+    cli(*base, "--method", "rest", "--datastore", stores / "suffix", "--num-drafts", 0).assert_user_error(
+        "--num-drafts")
+    cli(*base, "--method", "dresd", "--datastore", tmp_path / "nothing").assert_user_error("not found")
+    cli("generate", "--target", saved_models.draft_other_tokens, "--prompt", PROMPT, "--method", "rest",
+        "--datastore", stores / "suffix").assert_user_error("another tokenizer")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    bench = ["bench", "--target", saved_models.target, "--prompts", prompts, "--out", tmp_path / "b"]
+    cli(*bench, "--methods", "ar,dresd").assert_user_error("dense datastore")
+    cli(*bench, "--methods", "ar,rest", "--datastore", stores / "suffix", "--datastore",
+        stores / "suffix").assert_user_error("two suffix datastores")
+    cli(*bench, "--methods", "ar,dresd", "--datastore", stores / "dense", "--target",
+        saved_models.draft).assert_user_error("another target")
