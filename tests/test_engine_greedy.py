@@ -149,7 +149,7 @@ def test_sharpened_repetitive_output_pld_speeds_up(make_model):
     out, stats, chunks = run(model, REGISTRY["pld"](gamma=5))
     assert out == want
     check_stats(stats, out, chunks)
-    assert len(set(want[-12:])) <= 6  # the output has settled into a short loop (deterministic: fixed seed)
+    assert len(set(want[-6:])) == 1  # the output ends in a loop (deterministic: fixed seed)
     assert stats.mean_accepted_tokens > 1.0 and stats.accepted_tokens > 0
 
 
