@@ -12,6 +12,7 @@ import pytest
 
 from rapid_fakes import FakeEmbedder
 from retrospec import generate
+from retrospec.attention import prefix_block
 from retrospec.bench.long_harness import LongBenchConfig, parse_method, run_long_bench
 from retrospec.bench.long_report import write_outputs
 from retrospec.bench.long_tasks import TASKS, make_tasks, score
@@ -20,6 +21,14 @@ from retrospec.long_context import LongContextOptions
 from retrospec.models import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(autouse=True)
+def sdpa_after(saved_models):
+    """Long-context requests switch the (cached, shared) target to the prefix + block attention: switch it back."""
+    yield
+    for path in (saved_models.target, saved_models.draft):
+        prefix_block.disable(load_model(path).model)
 
 COLOURS = ["red", "blue", "green", "amber", "teal", "violet", "ochre", "grey", "pink", "gold"]
 CONTEXT = "".join(f"Tower {i} is {c}.\n" for i, c in enumerate(COLOURS))
@@ -42,6 +51,10 @@ def test_long_context_methods_through_the_api(saved_models):
     upward = _gen(saved_models, "rapid", draft=saved_models.draft)  # another drafter LM, same vocabulary
     assert upward.token_ids == lc.token_ids
     rapid = _gen(saved_models, "rapid")
+    assert load_model(saved_models.target).model.config._attn_implementation == prefix_block.ATTN_NAME
+    plain = _gen(saved_models, "rapid", prefix_attention=False)  # transformers' sdpa: the same tokens
+    assert plain.token_ids == rapid.token_ids
+    assert load_model(saved_models.target).model.config._attn_implementation == "sdpa"
     assert 0 < rapid.stats.retrieved_tokens <= 60 and rapid.stats.retrieval_s > 0
     assert rapid.stats.prompt_tokens == lc.stats.prompt_tokens
     rag = _gen(saved_models, "rag")
@@ -117,8 +130,8 @@ def test_long_bench_harness(saved_models, tmp_path):
     assert summary["rapid"]["retrieved_tokens"] > 0 and summary["rapid"]["prefill_full_s"] > 0
     assert 0.0 <= summary["rag"]["accuracy"] <= 1.0
     probe = result["verify_probes"][0]
-    assert probe["gamma"] == 4 and probe["default"]["ratio"] > 0 and probe["prefix_block"]["ratio"] > 0
-    assert target.model.config._attn_implementation == "sdpa"  # the probe restores the model
+    assert probe["gamma"] == 4 and probe["sdpa"]["ratio"] > 0 and probe["prefix_block"]["ratio"] > 0
+    assert target.model.config._attn_implementation == prefix_block.ATTN_NAME  # the probe restores the model
     write_outputs(result, tmp_path / "bench")
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "LOSSY" in report and "rapid@eta=1.5" in report

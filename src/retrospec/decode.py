@@ -55,22 +55,20 @@ def speculative_generate(
         return p_rows if sampling.greedy else probs_from_logits(p_rows, sampling)
 
     t0 = time.perf_counter()
-    first_logits = verifier.prefill(prompt_ids, prefill_memo)  # [V]
-    first = int(first_logits.argmax()) if sampling.greedy else int(
-        torch.multinomial(probs_from_logits(first_logits, sampling), 1, generator=gen))
-    ctx = DecodeContext(tokens=list(prompt_ids) + [first], prompt_len=len(prompt_ids), sampling=sampling,
-                        generator=gen)
-    if verifier.want_hidden:
+    # Prefill all but the last prompt token: the last one is the root of the first step, so the first target call
+    # both finishes the prompt and verifies a draft (one target forward fewer than prefill-then-decode).
+    if len(prompt_ids) > 1:
+        verifier.prefill(prompt_ids[:-1], prefill_memo)
+    ctx = DecodeContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), sampling=sampling, generator=gen)
+    if verifier.want_hidden and verifier.last_hidden is not None:
         ctx.target_hidden = verifier.last_hidden[-1]
     if "target_kv" in drafter.needs:  # read-only view (MagicDec copies slices of it)
         ctx.extras["target_kv"] = verifier.kv
     drafter.prefill(ctx)
     stats.prefill_s = time.perf_counter() - t0
-    stats.target_calls, stats.new_tokens = 1, 1
     t_start = time.perf_counter()
     try:
-        yield [first]
-        done = first in eos_ids or max_new_tokens <= 1
+        done = False
         while not done:
             if len(ctx.tokens) >= max_pos:  # the model has no position left for another token
                 break

@@ -15,6 +15,10 @@ The draft LM defaults to the target itself (self-speculation); any causal LM wit
 (a larger one = upward speculation). Templates (``ContextTemplate``) format ``{context}`` and ``{query}``; when the
 tokenizer has a chat template, the formatted text becomes one user message rendered with it (``chat=False`` turns
 that off). Retrieval (``retrieval.long_context``) is timed and reported as ``retrieval_s`` / ``retrieved_tokens``.
+
+By default the target verifies with ``attention.prefix_block`` (the long cached prefix without a mask plus a small
+causal block for the new tokens; exact, and much cheaper than transformers' masked ``sdpa`` path on CPU), set on
+the loaded target through the public ``set_attn_implementation``; ``prefix_attention=False`` keeps ``sdpa``.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class LongContextOptions:
     sink: int = DEFAULT_SINK
     window: int | None = None
     template: ContextTemplate = field(default_factory=ContextTemplate)
+    prefix_attention: bool = True  # verify over the long cache with attention.prefix_block (exact; cheaper on CPU)
 
     def __post_init__(self) -> None:
         if not self.eta >= 0:
@@ -175,6 +180,9 @@ def prepare_long_request(query, context: str, *, target, draft, method: str, sam
         check_same_vocab(tgt, drf)
     elif draft is not None:
         raise RetrospecError(f"method '{method}' takes no draft model (--draft applies to sd and rapid)")
+    from .attention import prefix_block
+
+    (prefix_block.enable if long_opts.prefix_attention else prefix_block.disable)(tgt.model)
     p = plan(method, context, query, tgt.tokenizer, sampling, long_opts)
     for name, model, ids in (("target", tgt, p.target_prompt_ids),
                              ("draft", drf, p.drafter_options.get("draft_prompt_ids"))):

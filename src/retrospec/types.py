@@ -4,8 +4,9 @@ Vocabulary (used everywhere in retrospec):
 - p: the target's next-token distribution; q: the draft's.
 - After one verification step the committed tokens are: the *accepted* draft tokens, then exactly one more token:
   *recovered* (sampled from the residual after a rejection) or *bonus* (from p after the whole path was accepted).
-- tau (mean accepted tokens) = new tokens / target forward calls; plain decoding has tau = 1.00 because the prefill
-  call produces the first token.
+- tau (mean accepted tokens) = new tokens / target verification calls. The prefill runs all prompt tokens but the
+  last; the last prompt token is the root of the first verification step, so every counted call commits >= 1 token
+  and plain decoding has tau = 1.00.
 - acceptance rate = accepted draft tokens / drafted tokens.
 """
 

@@ -73,8 +73,9 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     finally:
         for p in probes:
             p.__exit__()
-    # the first target forward is the prompt: it belongs to prefill, not to decoding
-    forward_s = sum(p.seconds for p in probes) - probes[0].durations[0]
+    # the first target forward is the prefill (all prompt tokens but the last), not decoding
+    prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
+    forward_s = sum(p.seconds for p in probes) - prefill_fwd
     return out, stats, forward_s
 
 

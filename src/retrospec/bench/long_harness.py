@@ -105,19 +105,21 @@ def with_baseline(methods: list[MethodSpec]) -> list[MethodSpec]:
 def verify_cost(target: torch.nn.Module, prompt_ids: list[int], gamma: int = 10, reps: int = 15,
                 memo: PrefillMemo | None = None) -> dict:
     """Median seconds of one verification forward of ``gamma`` chain tokens vs one decode token after
-    ``prompt_ids`` (cache rolled back after each call, so every call sees the same cache length), with the
-    attention implementation the model has now and with ``attention.prefix_block`` (restored afterwards)."""
+    ``prompt_ids`` (cache rolled back after each call, so every call sees the same cache length), with
+    transformers' ``sdpa`` and with ``attention.prefix_block`` (the model's implementation is restored after)."""
     from ..attention import prefix_block
 
     ver = Verifier(target)
-    ver.prefill(prompt_ids, memo)
+    ver.prefill(prompt_ids[:-1], memo)  # the decode loop's invariant: the cache holds all but the root
     root = prompt_ids[-1]
     chain = DraftTree.chain(prompt_ids[-gamma - 1:-1] if len(prompt_ids) > gamma else [root] * gamma)
     before = target.config._attn_implementation
     out = {"cache_tokens": len(prompt_ids), "gamma": gamma}
     try:
-        for impl in dict.fromkeys([before, prefix_block.ATTN_NAME]):
-            if impl == prefix_block.ATTN_NAME and not prefix_block.enable(target):
+        for impl in ("sdpa", prefix_block.ATTN_NAME):
+            if impl == "sdpa":
+                prefix_block.disable(target)
+            elif not prefix_block.enable(target):
                 continue
             times: dict[int, list[float]] = {0: [], gamma: []}
             for _ in range(reps):
@@ -128,7 +130,7 @@ def verify_cost(target: torch.nn.Module, prompt_ids: list[int], gamma: int = 10,
                     ver.commit([])
                     ver.kv.crop(len(prompt_ids))
             t1, tg = statistics.median(times[0]), statistics.median(times[gamma])
-            key = "prefix_block" if impl == prefix_block.ATTN_NAME else "default"
+            key = "prefix_block" if impl == prefix_block.ATTN_NAME else "sdpa"
             out[key] = {"attention": impl, "decode_s": t1, "verify_s": tg, "ratio": tg / t1}
     finally:
         if target.config._attn_implementation != before:
@@ -172,6 +174,9 @@ def run_long_bench(target: LoadedModel, draft: LoadedModel | None, rows: list[di
         if not isinstance(row.get("context"), str) or not isinstance(row.get("prompt"), str):
             raise RetrospecError(f"row {i} needs string fields 'context' and 'prompt'")
     methods = with_baseline(cfg.methods)
+    from ..attention import prefix_block
+
+    (prefix_block.enable if cfg.options.prefix_attention else prefix_block.disable)(target.model)
     runner = _Runner(target, draft, cfg)
     tok = target.tokenizer
     torch.manual_seed(0)
@@ -276,7 +281,8 @@ def describe(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], c
         "eta": o.eta, "chunk_tokens": o.chunk_tokens, "retrieval_tokens": o.retrieval_tokens,
         "min_retrieval_tokens": o.min_retrieval_tokens, "max_retrieval_fraction": o.max_retrieval_fraction,
         "similarity_floor": o.similarity_floor, "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),
-        "sink": o.sink, "window": o.window, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "sink": o.sink, "window": o.window, "attention": target.model.config._attn_implementation,
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }

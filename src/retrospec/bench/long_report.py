@@ -43,6 +43,7 @@ def render_markdown(result: dict) -> str:
         + (f"{c['retrieval_tokens']} tokens" if c["retrieval_tokens"] else
            f"max({c['min_retrieval_tokens']}, {c['max_retrieval_fraction']:.4g} x context)")
         + f"; magicdec sink {c['sink']}, window {c['window'] or 'default (same budget as retrieval)'}; eta {c['eta']}",
+        f"- target attention: `{c.get('attention', 'sdpa')}`",
         f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}",
     ]
     if lossy:
@@ -55,7 +56,7 @@ def render_markdown(result: dict) -> str:
         lines += ["", "## Verification cost (gamma draft tokens vs one decode token, same cache, median)", "",
                   "| cache tokens | gamma | attention | decode ms | verify ms | ratio |", "|---|---|---|---|---|---|"]
         for p in probes:
-            for key in ("default", "prefix_block"):
+            for key in ("sdpa", "prefix_block"):
                 if key in p:
                     a = p[key]
                     lines.append(f"| {p['cache_tokens']} | {p['gamma']} | {a['attention']} | "

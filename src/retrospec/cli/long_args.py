@@ -35,6 +35,8 @@ def add_long_context_args(p, context_file: bool = True) -> None:
                                                     "(default: '{context}\\n\\n{query}')")
     g.add_argument("--no-chat-template", action="store_true", help="do not wrap prompts in the tokenizer's chat "
                                                                    "template")
+    g.add_argument("--no-prefix-attention", action="store_true",
+                   help="verify with transformers' sdpa instead of the prefix + block attention (both exact)")
 
 
 def long_context_kwargs(args) -> dict:
@@ -47,6 +49,8 @@ def long_context_kwargs(args) -> dict:
            if getattr(args, name, None) is not None}
     if args.embedder is not None and not Path(args.embedder).is_dir():
         raise RetrospecError(f"embedder directory not found: {args.embedder}")
+    if args.no_prefix_attention:
+        out["prefix_attention"] = False
     if args.template is not None or args.no_chat_template:
         text = (args.template or DEFAULT_TEMPLATE).encode().decode("unicode_escape")
         out["template"] = ContextTemplate(text, chat=not args.no_chat_template)

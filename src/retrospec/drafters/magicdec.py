@@ -57,13 +57,15 @@ class MagicDecDrafter:
     def prefill(self, ctx: DecodeContext) -> None:
         window = self.window or default_window(ctx.prompt_len)
         kv = ctx.extras.get("target_kv")
-        if kv is not None and len(kv) == ctx.prompt_len:
+        # the target's cache holds every committed token but the last (the root of the next step)
+        if kv is not None and len(kv) == len(ctx.tokens) - 1 and len(kv) > 0:
             self.cache = SinkWindowCache.from_layers(self.model.config, kv.layer_tensors(), self.sink, window)
-        else:  # no shared prefill: run the prompt once, then compress
+        else:  # no shared prefill: run the prompt (but the root) once, then compress
             self.cache = SinkWindowCache(self.model.config, self.sink, window)
-            self._forward(ctx.tokens[: ctx.prompt_len], 0)
-            self.cache.mark_committed(ctx.prompt_len)
-            self.cache.evict()
+            if len(ctx.tokens) > 1:
+                self._forward(ctx.tokens[:-1], 0)
+                self.cache.mark_committed(len(ctx.tokens) - 1)
+                self.cache.evict()
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         gamma = min(self.gamma, budget)
