@@ -30,14 +30,6 @@ N_DRAWS = 20_000
 ALPHA = 1e-3  # p-values below this fail the test (fixed seeds: the outcome does not change between runs)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors run fastest on one thread; on a busy 2-core machine two OpenMP threads can be 100x slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # helpers

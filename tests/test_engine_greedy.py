@@ -4,7 +4,6 @@ architectures; EOS and max_new_tokens are honoured exactly; SpecStats obeys its 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
@@ -15,14 +14,6 @@ from retrospec.types import DraftTree, SpecStats
 
 GREEDY = SamplingConfig(temperature=0.0)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on a busy 2-core machine two OpenMP threads can be 100x slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 N_NEW = 48
 PROMPT = [5, 17, 3, 42, 8, 17, 3, 42, 8, 61, 5, 17]  # repeats, so prompt lookup finds n-gram matches
 

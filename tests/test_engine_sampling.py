@@ -37,14 +37,6 @@ T1 = SamplingConfig(temperature=1.0)
 TOP_P = SamplingConfig(temperature=1.0, top_p=0.8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on a busy 2-core machine two OpenMP threads can be 100x slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 def tiny(seed: int, scale: float):
     from conftest import sharpen, tiny_llama

@@ -21,14 +21,6 @@ TREE_TOKENS = [12, 40, 7, 12, 9, 55, 3, 81, 40, 2]
 TREE_PARENTS = [-1, -1, 0, 0, 1, 2, 2, 4, -1, 6]  # three root children (40 twice: at node 1 and node 8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on a busy 2-core machine two OpenMP threads can be 100x slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 def make_tree() -> DraftTree:
     return DraftTree(torch.tensor(TREE_TOKENS), torch.tensor(TREE_PARENTS))
