@@ -12,7 +12,7 @@ import retrospec
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
-from retrospec.retrieval import build_dense_store, build_suffix_store, open_store
+from retrospec.retrieval import build_dense_store, build_suffix_store
 from retrospec.retrieval.corpus import TokenDoc
 from retrospec.retrieval.store import target_meta, tokenizer_meta
 from retrospec.sampling import probs_from_logits

@@ -1,4 +1,5 @@
-"""DReSD's datastore: build -> save -> load -> search, the key transform, meta checks, corrupt and interrupted builds."""
+"""DReSD's datastore: build -> save -> load -> search, the key transform, meta checks, corrupt and interrupted
+builds."""
 
 from __future__ import annotations
 

@@ -66,6 +66,7 @@ class LongContextOptions:
     min_retrieval_tokens: int = 1024
     max_retrieval_fraction: float = 1 / 24
     similarity_floor: float = 0.3
+    piece_tokens: int | None = 64
     embedder: object = None  # None = bundled all-MiniLM-L6-v2; a path; or an object with encode/count/max_tokens
     sink: int = DEFAULT_SINK
     window: int | None = None
@@ -85,7 +86,7 @@ class LongContextOptions:
     def retrieval(self) -> RetrievalConfig:
         return RetrievalConfig(chunk_tokens=self.chunk_tokens, similarity_floor=self.similarity_floor,
                                retrieval_tokens=self.retrieval_tokens, min_tokens=self.min_retrieval_tokens,
-                               max_fraction=self.max_retrieval_fraction)
+                               max_fraction=self.max_retrieval_fraction, piece_tokens=self.piece_tokens)
 
     @classmethod
     def pop_from(cls, options: dict) -> "LongContextOptions":

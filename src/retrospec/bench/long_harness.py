@@ -280,7 +280,7 @@ def describe(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], c
         "gamma": cfg.gamma or default_gamma("rapid"),
         "eta": o.eta, "chunk_tokens": o.chunk_tokens, "retrieval_tokens": o.retrieval_tokens,
         "min_retrieval_tokens": o.min_retrieval_tokens, "max_retrieval_fraction": o.max_retrieval_fraction,
-        "similarity_floor": o.similarity_floor, "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),
+        "similarity_floor": o.similarity_floor, "piece_tokens": o.piece_tokens, "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),
         "sink": o.sink, "window": o.window, "attention": target.model.config._attn_implementation,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

@@ -39,7 +39,8 @@ def render_markdown(result: dict) -> str:
         f"- target: `{c['target']}`; drafter for sd / rapid: `{c['draft']}`",
         f"- {c['rows']} rows, tasks {', '.join(c['tasks'])}, lengths {', '.join(map(str, c['lengths']))}; "
         f"{c['max_new_tokens']} new tokens max, temperature {c['temperature']}, gamma {c['gamma']}",
-        f"- retrieval: {c['embedder']}, chunks of {c['chunk_tokens']} tokens, floor {c['similarity_floor']}, budget "
+        f"- retrieval: {c['embedder']}, chunks of {c['chunk_tokens']} tokens scored by their best "
+        f"{c.get('piece_tokens')}-token piece, floor {c['similarity_floor']}, budget "
         + (f"{c['retrieval_tokens']} tokens" if c["retrieval_tokens"] else
            f"max({c['min_retrieval_tokens']}, {c['max_retrieval_fraction']:.4g} x context)")
         + f"; magicdec sink {c['sink']}, window {c['window'] or 'default (same budget as retrieval)'}; eta {c['eta']}",

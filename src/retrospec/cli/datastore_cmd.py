@@ -151,7 +151,6 @@ def _eos_id(target) -> int:
 
 
 def _documents(corpus: str | None, target, max_tokens: int | None, progress: bool = True):
-    from .. import retrieval  # noqa: F401
     from ..retrieval.corpus import limit_tokens, open_text_corpus, tokenize
 
     if target.tokenizer is None:

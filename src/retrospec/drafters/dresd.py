@@ -3,7 +3,8 @@
 Each step: the target's last-layer hidden state that produced the last committed token (``ctx.target_hidden``,
 declared through ``needs = {"hidden_states"}``) is transformed exactly as the datastore keys were (z-norm -> PCA
 -> L2) and searched in the store's FAISS index. Neighbours whose stored sequence does not start with the last
-committed token are dropped; the first ``num_drafts`` distinct continuations (in similarity order) of the rest,
+committed token are dropped (so ``neighbours``, default max(128, 20 x num_drafts), are retrieved: most fail the
+filter); the first ``num_drafts`` distinct continuations (in similarity order) of the rest,
 cut to ``draft_len`` tokens (and after an EOS), are merged into one trie (``tree.merge_sequences``) and verified
 in one target forward. Defaults from the paper: 3 x 20 for greedy decoding, 10 x 10 for sampling.
 
@@ -37,7 +38,7 @@ class DresdDrafter:
         k, length = DEFAULTS[ctx.sampling.greedy]
         self._k = self.num_drafts or k
         self._len = min(self.draft_len or length, self.store.value_len)
-        self._search_k = self.neighbours or max(32, 10 * self._k)
+        self._search_k = self.neighbours or max(128, 20 * self._k)  # most neighbours fail the token filter
 
     def drafts(self, hidden: np.ndarray, last_token: int) -> list[list[int]]:
         """Up to num_drafts distinct continuations of ``last_token`` retrieved with ``hidden`` [H]."""

@@ -65,7 +65,8 @@ def _read_jsonl(path: Path) -> list[str]:
                 raise RetrospecError(f"{path}:{n}: not valid JSON") from None
             if isinstance(row, dict) and isinstance(row.get("text"), str):
                 texts.append(row["text"])
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+            elif (isinstance(row, dict) and isinstance(row.get("prompt"), str)
+                  and isinstance(row.get("completion"), str)):
                 texts.append(row["prompt"] + row["completion"])
             else:
                 raise RetrospecError(f"{path}:{n}: each line needs a string 'text', or 'prompt' and 'completion'")

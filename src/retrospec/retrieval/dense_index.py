@@ -70,13 +70,20 @@ class KeyTransform:
         """``sample`` [s, H] float32 (modified in place). ``dims`` 0 or >= H: z-norm + L2 only."""
         from sklearn.decomposition import PCA
 
-        mean = sample.mean(0, dtype=np.float64).astype(np.float32)
-        std = np.maximum(sample.std(0, dtype=np.float64), 1e-6).astype(np.float32)
-        h = sample.shape[1]
-        if dims <= 0 or dims >= h or sample.shape[0] <= dims:
+        n, h = sample.shape
+        total, total_sq = np.zeros(h), np.zeros(h)
+        for i in range(0, n, 65_536):  # float64 moments chunk by chunk: no n x H float64 temporaries
+            chunk = sample[i : i + 65_536].astype(np.float64)
+            total += chunk.sum(0)
+            total_sq += np.square(chunk).sum(0)
+        mean64 = total / n
+        std = np.sqrt(np.maximum(total_sq / n - mean64**2, 0.0)).clip(min=1e-6).astype(np.float32)
+        mean = mean64.astype(np.float32)
+        if dims <= 0 or dims >= h or n <= dims:
             return cls(mean, std, None, None)
-        sample -= mean
-        sample /= std
+        for i in range(0, n, 65_536):  # z-normalise in place
+            sample[i : i + 65_536] -= mean
+            sample[i : i + 65_536] /= std
         pca = PCA(n_components=dims, svd_solver="covariance_eigh", random_state=seed, copy=False).fit(sample)
         return cls(mean, std, pca.mean_, pca.components_, float(pca.explained_variance_ratio_.sum()))
 

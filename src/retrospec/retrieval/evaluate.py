@@ -117,6 +117,8 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
 
 def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queries: int = 1000, k: int = 10,
                match_len: int = 4, seed: int = 0, batch_tokens: int = 8192, progress: bool = True) -> dict:
+    from ..config import SamplingConfig
+    from ..drafters.base import DecodeContext
     from ..drafters.dresd import DresdDrafter
     from ..tree import merge_sequences
     from .dense_index import _encode, _key_range
@@ -133,8 +135,8 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
     _encode(model, sub, bases[:-1].tolist(), hidden, window=params.get("window", 512),
             overlap=params.get("overlap", 128), batch_tokens=batch_tokens, pad_id=store.eos_id, progress=progress)
     row_of = {d: int(b) for d, b in zip(used, bases[:-1])}
-    drafter = DresdDrafter(store, num_drafts=3, draft_len=min(20, store.value_len))
-    drafter._k, drafter._len, drafter._search_k = 3, min(20, store.value_len), 32
+    drafter = DresdDrafter(store, num_drafts=3, draft_len=20)
+    drafter.prefill(DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig()))  # greedy defaults
     rr1, rrn, top1, tree_acc = [], [], [], []
     search_t, lookup_t = Timer(), Timer()
     for d, t in queries:

@@ -8,7 +8,11 @@ Here (``RetrievalConfig``):
 - chunks: ``chunk_tokens`` target tokens each (default 512), see ``chunks.chunk_text``;
 - scores: cosine similarity between the query (the user prompt) and the chunk. An embedder reads a bounded number
   of its own tokens (MiniLM: 256 word pieces, fewer than 512 target tokens of code), so every chunk is split into
-  pieces that fit and scored by its best piece: nothing in a chunk is invisible to retrieval;
+  pieces of at most ``piece_tokens`` embedder tokens (default 64, about a sentence or a line; never more than the
+  embedder reads) and scored by its best piece: nothing in a chunk is invisible to retrieval, and a needle (one
+  fact, one JSON line) is not averaged away by the rest of its 512-token chunk. On the bundled tasks this
+  raised the share of needles retrieved at 8K tokens from 1/3 to 2/3 (kv) and 3/3 (fact QA) over whole-chunk
+  embeddings;
 - floor: chunks scoring below ``similarity_floor`` (default 0.3) are never retrieved, even if the budget has room;
 - budget: ``retrieval_tokens`` when given, else ``clamp(max_fraction * context, min_tokens, context)``. The paper's
   values (4096, 1/24) are meant for 100K-token contexts; the defaults here (1024, 1/24) keep C^S short for the
@@ -41,6 +45,7 @@ class RetrievalConfig:
     retrieval_tokens: int | None = None  # an explicit budget; None = from the two bounds below
     min_tokens: int = 1024  # lower bound of the automatic budget (paper: 4096)
     max_fraction: float = 1 / 24  # the automatic budget is this share of the context when that is larger (paper)
+    piece_tokens: int | None = 64  # embedder tokens per scored piece (None: as many as the embedder reads)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -51,6 +56,8 @@ class RetrievalConfig:
             raise RetrospecError(f"retrieval tokens must be >= 1, got {self.retrieval_tokens}")
         if self.min_tokens < 0 or not 0.0 < self.max_fraction <= 1.0:
             raise RetrospecError("retrieval bounds need min_tokens >= 0 and 0 < max_fraction <= 1")
+        if self.piece_tokens is not None and self.piece_tokens < 8:
+            raise RetrospecError(f"piece tokens must be >= 8, got {self.piece_tokens}")
 
     def budget(self, context_tokens: int) -> int:
         """Retrieval length in target tokens for a context of ``context_tokens``."""
@@ -108,7 +115,7 @@ class LongContextRetriever:
         """[n_chunks] cosine similarity of each chunk (its best embedder-sized piece) to the query."""
         if not chunks:
             return np.zeros(0, dtype=np.float32)
-        limit = max(8, int(self.embedder.max_tokens))
+        limit = max(8, min(int(self.embedder.max_tokens), self.config.piece_tokens or 1 << 30))
         pieces: list[str] = []
         owner: list[int] = []
         for c in chunks:
