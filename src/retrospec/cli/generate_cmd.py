@@ -24,7 +24,8 @@ def add_sampling_args(p) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a continuation of one prompt")
     p.add_argument("--method", default="sd",
-                   help="ar | sd | pld; with --context-file: lc | rag | sd | magicdec | rapid (default: sd)")
+                   help="ar | sd | pld | rest | dresd (these two with --datastore); with --context-file: lc | rag | sd | "
+                        "magicdec | rapid (default: sd)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")

@@ -10,7 +10,7 @@ Sources (``--corpus``):
 ``--from-generations PROMPTS.jsonl`` gives an in-distribution (ID) corpus: the target's own greedy continuations of
 the prompts, produced by the engine itself (the lossless ``pld`` drafter, so outputs equal plain greedy decoding).
 Each such document is prompt + continuation with ``index_from`` at the continuation: dense stores index only the
-positions that produce the target's own tokens (the paper's "response" datastore); suffix stores keep every token.
+keys whose drafts are the target's own tokens (the paper's "response" datastore); suffix stores keep every token.
 
 Invariant: documents come out in a deterministic order, so the same corpus gives the same store.
 """
@@ -33,7 +33,7 @@ CHUNK_CHARS = 4_000_000
 @dataclass
 class TokenDoc:
     ids: np.ndarray  # [n] int32 token ids
-    index_from: int = 0  # dense stores index the keys whose produced token is at position >= index_from
+    index_from: int = 0  # dense stores index the keys whose drafts (x_{t+2}, ...) start at position >= index_from
 
 
 @dataclass

@@ -113,8 +113,10 @@ class KeyTransform:
 
 
 def _key_range(doc: TokenDoc) -> tuple[int, int]:
-    """Positions t whose keys are stored: produced token x_{t+1} inside the indexed part, and not past the end."""
-    return max(doc.index_from - 1, 0), len(doc.ids) - 1
+    """Positions t whose keys are stored: t < n - 1 (some token follows), and the draft a key serves
+    (x_{t+2}, ...) starts inside the indexed part (t + 2 >= index_from). For an ID document that includes the
+    position that produced the last prompt token: the decode loop's first query."""
+    return max(doc.index_from - 2, 0), len(doc.ids) - 1
 
 
 def _windows(n: int, window: int, overlap: int, lo: int, hi: int):
