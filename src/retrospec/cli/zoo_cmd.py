@@ -31,6 +31,14 @@ def add_parser(sub) -> None:
     lz.add_argument("--draft-intermediate", type=int, default=192)
     lz.add_argument("--eval-n", type=int, default=6, help="task rows per (task, length) for the accuracy check")
     lz.add_argument("--threads", type=int, default=0)
+    lz.add_argument("--device", default="cpu", help="cpu | cuda | auto (cuda trains in bfloat16 autocast)")
+    lz.add_argument("--workers", type=int, default=0, help="background processes rendering task examples")
+    lz.add_argument("--seconds", type=float, default=0.0,
+                    help="> 0: train the target for this wall-clock budget instead of --steps")
+    lz.add_argument("--draft-seconds", type=float, default=0.0,
+                    help="> 0: distil draft-long for this wall-clock budget instead of --draft-steps")
+    lz.add_argument("--task-fraction", type=float, default=0.5, help="share of each batch's rows that are tasks")
+    lz.add_argument("--stream-file", help="a .npy token stream to train on instead of this interpreter's stdlib")
     lz.set_defaults(func=run_long)
     i = zsub.add_parser("info", help="print the bundled zoo's manifest")
     i.add_argument("dir", nargs="?", help="zoo directory (default: bundled)")
@@ -53,6 +61,8 @@ def run_build(args) -> int:
 
 
 def run_long(args) -> int:
+    import sys
+
     from ..errors import RetrospecError
     from ..models import ZOO_DIR
     from ..train.long_zoo import LongZooConfig, build_long_zoo
@@ -62,15 +72,26 @@ def run_long(args) -> int:
         raise RetrospecError(f"no zoo target at {base / 'target'} (build the zoo first)")
     if args.steps < 1 or args.batch_size < 1 or args.max_len < 256 or args.draft_steps < 0:
         raise RetrospecError("need --steps >= 1, --batch-size >= 1, --max-len >= 256, --draft-steps >= 0")
+    if args.workers < 0 or args.seconds < 0 or args.draft_seconds < 0 or not 0 <= args.task_fraction <= 1:
+        raise RetrospecError("need --workers >= 0, --seconds >= 0, --draft-seconds >= 0, 0 <= --task-fraction <= 1")
+    if args.device not in ("cpu", "cuda", "auto") and not args.device.startswith("cuda:"):
+        raise RetrospecError(f"--device must be cpu, cuda or auto, got {args.device!r}")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RetrospecError("--device cuda: no CUDA device is available")
+    if args.stream_file and not Path(args.stream_file).is_file():
+        raise RetrospecError(f"--stream-file: no such file {args.stream_file}")
     lengths = tuple(sorted({max(256, args.max_len * k // 4) for k in (1, 2, 3, 4)}))
     build_long_zoo(LongZooConfig(base=base, out=Path(args.out) if args.out else base, seed=args.seed,
                                  steps=args.steps, batch_size=args.batch_size, lengths=lengths, lr=args.lr,
-                                 draft_steps=args.draft_steps, draft_intermediate=args.draft_intermediate,
-                                 eval_n=args.eval_n, threads=args.threads,
-                                 command=f"retrospec zoo long --base {base} --out {args.out or base} "
-                                         f"--seed {args.seed} --steps {args.steps} --batch-size {args.batch_size} "
-                                         f"--max-len {args.max_len} --lr {args.lr} --draft-steps {args.draft_steps} "
-                                         f"--draft-intermediate {args.draft_intermediate} --eval-n {args.eval_n}"))
+                                 task_fraction=args.task_fraction, draft_steps=args.draft_steps,
+                                 draft_intermediate=args.draft_intermediate, eval_n=args.eval_n,
+                                 threads=args.threads, device=args.device, workers=args.workers,
+                                 seconds=args.seconds, draft_seconds=args.draft_seconds,
+                                 stream_file=args.stream_file or "",
+                                 command="retrospec " + " ".join(sys.argv[1:])))
     return 0
 
 

@@ -16,6 +16,11 @@ Optionally (``draft_steps > 0``) a small ``draft-long`` is distilled from the ne
 (forward KL on every non-padding position), initialised from the zoo draft with its MLP cut to
 ``draft_intermediate`` units so that all bundled weights stay under 30 MiB.
 
+Runs on the CPU by default; ``device="cuda"`` trains on a GPU in bfloat16 autocast (weights and optimiser state stay
+float32), ``workers > 0`` renders task examples in background processes (the order of examples, hence the build,
+does not depend on the number of workers), and ``seconds``/``draft_seconds`` replace the step counts by a wall-clock
+budget (the cosine schedule runs over elapsed time; the steps taken are written to the manifest).
+
 Outputs (atomic: written next to the destination, renamed into place): ``out/target-long``, optionally
 ``out/draft-long``, and ``out/long.json`` (command, seed, steps, wall time, losses, task accuracy of the base and the
 new target at each evaluation length). Weights are stored in float16, like the rest of the zoo.
@@ -43,6 +48,7 @@ from .lm import TrainConfig, _lr_at
 
 TRAIN_TASKS = ("kv", "passkey", "facts")
 BUNDLE_LIMIT_MB = 30 * 1024 * 1024
+PREFETCH = 4  # batches of task examples rendered ahead when workers > 0
 
 
 @dataclass
@@ -65,6 +71,11 @@ class LongZooConfig:
     eval_base: bool = True
     threads: int = 0
     log_every: int = 10
+    device: str = "cpu"  # "cpu", "cuda" or "auto"
+    workers: int = 0  # background processes rendering task examples (0: inline)
+    seconds: float = 0.0  # > 0: wall-clock budget of the target phase (overrides ``steps``)
+    draft_seconds: float = 0.0  # > 0: wall-clock budget of the draft phase (overrides ``draft_steps``)
+    stream_file: str = ""  # a .npy token stream to use instead of encoding the stdlib (e.g. on another machine)
     command: str = ""
 
 
@@ -89,34 +100,84 @@ def task_example(tok, kind: str, length: int, seed: int) -> tuple[list[int], lis
     return ids, mask
 
 
-class MixSampler:
-    """Seeded batches: code windows and task examples, all rows of a batch at one length."""
+_WORKER_TOK = None
 
-    def __init__(self, tok, stream: np.ndarray, cfg: LongZooConfig, salt: int = 0):
+
+def _worker_init(tok_dir: str) -> None:
+    global _WORKER_TOK
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    _WORKER_TOK = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    _WORKER_TOK.model_max_length = 1 << 30
+
+
+def _worker_example(kind: str, length: int, seed: int) -> tuple[list[int], list[int]]:
+    return task_example(_WORKER_TOK, kind, length, seed)
+
+
+class MixSampler:
+    """Seeded batches: code windows and task examples, all rows of a batch at one length.
+
+    A batch's plan (length, task kinds and seeds, code offsets) is drawn from one generator in a fixed order, so
+    the batches are the same whether the examples are rendered inline or by ``workers`` background processes.
+    """
+
+    def __init__(self, tok, stream: np.ndarray, cfg: LongZooConfig, salt: int = 0, tok_dir: Path | None = None):
         self.tok, self.stream, self.cfg = tok, stream, cfg
         self.rng = np.random.default_rng([cfg.seed, salt])
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.count = 0
+        self.pool = None
+        self.pending: list = []
+        if cfg.workers > 0 and tok_dir is not None:
+            import multiprocessing as mp
 
-    def next(self) -> _Batch:
+            self.pool = mp.get_context("spawn").Pool(cfg.workers, _worker_init, (str(tok_dir),))
+
+    def _plan(self) -> tuple[int, list]:
         cfg = self.cfg
         length = int(self.rng.choice(cfg.lengths))
         n_task = int(round(cfg.batch_size * cfg.task_fraction))
-        rows, masks, task = [], [], []
+        rows = []
         for r in range(cfg.batch_size):
             if r < n_task:
                 kind = TRAIN_TASKS[int(self.rng.integers(len(TRAIN_TASKS)))]
-                ids, mask = task_example(self.tok, kind, length, 1_000_000 + self.count)
+                rows.append(("task", kind, 1_000_000 + self.count))
                 self.count += 1
+            else:
+                rows.append(("code", int(self.rng.integers(0, len(self.stream) - length - 1)), None))
+        return length, rows
+
+    def _render(self, plan) -> list:
+        length, rows = plan
+        if self.pool is None:
+            return [task_example(self.tok, r[1], length, r[2]) if r[0] == "task" else None for r in rows]
+        return [self.pool.apply_async(_worker_example, (r[1], length, r[2])) if r[0] == "task" else None
+                for r in rows]
+
+    def next(self) -> _Batch:
+        while len(self.pending) < (PREFETCH if self.pool is not None else 1):
+            plan = self._plan()
+            self.pending.append((plan, self._render(plan)))
+        (length, rows), rendered = self.pending.pop(0)
+        ids_rows, masks, task = [], [], []
+        for (what, start, _), ex in zip(rows, rendered):
+            if what == "task":
+                ids, mask = ex.get() if self.pool is not None else ex
                 pad = length + 1 - len(ids)
-                rows.append(ids + [self.pad] * pad)
+                ids_rows.append(ids + [self.pad] * pad)
                 masks.append(mask + [0] * pad)
             else:
-                s = int(self.rng.integers(0, len(self.stream) - length - 1))
-                rows.append(self.stream[s: s + length + 1].astype(np.int64).tolist())
+                ids_rows.append(self.stream[start: start + length + 1].astype(np.int64).tolist())
                 masks.append([1] * length)
-            task.append(r < n_task)
-        return _Batch(torch.tensor(rows), torch.tensor(masks, dtype=torch.float32), torch.tensor(task))
+            task.append(what == "task")
+        return _Batch(torch.tensor(ids_rows), torch.tensor(masks, dtype=torch.float32), torch.tensor(task))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -131,34 +192,57 @@ def _optimizer(model, lr: float):
                              lr=lr, betas=(0.9, 0.95))
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
 def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooConfig, teacher=None,
-              desc: str = "target-long") -> dict:
-    """Continue training ``model`` on the mix; with a ``teacher``, distil (forward KL) instead of fitting labels."""
+              desc: str = "target-long", seconds: float = 0.0) -> dict:
+    """Continue training ``model`` on the mix; with a ``teacher``, distil (forward KL) instead of fitting labels.
+
+    ``seconds > 0`` replaces ``steps``: training runs for that wall-clock budget, with the cosine learning-rate
+    schedule laid over elapsed time, and the number of steps taken is reported."""
+    device = next(model.parameters()).device
+    amp = device.type == "cuda"
     torch.manual_seed(cfg.seed)
     opt = _optimizer(model, lr)
-    sched = TrainConfig(tokens=1, lr=lr, warmup_steps=min(50, max(1, steps // 10)))
+    timed = seconds > 0
+    warmup = 50 if timed else min(50, max(1, steps // 10))
+    sched = TrainConfig(tokens=1, lr=lr, warmup_steps=warmup)
     model.train()
     losses, running, t0 = [], None, time.perf_counter()
     task_running = None  # the completion loss alone (label training), for the log
-    bar = tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True)
-    for step in bar:
+    bar = tqdm(total=None if timed else steps, desc=desc, unit="step", dynamic_ncols=True)
+    step = 0
+    while (time.perf_counter() - t0 < seconds) if timed else step < steps:
+        if timed:  # the cosine runs over wall-clock time: progress = elapsed / budget
+            frac = (time.perf_counter() - t0) / seconds
+            lr_now = lr * (step + 1) / warmup if step < warmup else _lr_at(int(frac * 1e6), int(1e6), TrainConfig(
+                tokens=1, lr=lr, warmup_steps=0))
+        else:
+            lr_now = _lr_at(step, steps, sched)
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, steps, sched)
+            group["lr"] = lr_now
         b = sampler.next()
-        x, y = b.ids[:, :-1], b.ids[:, 1:]
-        logits = model(input_ids=x).logits  # [B, L, V]
+        ids, bmask, is_task = b.ids.to(device), b.mask.to(device), b.is_task.to(device)
+        x, y = ids[:, :-1], ids[:, 1:]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(input_ids=x).logits  # [B, L, V]
+        logits = logits.float()
         if teacher is None:
-            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(b.mask)  # [B, L]
-            code = _masked_mean(ce[~b.is_task], b.mask[~b.is_task])
-            task = _masked_mean(ce[b.is_task], b.mask[b.is_task])
+            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(bmask)  # [B, L]
+            code = _masked_mean(ce[~is_task], bmask[~is_task])
+            task = _masked_mean(ce[is_task], bmask[is_task])
             loss = (1 - cfg.task_weight) * code + cfg.task_weight * task
             tv = float(task.detach())
             task_running = tv if task_running is None else 0.95 * task_running + 0.05 * tv
         else:
-            with torch.no_grad():
-                p_log = teacher(input_ids=x).logits.log_softmax(-1)
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                p_log = teacher(input_ids=x).logits.float().log_softmax(-1)
             kl = F.kl_div(logits.log_softmax(-1), p_log, log_target=True, reduction="none").sum(-1)  # [B, L]
-            keep = torch.where(b.is_task[:, None], (y != sampler.pad).float(), torch.ones_like(b.mask))
+            keep = torch.where(is_task[:, None], (y != sampler.pad).float(), torch.ones_like(bmask))
             loss = _masked_mean(kl, keep)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -170,9 +254,13 @@ def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooCon
             losses.append(round(running, 4))
             bar.set_postfix(loss=f"{running:.3f}", L=b.ids.shape[1] - 1,
                             **({"task": f"{task_running:.3f}"} if task_running is not None else {}))
+        step += 1
+        bar.update(1)
+    bar.close()
+    sampler.close()
     model.eval()
-    return {"steps": steps, "seconds": round(time.perf_counter() - t0, 1), "final_loss": running,
-            "final_task_loss": task_running, "losses": losses}
+    return {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "final_loss": running,
+            "final_task_loss": task_running, "losses": losses, "device": str(device)}
 
 
 @torch.inference_mode()
@@ -227,11 +315,14 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
     started = time.perf_counter()
     base, out = Path(cfg.base), Path(cfg.out)
     tok = AutoTokenizer.from_pretrained(base / "target", local_files_only=True)
     tok.model_max_length = 1 << 30
     target = AutoModelForCausalLM.from_pretrained(base / "target", dtype=torch.float32, local_files_only=True)
+    if stream is None and cfg.stream_file:
+        stream = np.load(cfg.stream_file)
     if stream is None:
         stream = _encode_stream(tok, read_texts(stdlib_files("train")))
     log(f"code stream: {len(stream):,} tokens; lengths {cfg.lengths}; {cfg.steps} steps of {cfg.batch_size} rows")
@@ -240,7 +331,9 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
     if cfg.eval_base and cfg.eval_n:
         manifest["base_accuracy"] = eval_tasks(target.eval(), tok, cfg.eval_lengths, cfg.eval_n)
         log(f"base target accuracy: {manifest['base_accuracy']}")
-    manifest["target_long"] = train_mix(target, MixSampler(tok, stream, cfg, salt=1), cfg.steps, cfg.lr, cfg)
+    sampler = MixSampler(tok, stream, cfg, salt=1, tok_dir=base / "target")  # workers start before CUDA does
+    manifest["target_long"] = train_mix(target.to(device), sampler, cfg.steps, cfg.lr, cfg, seconds=cfg.seconds)
+    target.to("cpu")
     target.config.max_position_embeddings = cfg.max_positions
     if cfg.eval_n:
         manifest["target_long"]["accuracy"] = eval_tasks(target, tok, cfg.eval_lengths, cfg.eval_n)
@@ -250,12 +343,16 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     _save_model(target, tok, staging / "target-long")
-    if cfg.draft_steps > 0:
+    if cfg.draft_steps > 0 or cfg.draft_seconds > 0:
         base_draft = AutoModelForCausalLM.from_pretrained(base / "draft", dtype=torch.float32, local_files_only=True)
         student = _shrunk_draft(base_draft, cfg.draft_intermediate)
         student.config.max_position_embeddings = cfg.max_positions
-        manifest["draft_long"] = train_mix(student, MixSampler(tok, stream, cfg, salt=2), cfg.draft_steps,
-                                           cfg.draft_lr, cfg, teacher=target, desc="draft-long (distil)")
+        sampler = MixSampler(tok, stream, cfg, salt=2, tok_dir=base / "target")
+        manifest["draft_long"] = train_mix(student.to(device), sampler, max(1, cfg.draft_steps), cfg.draft_lr, cfg,
+                                           teacher=target.to(device), desc="draft-long (distil)",
+                                           seconds=cfg.draft_seconds)
+        student.to("cpu")
+        target.to("cpu")
         manifest["draft_long"]["intermediate_size"] = cfg.draft_intermediate
         _save_model(student, tok, staging / "draft-long")
     manifest.update(build_seconds=round(time.perf_counter() - started, 1), torch_threads=torch.get_num_threads(),
