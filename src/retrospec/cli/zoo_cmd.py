@@ -26,6 +26,11 @@ def add_parser(sub) -> None:
     lz.add_argument("--steps", type=int, default=400)
     lz.add_argument("--batch-size", type=int, default=4)
     lz.add_argument("--max-len", type=int, default=2048, help="training length (batches at 1/4, 1/2, 3/4, 1 of it)")
+    lz.add_argument("--lengths", help="comma-separated batch lengths instead of --max-len's four, e.g. 2048,4096,16384")
+    lz.add_argument("--batch-tokens", type=int, default=0,
+                    help="> 0: rows per batch = batch-tokens // length (overrides --batch-size)")
+    lz.add_argument("--init-target", help="continue from this checkpoint instead of the base zoo target "
+                                          "(e.g. a second stage at longer lengths)")
     lz.add_argument("--lr", type=float, default=5e-4)
     lz.add_argument("--draft-steps", type=int, default=0, help="> 0: also distil a small draft-long")
     lz.add_argument("--draft-intermediate", type=int, default=192)
@@ -83,9 +88,22 @@ def run_long(args) -> int:
             raise RetrospecError("--device cuda: no CUDA device is available")
     if args.stream_file and not Path(args.stream_file).is_file():
         raise RetrospecError(f"--stream-file: no such file {args.stream_file}")
-    lengths = tuple(sorted({max(256, args.max_len * k // 4) for k in (1, 2, 3, 4)}))
+    if args.lengths:
+        try:
+            lengths = tuple(sorted({int(x) for x in args.lengths.split(",") if x.strip()}))
+        except ValueError:
+            raise RetrospecError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+        if not lengths or min(lengths) < 256:
+            raise RetrospecError("--lengths must be >= 256 each")
+    else:
+        lengths = tuple(sorted({max(256, args.max_len * k // 4) for k in (1, 2, 3, 4)}))
+    if args.batch_tokens < 0:
+        raise RetrospecError("--batch-tokens must be >= 0")
+    if args.init_target and not (Path(args.init_target) / "config.json").is_file():
+        raise RetrospecError(f"--init-target: no model at {args.init_target}")
     build_long_zoo(LongZooConfig(base=base, out=Path(args.out) if args.out else base, seed=args.seed,
                                  steps=args.steps, batch_size=args.batch_size, lengths=lengths, lr=args.lr,
+                                 batch_tokens=args.batch_tokens, init_target=args.init_target or "",
                                  task_fraction=args.task_fraction, draft_steps=args.draft_steps,
                                  draft_intermediate=args.draft_intermediate, eval_n=args.eval_n,
                                  threads=args.threads, device=args.device, workers=args.workers,

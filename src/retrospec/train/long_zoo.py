@@ -58,6 +58,7 @@ class LongZooConfig:
     seed: int = 0
     steps: int = 400
     batch_size: int = 4
+    batch_tokens: int = 0  # > 0: rows per batch = max(1, batch_tokens // length) instead of batch_size
     lengths: tuple[int, ...] = (512, 1024, 1536, 2048)  # training length = max(lengths)
     task_fraction: float = 0.5  # share of each batch's rows that are task examples
     task_weight: float = 0.5  # weight of the completion loss against the code loss
@@ -76,6 +77,7 @@ class LongZooConfig:
     seconds: float = 0.0  # > 0: wall-clock budget of the target phase (overrides ``steps``)
     draft_seconds: float = 0.0  # > 0: wall-clock budget of the draft phase (overrides ``draft_steps``)
     stream_file: str = ""  # a .npy token stream to use instead of encoding the stdlib (e.g. on another machine)
+    init_target: str = ""  # continue from this checkpoint instead of base/target (a second, longer stage)
     command: str = ""
 
 
@@ -138,9 +140,10 @@ class MixSampler:
     def _plan(self) -> tuple[int, list]:
         cfg = self.cfg
         length = int(self.rng.choice(cfg.lengths))
-        n_task = int(round(cfg.batch_size * cfg.task_fraction))
+        size = max(1, cfg.batch_tokens // length) if cfg.batch_tokens > 0 else cfg.batch_size
+        n_task = int(round(size * cfg.task_fraction))
         rows = []
-        for r in range(cfg.batch_size):
+        for r in range(size):
             if r < n_task:
                 kind = TRAIN_TASKS[int(self.rng.integers(len(TRAIN_TASKS)))]
                 rows.append(("task", kind, 1_000_000 + self.count))
@@ -320,7 +323,8 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
     base, out = Path(cfg.base), Path(cfg.out)
     tok = AutoTokenizer.from_pretrained(base / "target", local_files_only=True)
     tok.model_max_length = 1 << 30
-    target = AutoModelForCausalLM.from_pretrained(base / "target", dtype=torch.float32, local_files_only=True)
+    start = Path(cfg.init_target) if cfg.init_target else base / "target"
+    target = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32, local_files_only=True)
     if stream is None and cfg.stream_file:
         stream = np.load(cfg.stream_file)
     if stream is None:
@@ -328,6 +332,8 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
     log(f"code stream: {len(stream):,} tokens; lengths {cfg.lengths}; {cfg.steps} steps of {cfg.batch_size} rows")
     manifest: dict = {"command": cfg.command, "config": {k: (str(v) if isinstance(v, Path) else v)
                                                           for k, v in asdict(cfg).items()}}
+    if cfg.init_target and (start.parent / "long.json").is_file():  # the earlier stage this one continues
+        manifest["previous_stage"] = json.loads((start.parent / "long.json").read_text())
     if cfg.eval_base and cfg.eval_n:
         manifest["base_accuracy"] = eval_tasks(target.eval(), tok, cfg.eval_lengths, cfg.eval_n)
         log(f"base target accuracy: {manifest['base_accuracy']}")
