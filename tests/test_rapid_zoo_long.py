@@ -81,3 +81,79 @@ def test_prefix_block_attention_equals_sdpa(make):
     prefix_block.disable(model)
     assert out == oracle
     assert model.config._attn_implementation == "sdpa"
+
+
+def _sampler_batches(saved_models, n: int, **over) -> list:
+    from retrospec.train.long_zoo import LongZooConfig, MixSampler
+
+    tok = load_model(saved_models.target).tokenizer
+    stream = np.arange(20_000) % 250
+    base = saved_models.target.parent
+    cfg = LongZooConfig(base=base, out=base, **({"lengths": (300, 600), "batch_size": 4} | over))
+    sampler = MixSampler(tok, stream, cfg, salt=1, tok_dir=saved_models.target)
+    try:
+        return [sampler.next() for _ in range(n)]
+    finally:
+        sampler.close()
+
+
+def test_mix_sampler_same_batches_with_workers(saved_models):
+    inline = _sampler_batches(saved_models, 4)
+    pooled = _sampler_batches(saved_models, 4, workers=1)
+    for a, b in zip(inline, pooled):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and torch.equal(a.is_task, b.is_task)
+
+
+def test_mix_sampler_batch_tokens_sets_rows_per_length(saved_models):
+    for b in _sampler_batches(saved_models, 6, batch_tokens=1200, task_fraction=0.5):
+        length = b.ids.shape[1] - 1
+        assert b.ids.shape[0] == 1200 // length
+        assert int(b.is_task.sum()) == round(b.ids.shape[0] * 0.5)
+
+
+def test_long_zoo_time_budget_and_kept_target(saved_models, tmp_path):
+    """--seconds replaces the step count; --steps 0 keeps --init-target byte for byte and only trains the draft
+    (here on labels), and the earlier stage's manifest is kept inside the new one."""
+    from retrospec.train.long_zoo import LongZooConfig, build_long_zoo
+
+    tok = load_model(saved_models.target).tokenizer
+    stream = np.array(tok(open(torch.__file__).read() * 3)["input_ids"], dtype=np.int64)
+    base = saved_models.target.parent
+    first = build_long_zoo(LongZooConfig(base=base, out=tmp_path / "a", seconds=1.0, lengths=(300,), batch_size=2,
+                                         draft_steps=1, draft_intermediate=32, eval_n=0, eval_base=False),
+                           log=lambda *_: None, stream=stream)
+    assert first["target_long"]["steps"] >= 1 and first["target_long"]["seconds"] >= 1.0
+    second = build_long_zoo(LongZooConfig(base=base, out=tmp_path / "b", steps=0, init_target=str(
+        tmp_path / "a" / "target-long"), init_draft=str(tmp_path / "a" / "draft-long"), draft_steps=2,
+        draft_labels=True, lengths=(300,), batch_size=2, eval_n=0, eval_base=False), log=lambda *_: None,
+        stream=stream)
+    assert second["target_long"]["steps"] == 0 and second["draft_long"]["objective"] == "labels"
+    assert second["previous_stage"]["target_long"]["steps"] == first["target_long"]["steps"]
+    a, b = (tmp_path / d / "target-long" / "model.safetensors" for d in ("a", "b"))
+    assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--steps", "0"], "--init-target"),
+    (["--lengths", "100,x"], "--lengths"),
+    (["--lengths", "128"], ">= 256"),
+    (["--device", "tpu"], "--device"),
+    (["--init-draft", "/nonexistent/draft"], "--init-draft"),
+    (["--workers", "-1"], "--workers"),
+])
+def test_zoo_long_bad_knobs_exit_2(saved_models, tmp_path, capsys, extra, needle):
+    from retrospec.cli import main
+
+    code = main(["zoo", "long", "--base", str(saved_models.target.parent), "--out", str(tmp_path / "z"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0] and err[0].startswith("retrospec: error:")
+    assert not (tmp_path / "z").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_zoo_long_cuda_without_gpu_exit_2(saved_models, tmp_path, capsys):
+    from retrospec.cli import main
+
+    code = main(["zoo", "long", "--base", str(saved_models.target.parent), "--out", str(tmp_path / "z"),
+                 "--device", "cuda"])
+    assert code == 2 and "no CUDA device" in capsys.readouterr().err

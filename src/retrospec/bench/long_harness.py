@@ -232,11 +232,11 @@ def summarize(runs: list[dict]) -> list[dict]:
         base = groups.get((length, task, "lc"), [])
         new, dec = _sum(rs, "new_tokens"), _sum(rs, "decode_s")
         calls, drafted, accepted = _sum(rs, "target_calls"), _sum(rs, "drafted_tokens"), _sum(rs, "accepted_tokens")
-        steps = calls - len(rs)  # the prefill forward of each run is not a decode step
+        steps = calls  # target_calls counts verification forwards only (the prompt's prefill is not one)
         tps = new / dec if dec else 0.0
         b_new, b_dec = _sum(base, "new_tokens"), _sum(base, "decode_s")
         b_tps = b_new / b_dec if b_dec else 0.0
-        b_steps = _sum(base, "target_calls") - len(base)
+        b_steps = _sum(base, "target_calls")
         t_lc = _sum(base, "verify_s") / b_steps if b_steps else 0.0
         t_step = (_sum(rs, "verify_s") + _sum(rs, "draft_s")) / steps if steps else 0.0
         t_verify = _sum(rs, "verify_s") / steps if steps else 0.0

@@ -24,9 +24,10 @@ def _row(s: dict) -> list[str]:
             _f(s["retrieved_tokens"], ".0f"), rule]
 
 
-def _table(rows: list[dict]) -> list[str]:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    return lines + ["| " + " | ".join(_row(s)) + " |" for s in rows]
+def _table(rows: list[dict], with_task: bool = False) -> list[str]:
+    cols = (("task",) if with_task else ()) + COLUMNS
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(([s["task"]] if with_task else []) + _row(s)) + " |" for s in rows]
 
 
 def render_markdown(result: dict) -> str:
@@ -51,7 +52,7 @@ def render_markdown(result: dict) -> str:
         lines += ["", f"**LOSSY methods in this report: {', '.join(lossy)}** (RAPID with eta > 0: the output "
                       "distribution is not the target's; see acceptance_rapid.py)."]
     lines += ["", "## All tasks", ""] + _table([s for s in summary if s["task"] == "all"])
-    lines += ["", "## Per task", ""] + _table([s for s in summary if s["task"] != "all"])
+    lines += ["", "## Per task", ""] + _table([s for s in summary if s["task"] != "all"], with_task=True)
     probes = result.get("verify_probes") or []
     if probes:
         lines += ["", "## Verification cost (gamma draft tokens vs one decode token, same cache, median)", "",

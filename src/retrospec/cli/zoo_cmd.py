@@ -30,7 +30,12 @@ def add_parser(sub) -> None:
     lz.add_argument("--batch-tokens", type=int, default=0,
                     help="> 0: rows per batch = batch-tokens // length (overrides --batch-size)")
     lz.add_argument("--init-target", help="continue from this checkpoint instead of the base zoo target "
-                                          "(e.g. a second stage at longer lengths)")
+                                          "(e.g. a second stage at longer lengths); with --steps 0, kept as is")
+    lz.add_argument("--draft-labels", action="store_true",
+                    help="train draft-long on the labels (code + task completions) instead of distilling")
+    lz.add_argument("--draft-lr", type=float, default=2e-3)
+    lz.add_argument("--task-weight", type=float, default=0.5, help="weight of the task-completion loss (0..1)")
+    lz.add_argument("--init-draft", help="continue distilling this draft-long instead of cutting down the zoo draft")
     lz.add_argument("--lr", type=float, default=5e-4)
     lz.add_argument("--draft-steps", type=int, default=0, help="> 0: also distil a small draft-long")
     lz.add_argument("--draft-intermediate", type=int, default=192)
@@ -75,8 +80,12 @@ def run_long(args) -> int:
     base = Path(args.base) if args.base else ZOO_DIR
     if not (base / "target" / "config.json").is_file():
         raise RetrospecError(f"no zoo target at {base / 'target'} (build the zoo first)")
-    if args.steps < 1 or args.batch_size < 1 or args.max_len < 256 or args.draft_steps < 0:
-        raise RetrospecError("need --steps >= 1, --batch-size >= 1, --max-len >= 256, --draft-steps >= 0")
+    if args.steps == 0 and not args.init_target:
+        raise RetrospecError("--steps 0 (keep the target as is) needs --init-target")
+    if args.init_draft and not (Path(args.init_draft) / "config.json").is_file():
+        raise RetrospecError(f"--init-draft: no model at {args.init_draft}")
+    if args.steps < 0 or args.batch_size < 1 or args.max_len < 256 or args.draft_steps < 0:
+        raise RetrospecError("need --steps >= 0, --batch-size >= 1, --max-len >= 256, --draft-steps >= 0")
     if args.workers < 0 or args.seconds < 0 or args.draft_seconds < 0 or not 0 <= args.task_fraction <= 1:
         raise RetrospecError("need --workers >= 0, --seconds >= 0, --draft-seconds >= 0, 0 <= --task-fraction <= 1")
     if args.device not in ("cpu", "cuda", "auto") and not args.device.startswith("cuda:"):
@@ -104,6 +113,8 @@ def run_long(args) -> int:
     build_long_zoo(LongZooConfig(base=base, out=Path(args.out) if args.out else base, seed=args.seed,
                                  steps=args.steps, batch_size=args.batch_size, lengths=lengths, lr=args.lr,
                                  batch_tokens=args.batch_tokens, init_target=args.init_target or "",
+                                 init_draft=args.init_draft or "", draft_labels=args.draft_labels,
+                                 draft_lr=args.draft_lr, task_weight=args.task_weight,
                                  task_fraction=args.task_fraction, draft_steps=args.draft_steps,
                                  draft_intermediate=args.draft_intermediate, eval_n=args.eval_n,
                                  threads=args.threads, device=args.device, workers=args.workers,

@@ -78,6 +78,8 @@ class LongZooConfig:
     draft_seconds: float = 0.0  # > 0: wall-clock budget of the draft phase (overrides ``draft_steps``)
     stream_file: str = ""  # a .npy token stream to use instead of encoding the stdlib (e.g. on another machine)
     init_target: str = ""  # continue from this checkpoint instead of base/target (a second, longer stage)
+    init_draft: str = ""  # continue distilling this draft instead of cutting down base/draft
+    draft_labels: bool = False  # train draft-long on the labels (like the target) instead of distilling
     command: str = ""
 
 
@@ -246,7 +248,9 @@ def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooCon
                 p_log = teacher(input_ids=x).logits.float().log_softmax(-1)
             kl = F.kl_div(logits.log_softmax(-1), p_log, log_target=True, reduction="none").sum(-1)  # [B, L]
             keep = torch.where(is_task[:, None], (y != sampler.pad).float(), torch.ones_like(bmask))
-            loss = _masked_mean(kl, keep)
+            # every position, plus the task completions again (the answers a RAG drafter must copy are a tiny
+            # share of the positions, and they are what RAPID's acceptance depends on)
+            loss = _masked_mean(kl, keep) + cfg.task_weight * _masked_mean(kl[is_task], bmask[is_task])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -338,7 +342,11 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
         manifest["base_accuracy"] = eval_tasks(target.eval(), tok, cfg.eval_lengths, cfg.eval_n)
         log(f"base target accuracy: {manifest['base_accuracy']}")
     sampler = MixSampler(tok, stream, cfg, salt=1, tok_dir=base / "target")  # workers start before CUDA does
-    manifest["target_long"] = train_mix(target.to(device), sampler, cfg.steps, cfg.lr, cfg, seconds=cfg.seconds)
+    if cfg.steps > 0 or cfg.seconds > 0:
+        manifest["target_long"] = train_mix(target.to(device), sampler, cfg.steps, cfg.lr, cfg, seconds=cfg.seconds)
+    else:  # steps = 0: keep the starting checkpoint as the target (e.g. to distil only a new draft from it)
+        sampler.close()
+        manifest["target_long"] = {"steps": 0, "kept": str(start)}
     target.to("cpu")
     target.config.max_position_embeddings = cfg.max_positions
     if cfg.eval_n:
@@ -350,13 +358,19 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
     staging.mkdir(parents=True)
     _save_model(target, tok, staging / "target-long")
     if cfg.draft_steps > 0 or cfg.draft_seconds > 0:
-        base_draft = AutoModelForCausalLM.from_pretrained(base / "draft", dtype=torch.float32, local_files_only=True)
-        student = _shrunk_draft(base_draft, cfg.draft_intermediate)
+        if cfg.init_draft:
+            student = AutoModelForCausalLM.from_pretrained(cfg.init_draft, dtype=torch.float32, local_files_only=True)
+        else:
+            base_draft = AutoModelForCausalLM.from_pretrained(base / "draft", dtype=torch.float32,
+                                                              local_files_only=True)
+            student = _shrunk_draft(base_draft, cfg.draft_intermediate)
         student.config.max_position_embeddings = cfg.max_positions
         sampler = MixSampler(tok, stream, cfg, salt=2, tok_dir=base / "target")
         manifest["draft_long"] = train_mix(student.to(device), sampler, max(1, cfg.draft_steps), cfg.draft_lr, cfg,
-                                           teacher=target.to(device), desc="draft-long (distil)",
+                                           teacher=None if cfg.draft_labels else target.to(device),
+                                           desc="draft-long" + ("" if cfg.draft_labels else " (distil)"),
                                            seconds=cfg.draft_seconds)
+        manifest["draft_long"]["objective"] = "labels" if cfg.draft_labels else "distillation from target-long"
         student.to("cpu")
         target.to("cpu")
         manifest["draft_long"]["intermediate_size"] = cfg.draft_intermediate
