@@ -263,3 +263,19 @@ def test_tree_drafter(target, expected, truth):
         assert max(len(c) for c in chunks) == 5  # 4 accepted (a non-contiguous path in node order) + bonus
     else:
         assert stats.accepted_tokens == 0 and stats.mean_accepted_tokens == 1.0
+
+
+@pytest.mark.parametrize("method", ["sd-self", "magicdec"])
+def test_draft_chain_stops_after_eos(target, method):
+    """A draft LM stops its chain at an EOS token (nothing after it can be committed); the output is unchanged."""
+    long = oracle(target, max_new_tokens=20)
+    eos = long[3]
+    if eos in long[:3]:
+        pytest.skip("the oracle repeats this token earlier")
+    want = oracle(target, eos_ids=frozenset({eos}))
+    drafter = (REGISTRY["sd"](draft_model=target, gamma=8) if method == "sd-self"
+               else REGISTRY["magicdec"](target=target, gamma=8, sink=2, window=64))
+    out, stats, chunks = run(target, drafter, eos_ids=frozenset({eos}))
+    assert out == want and out[-1] == eos
+    assert stats.target_calls == 1 and stats.drafted_tokens == 4  # long[0..3], not gamma = 8 tokens
+    check_stats(stats, out, chunks, truncated_by_eos=True)

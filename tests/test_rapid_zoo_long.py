@@ -157,3 +157,12 @@ def test_zoo_long_cuda_without_gpu_exit_2(saved_models, tmp_path, capsys):
     code = main(["zoo", "long", "--base", str(saved_models.target.parent), "--out", str(tmp_path / "z"),
                  "--device", "cuda"])
     assert code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_zoo_info_shows_both_manifests(capsys):
+    from retrospec.cli import main
+
+    assert main(["zoo", "info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert "zoo build" in info["zoo"]["command"]
+    assert "target_long" in info["long"] and "zoo long" in info["long"]["command"]

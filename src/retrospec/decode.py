@@ -59,7 +59,8 @@ def speculative_generate(
     # both finishes the prompt and verifies a draft (one target forward fewer than prefill-then-decode).
     if len(prompt_ids) > 1:
         verifier.prefill(prompt_ids[:-1], prefill_memo)
-    ctx = DecodeContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), sampling=sampling, generator=gen)
+    ctx = DecodeContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), sampling=sampling, generator=gen,
+                        eos_ids=frozenset(eos_ids))
     if verifier.want_hidden and verifier.last_hidden is not None:
         ctx.target_hidden = verifier.last_hidden[-1]
     if "target_kv" in drafter.needs:  # read-only view (MagicDec copies slices of it)

@@ -132,5 +132,9 @@ def run_info(args) -> int:
     manifest = path / "zoo.json"
     if not manifest.is_file():
         raise RetrospecError(f"no zoo manifest at {manifest}")
-    print(json.dumps(json.loads(manifest.read_text()), indent=2))
+    info = json.loads(manifest.read_text())
+    long_manifest = path / "long.json"
+    if long_manifest.is_file():  # the long-context extension (target-long, draft-long), with its earlier stages
+        info = {"zoo": info, "long": json.loads(long_manifest.read_text())}
+    print(json.dumps(info, indent=2))
     return 0

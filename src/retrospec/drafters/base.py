@@ -28,6 +28,44 @@ class DecodeContext:
     generator: torch.Generator | None = None
     target_hidden: torch.Tensor | None = None  # [H] hidden state that produced tokens[-1], if declared in needs
     extras: dict = field(default_factory=dict)
+    eos_ids: frozenset[int] = frozenset()  # generation ends at these: a chain drafted past one is wasted work
+
+
+def as_module(model) -> torch.nn.Module | None:
+    """The ``torch.nn.Module`` behind a ``LoadedModel`` (a bare transformers model is returned as is)."""
+    from ..models import LoadedModel
+
+    return model.model if isinstance(model, LoadedModel) else model
+
+
+def draft_chain(logits: torch.Tensor, gamma: int, ctx: DecodeContext, advance: Callable[[int, int], torch.Tensor],
+                keep_q: bool = False) -> DraftTree:
+    """Up to ``gamma`` tokens drawn autoregressively from a draft LM, starting from ``logits`` [V].
+
+    ``advance(token, i)`` feeds the i-th drafted token to the draft model and returns the next [V] logits. Greedy:
+    argmax tokens, q kept only when ``keep_q`` (as softmax(logits)); sampling: tokens drawn from the processed q,
+    which is always kept. The chain stops after an EOS token (nothing after it could be committed), which changes
+    no output: every chain length is valid for the acceptance rules.
+    """
+    from ..sampling import probs_from_logits
+
+    tokens: list[int] = []
+    qs: list[torch.Tensor] = []
+    for i in range(gamma):
+        if ctx.sampling.greedy:
+            tok = int(logits.argmax())
+            if keep_q:
+                qs.append(logits.float().softmax(-1))  # [V]
+        else:
+            q = probs_from_logits(logits, ctx.sampling)  # [V]
+            tok = int(torch.multinomial(q, 1, generator=ctx.generator))
+            qs.append(q)
+        tokens.append(tok)
+        if tok in ctx.eos_ids:
+            break
+        if i + 1 < gamma:
+            logits = advance(tok, i)
+    return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
 
 
 class Drafter(Protocol):

@@ -21,9 +21,8 @@ import math
 import torch
 
 from ..kv.streaming import SinkWindowCache
-from ..sampling import probs_from_logits
 from ..types import DraftTree
-from .base import DecodeContext, register
+from .base import DecodeContext, as_module, draft_chain, register
 
 DEFAULT_SINK = 4
 
@@ -77,21 +76,8 @@ class MagicDecDrafter:
         logits = self._forward(new, cache.seen)
         cache.mark_committed(len(new))
         cache.evict()
-        greedy = ctx.sampling.greedy
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
         pos = cache.seen
-        for i in range(gamma):
-            if greedy:
-                tok = int(logits.argmax())
-            else:
-                q = probs_from_logits(logits, ctx.sampling)  # [V]
-                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
-                qs.append(q)
-            tokens.append(tok)
-            if i + 1 < gamma:
-                logits = self._forward([tok], pos + i)
-        return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
+        return draft_chain(logits, gamma, ctx, lambda tok, k: self._forward([tok], pos + k))
 
     def observe(self, accepted: int, drafted: int) -> None:
         if not self.adaptive or drafted == 0:
@@ -102,7 +88,7 @@ class MagicDecDrafter:
 @register("magicdec")
 def _make_magicdec(*, target=None, gamma: int = 10, sink: int = DEFAULT_SINK, window: int | None = None,
                    adaptive: bool = False, **_) -> MagicDecDrafter:
-    model = getattr(target, "model", target)
+    model = as_module(target)
     if model is None:
         raise ValueError("method 'magicdec' needs the target model")
     return MagicDecDrafter(model, gamma=gamma, sink=sink, window=window, adaptive=adaptive)

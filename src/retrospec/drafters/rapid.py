@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import DecodeContext, NoDraft, register
+from .base import DecodeContext, NoDraft, as_module, register
 from .small_lm import SmallLMDrafter
 
 DEFAULT_GAMMA = 10
@@ -45,7 +45,7 @@ class _Baseline(NoDraft):
 @register("rapid")
 def _make_rapid(*, target=None, draft_model=None, draft_prompt_ids=None, gamma: int = DEFAULT_GAMMA,
                 adaptive: bool = False, eta: float = 0.0, **_) -> RapidDrafter:
-    model = draft_model if draft_model is not None else getattr(target, "model", target)
+    model = draft_model if draft_model is not None else as_module(target)
     if model is None or draft_prompt_ids is None:
         raise ValueError("method 'rapid' needs a long context (context=... / --context-file)")
     return RapidDrafter(model, draft_prompt_ids, gamma=gamma, adaptive=adaptive, probs_when_greedy=eta > 0)

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..kv import KVCache
-from ..sampling import probs_from_logits
 from ..types import DraftTree
-from .base import DecodeContext, register
+from .base import DecodeContext, draft_chain, register
 
 
 class SmallLMDrafter:
@@ -70,22 +69,7 @@ class SmallLMDrafter:
         self.kv.crop(keep)
         del self.cached[keep:]
         logits = self._step(seq[keep:])
-        greedy = ctx.sampling.greedy
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(gamma):
-            if greedy:
-                tok = int(logits.argmax())
-                if self.probs_when_greedy:
-                    qs.append(logits.float().softmax(-1))
-            else:
-                q = probs_from_logits(logits, ctx.sampling)  # [V]
-                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
-                qs.append(q)
-            tokens.append(tok)
-            if i + 1 < gamma:
-                logits = self._step([tok])
-        return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
+        return draft_chain(logits, gamma, ctx, lambda tok, _: self._step([tok]), keep_q=self.probs_when_greedy)
 
     def observe(self, accepted: int, drafted: int) -> None:
         if not self.adaptive or drafted == 0:
