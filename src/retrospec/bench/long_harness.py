@@ -10,8 +10,10 @@ Rows come from ``retrospec tasks make`` (fields ``context``, ``prompt`` = the qu
 - ``lc`` is the baseline and always runs.
 
 Method specs are names with optional ``@key=value`` overrides, e.g. ``rapid``, ``rapid@eta=1``,
-``rapid@draft=self`` (self-speculation when --draft is set), ``sd@draft=self``, ``magicdec@window=512``. Keys:
-``draft`` (``self`` or ``default``), ``gamma`` and every ``LongContextOptions`` field.
+``rapid@draft=self`` (self-speculation when --draft is set), ``sd@draft=self``, ``magicdec@window=512``,
+``rapid@adaptive=1``. Keys: ``draft`` (``self`` or ``default``), ``gamma``, ``adaptive`` (1: the draft length
+grows by 2 after a fully accepted chain and shrinks by 1 after a rejection, from ``gamma``) and every
+``LongContextOptions`` field.
 
 Summary per (context length, method), token-weighted over rows:
 - tokens_per_s = new tokens / decode seconds; speedup = tokens_per_s / lc's in the same length group;
@@ -55,6 +57,7 @@ class MethodSpec:
     method: str
     self_draft: bool = False
     gamma: int | None = None
+    adaptive: bool = False
     overrides: dict = field(default_factory=dict)  # LongContextOptions fields
 
 
@@ -63,24 +66,28 @@ def parse_method(spec: str) -> MethodSpec:
     if name not in LONG_METHODS:
         raise RetrospecError(f"unknown long-context method {name!r}; available: {', '.join(LONG_METHODS)}")
     fields = set(LongContextOptions.__dataclass_fields__)
-    self_draft, gamma, over = False, None, {}
+    self_draft, gamma, adaptive, over = False, None, False, {}
     for part in parts:
         key, _, value = part.partition("=")
         if key == "draft" and value in ("self", "default"):
             self_draft = value == "self"
-        elif key == "gamma":
+        elif key == "gamma" and value.isdigit() and int(value) > 0:
             gamma = int(value)
+        elif key == "adaptive" and value in ("0", "1"):
+            adaptive = value == "1"
         elif key in fields and value:
             try:
                 over[key] = float(value) if "." in value or "e" in value.lower() else int(value)
             except ValueError:
                 over[key] = value
         else:
-            raise RetrospecError(f"bad method option {part!r} in {spec!r} (draft=self|default, gamma=N, "
-                                 f"or one of: {', '.join(sorted(fields))})")
+            raise RetrospecError(f"bad method option {part!r} in {spec!r} (draft=self|default, gamma=N >= 1, "
+                                 f"adaptive=0|1, or one of: {', '.join(sorted(fields))})")
     if self_draft and name not in USES_DRAFT_LM:
         raise RetrospecError(f"{spec!r}: draft=self applies to sd and rapid only")
-    return MethodSpec(spec, name, self_draft, gamma, over)
+    if (adaptive or gamma) and name in ("lc", "rag"):
+        raise RetrospecError(f"{spec!r}: gamma and adaptive apply to methods that draft (sd, magicdec, rapid)")
+    return MethodSpec(spec, name, self_draft, gamma, adaptive, over)
 
 
 @dataclass
@@ -154,6 +161,7 @@ class _Runner:
             drf = self.target if (spec.self_draft or self.draft is None) else self.draft
         options = dict(p.drafter_options)
         options["gamma"] = spec.gamma or cfg.gamma or default_gamma(spec.method)
+        options["adaptive"] = spec.adaptive
         req = Request(self.target, drf, spec.method, p.target_prompt_ids, cfg.sampling,
                       DecodeConfig(max_new_tokens=max_new), options, rule=p.rule, info=p.info)
         stats = SpecStats(method=spec.label, **p.info)
