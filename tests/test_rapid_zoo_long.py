@@ -166,3 +166,18 @@ def test_zoo_info_shows_both_manifests(capsys):
     info = json.loads(capsys.readouterr().out)
     assert "zoo build" in info["zoo"]["command"]
     assert "target_long" in info["long"] and "zoo long" in info["long"]["command"]
+
+
+def test_zoo_stream_round_trip(tmp_path, capsys):
+    """``zoo stream`` writes the stdlib training split as a .npy stream that ``zoo long --stream-file`` reads."""
+    from retrospec.cli import main
+    from retrospec.train.corpus import read_texts, stdlib_files
+
+    out = tmp_path / "s.npy"
+    assert main(["zoo", "stream", "--out", str(out)]) == 0
+    stream = np.load(out)
+    assert stream.dtype == np.uint16 and len(stream) > 100_000
+    assert int((stream == 0).sum()) >= len(read_texts(stdlib_files("train")))  # one EOS (id 0) after each file
+    assert main(["zoo", "stream", "--out", str(tmp_path / "s.txt")]) == 2
+    assert main(["zoo", "stream", "--out", str(tmp_path / "missing" / "s.npy")]) == 2
+    assert not list(tmp_path.glob(".*tmp*"))

@@ -50,6 +50,11 @@ def add_parser(sub) -> None:
     lz.add_argument("--task-fraction", type=float, default=0.5, help="share of each batch's rows that are tasks")
     lz.add_argument("--stream-file", help="a .npy token stream to train on instead of this interpreter's stdlib")
     lz.set_defaults(func=run_long)
+    st = zsub.add_parser("stream", help="encode this interpreter's stdlib training split with a zoo tokenizer into a "
+                                        ".npy token stream (for zoo long --stream-file on another machine)")
+    st.add_argument("--out", required=True, help="output .npy file (written atomically)")
+    st.add_argument("--tokenizer", help="model or tokenizer directory (default: the bundled zoo target)")
+    st.set_defaults(func=run_stream)
     i = zsub.add_parser("info", help="print the bundled zoo's manifest")
     i.add_argument("dir", nargs="?", help="zoo directory (default: bundled)")
     i.set_defaults(func=run_info)
@@ -121,6 +126,36 @@ def run_long(args) -> int:
                                  seconds=args.seconds, draft_seconds=args.draft_seconds,
                                  stream_file=args.stream_file or "",
                                  command="retrospec " + " ".join(sys.argv[1:])))
+    return 0
+
+
+def run_stream(args) -> int:
+    import os
+
+    import numpy as np
+
+    from ..errors import RetrospecError
+    from ..models import ZOO_DIR
+    from ..train.corpus import read_texts, stdlib_files
+    from ..train.zoo import _encode_stream
+
+    src = Path(args.tokenizer) if args.tokenizer else ZOO_DIR / "target"
+    if not (src / "tokenizer.json").is_file() and not (src / "tokenizer_config.json").is_file():
+        raise RetrospecError(f"no tokenizer files in {src}")
+    out = Path(args.out)
+    if out.suffix != ".npy":
+        raise RetrospecError(f"--out must end in .npy, got {out}")
+    if not out.parent.is_dir():
+        raise RetrospecError(f"output directory does not exist: {out.parent}")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    tok.model_max_length = 1 << 30
+    stream = _encode_stream(tok, read_texts(stdlib_files("train")))
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.npy")
+    np.save(tmp, stream)
+    tmp.replace(out)
+    print(f"wrote {out}: {len(stream):,} tokens ({stream.dtype})")
     return 0
 
 
