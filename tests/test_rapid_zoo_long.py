@@ -181,3 +181,17 @@ def test_zoo_stream_round_trip(tmp_path, capsys):
     assert main(["zoo", "stream", "--out", str(tmp_path / "s.txt")]) == 2
     assert main(["zoo", "stream", "--out", str(tmp_path / "missing" / "s.npy")]) == 2
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_build_long_zoo_on_cuda(saved_models, tmp_path):
+    """The GPU path (bf16 autocast, workers) trains, distils and saves float16 weights loadable on the CPU."""
+    from retrospec.train.long_zoo import LongZooConfig, build_long_zoo
+
+    tok = load_model(saved_models.target).tokenizer
+    stream = np.array(tok(open(torch.__file__).read() * 3)["input_ids"], dtype=np.int64)
+    cfg = LongZooConfig(base=saved_models.target.parent, out=tmp_path / "zoo", steps=3, batch_size=2, lengths=(300,),
+                        draft_steps=2, draft_intermediate=32, eval_n=0, eval_base=False, device="cuda", workers=1)
+    manifest = build_long_zoo(cfg, log=lambda *_: None, stream=stream)
+    assert manifest["target_long"]["device"].startswith("cuda") and manifest["draft_long"]["steps"] == 2
+    assert load_model(tmp_path / "zoo" / "target-long").vocab_size == load_model(saved_models.target).vocab_size
