@@ -136,8 +136,7 @@ def run_stream(args) -> int:
 
     from ..errors import RetrospecError
     from ..models import ZOO_DIR
-    from ..train.corpus import read_texts, stdlib_files
-    from ..train.zoo import _encode_stream
+    from ..train.long_zoo import load_tokenizer, stdlib_train_stream
 
     src = Path(args.tokenizer) if args.tokenizer else ZOO_DIR / "target"
     if not (src / "tokenizer.json").is_file() and not (src / "tokenizer_config.json").is_file():
@@ -147,11 +146,7 @@ def run_stream(args) -> int:
         raise RetrospecError(f"--out must end in .npy, got {out}")
     if not out.parent.is_dir():
         raise RetrospecError(f"output directory does not exist: {out.parent}")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
-    tok.model_max_length = 1 << 30
-    stream = _encode_stream(tok, read_texts(stdlib_files("train")))
+    stream = stdlib_train_stream(load_tokenizer(src))
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.npy")
     np.save(tmp, stream)
     tmp.replace(out)

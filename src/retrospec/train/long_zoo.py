@@ -104,16 +104,29 @@ def task_example(tok, kind: str, length: int, seed: int) -> tuple[list[int], lis
     return ids, mask
 
 
+def load_tokenizer(path):
+    """A local tokenizer with no length cap (whole files and long task contexts are encoded at once)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok.model_max_length = 1 << 30
+    return tok
+
+
+def stdlib_train_stream(tok) -> np.ndarray:
+    """This interpreter's stdlib training split as one token stream (EOS after each file)."""
+    from .zoo import _encode_stream
+
+    return _encode_stream(tok, read_texts(stdlib_files("train")))
+
+
 _WORKER_TOK = None
 
 
 def _worker_init(tok_dir: str) -> None:
     global _WORKER_TOK
-    from transformers import AutoTokenizer
-
     torch.set_num_threads(1)
-    _WORKER_TOK = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-    _WORKER_TOK.model_max_length = 1 << 30
+    _WORKER_TOK = load_tokenizer(tok_dir)
 
 
 def _worker_example(kind: str, length: int, seed: int) -> tuple[list[int], list[int]]:
@@ -216,16 +229,17 @@ def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooCon
     timed = seconds > 0
     warmup = 50 if timed else min(50, max(1, steps // 10))
     sched = TrainConfig(tokens=1, lr=lr, warmup_steps=warmup)
+    cosine = TrainConfig(tokens=1, lr=lr, warmup_steps=0)  # timed runs: the cosine over elapsed / budget
     model.train()
     losses, running, t0 = [], None, time.perf_counter()
     task_running = None  # the completion loss alone (label training), for the log
     bar = tqdm(total=None if timed else steps, desc=desc, unit="step", dynamic_ncols=True)
     step = 0
     while (time.perf_counter() - t0 < seconds) if timed else step < steps:
-        if timed:  # the cosine runs over wall-clock time: progress = elapsed / budget
-            frac = (time.perf_counter() - t0) / seconds
-            lr_now = lr * (step + 1) / warmup if step < warmup else _lr_at(int(frac * 1e6), int(1e6), TrainConfig(
-                tokens=1, lr=lr, warmup_steps=0))
+        if timed and step < warmup:
+            lr_now = lr * (step + 1) / warmup
+        elif timed:
+            lr_now = _lr_at(int(1e6 * (time.perf_counter() - t0) / seconds), int(1e6), cosine)
         else:
             lr_now = _lr_at(step, steps, sched)
         for group in opt.param_groups:
@@ -316,23 +330,22 @@ def _weights_bytes(root: Path) -> int:
 
 def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = None) -> dict:
     """Train and write target-long (and draft-long); ``stream`` overrides the code corpus (tests)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from .zoo import _encode_stream, _save_model
+    from .zoo import _save_model
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
     started = time.perf_counter()
     base, out = Path(cfg.base), Path(cfg.out)
-    tok = AutoTokenizer.from_pretrained(base / "target", local_files_only=True)
-    tok.model_max_length = 1 << 30
+    tok = load_tokenizer(base / "target")
     start = Path(cfg.init_target) if cfg.init_target else base / "target"
     target = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32, local_files_only=True)
     if stream is None and cfg.stream_file:
         stream = np.load(cfg.stream_file)
     if stream is None:
-        stream = _encode_stream(tok, read_texts(stdlib_files("train")))
+        stream = stdlib_train_stream(tok)
     log(f"code stream: {len(stream):,} tokens; lengths {cfg.lengths}; {cfg.steps} steps of {cfg.batch_size} rows")
     manifest: dict = {"command": cfg.command, "config": {k: (str(v) if isinstance(v, Path) else v)
                                                           for k, v in asdict(cfg).items()}}
@@ -341,11 +354,10 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
     if cfg.eval_base and cfg.eval_n:
         manifest["base_accuracy"] = eval_tasks(target.eval(), tok, cfg.eval_lengths, cfg.eval_n)
         log(f"base target accuracy: {manifest['base_accuracy']}")
-    sampler = MixSampler(tok, stream, cfg, salt=1, tok_dir=base / "target")  # workers start before CUDA does
     if cfg.steps > 0 or cfg.seconds > 0:
+        sampler = MixSampler(tok, stream, cfg, salt=1, tok_dir=base / "target")
         manifest["target_long"] = train_mix(target.to(device), sampler, cfg.steps, cfg.lr, cfg, seconds=cfg.seconds)
     else:  # steps = 0: keep the starting checkpoint as the target (e.g. to distil only a new draft from it)
-        sampler.close()
         manifest["target_long"] = {"steps": 0, "kept": str(start)}
     target.to("cpu")
     target.config.max_position_embeddings = cfg.max_positions
