@@ -30,7 +30,7 @@ from ..drafters import REGISTRY
 from ..errors import RetrospecError
 from ..models import LoadedModel
 from ..types import SpecStats
-from .hf_peers import HF_METHODS, ForwardProbe, run_hf
+from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 
 
 @dataclass
@@ -94,7 +94,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
 
     def run_one(method: str, ids: list[int], max_new: int):
         if method in HF_METHODS:
-            return run_hf(method, target.model, draft.model if draft else None, ids, sampling=cfg.sampling,
+            hf_draft = full_vocab_draft(draft, target.vocab_size) if draft is not None else None
+            return run_hf(method, target.model, hf_draft, ids, sampling=cfg.sampling,
                           max_new_tokens=max_new, eos_ids=eos, pad_id=pad, gamma=cfg.gamma or DEFAULT_GAMMA["sd"],
                           pld_k=cfg.pld_k, pld_ngram=cfg.pld_ngram)
         return _run_ours(method, target, draft, ids, cfg, max_new)

@@ -5,6 +5,12 @@
 - ``hf-assisted-default``: the same with transformers' default assistant settings (20 tokens, confidence 0.4).
 - ``hf-pld``: ``generate(prompt_lookup_num_tokens=k)`` with our k and our maximum n-gram size.
 
+A draft with a reduced vocabulary (``draft_vocab.json``) is handed to transformers as an equivalent full-vocabulary
+model (``full_vocab_draft``): the same blocks, input rows gathered so every target id reads what our drafter feeds
+it, and head rows scattered with zero rows elsewhere. Greedy proposals are then identical to ours whenever the best
+in-vocabulary logit is positive (zero rows give logit 0); transformers pays for the full-width head, which is
+exactly what it cannot avoid with such a draft.
+
 Statistics come from public PyTorch forward hooks on the target and the draft (no patching): the number of target
 forward calls, the tokens each verification call scored (drafted tokens), and time spent inside model forwards.
 Decode time = generate() wall time minus the first target forward (the prompt), as for our own methods.
@@ -125,6 +131,37 @@ def run_hf(method: str, target, draft, prompt_ids: list[int], *, sampling: Sampl
     stats.decode_s = max(1e-9, total - stats.prefill_s)
     forward_s = sum(p.seconds for p in probes) - stats.prefill_s
     return new, stats, forward_s
+
+
+_FULL_VOCAB: dict[int, torch.nn.Module] = {}
+
+
+def full_vocab_draft(draft, target_vocab: int) -> torch.nn.Module:
+    """The transformers model to give HF's assisted generation for ``draft`` (a ``LoadedModel``); built once."""
+    vmap = getattr(draft, "vocab_map", None)
+    if vmap is None:
+        return draft.model
+    key = id(draft.model)
+    if key not in _FULL_VOCAB:
+        from transformers import AutoModelForCausalLM
+
+        cfg = copy.deepcopy(draft.model.config)
+        cfg.vocab_size, cfg.tie_word_embeddings = target_vocab, False
+        full = AutoModelForCausalLM.from_config(cfg, dtype=next(draft.model.parameters()).dtype)
+        to_draft = torch.full((target_vocab,), -1, dtype=torch.long)
+        to_draft[vmap] = torch.arange(len(vmap))
+        unk = int(to_draft[0]) if int(to_draft[0]) >= 0 else 0
+        to_draft = to_draft.masked_fill(to_draft < 0, unk)
+        state = {k: v for k, v in draft.model.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+        full.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            full.get_input_embeddings().weight.copy_(draft.model.get_input_embeddings().weight[to_draft])
+            head = full.get_output_embeddings().weight
+            head.zero_()
+            head[vmap] = draft.model.get_output_embeddings().weight
+        full.generation_config = copy.deepcopy(draft.model.generation_config)
+        _FULL_VOCAB[key] = full.eval()
+    return _FULL_VOCAB[key]
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import DecodeContext, NoDraft, as_module, register
-from .small_lm import SmallLMDrafter
+from .small_lm import SmallLMDrafter, vocab_map_options
 
 DEFAULT_GAMMA = 10
 
@@ -26,9 +26,9 @@ class RapidDrafter(SmallLMDrafter):
     name = "rapid"
 
     def __init__(self, model: torch.nn.Module, draft_prompt_ids: list[int], gamma: int = DEFAULT_GAMMA,
-                 adaptive: bool = False, probs_when_greedy: bool = False):
+                 adaptive: bool = False, probs_when_greedy: bool = False, **vocab_map):
         super().__init__(model, gamma=gamma, adaptive=adaptive, probs_when_greedy=probs_when_greedy,
-                         prefill_prompt=True)
+                         prefill_prompt=True, **vocab_map)
         if not draft_prompt_ids:
             raise ValueError("the RAPID drafter needs a non-empty prompt")
         self.draft_prompt_ids = list(draft_prompt_ids)
@@ -43,12 +43,13 @@ class _Baseline(NoDraft):
 
 
 @register("rapid")
-def _make_rapid(*, target=None, draft_model=None, draft_prompt_ids=None, gamma: int = DEFAULT_GAMMA,
+def _make_rapid(*, target=None, draft=None, draft_model=None, draft_prompt_ids=None, gamma: int = DEFAULT_GAMMA,
                 adaptive: bool = False, eta: float = 0.0, **_) -> RapidDrafter:
     model = draft_model if draft_model is not None else as_module(target)
     if model is None or draft_prompt_ids is None:
         raise ValueError("method 'rapid' needs a long context (context=... / --context-file)")
-    return RapidDrafter(model, draft_prompt_ids, gamma=gamma, adaptive=adaptive, probs_when_greedy=eta > 0)
+    vocab = vocab_map_options(draft, target) if draft_model is not None else {}
+    return RapidDrafter(model, draft_prompt_ids, gamma=gamma, adaptive=adaptive, probs_when_greedy=eta > 0, **vocab)
 
 
 @register("lc")

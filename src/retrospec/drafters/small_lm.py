@@ -8,6 +8,11 @@ The draft keeps its own KV cache. Invariant: ``self.cached`` lists exactly the t
 draft cache; each ``propose`` crops it to the longest prefix still committed, so rejected draft tokens are
 forgotten without any other bookkeeping.
 
+Reduced draft vocabulary (optional): a draft whose output rows stand for a subset of the target's tokens
+(``vocab_map[i]`` = target id of draft row i; see ``train.real_draft``) reads target ids mapped to its rows (ids
+outside the subset read as the row of target id 0, or row 0) and its logits are scattered into the target's
+vocabulary with -inf elsewhere, so q = 0 off the subset and both acceptance rules stay exact.
+
 Adaptive gamma (optional): +2 after a fully accepted chain, -1 after a rejection, within [1, max_gamma] — the same
 schedule as Hugging Face's ``heuristic`` assistant schedule, so comparisons are like for like.
 """
@@ -26,7 +31,8 @@ class SmallLMDrafter:
     needs: frozenset[str] = frozenset()
 
     def __init__(self, model: torch.nn.Module, gamma: int = 5, adaptive: bool = False, max_gamma: int = 16,
-                 probs_when_greedy: bool = False, prefill_prompt: bool = False):
+                 probs_when_greedy: bool = False, prefill_prompt: bool = False,
+                 vocab_map: torch.Tensor | None = None, target_vocab: int | None = None):
         self.model = model
         self.gamma = gamma
         self.probs_when_greedy = probs_when_greedy  # greedy drafts still carry q = softmax(logits) (RAPID, eta > 0)
@@ -36,6 +42,17 @@ class SmallLMDrafter:
         self.device = next(model.parameters()).device
         self.kv = KVCache(model)
         self.cached: list[int] = []
+        self.vocab_map: torch.Tensor | None = None  # [Vd] target id of each draft row
+        self.to_draft: torch.Tensor | None = None  # [V] draft row read for each target id
+        if vocab_map is not None:
+            if target_vocab is None:
+                raise ValueError("a draft vocabulary map needs the target's vocabulary size")
+            self.vocab_map = vocab_map.to(self.device)
+            to_draft = torch.full((target_vocab,), -1, dtype=torch.long)
+            to_draft[vocab_map] = torch.arange(len(vocab_map))
+            unk = int(to_draft[0]) if int(to_draft[0]) >= 0 else 0
+            self.to_draft = to_draft.masked_fill(to_draft < 0, unk).to(self.device)
+            self.target_vocab = target_vocab
 
     def prefill(self, ctx: DecodeContext) -> None:
         self.kv = KVCache(self.model)
@@ -48,10 +65,17 @@ class SmallLMDrafter:
         """Feed ``ids`` after the cached tokens; returns the [V] logits after the last one."""
         start = len(self.cached)
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        if self.to_draft is not None:
+            x = self.to_draft[x]
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.model(input_ids=x, position_ids=pos, past_key_values=self.kv.cache, use_cache=True)
+        out = self.model(input_ids=x, position_ids=pos, past_key_values=self.kv.cache, use_cache=True,
+                         logits_to_keep=1)
         self.cached.extend(ids)
-        return out.logits[0, -1]
+        logits = out.logits[0, -1]  # [Vd]
+        if self.vocab_map is None:
+            return logits
+        full = logits.new_full((self.target_vocab,), float("-inf"))  # [V]: q = 0 off the draft's vocabulary
+        return full.index_copy_(0, self.vocab_map, logits)
 
     def sequence(self, ctx: DecodeContext) -> list[int]:
         """The token sequence this drafter continues: every committed token (RAPID overrides it)."""
@@ -81,8 +105,18 @@ class SmallLMDrafter:
 
 
 @register("sd")
-def _make_sd(*, draft_model=None, gamma: int = 5, adaptive: bool = False, prefill_prompt: bool = False,
-             **_) -> SmallLMDrafter:
+def _make_sd(*, draft_model=None, draft=None, target=None, gamma: int = 5, adaptive: bool = False,
+             prefill_prompt: bool = False, **_) -> SmallLMDrafter:
     if draft_model is None:
         raise ValueError("method 'sd' needs a draft model")
-    return SmallLMDrafter(draft_model, gamma=gamma, adaptive=adaptive, prefill_prompt=prefill_prompt)
+    return SmallLMDrafter(draft_model, gamma=gamma, adaptive=adaptive, prefill_prompt=prefill_prompt,
+                          **vocab_map_options(draft, target))
+
+
+def vocab_map_options(draft, target) -> dict:
+    """``vocab_map``/``target_vocab`` keyword arguments for a draft ``LoadedModel`` with a reduced vocabulary."""
+    vmap = getattr(draft, "vocab_map", None)
+    if vmap is None:
+        return {}
+    v = getattr(target, "vocab_size", None) or getattr(draft, "target_vocab_size")
+    return {"vocab_map": vmap, "target_vocab": int(v)}

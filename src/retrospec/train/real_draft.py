@@ -1,0 +1,428 @@
+"""A draft model for a real target: target-initialised blocks, a reduced vocabulary, distilled on the target's
+own distributions (``retrospec zoo real-draft``; the bundled ``smollm2-135m-draft`` was built with it).
+
+Why this shape. On a CPU a 135M target spends a large share of its forward in the 49,152-wide LM head, and a small
+draft with that head would cost almost as much per token as a third of the target. The draft here therefore:
+
+- keeps the target's width and copies ``layers`` of the target's decoder blocks (early-exit initialisation: it
+  starts out as a truncated target rather than from noise, which matters when training has minutes of CPU);
+- proposes only from a **reduced vocabulary**: the ``vocab`` most frequent target tokens of its training text
+  (specials of the chat template always included). Its embedding/head rows are copies of the target's rows for
+  those tokens. ``draft_vocab.json`` maps each draft row to its target token id; q = 0 on every other token, so
+  rejection sampling against p stays exact (the drafter scatters q into the target vocabulary). Input tokens
+  outside the vocabulary are read as ``<|endoftext|>``-style id ``unk_id`` (row of target token 0);
+- is distilled with forward KL(p_V || q), where p_V is the target's next-token distribution renormalised over
+  the draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q)).
+
+Training text (what the draft meets at inference): the standard library's training split (code), prose and
+questions from a passage corpus (NQ-open rows from ``nq_skip`` on: the first rows are the benchmark's), and the
+target's own greedy answers to chat prompts and continuations of code prefixes (sequence-level distillation).
+
+Invariants: the saved directory is an ordinary Hugging Face checkpoint (LlamaForCausalLM, float16) plus the
+target's tokenizer files, ``draft_vocab.json`` and ``real_draft.json`` (recipe, data, time, metrics); it is
+written to a temporary sibling and renamed, so a failed build leaves nothing at ``out``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+# chat prompts the draft is trained on (the target answers them); the bench's and demo's prompts are not here
+_TRAIN_INSTRUCTIONS = [
+    "Explain what a {x} is in two sentences.", "Give three tips for {y}.", "Write a short poem about {x}.",
+    "What are the main differences between {x} and {z}?", "Summarize the history of {x} briefly.",
+    "How do I get started with {y}?", "List five facts about {x}.", "Why is {x} important?",
+    "Write a Python function that {f}.", "Describe {x} to a ten-year-old.",
+]
+_X = ["volcano", "photosynthesis", "the internet", "a black hole", "democracy", "the Roman Empire", "a compiler",
+      "the moon", "jazz", "a neural network", "the ocean", "coffee", "a rainbow", "electricity", "gravity",
+      "the printing press", "a bicycle", "vaccines", "chess", "the Amazon rainforest", "a database", "tea",
+      "glaciers", "the stock market", "bees", "a telescope", "recycling", "the Olympic Games", "bread", "music"]
+_Y = ["learning a new language", "staying focused", "saving money", "running a marathon", "writing an essay",
+      "cooking rice", "public speaking", "sleeping better", "learning to code", "gardening", "traveling cheaply",
+      "reading more books", "managing time", "taking photos", "making friends in a new city"]
+_F = ["reverses a string", "checks if a number is prime", "returns the largest element of a list",
+      "counts the vowels in a string", "merges two sorted lists", "computes the factorial of n",
+      "removes duplicates from a list", "converts Celsius to Fahrenheit", "finds the GCD of two numbers",
+      "checks whether a string is a palindrome", "sums the digits of an integer", "flattens a nested list"]
+
+
+@dataclass
+class RealDraftConfig:
+    out: Path
+    target: str = "smollm2-135m"
+    layers: tuple[int, ...] = (0, 1)
+    vocab: int = 12288
+    seconds: float = 1800.0  # draft training on the cached soft labels
+    teacher_seconds: float = 1500.0  # target forwards producing the soft labels
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    seed: int = 0
+    nq_dir: Path | None = None  # a directory with passages.jsonl / questions.jsonl (NQ-open)
+    nq_skip: int = 200  # rows kept out of training (benchmarks use the first rows)
+    chat_answers: int = 192  # target-generated chat answers (sequence-level distillation)
+    code_continuations: int = 96  # target continuations of stdlib prefixes
+    gen_tokens: int = 128
+    threads: int = 0
+    mix: dict = field(default_factory=lambda: {"code": 0.35, "prose": 0.15, "chatqa": 0.2, "chat": 0.2,
+                                               "selfcode": 0.1})
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def chat_prompts(n: int, seed: int, questions: list[str]) -> list[str]:
+    """``n`` user prompts: templated instructions and (when given) corpus questions, deterministic in ``seed``."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if questions and i % 2 == 1:
+            q = questions[rng.randrange(len(questions))]
+            out.append(q[0].upper() + q[1:] + ("?" if not q.endswith("?") else ""))
+        else:
+            t = rng.choice(_TRAIN_INSTRUCTIONS)
+            out.append(t.format(x=rng.choice(_X), y=rng.choice(_Y), z=rng.choice(_X), f=rng.choice(_F)))
+    return out
+
+
+@torch.inference_mode()
+def target_generations(model, tok, prompts: list[list[int]], max_new: int, eos: list[int], batch: int = 16,
+                       desc: str = "target generations") -> list[list[int]]:
+    """Greedy continuations of each prompt (left-padded batches), returned as prompt + continuation ids."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    out: list[list[int]] = []
+    for i in tqdm(range(0, len(prompts), batch), desc=desc, unit="batch", dynamic_ncols=True):
+        rows = prompts[i : i + batch]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [b, width]
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=pad)
+        for r, g in zip(rows, gen[:, width:].tolist()):
+            cont = []
+            for t in g:
+                cont.append(t)
+                if t in eos:
+                    break
+            out.append(r + cont)
+    return out
+
+
+def build_streams(cfg: RealDraftConfig, target, tok, log=print) -> dict[str, np.ndarray]:
+    """The training mixture as 1-D token streams (documents joined by the target's EOS)."""
+    from .corpus import read_texts, stdlib_files
+
+    rng = random.Random(cfg.seed)
+    eos = tok.eos_token_id
+    streams: dict[str, np.ndarray] = {}
+
+    def join(docs: list[list[int]]) -> np.ndarray:
+        flat: list[int] = []
+        for d in docs:
+            flat.extend(d)
+            flat.append(eos)
+        return np.asarray(flat, dtype=np.int32)
+
+    texts = read_texts(stdlib_files("train"))
+    rng.shuffle(texts)
+    n_prefix_files = max(1, len(texts) // 10)  # continuation prefixes come from files kept out of the code stream
+    prefix_texts, texts = texts[:n_prefix_files], texts[n_prefix_files:]
+    streams["code"] = join([_encode(tok, t) for t in texts])
+    passages, questions = [], []
+    if cfg.nq_dir is not None:
+        passages = [p["title"] + "\n" + p["text"] for p in _jsonl(Path(cfg.nq_dir) / "passages.jsonl")[cfg.nq_skip:]]
+        questions = [q["question"] for q in _jsonl(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]]
+        streams["prose"] = join([_encode(tok, t) for t in passages + questions])
+    if questions and getattr(tok, "chat_template", None):
+        # chat-formatted turns without generating: a corpus question, its passage as the answer (the target's soft
+        # labels on it are what the draft learns; the template's tokens are what it must learn to read)
+        qa = _jsonl(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]
+        by_id = {p["id"]: p["text"] for p in _jsonl(Path(cfg.nq_dir) / "passages.jsonl")}
+        turns = [[{"role": "user", "content": q["question"]}, {"role": "assistant", "content": by_id[q["gold_passage"]]}]
+                 for q in qa if q.get("gold_passage") in by_id]
+        streams["chatqa"] = join([_encode(tok, tok.apply_chat_template(t, tokenize=False)) for t in turns])
+    eos_ids = sorted({eos} | ({tok.convert_tokens_to_ids("<|im_end|>")} if "<|im_end|>" in tok.get_vocab() else set()))
+    if cfg.chat_answers > 0 and getattr(tok, "chat_template", None):
+        prompts = chat_prompts(cfg.chat_answers, cfg.seed, questions)
+        enc = [_encode(tok, tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                    add_generation_prompt=True)) for p in prompts]
+        streams["chat"] = join(target_generations(target, tok, enc, cfg.gen_tokens, eos_ids, desc="chat answers"))
+    if cfg.code_continuations > 0:
+        prefixes = []
+        for t in prefix_texts:
+            ids = _encode(tok, t)
+            if len(prefixes) < cfg.code_continuations and len(ids) > 96:
+                start = rng.randrange(0, len(ids) - 96)
+                prefixes.append(ids[start : start + rng.randrange(32, 96)])
+        streams["selfcode"] = join(target_generations(target, tok, prefixes, cfg.gen_tokens, eos_ids,
+                                                      desc="code continuations"))
+    for k, v in streams.items():
+        log(f"stream {k}: {len(v):,} tokens")
+    return streams
+
+
+def select_vocab(streams: dict[str, np.ndarray], weights: dict[str, float], size: int,
+                 always: list[int]) -> list[int]:
+    """The ``size`` most frequent target ids under the mixture weights, plus ``always``; sorted ascending."""
+    counts: collections.Counter = collections.Counter()
+    for name, s in streams.items():
+        ids, c = np.unique(s, return_counts=True)
+        scale = weights.get(name, 0.0) / max(1, len(s))
+        for i, n in zip(ids.tolist(), c.tolist()):
+            counts[i] += n * scale
+    chosen = list(dict.fromkeys(always))
+    for tok_id, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if tok_id not in chosen:
+            chosen.append(tok_id)
+    return sorted(chosen[:size])
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+
+
+def init_from_target(target, layers: tuple[int, ...], vocab_ids: list[int]):
+    """A model of the target's class and width with copies of ``layers``, the final norm and the target's embedding
+    (and head, when untied) rows for ``vocab_ids``."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = len(layers)
+    cfg.vocab_size = len(vocab_ids)
+    tied = target.get_output_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
+    cfg.tie_word_embeddings = tied
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):  # ids are the target's, not ours
+        setattr(cfg, attr, None)
+    if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
+        cfg.layer_types = [cfg.layer_types[i] for i in layers]
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    idx = torch.tensor(vocab_ids)
+    with torch.no_grad():
+        draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight[idx])
+        base_t, base_d = target.get_decoder(), draft.get_decoder()
+        for j, i in enumerate(layers):
+            base_d.layers[j].load_state_dict(base_t.layers[i].state_dict())
+        base_d.norm.load_state_dict(base_t.norm.state_dict())
+        if not tied:
+            draft.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight[idx])
+    return draft
+
+
+class VocabMapper:
+    """Target ids <-> draft rows. ``to_draft[t]`` is the draft row of target id t (``unk_row`` if absent)."""
+
+    def __init__(self, vocab_ids: list[int], target_vocab: int, unk_target_id: int = 0):
+        self.ids = torch.tensor(vocab_ids, dtype=torch.long)  # [Vd] target id of each draft row
+        self.to_draft = torch.full((target_vocab,), -1, dtype=torch.long)  # [V]
+        self.to_draft[self.ids] = torch.arange(len(vocab_ids))
+        unk = int(self.to_draft[unk_target_id]) if self.to_draft[unk_target_id] >= 0 else 0
+        self.covered = self.to_draft >= 0  # [V] bool
+        self.to_draft[~self.covered] = unk
+
+
+# ------------------------------------------------------------------------------------------------------- training
+
+
+def _lr(step_frac: float, step: int, cfg: RealDraftConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, step_frac)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+def _windows(streams: dict[str, np.ndarray], mix: dict[str, float], rng: np.random.Generator, n: int,
+             seq_len: int) -> torch.Tensor:
+    names = [k for k in streams if mix.get(k, 0) > 0 and len(streams[k]) > seq_len + 1]
+    w = np.array([mix[k] for k in names], dtype=np.float64)
+    rows = []
+    for src in rng.choice(len(names), size=n, p=w / w.sum()):
+        s = streams[names[src]]
+        start = int(rng.integers(0, len(s) - seq_len))
+        rows.append(s[start : start + seq_len])
+    return torch.from_numpy(np.stack(rows).astype(np.int64))  # [n, seq_len]
+
+
+@torch.no_grad()
+def teacher_logits(target, ids: torch.Tensor, head_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full-vocabulary log p [B, L, V], draft-vocabulary logits [B, L, Vd]) of the frozen target."""
+    hidden = target.get_decoder()(input_ids=ids).last_hidden_state  # [B, L, H]
+    full = target.get_output_embeddings()(hidden)  # [B, L, V]
+    return full.log_softmax(-1), full[..., head_rows]
+
+
+def distill_loss(draft, ids: torch.Tensor, mapper: VocabMapper, target_sub_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_V || q) averaged over positions; p_V = target softmax over the draft vocabulary."""
+    logits = draft(input_ids=mapper.to_draft[ids]).logits  # [B, L, Vd]
+    log_q = logits.float().log_softmax(-1)
+    log_p = target_sub_logits.float().log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+@torch.no_grad()
+def evaluate(draft, target, mapper: VocabMapper, batches: list[torch.Tensor]) -> dict:
+    """Acceptance proxies on held-out windows: sum_x min(p, q) (sampling) and argmax agreement (greedy), with p the
+    target's full distribution and q the draft's scattered into the target vocabulary; plus vocabulary coverage of
+    the target's own argmax."""
+    draft.eval()
+    overlap = agree = cover = n = 0.0
+    for ids in batches:
+        log_p, _ = teacher_logits(target, ids, mapper.ids)
+        p = log_p.exp()  # [B, L, V]
+        q_sub = draft(input_ids=mapper.to_draft[ids]).logits.float().softmax(-1)  # [B, L, Vd]
+        q = torch.zeros_like(p)
+        q[..., mapper.ids] = q_sub
+        overlap += float(torch.minimum(p, q).sum(-1).sum())
+        top_p = p.argmax(-1)
+        agree += float((mapper.ids[q_sub.argmax(-1)] == top_p).sum())
+        cover += float(mapper.covered[top_p].sum())
+        n += top_p.numel()
+    draft.train()
+    return {"min_pq": overlap / n, "greedy_agree": agree / n, "vocab_covers_target_argmax": cover / n}
+
+
+def cache_teacher(target, streams: dict[str, np.ndarray], mix: dict[str, float], rng: np.random.Generator,
+                  seconds: float, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of the mixture and the frozen target's last hidden states over them, for ``seconds`` of target
+    forwards: (ids [K, L] int64, hidden [K, L, H] float16). The draft is then trained for several epochs on this
+    cache; the target's forward (about 4/5 of an online distillation step on a CPU) runs once per token."""
+    ids_list, hid_list = [], []
+    t0 = time.time()
+    bar = tqdm(total=int(seconds), desc="target soft labels", unit="s", dynamic_ncols=True)
+    with torch.no_grad():
+        while time.time() - t0 < seconds:
+            ids = _windows(streams, mix, rng, batch, seq_len)
+            hidden = target.get_decoder()(input_ids=ids).last_hidden_state  # [b, L, H]
+            ids_list.append(ids)
+            hid_list.append(hidden.to(torch.float16))
+            bar.n = min(int(time.time() - t0), int(seconds))
+            bar.set_postfix(tokens=sum(i.numel() for i in ids_list))
+    bar.close()
+    return torch.cat(ids_list), torch.cat(hid_list)
+
+
+def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
+    """Build, train and save the draft; returns the manifest written to ``real_draft.json``."""
+    from ..models import load_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    t_start = time.time()
+    loaded = load_model(cfg.target, role="target")
+    target, tok = loaded.model, loaded.tokenizer
+    for p in target.parameters():
+        p.requires_grad_(False)
+    streams = build_streams(cfg, target, tok, log)
+    specials = [i for i in (tok.all_special_ids or []) if i is not None]
+    vocab_ids = select_vocab(streams, cfg.mix, cfg.vocab, always=[0] + specials + [tok.eos_token_id])
+    V = loaded.vocab_size
+    mapper = VocabMapper(vocab_ids, V)
+    draft = init_from_target(target, tuple(cfg.layers), vocab_ids)
+    held = {k: v[-max(len(v) // 20, cfg.seq_len + 2):] for k, v in streams.items()}  # last 5% of each stream
+    train = {k: v[: len(v) - len(held[k])] for k, v in streams.items()}
+    eval_batches = [_windows(held, {k: 1.0 for k in held}, np.random.default_rng(cfg.seed + 1), 4, cfg.seq_len)
+                    for _ in range(2)]
+    before = evaluate(draft, target, mapper, eval_batches)
+    log(f"before training: {before}")
+    t_data = time.time() - t_start
+    rng = np.random.default_rng(cfg.seed)
+    ids_all, hid_all = cache_teacher(target, train, cfg.mix, rng, cfg.teacher_seconds, cfg.batch_size, cfg.seq_len)
+    head = target.get_output_embeddings().weight[mapper.ids].detach()  # [Vd, H]: p_V's logits = hidden @ head.T
+    log(f"cached target hidden states for {ids_all.numel():,} tokens")
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    draft.train()
+    t0, step, losses, running = time.time(), 0, [], None
+    order = torch.randperm(len(ids_all), generator=torch.Generator().manual_seed(cfg.seed))
+    pos = 0
+    bar = tqdm(total=int(cfg.seconds), desc="distil draft", unit="s", dynamic_ncols=True)
+    while time.time() - t0 < cfg.seconds:
+        frac = (time.time() - t0) / cfg.seconds
+        for g in opt.param_groups:
+            g["lr"] = _lr(frac, step, cfg)
+        if pos + cfg.batch_size > len(order):
+            order, pos = torch.randperm(len(ids_all), generator=torch.Generator().manual_seed(cfg.seed + step)), 0
+        rows = order[pos : pos + cfg.batch_size]
+        pos += cfg.batch_size
+        sub = hid_all[rows].float() @ head.T  # [b, L, Vd]
+        loss = distill_loss(draft, ids_all[rows], mapper, sub)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+        step += 1
+        if step % 10 == 0:
+            losses.append(round(running, 4))
+        bar.n = min(int(time.time() - t0), int(cfg.seconds))
+        bar.set_postfix(loss=f"{running:.3f}", step=step, epoch=f"{step * cfg.batch_size / len(ids_all):.1f}")
+    bar.close()
+    draft.eval()
+    after = evaluate(draft, target, mapper, eval_batches)
+    log(f"after training: {after}")
+    manifest = {
+        "kind": "retrospec real-model draft",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "target": loaded.path,
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "streams": {k: int(len(v)) for k, v in streams.items()},
+        "teacher_tokens": int(ids_all.numel()),
+        "steps": step,
+        "train_token_passes": step * cfg.batch_size * cfg.seq_len,
+        "data_seconds": round(t_data, 1),
+        "teacher_seconds": cfg.teacher_seconds,
+        "train_seconds": round(time.time() - t0, 1),
+        "loss_curve": losses,
+        "heldout_before": before,
+        "heldout_after": after,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    save_draft(draft, tok, vocab_ids, V, manifest, Path(cfg.out))
+    return manifest
+
+
+def save_draft(draft, tok, vocab_ids: list[int], target_vocab: int, manifest: dict, out: Path) -> None:
+    """Write the draft atomically: fp16 safetensors, the target's tokenizer, draft_vocab.json, real_draft.json."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        draft.to(torch.float16).save_pretrained(tmp)
+        draft.to(torch.float32)
+        tok.save_pretrained(tmp)
+        (tmp / "draft_vocab.json").write_text(json.dumps({"target_vocab_size": target_vocab,
+                                                          "token_ids": list(map(int, vocab_ids))}) + "\n")
+        (tmp / "real_draft.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
