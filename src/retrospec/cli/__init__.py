@@ -1,5 +1,5 @@
-"""``retrospec`` command line: ``generate``, ``bench``, ``models list|path|import-gguf``, ``zoo build|long|stream|info``,
-``tasks make``, ``datastore build|info|eval``.
+"""``retrospec`` command line: ``generate``, ``bench``, ``models list|path|import-gguf``,
+``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``.
 
 Wherever a model directory is accepted (``--target``, ``--draft``), a model name from ``retrospec models list``
 works too.

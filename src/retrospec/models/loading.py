@@ -79,7 +79,7 @@ def _check_dir(path: Path, role: str) -> None:
         raise RetrospecError(f"{role} model directory has no config.json (not a Hugging Face checkpoint): {path}")
 
 
-def model_dir(src, role: str = "target") -> Path:
+def model_dir(src) -> Path:
     """The checkpoint directory ``src`` (a path, or a model name) stands for; resolving a name may convert it."""
     if isinstance(src, str) and not Path(src).expanduser().exists() and lookup(src) is not None:
         return resolve_name(src)
@@ -99,7 +99,7 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
             tokenizer = _load_tokenizer(home)
         loaded = LoadedModel(src.eval(), tokenizer, str(name or "<in-memory model>"))
         return _attach_vocab_map(loaded, home) if home is not None else loaded
-    path = model_dir(src, role)
+    path = model_dir(src)
     _check_dir(path, role)
     key = (str(path.resolve()), str(dtype), str(device))
     if key in _CACHE:

