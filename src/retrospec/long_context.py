@@ -152,13 +152,10 @@ def default_gamma(method: str) -> int:
 
 
 def default_long_target():
-    """The bundled long-context target (``zoo/target-long``) when present, else the bundled target."""
-    from .models import zoo_path
+    """The bundled zoo target (``zoo``: ``zoo/target-long``, trained for long contexts)."""
+    from .models import default_target
 
-    try:
-        return zoo_path("target-long")
-    except RetrospecError:
-        return zoo_path("target")
+    return default_target()
 
 
 def prepare_long_request(query, context: str, *, target, draft, method: str, sampling: SamplingConfig, decode,

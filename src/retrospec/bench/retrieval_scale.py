@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reuse", action="store_true", help="skip the build when --out exists")
     args = ap.parse_args(argv)
 
-    from ..models import load_model, zoo_path
+    from ..models import default_target, load_model
     from ..retrieval import build_suffix_store, load_meta, open_store
     from ..retrieval.corpus import limit_tokens, open_text_corpus, tokenize
     from ..retrieval.evaluate import eval_suffix
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         build_suffix_store(synthetic_docs(base, args.tokens, args.perturb, args.seed, eos), out,
                            tokenizer_info=base_meta["tokenizer"], corpus=corpus, overwrite=True)
     meta = load_meta(out)
-    target = load_model(zoo_path("target") if args.target is None else args.target)
+    target = load_model(default_target() if args.target is None else args.target)
     store = open_store(out, "suffix", target=target)
     text = open_text_corpus(args.queries_from)
     docs = list(limit_tokens(tokenize(text, target.tokenizer, total=len(text), progress=False), 200_000))

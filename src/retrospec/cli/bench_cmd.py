@@ -38,7 +38,7 @@ def run(args) -> int:
     from ..bench.report import print_table
     from ..bench.tasks import load_prompts, preset
     from ..config import DecodeConfig, SamplingConfig
-    from ..models import check_same_vocab, load_model, zoo_path
+    from ..models import check_same_vocab, default_target, load_model, paired_draft
     from .datastore_cmd import bench_method_options
 
     if args.limit is not None and args.limit <= 0:
@@ -58,9 +58,10 @@ def run(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     DecodeConfig(max_new_tokens=args.max_new_tokens)  # validates
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    use_zoo = args.target is None
-    target = load_model(zoo_path("target") if use_zoo else args.target, role="target")
-    draft_src = zoo_path("draft") if (use_zoo and args.draft is None) else args.draft
+    target = load_model(default_target() if args.target is None else args.target, role="target")
+    draft_src = args.draft
+    if draft_src is None and any(m == "sd" or m.startswith("hf-assisted") for m in methods):
+        draft_src = paired_draft(args.target)  # default/named target: its paired draft
     draft = load_model(draft_src, role="draft") if draft_src is not None else None
     if draft is not None:
         check_same_vocab(target, draft)

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     b = dsub.add_parser("build", help="build a suffix (rest) or dense (dresd) datastore, atomically")
     b.add_argument("--kind", required=True, choices=("suffix", "dense"))
     b.add_argument("--out", required=True, help="store directory to create")
-    b.add_argument("--target", help="target model directory (default: bundled zoo target); its tokenizer (and, "
+    b.add_argument("--target", help="target model directory or name (default: zoo); its tokenizer (and, "
                                     "for dense, its hidden states) define the store")
     b.add_argument("--corpus", help="text file, .jsonl (text | prompt+completion), directory, 'stdlib' "
                                     "(zoo training split) or 'stdlib:heldout'")
@@ -135,9 +135,9 @@ def _set_threads(n: int) -> None:
 
 
 def _load_target(path):
-    from ..models import load_model, zoo_path
+    from ..models import default_target, load_model
 
-    return load_model(zoo_path("target") if path is None else path, role="target")
+    return load_model(default_target() if path is None else path, role="target")
 
 
 def _eos_id(target) -> int:

@@ -10,8 +10,10 @@ from ..errors import RetrospecError
 
 
 def add_sampling_args(p) -> None:
-    p.add_argument("--target", help="target model directory (default: bundled zoo target)")
-    p.add_argument("--draft", help="draft model directory (default: bundled zoo draft when --target is unset)")
+    p.add_argument("--target", help="target model directory or name, e.g. smollm2-135m (default: zoo, the bundled "
+                                    "zoo target); see 'retrospec models list'")
+    p.add_argument("--draft", help="draft model directory or name (default for sd: the target's paired draft when "
+                                   "the target is a name or unset, e.g. zoo -> zoo-draft)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

