@@ -8,37 +8,17 @@ text; the engine below works on token ids only.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from .config import DecodeConfig, SamplingConfig
 from .decode import speculative_generate
 from .drafters import REGISTRY
 from .errors import RetrospecError
-from .models import LoadedModel, check_same_vocab, load_model, zoo_path
+from .long_requests import prepare_long_request
+from .models import check_same_vocab, load_model, zoo_path
+from .request import DEFAULT_GAMMA, Request
 from .types import GenerationResult, SpecStats
 
-DEFAULT_GAMMA = {"sd": 5, "pld": 10}
 NEEDS_DRAFT_MODEL = {"sd"}
-
-
-@dataclass
-class Request:
-    target: LoadedModel
-    draft: LoadedModel | None
-    method: str
-    prompt_ids: list[int]
-    sampling: SamplingConfig
-    decode: DecodeConfig
-    options: dict = field(default_factory=dict)
-    rule: object = None  # an AcceptanceRule; None = the exact rule for the sampling mode
-    info: dict = field(default_factory=dict)  # request-level stats (long context: retrieval_s, retrieved_tokens)
-
-    def drafter(self):
-        """Build this request's drafter. Factories get the method options plus ``target`` (a ``LoadedModel``),
-        ``draft`` (a ``LoadedModel`` or None) and ``draft_model`` (the draft's torch module, or None)."""
-        opts = dict(self.options)
-        opts.update(target=self.target, draft=self.draft, draft_model=self.draft.model if self.draft else None)
-        return REGISTRY[self.method](**opts)
 
 
 def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
@@ -48,7 +28,7 @@ def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "
     """Validate everything and load what is needed; raises ``RetrospecError`` on any user error.
 
     With ``context`` (a long document; methods lc, rag, sd, magicdec, rapid) the prompt is the query and the
-    long-context knobs of ``long_context.LongContextOptions`` are accepted as keyword arguments."""
+    long-context knobs of ``long_requests.LongContextOptions`` are accepted as keyword arguments."""
     if method not in REGISTRY:
         raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(REGISTRY))}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -56,8 +36,6 @@ def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "
     if gamma is not None and gamma < 1:
         raise RetrospecError(f"gamma must be >= 1, got {gamma}")
     if context is not None:
-        from .long_context import prepare_long_request
-
         return prepare_long_request(prompt, context, target=target, draft=draft, method=method, sampling=sampling,
                                     decode=decode, gamma=gamma, adaptive_gamma=adaptive_gamma, tokenizer=tokenizer,
                                     **options)

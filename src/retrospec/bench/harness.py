@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..api import DEFAULT_GAMMA, Request
 from ..config import DecodeConfig, SamplingConfig
 from ..decode import speculative_generate
 from ..drafters import REGISTRY
 from ..errors import RetrospecError
 from ..models import LoadedModel
+from ..request import DEFAULT_GAMMA, Request
 from ..types import SpecStats
 from .hf_peers import HF_METHODS, ForwardProbe, run_hf
 
