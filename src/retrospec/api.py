@@ -3,12 +3,17 @@
 Both resolve models (paths, loaded models, or the bundled zoo when none is given), validate every knob, encode the
 prompt, build the drafter from the registry, and run the decode loop. Stop strings are applied here, on decoded
 text; the engine below works on token ids only.
+
+Chat (``messages=[...]``, or ``prompt`` with ``chat=True`` = one user message): the target's chat template is
+applied by ``chat.build_chat_prompt`` and the template's end-of-turn token joins the request's EOS ids
+(``Request.eos_ids``), so generation stops at the end of the assistant's turn; returned text skips special tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from .chat import build_chat_prompt, chat_messages
 from .config import DecodeConfig, SamplingConfig
 from .decode import speculative_generate
 from .drafters import REGISTRY
@@ -19,16 +24,27 @@ from .request import DEFAULT_GAMMA, Request
 from .types import GenerationResult, SpecStats
 
 NEEDS_DRAFT_MODEL = {"sd"}
+# sd's draft when the target is given by one of these names and no draft is given (names resolve in load_model)
+DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m-draft"}
 
 
-def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
+def default_draft(target) -> str | None:
+    """The draft ``sd`` uses for ``target`` when none is given: only for a target given by a name in
+    ``DEFAULT_DRAFTS``; None otherwise."""
+    return DEFAULT_DRAFTS.get(target) if isinstance(target, str) else None
+
+
+def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None, chat: bool = False,
+            target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             gamma: int | None = None, adaptive_gamma: bool = False, stop: tuple[str, ...] | list[str] = (),
             tokenizer=None, context: str | None = None, **options) -> Request:
     """Validate everything and load what is needed; raises ``RetrospecError`` on any user error.
 
     With ``context`` (a long document; methods lc, rag, sd, magicdec, rapid) the prompt is the query and the
-    long-context knobs of ``long_requests.LongContextOptions`` are accepted as keyword arguments."""
+    long-context knobs of ``long_requests.LongContextOptions`` are accepted as keyword arguments (the context
+    template already wraps the prompt in the chat template when the tokenizer has one; ``messages``/``chat`` are
+    refused there)."""
     if method not in REGISTRY:
         raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(REGISTRY))}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -36,22 +52,33 @@ def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "
     if gamma is not None and gamma < 1:
         raise RetrospecError(f"gamma must be >= 1, got {gamma}")
     if context is not None:
+        if messages is not None or chat:
+            raise RetrospecError("chat messages do not combine with a long context: pass the query as the prompt (it "
+                                 "is wrapped in the chat template when the model has one)")
         return prepare_long_request(prompt, context, target=target, draft=draft, method=method, sampling=sampling,
                                     decode=decode, gamma=gamma, adaptive_gamma=adaptive_gamma, tokenizer=tokenizer,
                                     **options)
     if method in ("rag", "rapid"):
         raise RetrospecError(f"method '{method}' needs a long context (context=... / --context-file FILE)")
-    if isinstance(prompt, str) and not prompt.strip() or not isinstance(prompt, str) and len(prompt) == 0:
+    msgs = chat_messages(prompt, messages, chat)  # None = a raw completion of ``prompt``
+    if msgs is None and (prompt is None or isinstance(prompt, str) and not prompt.strip()
+                         or not isinstance(prompt, str) and len(prompt) == 0):
         raise RetrospecError("prompt is empty")
     use_zoo = target is None
     tgt = load_model(zoo_path("target") if use_zoo else target, role="target", tokenizer=tokenizer)
     drf = None
     if method in NEEDS_DRAFT_MODEL:
         if draft is None and not use_zoo:
-            raise RetrospecError(f"method '{method}' needs a draft model (--draft DIR / draft=...)")
+            draft = default_draft(target)
+            if draft is None:
+                raise RetrospecError(f"method '{method}' needs a draft model (--draft DIR / draft=...)")
         drf = load_model(zoo_path("draft") if draft is None else draft, role="draft")
         check_same_vocab(tgt, drf)
-    if isinstance(prompt, str):
+    eos_ids = None  # None = the target's own EOS ids
+    if msgs is not None:
+        chat_prompt = build_chat_prompt(tgt.tokenizer, msgs, name=f"target {tgt.path}")
+        prompt_ids, eos_ids = chat_prompt.prompt_ids, tgt.eos_ids() | chat_prompt.end_of_turn_ids
+    elif isinstance(prompt, str):
         if tgt.tokenizer is None:
             raise RetrospecError(f"target {tgt.path} has no tokenizer; pass token ids or tokenizer=...")
         prompt_ids = tgt.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -65,7 +92,7 @@ def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "
     opts = dict(options)
     opts["gamma"] = gamma or DEFAULT_GAMMA.get(method, 5)
     opts["adaptive"] = adaptive_gamma
-    return Request(tgt, drf, method, prompt_ids, sampling, decode, opts)
+    return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids)
 
 
 class GenerationStream:
@@ -83,7 +110,7 @@ class GenerationStream:
         req = self.request
         tok = req.target.tokenizer
         steps = speculative_generate(req.target.model, req.drafter(), req.prompt_ids, sampling=req.sampling,
-                                     max_new_tokens=req.decode.max_new_tokens, eos_ids=req.target.eos_ids(),
+                                     max_new_tokens=req.decode.max_new_tokens, eos_ids=req.stop_ids(),
                                      stats=self.stats, rule=req.rule)
         try:
             for chunk in steps:
@@ -131,17 +158,22 @@ class GenerationStream:
         self.result = GenerationResult(self.text, list(self.token_ids), self.stats)
 
 
-def stream(prompt: str | list[int], **kwargs) -> GenerationStream:
+def stream(prompt: str | list[int] | None = None, **kwargs) -> GenerationStream:
     """Like ``generate`` but returns a ``GenerationStream``; iterate it for text pieces."""
     return GenerationStream(prepare(prompt, **kwargs))
 
 
-def generate(prompt: str | list[int], **kwargs) -> GenerationResult:
-    """Generate a continuation of ``prompt``.
+def generate(prompt: str | list[int] | None = None, **kwargs) -> GenerationResult:
+    """Generate a continuation of ``prompt``, or the assistant's reply to ``messages``.
 
     Keyword arguments: ``target`` / ``draft`` (directory, ``LoadedModel`` or transformers model; default: the
     bundled zoo), ``method`` ('ar', 'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy),
     ``top_p``, ``top_k``, ``seed``, ``gamma`` (draft length), ``adaptive_gamma``, ``stop`` (stop strings).
+    With ``target="smollm2-135m"`` and no draft, ``sd`` drafts with ``smollm2-135m-draft`` (``DEFAULT_DRAFTS``).
+
+    Chat: ``messages=[{"role": "user", "content": ...}, ...]`` (roles system / user / assistant) instead of a prompt,
+    or ``prompt`` with ``chat=True`` (one user message). The target's chat template is applied with the generation
+    prompt added, and generation stops at the template's end-of-turn token. No chat template = ``RetrospecError``.
 
     Long context (RAPID and baselines): ``context`` (the document; ``prompt`` is then the query), ``method`` in
     lc | rag | sd | magicdec | rapid, ``draft`` (the drafter; default the target itself), ``eta`` (> 0 = RAPID's

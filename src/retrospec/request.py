@@ -30,6 +30,11 @@ class Request:
     options: dict = field(default_factory=dict)
     rule: object = None  # an AcceptanceRule; None = the exact rule for the sampling mode
     info: dict = field(default_factory=dict)  # request-level stats (long context: retrieval_s, retrieved_tokens)
+    eos_ids: frozenset[int] | None = None  # None = the target's own; chat adds the template's end-of-turn id
+
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end generation (the last one is kept in the output)."""
+        return self.target.eos_ids() if self.eos_ids is None else self.eos_ids
 
     def drafter(self):
         """Build this request's drafter. Factories get the method options plus ``target`` (a ``LoadedModel``),
