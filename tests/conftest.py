@@ -169,3 +169,73 @@ def single_thread():
 
 
 # ======================================================================================================================
+# Chat (test_chat): a tiny saved checkpoint whose tokenizer has ChatML control tokens and a chat template.
+# - the BPE of ``saved_models`` plus ``<|im_start|>`` / ``<|im_end|>`` added as special tokens; its EOS stays
+#   ``<|endoftext|>``, so the end-of-turn id must come from the template, not from the EOS token;
+# - a 2-layer Llama target whose greedy reply to ``CHAT_STOP_MESSAGES`` emits ``<|im_end|>`` at step ``stop_step``
+#   (two rows of the LM head swapped: the token it would have emitted there and ``<|im_end|>``; earlier steps are
+#   unchanged because their argmax is neither of the two);
+# - a 1-layer early-exit draft of that target (same tokenizer), and a copy without a chat template.
+# ======================================================================================================================
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>'"
+    " + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHAT_STOP_MESSAGES = [{"role": "user", "content": "def wrap(text, width):"}]
+
+
+@dataclass(frozen=True)
+class ChatModels:
+    target: Path  # 2-layer Llama + ChatML tokenizer; stops at <|im_end|> on CHAT_STOP_MESSAGES
+    draft: Path  # 1-layer early-exit copy of the target, same tokenizer
+    no_template: Path  # the target with its chat template removed
+    im_end_id: int
+    eos_id: int
+    stop_step: int  # 0-based position of <|im_end|> in the greedy reply to CHAT_STOP_MESSAGES
+
+
+def chatml_tokenizer():
+    import textwrap
+
+    from retrospec.train.tokenizer import train_bpe
+
+    tok = train_bpe([inspect.getsource(textwrap)], vocab_size=300)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="session")
+def chat_models(tmp_path_factory) -> ChatModels:
+    from retrospec.config import SamplingConfig
+    from retrospec.decode import autoregressive_generate
+
+    root = tmp_path_factory.mktemp("chat_models")
+    tok = chatml_tokenizer()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    target = _tiny_saved_llama(tok, layers=2, seed=11, max_pos=512)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    ids = tok.apply_chat_template(CHAT_STOP_MESSAGES, add_generation_prompt=True)["input_ids"]
+    greedy = SamplingConfig()
+    out = autoregressive_generate(target, ids, sampling=greedy, max_new_tokens=24)
+    step = next(k for k in range(4, len(out)) if out[k] not in out[:k] and im_end not in out[: k + 1]
+                and tok.eos_token_id not in out[: k + 1])
+    with torch.no_grad():  # swap the head rows of out[step] and <|im_end|>
+        w = target.lm_head.weight
+        w[[out[step], im_end]] = w[[im_end, out[step]]]
+    stopped = autoregressive_generate(target, ids, sampling=greedy, max_new_tokens=24)
+    assert stopped[:step] == out[:step] and stopped[step] == im_end
+    draft = _tiny_saved_llama(tok, layers=1, seed=12, max_pos=512)
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.1.")})
+    no_template = _save(target, tok, root / "no_template")
+    cfg_path = no_template / "tokenizer_config.json"
+    import json as _json
+
+    cfg = _json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(_json.dumps(cfg))
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (no_template / extra).unlink(missing_ok=True)
+    return ChatModels(target=_save(target, tok, root / "target"), draft=_save(draft, tok, root / "draft"),
+                      no_template=no_template, im_end_id=im_end, eos_id=tok.eos_token_id, stop_step=step)

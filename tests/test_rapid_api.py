@@ -17,7 +17,7 @@ from retrospec.bench.long_harness import LongBenchConfig, parse_method, run_long
 from retrospec.bench.long_report import write_outputs
 from retrospec.bench.long_tasks import TASKS, make_tasks, score
 from retrospec.errors import RetrospecError
-from retrospec.long_context import LongContextOptions
+from retrospec.long_requests import LongContextOptions
 from retrospec.models import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -153,7 +153,7 @@ def test_bundled_minilm_loads_offline_and_finds_the_passkey(saved_models, monkey
     import numpy as np
 
     from retrospec.retrieval.embedder import default_embedder_path, load_embedder
-    from retrospec.retrieval.long_context import LongContextRetriever, RetrievalConfig
+    from retrospec.retrieval.context_retrieval import LongContextRetriever, RetrievalConfig
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert (default_embedder_path() / "modules.json").is_file()

@@ -11,7 +11,7 @@ import pytest
 from rapid_fakes import FakeEmbedder
 from retrospec.errors import RetrospecError
 from retrospec.retrieval.chunks import Chunk, chunk_text, token_counter
-from retrospec.retrieval.long_context import LongContextRetriever, RetrievalConfig, join_chunks, select_chunks
+from retrospec.retrieval.context_retrieval import LongContextRetriever, RetrievalConfig, join_chunks, select_chunks
 
 
 @pytest.fixture(scope="module")

@@ -4,52 +4,38 @@ Both resolve models (paths, model names, loaded models, or the bundled zoo when 
 paired draft, e.g. ``zoo`` -> ``zoo-draft``, when ``sd`` gets no draft), validate every knob, encode the
 prompt, build the drafter from the registry, and run the decode loop. Stop strings are applied here, on decoded
 text; the engine below works on token ids only.
+
+Chat (``messages=[...]``, or ``prompt`` with ``chat=True`` = one user message): the target's chat template is
+applied by ``chat.build_chat_prompt`` and the template's end-of-turn token joins the request's EOS ids
+(``Request.eos_ids``), so generation stops at the end of the assistant's turn; returned text skips special tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
+from .chat import build_chat_prompt, chat_messages
 from .config import DecodeConfig, SamplingConfig
 from .decode import speculative_generate
 from .drafters import REGISTRY
 from .errors import RetrospecError
-from .models import LoadedModel, check_same_vocab, default_target, load_model, paired_draft
+from .long_requests import prepare_long_request
+from .models import check_same_vocab, default_target, load_model, paired_draft
+from .request import DEFAULT_GAMMA, Request
 from .types import GenerationResult, SpecStats
 
-DEFAULT_GAMMA = {"sd": 5, "pld": 10}
 NEEDS_DRAFT_MODEL = {"sd"}
-
-
-@dataclass
-class Request:
-    target: LoadedModel
-    draft: LoadedModel | None
-    method: str
-    prompt_ids: list[int]
-    sampling: SamplingConfig
-    decode: DecodeConfig
-    options: dict = field(default_factory=dict)
-    rule: object = None  # an AcceptanceRule; None = the exact rule for the sampling mode
-    info: dict = field(default_factory=dict)  # request-level stats (long context: retrieval_s, retrieved_tokens)
-
-    def drafter(self):
-        """Build this request's drafter. Factories get the method options plus ``target`` (a ``LoadedModel``),
-        ``draft`` (a ``LoadedModel`` or None) and ``draft_model`` (the draft's torch module, or None)."""
-        opts = dict(self.options)
-        opts.update(target=self.target, draft=self.draft, draft_model=self.draft.model if self.draft else None)
-        return REGISTRY[self.method](**opts)
-
-
-def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
+def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None, chat: bool = False,
+            target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             gamma: int | None = None, adaptive_gamma: bool = False, stop: tuple[str, ...] | list[str] = (),
             tokenizer=None, context: str | None = None, **options) -> Request:
     """Validate everything and load what is needed; raises ``RetrospecError`` on any user error.
 
     With ``context`` (a long document; methods lc, rag, sd, magicdec, rapid) the prompt is the query and the
-    long-context knobs of ``long_context.LongContextOptions`` are accepted as keyword arguments."""
+    long-context knobs of ``long_requests.LongContextOptions`` are accepted as keyword arguments (the context
+    template already wraps the prompt in the chat template when the tokenizer has one; ``messages``/``chat`` are
+    refused there)."""
     if method not in REGISTRY:
         raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(REGISTRY))}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -57,14 +43,17 @@ def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "
     if gamma is not None and gamma < 1:
         raise RetrospecError(f"gamma must be >= 1, got {gamma}")
     if context is not None:
-        from .long_context import prepare_long_request
-
+        if messages is not None or chat:
+            raise RetrospecError("chat messages do not combine with a long context: pass the query as the prompt (it "
+                                 "is wrapped in the chat template when the model has one)")
         return prepare_long_request(prompt, context, target=target, draft=draft, method=method, sampling=sampling,
                                     decode=decode, gamma=gamma, adaptive_gamma=adaptive_gamma, tokenizer=tokenizer,
                                     **options)
     if method in ("rag", "rapid"):
         raise RetrospecError(f"method '{method}' needs a long context (context=... / --context-file FILE)")
-    if isinstance(prompt, str) and not prompt.strip() or not isinstance(prompt, str) and len(prompt) == 0:
+    msgs = chat_messages(prompt, messages, chat)  # None = a raw completion of ``prompt``
+    if msgs is None and (prompt is None or isinstance(prompt, str) and not prompt.strip()
+                         or not isinstance(prompt, str) and len(prompt) == 0):
         raise RetrospecError("prompt is empty")
     tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer)
     drf = None
@@ -74,7 +63,11 @@ def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "
             raise RetrospecError(f"method '{method}' needs a draft model (--draft DIR / draft=...)")
         drf = load_model(draft, role="draft")
         check_same_vocab(tgt, drf)
-    if isinstance(prompt, str):
+    eos_ids = None  # None = the target's own EOS ids
+    if msgs is not None:
+        chat_prompt = build_chat_prompt(tgt.tokenizer, msgs, name=f"target {tgt.path}")
+        prompt_ids, eos_ids = chat_prompt.prompt_ids, tgt.eos_ids() | chat_prompt.end_of_turn_ids
+    elif isinstance(prompt, str):
         if tgt.tokenizer is None:
             raise RetrospecError(f"target {tgt.path} has no tokenizer; pass token ids or tokenizer=...")
         prompt_ids = tgt.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -88,7 +81,7 @@ def prepare(prompt: str | list[int], *, target=None, draft=None, method: str = "
     opts = dict(options)
     opts["gamma"] = gamma or DEFAULT_GAMMA.get(method, 5)
     opts["adaptive"] = adaptive_gamma
-    return Request(tgt, drf, method, prompt_ids, sampling, decode, opts)
+    return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids)
 
 
 class GenerationStream:
@@ -106,7 +99,7 @@ class GenerationStream:
         req = self.request
         tok = req.target.tokenizer
         steps = speculative_generate(req.target.model, req.drafter(), req.prompt_ids, sampling=req.sampling,
-                                     max_new_tokens=req.decode.max_new_tokens, eos_ids=req.target.eos_ids(),
+                                     max_new_tokens=req.decode.max_new_tokens, eos_ids=req.stop_ids(),
                                      stats=self.stats, rule=req.rule)
         try:
             for chunk in steps:
@@ -154,18 +147,22 @@ class GenerationStream:
         self.result = GenerationResult(self.text, list(self.token_ids), self.stats)
 
 
-def stream(prompt: str | list[int], **kwargs) -> GenerationStream:
+def stream(prompt: str | list[int] | None = None, **kwargs) -> GenerationStream:
     """Like ``generate`` but returns a ``GenerationStream``; iterate it for text pieces."""
     return GenerationStream(prepare(prompt, **kwargs))
 
 
-def generate(prompt: str | list[int], **kwargs) -> GenerationResult:
-    """Generate a continuation of ``prompt``.
+def generate(prompt: str | list[int] | None = None, **kwargs) -> GenerationResult:
+    """Generate a continuation of ``prompt``, or the assistant's reply to ``messages``.
 
     Keyword arguments: ``target`` / ``draft`` (directory, model name such as ``"smollm2-135m"``, ``LoadedModel`` or
     transformers model; default: the bundled zoo, and for ``sd`` a named target's paired draft), ``method`` ('ar',
     'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed``, ``gamma``
     (draft length), ``adaptive_gamma``, ``stop`` (stop strings).
+
+    Chat: ``messages=[{"role": "user", "content": ...}, ...]`` (roles system / user / assistant) instead of a prompt,
+    or ``prompt`` with ``chat=True`` (one user message). The target's chat template is applied with the generation
+    prompt added, and generation stops at the template's end-of-turn token. No chat template = ``RetrospecError``.
 
     Long context (RAPID and baselines): ``context`` (the document; ``prompt`` is then the query), ``method`` in
     lc | rag | sd | magicdec | rapid, ``draft`` (the drafter; default the target itself), ``eta`` (> 0 = RAPID's

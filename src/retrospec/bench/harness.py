@@ -10,6 +10,10 @@ Summary per method (token-weighted over prompts):
   zero engine overhead, so speedup / ideal_speedup is the share of decode time spent in model forwards;
 - mean_accepted_tokens (tau) = new tokens / target forward calls; acceptance_rate = accepted / drafted;
 - lossless = every output token-identical to ar's (greedy only; null when sampling).
+
+With ``chat`` each prompt row's text becomes one user message under the target's chat template
+(``chat.build_chat_prompt``), and the template's end-of-turn id joins the EOS ids. Every method, ours and the HF
+peers, gets the same prompt ids and the same EOS ids, so lossless comparisons stay exact.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..api import DEFAULT_GAMMA, Request
+from ..chat import build_chat_prompt
 from ..config import DecodeConfig, SamplingConfig
 from ..decode import speculative_generate
 from ..drafters import REGISTRY
 from ..errors import RetrospecError
 from ..models import LoadedModel
+from ..request import DEFAULT_GAMMA, Request
 from ..types import SpecStats
 from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 
@@ -43,6 +48,7 @@ class BenchConfig:
     pld_ngram: int = 3
     warmup: bool = True
     method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per method name
+    chat: bool = False  # each prompt = one user message under the target's chat template
 
 
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
@@ -56,11 +62,12 @@ def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
 
 
 def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
-              cfg: BenchConfig, max_new: int) -> tuple[list[int], SpecStats, float]:
+              cfg: BenchConfig, max_new: int, eos_ids: frozenset[int]) -> tuple[list[int], SpecStats, float]:
     gamma = cfg.gamma or DEFAULT_GAMMA.get(method, 5)
     options = {"gamma": gamma if method != "pld" else cfg.pld_k, "max_ngram": cfg.pld_ngram}
     options.update(cfg.method_options.get(method, {}))
-    req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options)
+    req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options,
+                  eos_ids=eos_ids)
     stats = SpecStats(method=method)
     probes = [ForwardProbe(target.model)] + ([ForwardProbe(draft.model)] if draft is not None else [])
     for p in probes:
@@ -68,7 +75,7 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     try:
         out: list[int] = []
         for chunk in speculative_generate(target.model, req.drafter(), prompt_ids, sampling=cfg.sampling,
-                                          max_new_tokens=max_new, eos_ids=target.eos_ids(), stats=stats):
+                                          max_new_tokens=max_new, eos_ids=req.stop_ids(), stats=stats):
             out.extend(chunk)
     finally:
         for p in probes:
@@ -79,17 +86,27 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     return out, stats, forward_s
 
 
+def encode_prompts(target: LoadedModel, prompts: list[dict], chat: bool) -> tuple[list[list[int]], frozenset[int]]:
+    """Prompt ids of every row and the EOS ids of the run (the target's, plus the end-of-turn id with ``chat``)."""
+    tok = target.tokenizer
+    if not chat:
+        return [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts], target.eos_ids()
+    built = [build_chat_prompt(tok, [{"role": "user", "content": p["prompt"]}], name=f"target {target.path}")
+             for p in prompts]
+    return [b.prompt_ids for b in built], target.eos_ids().union(*(b.end_of_turn_ids for b in built))
+
+
 def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig,
               progress: bool = True) -> dict:
     tok = target.tokenizer
-    encoded = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded, eos = encode_prompts(target, prompts, cfg.chat)
     if any(not ids for ids in encoded):
         raise RetrospecError("a prompt encodes to zero tokens")
     limit = target.max_positions or 1 << 30
     for i, ids in enumerate(encoded):
         if len(ids) >= limit:
             raise RetrospecError(f"prompt {i} has {len(ids)} tokens; the target supports {limit} positions")
-    eos, pad = target.eos_ids(), getattr(tok, "pad_token_id", None)
+    pad = getattr(tok, "pad_token_id", None)
     torch.manual_seed(0)
 
     def run_one(method: str, ids: list[int], max_new: int):
@@ -98,7 +115,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
             return run_hf(method, target.model, hf_draft, ids, sampling=cfg.sampling,
                           max_new_tokens=max_new, eos_ids=eos, pad_id=pad, gamma=cfg.gamma or DEFAULT_GAMMA["sd"],
                           pld_k=cfg.pld_k, pld_ngram=cfg.pld_ngram)
-        return _run_ours(method, target, draft, ids, cfg, max_new)
+        return _run_ours(method, target, draft, ids, cfg, max_new, eos)
 
     if cfg.warmup:
         for m in cfg.methods:
@@ -114,7 +131,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
                          "stats": stats.to_dict() | {"forward_s": forward_s}})
             bar.update()
     bar.close()
-    return {"config": _describe(target, draft, prompts, cfg), "runs": runs, "summary": summarize(runs, cfg)}
+    return {"config": _describe(target, draft, prompts, cfg) | {"eos_ids": sorted(eos)}, "runs": runs, "summary": summarize(runs, cfg)}
 
 
 def summarize(runs: list[dict], cfg: BenchConfig) -> list[dict]:
@@ -156,6 +173,7 @@ def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         "target": target.path,
         "draft": draft.path if draft else None,
         "prompts": len(prompts),
+        "chat": cfg.chat,
         "methods": cfg.methods,
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.sampling.temperature,

@@ -40,12 +40,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..api import Request
 from ..config import DecodeConfig, SamplingConfig
 from ..decode import speculative_generate
 from ..errors import RetrospecError
-from ..long_context import LONG_METHODS, USES_DRAFT_LM, LongContextOptions, default_gamma, plan, retrieve
+from ..long_requests import LONG_METHODS, USES_DRAFT_LM, LongContextOptions, default_gamma, plan, retrieve
 from ..models import LoadedModel
+from ..request import Request
 from ..types import DraftTree, SpecStats
 from ..verify import PrefillMemo, Verifier
 from .long_tasks import score

@@ -20,7 +20,8 @@ def render_markdown(result: dict) -> str:
         "",
         f"- target: `{c['target']}`; draft: `{c['draft']}`",
         f"- {c['prompts']} prompts, {c['max_new_tokens']} new tokens max, temperature {c['temperature']}, "
-        f"gamma {c['gamma']}, pld k {c['pld_k']} (max n-gram {c['pld_max_ngram']})",
+        f"gamma {c['gamma']}, pld k {c['pld_k']} (max n-gram {c['pld_max_ngram']})"
+        + (", chat template (each prompt one user message)" if c.get("chat") else ""),
         f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}",
         "",
         "| " + " | ".join(COLUMNS) + " |",

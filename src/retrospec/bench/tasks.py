@@ -1,8 +1,12 @@
-"""Benchmark prompt sources: jsonl files and built-in presets generated from held-out stdlib code.
+"""Benchmark prompt sources: jsonl files and built-in presets.
 
-A jsonl file needs a ``prompt`` field per line (HumanEval / MBPP files work as they are). Presets are generated
-deterministically from the standard library's held-out packages (never seen in zoo training), so the demo and
-benchmarks need no external data.
+A jsonl file needs a ``prompt`` or a ``question`` field per line (HumanEval / MBPP files and NQ-open question files
+work as they are); every returned row has ``prompt`` set (a ``question`` row gets ``prompt = question``, other
+fields kept). Presets need no external data:
+- ``heldout``: function headers + docstrings generated deterministically from the standard library's held-out
+  packages (never seen in zoo training), for raw code completion;
+- ``chat``: ``presets/chat.jsonl``, short instructions and questions written for this project (explain, summarise,
+  list, rewrite, how-to, general knowledge, a few code requests), meant for ``--chat`` (one user message each).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from pathlib import Path
 from ..errors import RetrospecError
 from ..train.corpus import stdlib_files, stdlib_root
 
-PRESETS = ("heldout",)
+PRESETS = ("heldout", "chat")
+PRESET_DIR = Path(__file__).parent / "presets"
 
 
 def load_prompts(path: str | Path) -> list[dict]:
@@ -33,8 +38,10 @@ def load_prompts(path: str | Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise RetrospecError(f"{path}:{n}: not valid JSON") from None
+        if isinstance(row, dict) and "prompt" not in row and isinstance(row.get("question"), str):
+            row = {"prompt": row["question"]} | row
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise RetrospecError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
+            raise RetrospecError(f"{path}:{n}: each line needs a non-empty string field 'prompt' or 'question'")
         rows.append(row)
     if not rows:
         raise RetrospecError(f"prompts file has no prompts: {path}")
@@ -75,4 +82,6 @@ def heldout_prompts(n: int = 20, context_lines: int = 12) -> list[dict]:
 def preset(name: str, n: int) -> list[dict]:
     if name == "heldout":
         return heldout_prompts(n)
+    if name == "chat":
+        return load_prompts(PRESET_DIR / "chat.jsonl")[:n]
     raise RetrospecError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")

@@ -14,10 +14,12 @@ def add_parser(sub) -> None:
     p.add_argument("--methods", default="ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld",
                    help="comma-separated (ar is always included as the baseline)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", help="jsonl file with a 'prompt' field per line (HumanEval/MBPP files work); "
+    src.add_argument("--prompts", help="jsonl file with a 'prompt' or 'question' field per line (HumanEval/MBPP "
+                                       "and NQ-open files work); "
                                        "rows with a 'context' field (retrospec tasks make; several files "
                                        "comma-separated) run the long-context bench: lc,rag,sd,magicdec,rapid")
-    src.add_argument("--preset", help="built-in prompt set: heldout (held-out stdlib functions)")
+    src.add_argument("--preset", help="built-in prompt set: heldout (held-out stdlib functions) | chat (short "
+                                      "instructions and questions; use with --chat)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--pld-k", type=int, default=10, help="pld / hf-pld draft length")
     p.add_argument("--pld-ngram", type=int, default=3, help="pld / hf-pld maximum n-gram size")
@@ -50,6 +52,9 @@ def run(args) -> int:
 
         rows = load_long_rows(args.prompts)
         if rows is not None:
+            if args.chat:
+                raise RetrospecError("--chat applies to prompt rows; long-context rows already use the chat "
+                                     "template when the model has one (--no-chat-template turns it off)")
             return run_long(args, rows)
     if args.gamma is not None and args.gamma < 1:
         raise RetrospecError(f"--gamma must be >= 1, got {args.gamma}")
@@ -73,7 +78,7 @@ def run(args) -> int:
         prompts = prompts[: args.limit]
     cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
                       pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup,
-                      method_options=bench_method_options(args, methods, target))
+                      method_options=bench_method_options(args, methods, target), chat=args.chat)
     result = run_bench(target, draft, prompts, cfg)
     out = Path(args.out)
     write_outputs(result, out)

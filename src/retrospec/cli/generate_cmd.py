@@ -21,6 +21,9 @@ def add_sampling_args(p) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--gamma", type=int, default=None, help="draft length (sd: 5, pld: 10)")
     p.add_argument("--adaptive-gamma", action="store_true", help="sd: grow gamma on full acceptance, shrink on rejection")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is one user message under the target's chat template; generation stops at "
+                        "the template's end-of-turn token")
 
 
 def add_parser(sub) -> None:
@@ -71,7 +74,7 @@ def run(args) -> int:
     long_kwargs = long_context_kwargs(args) if context is not None else {}
     if context is None and (long_context_kwargs(args) or args.method in ("rag", "rapid")):
         raise RetrospecError("long-context options and methods rag / rapid need --context-file FILE")
-    s = stream(read_prompt(args), target=args.target, draft=args.draft, method=args.method,
+    s = stream(read_prompt(args), chat=args.chat, target=args.target, draft=args.draft, method=args.method,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                seed=args.seed, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma, stop=args.stop,
                **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args))

@@ -1,6 +1,6 @@
 """Command-line knobs for long-context methods (RAPID and baselines), shared by ``generate`` and ``bench``.
 
-Each flag maps 1:1 onto a field of ``retrospec.long_context.LongContextOptions`` (validated there).
+Each flag maps 1:1 onto a field of ``retrospec.long_requests.LongContextOptions`` (validated there).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def add_long_context_args(p, context_file: bool = True) -> None:
 
 def long_context_kwargs(args) -> dict:
     """The long-context keyword arguments for ``api.prepare`` / ``LongContextOptions`` (unset flags omitted)."""
-    from ..long_context import ContextTemplate, DEFAULT_TEMPLATE
+    from ..long_requests import ContextTemplate, DEFAULT_TEMPLATE
 
     out = {name: getattr(args, name) for name in ("eta", "chunk_tokens", "retrieval_tokens", "min_retrieval_tokens",
                                                    "max_retrieval_fraction", "similarity_floor", "piece_tokens",

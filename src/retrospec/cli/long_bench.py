@@ -43,7 +43,7 @@ def run_long(args, rows: list[dict]) -> int:
     from ..bench.long_harness import LongBenchConfig, parse_method, run_long_bench
     from ..bench.long_report import print_table, write_outputs
     from ..config import DecodeConfig, SamplingConfig
-    from ..long_context import LongContextOptions, default_long_target
+    from ..long_requests import LongContextOptions, default_long_target
     from ..models import check_same_vocab, load_model
     from .long_args import long_context_kwargs
 

@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 def run_make(args) -> int:
     from ..bench.long_tasks import make_tasks, write_jsonl
     from ..errors import RetrospecError
-    from ..long_context import default_long_target
+    from ..long_requests import default_long_target
     from ..models import model_dir
 
     src = model_dir(args.tokenizer) if args.tokenizer else default_long_target()

@@ -9,7 +9,7 @@ drafted token so either acceptance rule can run: exact speculative sampling (eta
 retrieval-augmented target of ``acceptance_rapid`` (eta > 0, lossy).
 
 ``lc`` (target autoregressive over the full context) and ``rag`` (target autoregressive over the retrieved
-context) draft nothing: which prompt the target reads is decided by ``retrospec.long_context``, not here.
+context) draft nothing: which prompt the target reads is decided by ``retrospec.long_requests``, not here.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..bench.long_tasks import make_tasks, score
-from ..long_context import DEFAULT_TEMPLATE
+from ..long_requests import DEFAULT_TEMPLATE
 from .corpus import read_texts, stdlib_files
 from .lm import TrainConfig, _lr_at
 

@@ -14,7 +14,7 @@ RAPID (Chen, Feng, Ni, Li, Shieh, ICML 2025) and its baselines differ only in th
 The draft LM defaults to the target itself (self-speculation); any causal LM with the target's vocabulary works
 (a larger one = upward speculation). Templates (``ContextTemplate``) format ``{context}`` and ``{query}``; when the
 tokenizer has a chat template, the formatted text becomes one user message rendered with it (``chat=False`` turns
-that off). Retrieval (``retrieval.long_context``) is timed and reported as ``retrieval_s`` / ``retrieved_tokens``.
+that off). Retrieval (``retrieval.context_retrieval``) is timed and reported as ``retrieval_s`` / ``retrieved_tokens``.
 
 By default the target verifies with ``attention.prefix_block`` (the long cached prefix without a mask plus a small
 causal block for the new tokens; exact, and much cheaper than transformers' masked ``sdpa`` path on CPU), set on
@@ -31,7 +31,9 @@ from .config import SamplingConfig
 from .drafters.magicdec import DEFAULT_SINK
 from .drafters.rapid import DEFAULT_GAMMA as RAPID_GAMMA
 from .errors import RetrospecError
-from .retrieval.long_context import LongContextRetriever, RetrievalConfig, Retrieved
+from .models import check_same_vocab, load_model
+from .request import Request
+from .retrieval.context_retrieval import LongContextRetriever, RetrievalConfig, Retrieved
 
 LONG_METHODS = ("lc", "rag", "sd", "magicdec", "rapid")
 USES_RETRIEVAL = ("rag", "rapid")
@@ -161,9 +163,6 @@ def default_long_target():
 def prepare_long_request(query, context: str, *, target, draft, method: str, sampling: SamplingConfig, decode,
                          gamma: int | None, adaptive_gamma: bool, tokenizer=None, **options):
     """``api.prepare`` for a request with a long context: load models, retrieve, build prompts and the rule."""
-    from .api import Request
-    from .models import check_same_vocab, load_model
-
     if not isinstance(query, str) or not query.strip():
         raise RetrospecError("a long-context request needs the query as non-empty text")
     if not isinstance(context, str):

@@ -1,0 +1,139 @@
+"""Chat prompts: messages -> the target's chat template -> prompt token ids, plus the template's end-of-turn ids.
+
+Prompt construction only; the engine never sees text or templates. A chat request is ordinary prompt ids plus a
+larger EOS set (the model's own EOS ids and the template's end-of-turn token), so every method, lossless check and
+HF peer treats it like any other prompt.
+
+Contract:
+- ``chat_messages(prompt, messages, chat)``: the messages of a request, validated (a non-empty list of dicts with
+  ``role`` in system / user / assistant and non-empty ``content`` text; at least one user message; the last message
+  is not the assistant's), or None
+  for a raw completion. ``chat=True`` with a text prompt means one user message.
+- ``build_chat_prompt(tokenizer, messages)``: renders with ``apply_chat_template(messages, tokenize=False,
+  add_generation_prompt=True)`` and encodes with ``add_special_tokens=False`` (the template writes its own BOS and
+  control tokens), which gives exactly the ids of ``apply_chat_template(..., tokenize=True)`` (tested). A tokenizer
+  without a chat template is a ``RetrospecError``.
+- ``end_of_turn_ids(tokenizer)``: the ids that close an assistant turn in this template: the tokenizer's EOS token
+  when the template writes it after a reply, and any of ``END_OF_TURN_MARKERS`` (``<|im_end|>`` for ChatML,
+  ``<|eot_id|>``, ``<|end|>``, ``<end_of_turn>``) found there, each only if it is a single token of the
+  vocabulary. Empty when the template has none of them (the model's EOS ids then end generation as before).
+
+Message content is rendered as it is: a content string that spells a control token (``<|im_end|>``) is encoded as
+that token, as ``apply_chat_template`` does by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import RetrospecError
+
+ROLES = ("system", "user", "assistant")
+END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+_PROBE_USER = "retrospec probe question"
+_PROBE_REPLY = "retrospec probe reply"
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    prompt_ids: list[int]  # the rendered conversation, ending with the assistant's generation prompt
+    end_of_turn_ids: frozenset[int]  # add these to the request's EOS ids
+
+
+def validate_messages(messages) -> list[dict]:
+    """A clean copy of ``messages`` ({"role", "content"} only); ``RetrospecError`` says what is wrong."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise RetrospecError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RetrospecError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise RetrospecError(f"messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise RetrospecError(f"messages[{i}] needs 'content' as a string, got {type(content).__name__}")
+        if not content.strip():
+            raise RetrospecError(f"messages[{i}] has empty content")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in out):
+        raise RetrospecError("messages need at least one user message")
+    if out[-1]["role"] == "assistant":
+        raise RetrospecError("the last message is the assistant's; the model answers after a user message")
+    return out
+
+
+def chat_messages(prompt, messages, chat: bool) -> list[dict] | None:
+    """Messages of one request: ``messages`` validated, or ``prompt`` as one user message when ``chat``; None for a
+    raw completion (no chat template)."""
+    if messages is not None:
+        if prompt is not None:
+            raise RetrospecError("pass either a prompt or messages, not both")
+        return validate_messages(messages)
+    if not chat:
+        return None
+    if not isinstance(prompt, str):
+        raise RetrospecError("chat needs the prompt as text (it becomes one user message), not token ids")
+    if not prompt.strip():
+        raise RetrospecError("prompt is empty")
+    return [{"role": "user", "content": prompt}]
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render(tokenizer, messages: list[dict], *, name: str = "the target") -> str:
+    """The conversation as text, ending with the assistant's generation prompt."""
+    if tokenizer is None:
+        raise RetrospecError(f"{name} has no tokenizer; chat needs one with a chat template")
+    if not has_chat_template(tokenizer):
+        raise RetrospecError(f"{name} has no chat template; chat (--chat, messages=...) needs a chat model "
+                             "(drop --chat for a raw completion)")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja raise_exception(...) in the template, e.g. "System role not supported"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RetrospecError(f"the chat template of {name} rejected the messages: {first}") from exc
+
+
+def build_chat_prompt(tokenizer, messages: list[dict], *, name: str = "the target") -> ChatPrompt:
+    """Prompt ids of ``messages`` under the tokenizer's chat template, and the template's end-of-turn ids."""
+    ids = tokenizer(render(tokenizer, messages, name=name), add_special_tokens=False)["input_ids"]
+    return ChatPrompt(list(ids), end_of_turn_ids(tokenizer))
+
+
+def _single_token_id(tokenizer, marker: str) -> int | None:
+    tid = tokenizer.convert_tokens_to_ids(marker)
+    if not isinstance(tid, int) or (tid == tokenizer.unk_token_id and marker != tokenizer.unk_token):
+        return None
+    return tid if tokenizer(marker, add_special_tokens=False)["input_ids"] == [tid] else None
+
+
+def _after_reply(tokenizer) -> str:
+    """What the template writes after an assistant reply (or after a user message when it refuses the probe)."""
+    for probe, last in (([{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}],
+                         _PROBE_REPLY),
+                        ([{"role": "user", "content": _PROBE_USER}], _PROBE_USER)):
+        try:
+            text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+        except Exception:
+            continue
+        if isinstance(text, str) and last in text:
+            return text[text.rindex(last) + len(last):]
+    return ""
+
+
+def end_of_turn_ids(tokenizer) -> frozenset[int]:
+    """Token ids that end an assistant turn under this tokenizer's chat template (see the module docstring)."""
+    if not has_chat_template(tokenizer):
+        return frozenset()
+    tail = _after_reply(tokenizer)
+    eos = getattr(tokenizer, "eos_token", None)
+    ids = set()
+    for marker in ((eos,) if isinstance(eos, str) and eos else ()) + END_OF_TURN_MARKERS:
+        if marker in tail:
+            tid = _single_token_id(tokenizer, marker)
+            if tid is not None:
+                ids.add(tid)
+    return frozenset(ids)
