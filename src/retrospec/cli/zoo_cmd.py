@@ -62,6 +62,25 @@ def add_parser(sub) -> None:
     st.add_argument("--out", required=True, help="output .npy file (written atomically)")
     st.add_argument("--tokenizer", help="model or tokenizer directory, or a model name (default: zoo)")
     st.set_defaults(func=run_stream)
+    rd = zsub.add_parser("real-draft", help="build a draft for a real target: target-initialised blocks, a reduced "
+                                            "vocabulary, distilled on the target's soft labels (smollm2-135m-draft)")
+    rd.add_argument("--out", required=True, help="draft directory to write (atomically)")
+    rd.add_argument("--target", default="smollm2-135m", help="target model directory or name")
+    rd.add_argument("--layers", default="0,1", help="target blocks copied into the draft, comma-separated")
+    rd.add_argument("--vocab", type=int, default=12288, help="draft vocabulary size (most frequent training tokens)")
+    rd.add_argument("--teacher-seconds", type=float, default=1400.0, help="time spent computing soft labels")
+    rd.add_argument("--seconds", type=float, default=2000.0, help="time spent training on them")
+    rd.add_argument("--seq-len", type=int, default=256)
+    rd.add_argument("--batch-size", type=int, default=8)
+    rd.add_argument("--lr", type=float, default=3e-4)
+    rd.add_argument("--nq-dir", help="NQ-open directory (passages.jsonl, questions.jsonl) for prose and chat turns, "
+                                     "e.g. ../shared/data/nq_open; rows before --nq-skip are never used")
+    rd.add_argument("--nq-skip", type=int, default=200)
+    rd.add_argument("--chat-answers", type=int, default=0, help="target-generated chat answers (slow on a CPU)")
+    rd.add_argument("--code-continuations", type=int, default=0, help="target continuations of stdlib prefixes")
+    rd.add_argument("--seed", type=int, default=0)
+    rd.add_argument("--threads", type=int, default=0)
+    rd.set_defaults(func=run_real_draft)
     i = zsub.add_parser("info", help="print the bundled zoo's manifest")
     i.add_argument("dir", nargs="?", help="zoo directory (default: bundled)")
     i.set_defaults(func=run_info)
@@ -160,6 +179,30 @@ def run_stream(args) -> int:
     np.save(tmp, stream)
     tmp.replace(out)
     print(f"wrote {out}: {len(stream):,} tokens ({stream.dtype})")
+    return 0
+
+
+def run_real_draft(args) -> int:
+    from ..errors import RetrospecError
+    from ..train.real_draft import RealDraftConfig, build_real_draft
+
+    try:
+        layers = tuple(int(x) for x in args.layers.split(",") if x.strip())
+    except ValueError:
+        raise RetrospecError(f"--layers must be comma-separated block indices, got {args.layers!r}") from None
+    if not layers or args.vocab < 2 or args.seconds <= 0 or args.teacher_seconds <= 0 or args.seq_len < 2:
+        raise RetrospecError("--layers, --vocab >= 2, --seconds > 0, --teacher-seconds > 0 and --seq-len >= 2 needed")
+    nq = Path(args.nq_dir) if args.nq_dir else None
+    if nq is not None and not (nq / "passages.jsonl").is_file():
+        raise RetrospecError(f"--nq-dir: no passages.jsonl in {nq}")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise RetrospecError(f"--out {out} exists and is not empty")
+    cfg = RealDraftConfig(out=out, target=args.target, layers=layers, vocab=args.vocab, seconds=args.seconds,
+                          teacher_seconds=args.teacher_seconds, seq_len=args.seq_len, batch_size=args.batch_size,
+                          lr=args.lr, seed=args.seed, nq_dir=nq, nq_skip=args.nq_skip, chat_answers=args.chat_answers,
+                          code_continuations=args.code_continuations, threads=args.threads)
+    build_real_draft(cfg, log=lambda msg: print(msg, flush=True))
     return 0
 
 
