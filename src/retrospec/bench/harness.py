@@ -7,7 +7,8 @@ Summary per method (token-weighted over prompts):
 - tokens_per_s = sum(new tokens) / sum(decode seconds) (decode phase: after the prompt forward);
 - speedup = tokens_per_s / ar's tokens_per_s from the same run;
 - ideal_speedup = ar's seconds per token / (seconds inside target + draft forwards per token): the speedup with
-  zero engine overhead, so speedup / ideal_speedup is the share of decode time spent in model forwards;
+  zero engine overhead, so speedup / ideal_speedup is the share of decode time spent in model forwards (our
+  verifier's forwards are timed as ``verify_s``, decoder and LM head together; see ``verify.LogitsHead``);
 - mean_accepted_tokens (tau) = new tokens / target forward calls; acceptance_rate = accepted / drafted;
 - lossless = every output token-identical to ar's (greedy only; null when sampling).
 
@@ -35,6 +36,7 @@ from ..errors import RetrospecError
 from ..models import LoadedModel
 from ..request import DEFAULT_GAMMA, Request
 from ..types import SpecStats
+from ..verify import LogitsHead
 from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 
 
@@ -80,9 +82,14 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     finally:
         for p in probes:
             p.__exit__()
-    # the first target forward is the prefill (all prompt tokens but the last), not decoding
-    prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
-    forward_s = sum(p.seconds for p in probes) - prefill_fwd
+    if LogitsHead.of(target.model) is not None:
+        # the verifier runs the decoder and the head itself (verify.LogitsHead): its forwards are stats.verify_s
+        # (decoding only); the probes see only drafters that call a whole model (a draft LM, or the target itself)
+        forward_s = stats.verify_s + sum(p.seconds for p in probes)
+    else:
+        # the first target forward is the prefill (all prompt tokens but the last), not decoding
+        prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
+        forward_s = sum(p.seconds for p in probes) - prefill_fwd
     return out, stats, forward_s
 
 
