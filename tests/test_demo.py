@@ -1,0 +1,46 @@
+"""``python -m retrospec.demo`` end to end on tiny chat models (seconds), and its user errors (the CLI contract)."""
+
+from __future__ import annotations
+
+import json
+
+from retrospec import demo
+
+from conftest import CliRun
+
+
+def _run(capsys, *args) -> CliRun:
+    capsys.readouterr()
+    rc = demo.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return CliRun(rc, out, err)
+
+
+def test_demo_streams_a_chat_reply_and_writes_the_bench(capsys, tmp_path, chat_models, single_thread):
+    out = tmp_path / "demo"
+    r = _run(capsys, "--target", chat_models.target, "--draft", chat_models.draft, "--prompts", 1,
+             "--max-new-tokens", 4, "--out", out)
+    assert r.rc == 0, r.err
+    assert "user:" in r.out and "assistant:" in r.out and "[sd]" in r.out
+    for name in ("results.json", "report.md", "speedup.png"):
+        assert (out / name).is_file()
+    result = json.loads((out / "results.json").read_text())
+    assert result["config"]["chat"] is True
+    assert [s["method"] for s in result["summary"]] == demo.METHODS
+    assert all(s["lossless"] for s in result["summary"])
+
+
+def test_demo_user_errors_are_one_line(capsys, tmp_path, chat_models):
+    _run(capsys, "--target", chat_models.target, "--draft", tmp_path / "missing").assert_user_error("draft",
+                                                                                                    "not found")
+    _run(capsys, "--target", chat_models.target).assert_user_error("no paired draft")
+    _run(capsys, "--prompts", 0).assert_user_error("--prompts")
+    _run(capsys, "--bogus").assert_user_error("unrecognized")
+
+
+def test_demo_zoo_mode(capsys, tmp_path, single_thread):
+    out = tmp_path / "zoo"
+    r = _run(capsys, "--zoo", "--prompts", 1, "--max-new-tokens", 4, "--out", out)
+    assert r.rc == 0, r.err
+    assert "bundled zoo" in r.out and "[sd]" in r.out
+    assert (out / "report.md").is_file() and not json.loads((out / "results.json").read_text())["config"]["chat"]
