@@ -18,8 +18,9 @@ Training text (what the draft meets at inference): the standard library's traini
 questions from a passage corpus (NQ-open rows from ``nq_skip`` on: the first rows are the benchmark's), and the
 target's own greedy answers to chat prompts and continuations of code prefixes (sequence-level distillation).
 
-Invariants: the saved directory is an ordinary Hugging Face checkpoint (LlamaForCausalLM, float16) plus the
-target's tokenizer files, ``draft_vocab.json`` and ``real_draft.json`` (recipe, data, time, metrics); it is
+Invariants: the saved directory is an ordinary Hugging Face checkpoint (LlamaForCausalLM, float16) plus
+``draft_vocab.json`` (which ties it to the target's token ids: the draft reads and writes target ids, so it ships
+no tokenizer of its own; the target's is the one used) and ``real_draft.json`` (recipe, data, time, metrics); it is
 written to a temporary sibling and renamed, so a failed build leaves nothing at ``out``.
 """
 
@@ -408,12 +409,12 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
         "heldout_after": after,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
-    save_draft(draft, tok, vocab_ids, V, manifest, Path(cfg.out))
+    save_draft(draft, vocab_ids, V, manifest, Path(cfg.out))
     return manifest
 
 
-def save_draft(draft, tok, vocab_ids: list[int], target_vocab: int, manifest: dict, out: Path) -> None:
-    """Write the draft atomically: fp16 safetensors, the target's tokenizer, draft_vocab.json, real_draft.json."""
+def save_draft(draft, vocab_ids: list[int], target_vocab: int, manifest: dict, out: Path) -> None:
+    """Write the draft atomically: fp16 safetensors, draft_vocab.json, real_draft.json (no tokenizer: see above)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
@@ -421,7 +422,6 @@ def save_draft(draft, tok, vocab_ids: list[int], target_vocab: int, manifest: di
     try:
         draft.to(torch.float16).save_pretrained(tmp)
         draft.to(torch.float32)
-        tok.save_pretrained(tmp)
         (tmp / "draft_vocab.json").write_text(json.dumps({"target_vocab_size": target_vocab,
                                                           "token_ids": list(map(int, vocab_ids))}) + "\n")
         (tmp / "real_draft.json").write_text(json.dumps(manifest, indent=1) + "\n")
