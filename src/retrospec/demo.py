@@ -18,9 +18,7 @@ and exits with code 2, as the CLI does.
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 from pathlib import Path
 
 REAL_TARGET, REAL_DRAFT = "smollm2-135m", "smollm2-135m-draft"
@@ -62,23 +60,9 @@ def _describe(loaded) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore")
-    from .cli import _fail
-    from .errors import RetrospecError
+    from .cli import guarded
 
-    try:
-        args = build_parser().parse_args(argv)
-        return _run(args)
-    except RetrospecError as exc:
-        return _fail(str(exc))
-    except SystemExit as exc:
-        return int(exc.code or 0) if isinstance(exc.code, int) else _fail(str(exc.code))
-    except KeyboardInterrupt:
-        print("retrospec: interrupted", file=sys.stderr)
-        return 130
+    return guarded(lambda: _run(build_parser().parse_args(argv)))
 
 
 def _run(args) -> int:

@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return guarded(lambda: _dispatch(build_parser().parse_args(argv)))
+
+
+def _dispatch(args) -> int:
+    return int(args.func(args) or 0)
+
+
+def guarded(call) -> int:
+    """Run ``call()`` (argument parsing included) under the CLI's contract: quiet, offline libraries; a user error
+    is one line on stderr and exit code 2. Shared by ``retrospec`` and ``python -m retrospec.demo``."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import RetrospecError
 
     try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        return call()
     except RetrospecError as exc:
         return _fail(str(exc))
     except SystemExit as exc:
