@@ -29,7 +29,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
             target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             gamma: int | None = None, adaptive_gamma: bool = False, stop: tuple[str, ...] | list[str] = (),
-            tokenizer=None, context: str | None = None, **options) -> Request:
+            tokenizer=None, context: str | None = None, gating: bool = True, **options) -> Request:
     """Validate everything and load what is needed; raises ``RetrospecError`` on any user error.
 
     With ``context`` (a long document; methods lc, rag, sd, magicdec, rapid) the prompt is the query and the
@@ -42,13 +42,15 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
     if gamma is not None and gamma < 1:
         raise RetrospecError(f"gamma must be >= 1, got {gamma}")
+    if not isinstance(gating, bool):
+        raise RetrospecError(f"gating must be True or False, got {gating!r}")
     if context is not None:
         if messages is not None or chat:
             raise RetrospecError("chat messages do not combine with a long context: pass the query as the prompt (it "
                                  "is wrapped in the chat template when the model has one)")
         return prepare_long_request(prompt, context, target=target, draft=draft, method=method, sampling=sampling,
                                     decode=decode, gamma=gamma, adaptive_gamma=adaptive_gamma, tokenizer=tokenizer,
-                                    **options)
+                                    gating=gating, **options)
     if method in ("rag", "rapid"):
         raise RetrospecError(f"method '{method}' needs a long context (context=... / --context-file FILE)")
     msgs = chat_messages(prompt, messages, chat)  # None = a raw completion of ``prompt``
@@ -81,7 +83,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     opts = dict(options)
     opts["gamma"] = gamma or DEFAULT_GAMMA.get(method, 5)
     opts["adaptive"] = adaptive_gamma
-    return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids)
+    return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids, gating=gating)
 
 
 class GenerationStream:
@@ -100,7 +102,7 @@ class GenerationStream:
         tok = req.target.tokenizer
         steps = speculative_generate(req.target.model, req.drafter(), req.prompt_ids, sampling=req.sampling,
                                      max_new_tokens=req.decode.max_new_tokens, eos_ids=req.stop_ids(),
-                                     stats=self.stats, rule=req.rule)
+                                     stats=self.stats, rule=req.rule, gating=req.gating)
         try:
             for chunk in steps:
                 if req.decode.stop_strings and tok is not None:
@@ -158,7 +160,8 @@ def generate(prompt: str | list[int] | None = None, **kwargs) -> GenerationResul
     Keyword arguments: ``target`` / ``draft`` (directory, model name such as ``"smollm2-135m"``, ``LoadedModel`` or
     transformers model; default: the bundled zoo, and for ``sd`` a named target's paired draft), ``method`` ('ar',
     'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed``, ``gamma``
-    (draft length), ``adaptive_gamma``, ``stop`` (stop strings).
+    (draft length), ``adaptive_gamma``, ``stop`` (stop strings), ``gating`` (default True: each step's draft
+    budget follows what pays, down to none; False: always the full draft; see ``retrospec.gating``).
 
     Chat: ``messages=[{"role": "user", "content": ...}, ...]`` (roles system / user / assistant) instead of a prompt,
     or ``prompt`` with ``chat=True`` (one user message). The target's chat template is applied with the generation

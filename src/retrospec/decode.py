@@ -6,7 +6,11 @@ generator); EOS ids and ``max_new_tokens`` are handled here.
 
 Loop invariant: the target's KV cache holds every committed token except the last one, which is the root of the
 next draft tree. One step = draft (drafter.propose) -> one target forward over [root, *tree] (Verifier.score) ->
-acceptance rule -> commit the accepted path to the cache -> feedback (drafter.observe).
+acceptance rule -> commit the accepted path to the cache -> feedback (drafter.observe, and the gate).
+
+Gating (``gating.Gate``, on by default for every drafter but plain decoding): before each step the gate picks the
+node budget handed to the drafter (0 = a plain decoding step) from the measured step costs and acceptance. It
+changes what is drafted, never what is accepted, so every output guarantee above holds with or without it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 
 from .acceptance import AcceptanceRule, GreedyMatch, RejectionSampling
 from .config import SamplingConfig
-from .drafters.base import DecodeContext, Drafter
+from .drafters.base import DecodeContext, Drafter, NoDraft
+from .gating import Gate, profile_for
 from .sampling import make_generator, probs_from_logits
 from .tree import depths
 from .types import SpecStats
@@ -40,9 +45,11 @@ def speculative_generate(
     stats: SpecStats | None = None,
     rule: AcceptanceRule | None = None,
     prefill_memo: PrefillMemo | None = None,
+    gating: bool = True,
 ) -> Iterator[list[int]]:
     """Yield committed token ids step by step; fills ``stats`` as it goes. ``prefill_memo`` reuses a prompt forward
-    across calls with the same target and prompt (see ``verify.PrefillMemo``)."""
+    across calls with the same target and prompt (see ``verify.PrefillMemo``). ``gating=False`` hands the drafter
+    its whole budget every step (see ``gating``)."""
     stats = stats if stats is not None else SpecStats()
     rule = rule or default_rule(sampling)
     stats.rule, stats.lossless = rule.name, rule.lossless
@@ -50,6 +57,8 @@ def speculative_generate(
     verifier = Verifier(target, want_hidden="hidden_states" in drafter.needs)
     max_pos = getattr(target.config, "max_position_embeddings", None) or 1 << 30
     stats.prompt_tokens = len(prompt_ids)
+    gate = Gate(profile_for(target), drafter.name, enabled=gating and not isinstance(drafter, NoDraft))
+    stats.gating = gate.enabled
 
     def pick(p_rows: torch.Tensor) -> torch.Tensor:  # logits -> what the rule consumes
         return p_rows if sampling.greedy else probs_from_logits(p_rows, sampling)
@@ -76,12 +85,18 @@ def speculative_generate(
             # draft room: new tokens still allowed (minus the recovered/bonus one) and positions in the model
             budget = min(max_new_tokens - stats.new_tokens - 1, max_pos - len(ctx.tokens) - 1)
             t = time.perf_counter()
-            tree = drafter.propose(ctx, max(0, budget))
+            room = max(0, budget)
+            given = gate.choose(room, len(ctx.tokens))
+            tree = drafter.propose(ctx, given)
             t_draft = time.perf_counter()
             logits = verifier.score(ctx.tokens[-1], tree)  # [1 + N, V]
             t_verify = time.perf_counter()
-            step = rule.accept(tree, pick(logits), gen)
+            step = rule.accept(tree, pick(logits), gen)  # reads the logits: on CUDA the step is synchronised here
             verifier.commit(step.accepted_nodes)
+            gate.update(given, len(tree), step.accepted_nodes, t_draft - t, time.perf_counter() - t_draft,
+                        len(ctx.tokens))
+            if gate.enabled:
+                stats.record_shape(given, gated=given == 0 and room > 0)
             stats.draft_s += t_draft - t
             stats.verify_s += t_verify - t_draft
             toks = tree.tokens[step.accepted_nodes].tolist() + [step.next_token]
@@ -100,6 +115,7 @@ def speculative_generate(
             yield toks
     finally:
         stats.decode_s = time.perf_counter() - t_start
+        gate.finish()
 
 
 @torch.inference_mode()

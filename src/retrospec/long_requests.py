@@ -161,7 +161,8 @@ def default_long_target():
 
 
 def prepare_long_request(query, context: str, *, target, draft, method: str, sampling: SamplingConfig, decode,
-                         gamma: int | None, adaptive_gamma: bool, tokenizer=None, **options):
+                         gamma: int | None, adaptive_gamma: bool, tokenizer=None, gating: bool = True,
+                         **options):
     """``api.prepare`` for a request with a long context: load models, retrieve, build prompts and the rule."""
     if not isinstance(query, str) or not query.strip():
         raise RetrospecError("a long-context request needs the query as non-empty text")
@@ -189,4 +190,5 @@ def prepare_long_request(query, context: str, *, target, draft, method: str, sam
     opts = dict(options) | p.drafter_options
     opts["gamma"] = gamma or default_gamma(method)
     opts["adaptive"] = adaptive_gamma
-    return Request(tgt, drf, method, p.target_prompt_ids, sampling, decode, opts, rule=p.rule, info=p.info)
+    return Request(tgt, drf, method, p.target_prompt_ids, sampling, decode, opts, rule=p.rule, info=p.info,
+                   gating=gating)

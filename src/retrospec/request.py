@@ -31,6 +31,7 @@ class Request:
     rule: object = None  # an AcceptanceRule; None = the exact rule for the sampling mode
     info: dict = field(default_factory=dict)  # request-level stats (long context: retrieval_s, retrieved_tokens)
     eos_ids: frozenset[int] | None = None  # None = the target's own; chat adds the template's end-of-turn id
+    gating: bool = True  # the decode loop's gate picks each step's draft budget (``gating``); False = always full
 
     def stop_ids(self) -> frozenset[int]:
         """Token ids that end generation (the last one is kept in the output)."""

@@ -84,6 +84,9 @@ class SpecStats:
     retrieved_tokens: int = 0  # long-context methods: target tokens in the retrieved context
     per_position_drafted: list[int] = field(default_factory=list)  # index d: steps that drafted depth d+1
     per_position_accepted: list[int] = field(default_factory=list)  # index d: steps that accepted depth d+1
+    gating: bool = False  # the gate chose each step's draft budget (``gating``); False = the full budget always
+    gated_steps: int = 0  # steps the gate ran without a draft although the drafter had room
+    draft_shapes: dict[str, int] = field(default_factory=dict)  # node budget handed to the drafter -> steps
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -114,6 +117,11 @@ class SpecStats:
             self.per_position_drafted[d] += 1
         for d in range(accepted):
             self.per_position_accepted[d] += 1
+
+    def record_shape(self, budget: int, gated: bool) -> None:
+        key = str(budget)
+        self.draft_shapes[key] = self.draft_shapes.get(key, 0) + 1
+        self.gated_steps += int(gated)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -10,7 +10,8 @@ Summary per method (token-weighted over prompts):
   zero engine overhead, so speedup / ideal_speedup is the share of decode time spent in model forwards (our
   verifier's forwards are timed as ``verify_s``, decoder and LM head together; see ``verify.LogitsHead``);
 - mean_accepted_tokens (tau) = new tokens / target forward calls; acceptance_rate = accepted / drafted;
-- lossless = every output token-identical to ar's (greedy only; null when sampling).
+- lossless = every output token-identical to ar's (greedy only; null when sampling);
+- gated_share = steps the gate ran without a draft / target forwards (``gating``; labels ``m@gating=0|1``).
 
 With ``chat`` each prompt row's text becomes one user message under the target's chat template
 (``chat.build_chat_prompt``), and the template's end-of-turn id joins the EOS ids. Every method, ours and the HF
@@ -51,11 +52,26 @@ class BenchConfig:
     warmup: bool = True
     method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per method name
     chat: bool = False  # each prompt = one user message under the target's chat template
+    gating: bool = True  # our methods' default (``gating``); a label ``m@gating=0|1`` overrides it for one method
+
+
+def parse_label(label: str) -> tuple[str, bool | None]:
+    """A bench method label -> (method, gating): ``'rest@gating=0'`` -> ``('rest', False)``; ``'sd'`` ->
+    ``('sd', None)``, None meaning the run's default. Lets one run compare a method with and without gating."""
+    name, sep, opt = label.partition("@")
+    if not sep:
+        return name, None
+    if opt not in ("gating=0", "gating=1"):
+        raise RetrospecError(f"bad method option {opt!r} in {label!r}: the only option here is gating=0|1")
+    if name in HF_METHODS or name == "ar":
+        raise RetrospecError(f"{label!r}: gating applies to our drafting methods, not to {name}")
+    return name, opt == "gating=1"
 
 
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
     known = set(REGISTRY) | set(HF_METHODS)
-    for m in methods:
+    for label in methods:
+        m, _ = parse_label(label)
         if m not in known:
             raise RetrospecError(f"unknown method {m!r}; available: {', '.join(sorted(known))}")
         if (m == "sd" or m.startswith("hf-assisted")) and not has_draft:
@@ -65,19 +81,22 @@ def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
 
 def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
               cfg: BenchConfig, max_new: int, eos_ids: frozenset[int]) -> tuple[list[int], SpecStats, float]:
+    label = method
+    method, gating = parse_label(label)
     gamma = cfg.gamma or DEFAULT_GAMMA.get(method, 5)
     options = {"gamma": gamma if method != "pld" else cfg.pld_k, "max_ngram": cfg.pld_ngram}
-    options.update(cfg.method_options.get(method, {}))
+    options.update(cfg.method_options.get(label, {}))
     req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options,
-                  eos_ids=eos_ids)
-    stats = SpecStats(method=method)
+                  eos_ids=eos_ids, gating=cfg.gating if gating is None else gating)
+    stats = SpecStats(method=label)
     probes = [ForwardProbe(target.model)] + ([ForwardProbe(draft.model)] if draft is not None else [])
     for p in probes:
         p.__enter__()
     try:
         out: list[int] = []
         for chunk in speculative_generate(target.model, req.drafter(), prompt_ids, sampling=cfg.sampling,
-                                          max_new_tokens=max_new, eos_ids=req.stop_ids(), stats=stats):
+                                          max_new_tokens=max_new, eos_ids=req.stop_ids(), stats=stats,
+                                          gating=req.gating):
             out.extend(chunk)
     finally:
         for p in probes:
@@ -169,6 +188,8 @@ def summarize(runs: list[dict], cfg: BenchConfig) -> list[dict]:
             "mean_accepted_tokens": new / calls if calls else 0.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "lossless": lossless,
+            "gating": any(r["stats"].get("gating") for r in rs),
+            "gated_share": sum(r["stats"].get("gated_steps", 0) for r in rs) / calls if calls else 0.0,
             "new_tokens": new,
             "decode_s": dec,
         })
@@ -190,6 +211,7 @@ def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         "gamma": cfg.gamma or DEFAULT_GAMMA["sd"],
         "pld_k": cfg.pld_k,
         "pld_max_ngram": cfg.pld_ngram,
+        "gating": cfg.gating,
         "method_options": {m: {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
                                for k, v in o.items()} for m, o in cfg.method_options.items()},
         "torch": torch.__version__,

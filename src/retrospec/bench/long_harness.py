@@ -12,7 +12,8 @@ Rows come from ``retrospec tasks make`` (fields ``context``, ``prompt`` = the qu
 Method specs are names with optional ``@key=value`` overrides, e.g. ``rapid``, ``rapid@eta=1``,
 ``rapid@draft=self`` (self-speculation when --draft is set), ``sd@draft=self``, ``magicdec@window=512``,
 ``rapid@adaptive=1``. Keys: ``draft`` (``self`` or ``default``), ``gamma``, ``adaptive`` (1: the draft length
-grows by 2 after a fully accepted chain and shrinks by 1 after a rejection, from ``gamma``) and every
+grows by 2 after a fully accepted chain and shrinks by 1 after a rejection, from ``gamma``), ``gating`` (0|1: this
+method without / with the gate, see ``gating``; default: the run's, on unless --no-gating) and every
 ``LongContextOptions`` field.
 
 Summary per (context length, method), token-weighted over rows:
@@ -59,6 +60,7 @@ class MethodSpec:
     gamma: int | None = None
     adaptive: bool = False
     overrides: dict = field(default_factory=dict)  # LongContextOptions fields
+    gating: bool | None = None  # None = the run's default (LongBenchConfig.gating)
 
 
 def parse_method(spec: str) -> MethodSpec:
@@ -66,7 +68,7 @@ def parse_method(spec: str) -> MethodSpec:
     if name not in LONG_METHODS:
         raise RetrospecError(f"unknown long-context method {name!r}; available: {', '.join(LONG_METHODS)}")
     fields = set(LongContextOptions.__dataclass_fields__)
-    self_draft, gamma, adaptive, over = False, None, False, {}
+    self_draft, gamma, adaptive, over, gating = False, None, False, {}, None
     for part in parts:
         key, _, value = part.partition("=")
         if key == "draft" and value in ("self", "default"):
@@ -75,6 +77,8 @@ def parse_method(spec: str) -> MethodSpec:
             gamma = int(value)
         elif key == "adaptive" and value in ("0", "1"):
             adaptive = value == "1"
+        elif key == "gating" and value in ("0", "1"):
+            gating = value == "1"
         elif key in fields and value:
             try:
                 over[key] = float(value) if "." in value or "e" in value.lower() else int(value)
@@ -82,12 +86,13 @@ def parse_method(spec: str) -> MethodSpec:
                 over[key] = value
         else:
             raise RetrospecError(f"bad method option {part!r} in {spec!r} (draft=self|default, gamma=N >= 1, "
-                                 f"adaptive=0|1, or one of: {', '.join(sorted(fields))})")
+                                 f"adaptive=0|1, gating=0|1, or one of: {', '.join(sorted(fields))})")
     if self_draft and name not in USES_DRAFT_LM:
         raise RetrospecError(f"{spec!r}: draft=self applies to sd and rapid only")
-    if (adaptive or gamma) and name in ("lc", "rag"):
-        raise RetrospecError(f"{spec!r}: gamma and adaptive apply to methods that draft (sd, magicdec, rapid)")
-    return MethodSpec(spec, name, self_draft, gamma, adaptive, over)
+    if (adaptive or gamma or gating is not None) and name in ("lc", "rag"):
+        raise RetrospecError(f"{spec!r}: gamma, adaptive and gating apply to methods that draft (sd, magicdec, "
+                             "rapid)")
+    return MethodSpec(spec, name, self_draft, gamma, adaptive, over, gating)
 
 
 @dataclass
@@ -99,6 +104,7 @@ class LongBenchConfig:
     options: LongContextOptions = field(default_factory=LongContextOptions)
     warmup: bool = True
     verify_probe_gamma: int = 10
+    gating: bool = True  # the drafting methods' default (``gating``); a spec's @gating=0|1 overrides it
 
 
 def with_baseline(methods: list[MethodSpec]) -> list[MethodSpec]:
@@ -163,13 +169,14 @@ class _Runner:
         options["gamma"] = spec.gamma or cfg.gamma or default_gamma(spec.method)
         options["adaptive"] = spec.adaptive
         req = Request(self.target, drf, spec.method, p.target_prompt_ids, cfg.sampling,
-                      DecodeConfig(max_new_tokens=max_new), options, rule=p.rule, info=p.info)
+                      DecodeConfig(max_new_tokens=max_new), options, rule=p.rule, info=p.info,
+                      gating=cfg.gating if spec.gating is None else spec.gating)
         stats = SpecStats(method=spec.label, **p.info)
         memo = memos.setdefault("short" if spec.method == "rag" else "full", PrefillMemo())
         out: list[int] = []
         for chunk in speculative_generate(self.target.model, req.drafter(), req.prompt_ids, sampling=cfg.sampling,
                                           max_new_tokens=max_new, eos_ids=self.target.eos_ids(), stats=stats,
-                                          rule=req.rule, prefill_memo=memo):
+                                          rule=req.rule, prefill_memo=memo, gating=req.gating):
             out.extend(chunk)
         return out, stats
 
@@ -266,6 +273,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "retrieved_tokens": _mean([r["stats"]["retrieved_tokens"] for r in rs if r["stats"]["retrieved_tokens"]]),
             "context_tokens": _mean([r["context_tokens"] for r in rs]),
             "rule": rs[0]["stats"]["rule"], "lossless": all(r["stats"]["lossless"] for r in rs),
+            "gating": any(r["stats"].get("gating") for r in rs),
+            "gated_share": sum(r["stats"].get("gated_steps", 0) for r in rs) / calls if calls else 0.0,
             "new_tokens": new, "decode_s": dec,
         })
     return out
@@ -286,6 +295,7 @@ def describe(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], c
         "methods": [m.label for m in methods], "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.sampling.temperature, "seed": cfg.sampling.seed,
         "gamma": cfg.gamma or default_gamma("rapid"),
+        "gating": cfg.gating,
         "eta": o.eta, "chunk_tokens": o.chunk_tokens, "retrieval_tokens": o.retrieval_tokens,
         "min_retrieval_tokens": o.min_retrieval_tokens, "max_retrieval_fraction": o.max_retrieval_fraction,
         "similarity_floor": o.similarity_floor, "piece_tokens": o.piece_tokens, "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),

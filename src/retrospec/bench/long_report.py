@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLUMNS = ("length", "method", "tok/s", "speedup", "ideal", "tau", "accept", "verify/lc", "accuracy", "same as lc",
+COLUMNS = ("length", "method", "tok/s", "speedup", "ideal", "tau", "accept", "no-draft", "verify/lc", "accuracy",
+           "same as lc",
            "prefill s", "retrieval ms", "retrieved", "rule")
 
 
@@ -18,6 +19,7 @@ def _row(s: dict) -> list[str]:
     return [str(s["length"]), s["method"], f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
             f"{s['ideal_speedup']:.2f}x" if s["ideal_speedup"] else "-", f"{s['mean_accepted_tokens']:.2f}",
             f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] else "-",
+            f"{s['gated_share']:.0%}" if s.get("gating") else "-",
             f"{s['verify_ratio']:.2f}" if s["method"] != "lc" else "1.00",
             f"{s['accuracy']:.2f}", _f(s["same_as_lc"], ".2f"), _f(s["prefill_full_s"], ".2f"),
             _f(None if s["retrieval_s"] is None else 1000 * s["retrieval_s"], ".0f"),
@@ -67,7 +69,8 @@ def render_markdown(result: dict) -> str:
         "",
         "tok/s: decode phase (after the prompt forward), token-weighted over rows. speedup: tok/s over `lc` at the "
         "same length in this run. ideal: tau x t_lc / ((draft + verify seconds) per step), from forward times of "
-        "this run. verify/lc: seconds per verification forward over seconds per lc decode forward. accuracy: "
+        "this run. no-draft: share of steps the gate ran without a draft (- = not gated). verify/lc: seconds per "
+        "verification forward over seconds per lc decode forward. accuracy: "
         "containment (kv, passkey, facts) or first-line exact match (repo). same as lc: share of outputs "
         "token-identical to lc. prefill s: the long prompt's forward, run once per row and shared. retrieval: "
         "chunk + embed + select, once per row.",

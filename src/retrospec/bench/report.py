@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "lossless")
+COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "no-draft steps", "lossless")
 
 
 def _row(s: dict) -> list[str]:
     lossless = {True: "yes", False: "NO", None: "n/a"}[s["lossless"]]
     return [s["method"], f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['ideal_speedup']:.2f}x",
-            f"{s['mean_accepted_tokens']:.2f}", f"{s['acceptance_rate']:.2f}", lossless]
+            f"{s['mean_accepted_tokens']:.2f}", f"{s['acceptance_rate']:.2f}",
+            f"{s['gated_share']:.0%}" if s.get("gating") else "—", lossless]
 
 
 def render_markdown(result: dict) -> str:
@@ -32,7 +33,8 @@ def render_markdown(result: dict) -> str:
         "",
         "tokens/s: decode phase (after the prompt forward), token-weighted over prompts. speedup: tokens/s over "
         "`ar` in this run. ideal: speedup with zero engine overhead (model-forward time only). tau: new tokens per "
-        "target forward. acceptance: accepted / drafted tokens. lossless: every output token-identical to `ar` "
+        "target forward. acceptance: accepted / drafted tokens. no-draft steps: share of steps the gate ran without "
+        "a draft (— = not gated: ar, hf-* and m@gating=0 rows, or --no-gating). lossless: every output token-identical to `ar` "
         "(greedy runs only). hf-* rows run transformers' own generate(); their decode time is wall time minus "
         "a prompt forward of the same prompt.",
         "",

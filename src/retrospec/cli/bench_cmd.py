@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
     p.add_argument("--pld-ngram", type=int, default=3, help="pld / hf-pld maximum n-gram size")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-gating", action="store_true",
+                   help="our methods draft their full budget every step (default: gated, see 'gating' in the "
+                        "README); a method label m@gating=0 or m@gating=1 sets it for one method, so one run can "
+                        "compare both, e.g. --methods ar,rest,rest@gating=0")
     add_sampling_args(p)
     from .long_args import add_long_context_args
 
@@ -65,7 +69,9 @@ def run(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     target = load_model(default_target() if args.target is None else args.target, role="target")
     draft_src = args.draft
-    if draft_src is None and any(m == "sd" or m.startswith("hf-assisted") for m in methods):
+    from ..bench.harness import parse_label
+
+    if draft_src is None and any(parse_label(m)[0] == "sd" or m.startswith("hf-assisted") for m in methods):
         draft_src = paired_draft(args.target)  # default/named target: its paired draft
     draft = load_model(draft_src, role="draft") if draft_src is not None else None
     if draft is not None:
@@ -78,7 +84,8 @@ def run(args) -> int:
         prompts = prompts[: args.limit]
     cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
                       pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup,
-                      method_options=bench_method_options(args, methods, target), chat=args.chat)
+                      method_options=bench_method_options(args, methods, target), chat=args.chat,
+                      gating=not args.no_gating)
     result = run_bench(target, draft, prompts, cfg)
     out = Path(args.out)
     write_outputs(result, out)

@@ -109,15 +109,18 @@ def bench_method_options(args, methods: list[str], target=None) -> dict[str, dic
         if kind in by_kind:
             raise RetrospecError(f"two {kind} datastores given ({by_kind[kind]}, {path}); give one per kind")
         by_kind[kind] = path
+    from ..bench.harness import parse_label
+
     options = {}
-    for m in methods:
+    for label in methods:
+        m, _ = parse_label(label)
         if m in RETRIEVAL_METHODS:
             kind = RETRIEVAL_METHODS[m]
             if kind not in by_kind:
                 raise RetrospecError(f"method '{m}' needs a {kind} datastore (--datastore DIR)")
             if target is not None:
                 open_store(by_kind[kind], kind, target=target)
-            options[m] = {"datastore": by_kind[kind], "num_drafts": args.num_drafts, "draft_len": args.draft_len}
+            options[label] = {"datastore": by_kind[kind], "num_drafts": args.num_drafts, "draft_len": args.draft_len}
     return options
 
 

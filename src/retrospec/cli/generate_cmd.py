@@ -21,6 +21,9 @@ def add_sampling_args(p) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--gamma", type=int, default=None, help="draft length (sd: 5, pld: 10)")
     p.add_argument("--adaptive-gamma", action="store_true", help="sd: grow gamma on full acceptance, shrink on rejection")
+    p.add_argument("--no-gating", action="store_true",
+                   help="draft the full budget every step (default: the gate drafts only as much as pays, down to "
+                        "plain decoding; output is identical either way)")
     p.add_argument("--chat", action="store_true",
                    help="each prompt is one user message under the target's chat template; generation stops at "
                         "the template's end-of-turn token")
@@ -59,7 +62,7 @@ def read_prompt(args) -> str:
 
 
 JSON_STATS = ("method", "new_tokens", "target_calls", "drafted_tokens", "accepted_tokens", "mean_accepted_tokens",
-              "acceptance_rate", "prefill_s", "decode_s", "tokens_per_s")
+              "acceptance_rate", "prefill_s", "decode_s", "tokens_per_s", "gating", "gated_steps", "draft_shapes")
 
 
 LONG_STATS = ("rule", "lossless", "prompt_tokens", "retrieval_s", "retrieved_tokens", "draft_s", "verify_s")
@@ -77,7 +80,7 @@ def run(args) -> int:
     s = stream(read_prompt(args), chat=args.chat, target=args.target, draft=args.draft, method=args.method,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                seed=args.seed, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma, stop=args.stop,
-               **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args))
+               gating=not args.no_gating, **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args))
     if args.json:
         for _ in s.token_chunks():
             pass
@@ -95,5 +98,6 @@ def run(args) -> int:
     print(f"\n[{st.method}] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, tau {st.mean_accepted_tokens:.2f}, "
           f"acceptance {st.acceptance_rate:.2f}, prefill {st.prefill_s * 1000:.0f} ms"
           + (f", retrieval {st.retrieval_s * 1000:.0f} ms ({st.retrieved_tokens} tokens)" if context is not None else "")
+          + (f", {st.gated_steps} steps gated to no draft" if st.gated_steps else "")
           + ("" if st.lossless else f", LOSSY rule {st.rule}"), file=sys.stderr)
     return 0

@@ -1,0 +1,205 @@
+"""Gating: per request, draft only as much as pays, down to no draft at all (issue 11).
+
+A drafter that does not pay makes speculative decoding slower than plain decoding (an out-of-distribution REST
+store: 0.4x; RAPID self-speculation on items it never agrees on: 0.15x). The gate picks, before every step, the
+node budget handed to ``Drafter.propose`` from quantities the decode loop measures anyway:
+
+- cost(b) = draft(b) + verify(n(b)). draft(b): seconds in ``propose`` with budget b, a moving average per budget
+  tried, linear between them (budget 0 drafts nothing). verify(n): seconds to verify, accept and commit n nodes
+  (n = 0: a plain decoding step), kept per target across requests (``GateProfile``, by context-length bucket,
+  linear between node counts seen) and measured once per bucket when unknown. n(b): the expected node count with
+  budget b (a drafter may propose fewer, e.g. prompt lookup without a match), estimated like E(b).
+- E(b): expected tokens committed per step with budget b. Every step with budget B also tells what a smaller
+  budget b <= B would have committed: the accepted path's nodes have increasing indices (parents precede their
+  children), so truncating the tree to its first b nodes keeps exactly the accepted nodes with index < b. This is
+  exact for chains (a shorter chain is a prefix of the longer one) and the drafters' natural order for trees (the
+  tree builders add nodes best-first). E(b) = 1 + decayed mean of those counterfactual accepted counts, starting
+  from a half-step optimistic prior (acceptance 0.5 per position) so one unlucky step does not close the gate.
+
+Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried so far. At the top of what was tried, while
+the drafter fills its budget, the budget grows 4x (a ramp: 1, 4, 16, ... up to what the drafter proposes by
+itself, capped by the engine's room). Below the top, a probe step refreshes the estimates as often as its extra
+cost over a plain step fits in 3 % of plain decoding time (every 2 to 128 steps): at the top budget when that
+costs at most a quarter of a plain step more (cheap drafts), else at 2 b* (at least 1). A
+request starts from the budget its target and method settled on last time (``GateProfile.start``), 1 otherwise.
+
+Invariant: gating changes only the budget handed to the drafter, i.e. what is drafted; acceptance is untouched,
+so greedy output stays token-identical to plain decoding and sampling stays exact (every draft length is valid
+for the acceptance rules). The decisions depend on wall-clock timings, so the drafted shapes (never the greedy
+output) can differ between runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+DECAY = 0.9  # acceptance statistics: weight of the past per observation (a window of about 10 steps)
+COST_DECAY = 0.7  # timing averages: faster, timings are less noisy than acceptance
+PRIOR_WEIGHT = 0.5  # pseudo-steps of the optimistic prior
+PRIOR_ACCEPT = 0.5  # prior acceptance per position
+GROWTH = 4  # ramp factor at the top of the budgets tried
+PROBE_OVERHEAD = 0.03  # probes below the top may cost this share of plain decoding time
+PROBE_MAX = 128  # steps between probes at most
+CHEAP_PROBE = 0.25  # a probe at the top budget costing at most this share of a plain step more is cheap
+
+
+def _bucket(context_tokens: int) -> int:
+    """Context-length bucket for verify timings (attention cost grows with the context): log2, floored at 512."""
+    return max(9, int(context_tokens).bit_length())
+
+
+def _ema(table: dict, key, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else COST_DECAY * old + (1 - COST_DECAY) * value
+
+
+def _interpolate(table: dict[int, float], x: float) -> float | None:
+    """Piecewise-linear through the measured points; flat beyond the last one; None when the table is empty."""
+    if not table:
+        return None
+    keys = sorted(table)
+    if x <= keys[0]:
+        return table[keys[0]]
+    for lo, hi in zip(keys, keys[1:]):
+        if x <= hi:
+            return table[lo] + (x - lo) / (hi - lo) * (table[hi] - table[lo])
+    return table[keys[-1]]
+
+
+@dataclass
+class GateProfile:
+    """What one target model's requests learn for the next ones (kept per target module, see ``profile_for``)."""
+
+    verify_s: dict[int, dict[int, float]] = field(default_factory=dict)  # context bucket -> nodes -> seconds
+    start: dict[str, int] = field(default_factory=dict)  # drafter name -> the budget its last request settled on
+
+    def record_verify(self, context_tokens: int, nodes: int, seconds: float) -> None:
+        _ema(self.verify_s.setdefault(_bucket(context_tokens), {}), nodes, seconds)
+
+    def verify_cost(self, context_tokens: int, nodes: float) -> float | None:
+        """Seconds to verify ``nodes`` draft nodes (0 = a plain decoding step), or None if the bucket has no data."""
+        table = self.verify_s.get(_bucket(context_tokens), {})
+        return _interpolate(table, nodes) if 0 in table else None
+
+
+_PROFILES: "weakref.WeakKeyDictionary[object, GateProfile]" = weakref.WeakKeyDictionary()
+
+
+def profile_for(target) -> GateProfile:
+    """The shared ``GateProfile`` of a target module (created on first use; dropped with the module)."""
+    prof = _PROFILES.get(target)
+    if prof is None:
+        prof = _PROFILES[target] = GateProfile()
+    return prof
+
+
+class Gate:
+    """Chooses the node budget of each step for one request; ``enabled=False`` always hands over the full room."""
+
+    def __init__(self, profile: GateProfile, drafter_name: str, enabled: bool = True):
+        self.profile, self.name, self.enabled = profile, drafter_name, enabled
+        self.draft_s: dict[int, float] = {0: 0.0}  # budget -> EMA seconds in propose() (budget 0 drafts nothing)
+        # index b: decayed sums over steps with budget >= b of what budget b would have given
+        self.acc: list[float] = [0.0]  # accepted tokens
+        self.nodes: list[float] = [0.0]  # drafted nodes (what verification pays for)
+        self.wgt: list[float] = [0.0]  # observations
+        self.top = 0  # largest budget tried
+        self.filled_top = False  # the drafter filled the top budget at least once (it may want more)
+        self.start = profile.start.get(drafter_name, 1)  # 0 = the last request ran without drafts: probe first
+        self.since_probe = 0
+        self.context = 0
+
+    # ---- estimates -------------------------------------------------------------------------------------------
+    def expected_tokens(self, b: int) -> float:
+        return 1.0 if b == 0 else 1.0 + self.acc[b] / self.wgt[b]
+
+    def step_cost(self, b: int) -> float | None:
+        """Estimated seconds per step with budget b: drafting (measured or interpolated between tried budgets)
+        plus verifying the expected number of nodes (the target's verify timings)."""
+        nodes = 0.0 if b == 0 else self.nodes[b] / self.wgt[b]
+        verify = self.profile.verify_cost(self.context, nodes)
+        draft = _interpolate(self.draft_s, b) if b <= max(self.draft_s) else None
+        return None if verify is None or draft is None else draft + verify
+
+    def rates(self) -> dict[int, float]:
+        """Estimated tokens per second for budget 0 and every budget up to the top tried."""
+        out = {}
+        for b in range(0, self.top + 1):
+            c = self.step_cost(b)
+            if c is not None and c > 0:
+                out[b] = self.expected_tokens(b) / c
+        return out
+
+    # ---- decisions -------------------------------------------------------------------------------------------
+    def choose(self, room: int, context_tokens: int) -> int:
+        """The node budget for the next step (<= room)."""
+        if not self.enabled or room <= 0:
+            return max(0, room)
+        self.context = context_tokens
+        if self.profile.verify_cost(context_tokens, 0) is None:
+            return 0  # measure plain decoding once for this target and context size
+        if self.top == 0:
+            return min(room, self.start) if self.start > 0 else self._probe(room, 0)
+        rates = self.rates()
+        best = max(rates, key=lambda b: (rates[b], b))
+        if best == self.top:
+            self.since_probe = 0
+            if self.filled_top:  # the drafter used the whole budget: try a larger one
+                return min(room, self.top * GROWTH)
+            return min(room, best)
+        return self._probe(room, best)
+
+    def _probe(self, room: int, best: int) -> int:
+        """``best``, or every so often a probe: at the top budget when that costs little over a plain step
+        (cheap drafts: prompt lookup, retrieval), else at 2 best (at least 1); as often as the probe's extra cost
+        over plain decoding fits in ``PROBE_OVERHEAD``."""
+        plain = self.profile.verify_cost(self.context, 0) or 0.0
+        if plain <= 0:
+            return min(room, best)
+
+        def extra(b: int) -> float:
+            return max(0.0, (self.step_cost(b) or plain) - plain)
+
+        probe = max(1, self.top)
+        if extra(probe) > CHEAP_PROBE * plain:
+            probe = min(max(1, 2 * best), probe)
+        self.since_probe += 1
+        if self.since_probe < min(PROBE_MAX, max(2.0, extra(probe) / (PROBE_OVERHEAD * plain))):
+            return min(room, best)
+        self.since_probe = 0
+        return min(room, probe)
+
+    # ---- feedback --------------------------------------------------------------------------------------------
+    def update(self, budget: int, nodes: int, accepted_nodes: list[int], draft_s: float, verify_s: float,
+               context_tokens: int) -> None:
+        """One step's outcome: the budget given, the tree's node count, the accepted path (node indices, root to
+        leaf), the seconds spent drafting and verifying (verify + accept + commit)."""
+        self.profile.record_verify(context_tokens, nodes, verify_s)
+        if not self.enabled or budget == 0:
+            return
+        _ema(self.draft_s, budget, draft_s)
+        if budget > self.top:
+            self.filled_top = False
+        while len(self.acc) <= budget:  # first time at this budget: the optimistic prior
+            b = len(self.acc)
+            self.acc.append(PRIOR_WEIGHT * sum(PRIOR_ACCEPT ** k for k in range(1, b + 1)))
+            self.nodes.append(PRIOR_WEIGHT * b)
+            self.wgt.append(PRIOR_WEIGHT)
+        self.top = max(self.top, budget)
+        if budget == self.top and nodes >= budget:
+            self.filled_top = True
+        # counterfactual: with budget b the tree's first b nodes, of which the accepted ones have index < b
+        j = 0
+        for b in range(1, budget + 1):
+            while j < len(accepted_nodes) and accepted_nodes[j] < b:
+                j += 1
+            self.acc[b] = DECAY * self.acc[b] + j
+            self.nodes[b] = DECAY * self.nodes[b] + min(nodes, b)
+            self.wgt[b] = DECAY * self.wgt[b] + 1.0
+
+    def finish(self) -> None:
+        """Remember where this request settled, as the next request's starting budget."""
+        if self.enabled and self.top > 0:
+            rates = self.rates()
+            self.profile.start[self.name] = max(rates, key=lambda b: (rates[b], b)) if rates else 1

@@ -1,0 +1,135 @@
+"""Gating (``retrospec.gating``): the budget decisions on synthetic timings (deterministic: no wall clock), and
+the engine with the gate on and off staying token-identical to the oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from retrospec.config import SamplingConfig
+from retrospec.decode import autoregressive_generate, speculative_generate
+from retrospec.drafters import REGISTRY
+from retrospec.gating import Gate, GateProfile, profile_for
+from retrospec.types import SpecStats
+
+from conftest import sharpen, tiny_llama
+
+PLAIN = 0.010  # seconds per plain decoding step in the synthetic runs
+CTX = 100
+
+
+def simulate(gate: Gate, steps: int, *, natural: int, accept, draft_per_node: float, draft_fixed: float = 0.0,
+             verify_per_node: float = 0.001, room: int = 1000) -> list[int]:
+    """Drive ``gate`` for ``steps`` steps against a synthetic drafter: it proposes min(budget, natural) nodes in a
+    chain, ``accept(step)`` of them are accepted, and the timings follow the given linear costs."""
+    budgets = []
+    for i in range(steps):
+        b = gate.choose(room, CTX + i)
+        budgets.append(b)
+        nodes = min(b, natural)
+        acc = min(nodes, accept(i))
+        draft_s = (draft_fixed + draft_per_node * nodes) if b else 0.0
+        gate.update(b, nodes, list(range(acc)), draft_s, PLAIN + verify_per_node * nodes, CTX + i)
+    gate.finish()
+    return budgets
+
+
+def test_first_step_measures_plain_decoding_then_ramps_up():
+    gate = Gate(GateProfile(), "sd")
+    budgets = simulate(gate, 8, natural=10, accept=lambda i: 10, draft_per_node=0.0005)
+    assert budgets[0] == 0  # nothing known about this target yet: one plain step
+    assert budgets[1:4] == [1, 4, 16]  # the ramp while the drafter fills its budget
+    assert all(b == 10 for b in budgets[4:])  # 16 > natural (10 proposed): settles on the drafter's own size
+
+
+def test_never_accepted_costly_draft_is_gated_off_and_probed_rarely():
+    gate = Gate(GateProfile(), "sd")
+    budgets = simulate(gate, 400, natural=5, accept=lambda i: 0, draft_per_node=0.008)
+    tail = budgets[50:]
+    assert tail.count(0) / len(tail) > 0.9
+    probes = [b for b in tail if b]
+    assert probes and all(b == 1 for b in probes)  # probes stay small: 2 x best (0), at least 1
+
+
+def test_gated_off_request_picks_speculation_back_up_when_it_turns_acceptable():
+    gate = Gate(GateProfile(), "sd")
+    budgets = simulate(gate, 400, natural=5, accept=lambda i: 0 if i < 150 else 5, draft_per_node=0.001)
+    assert budgets[100:150].count(0) > 40
+    assert all(min(b, 5) == 5 for b in budgets[-100:])  # acceptance returned: the full chain again (5 nodes)
+
+
+def test_cheap_bursty_draft_that_pays_is_never_gated():
+    # prompt-lookup-like: the whole draft is accepted on two steps in three, nothing on the third
+    rng = random.Random(0)
+    gate = Gate(GateProfile(), "pld")
+    budgets = simulate(gate, 200, natural=10, accept=lambda i: 0 if rng.random() < 1 / 3 else 10,
+                       draft_per_node=0.00001)
+    assert budgets[0] == 0 and budgets[1:3] == [1, 4]
+    assert all(b >= 8 for b in budgets[10:])
+
+
+def test_partial_acceptance_shrinks_the_chain_to_what_pays():
+    # the first two positions are always accepted, the rest never; drafting costs 60 % of a plain step per node
+    gate = Gate(GateProfile(), "sd")
+    budgets = simulate(gate, 300, natural=8, accept=lambda i: 2, draft_per_node=0.006)
+    assert max(budgets[100:], key=budgets[100:].count) == 2
+
+
+def test_profile_carries_plain_timing_and_start_budget_to_the_next_request():
+    prof = GateProfile()
+    simulate(Gate(prof, "sd"), 300, natural=5, accept=lambda i: 0, draft_per_node=0.008)
+    assert prof.start["sd"] == 0  # the request settled on no draft
+    nxt = Gate(prof, "sd")
+    assert nxt.choose(100, CTX) == 0  # starts gated (plain timing known, no first measuring step needed)
+    other = Gate(prof, "pld")
+    assert other.choose(100, CTX) == 1  # another drafter on the same target starts its own ramp
+
+
+def test_counterfactual_budgets_from_one_tree():
+    gate = Gate(GateProfile(), "rest")
+    gate.profile.record_verify(CTX, 0, PLAIN)
+    gate.update(6, 6, [1, 4], 0.001, PLAIN, CTX)  # accepted path: node 1 then node 4 (parents precede children)
+    prior = [0.5 * sum(0.5 ** k for k in range(1, b + 1)) for b in range(7)]
+    got = [gate.acc[b] - 0.9 * prior[b] for b in range(1, 7)]
+    assert got == pytest.approx([0, 1, 1, 1, 2, 2])  # budget b keeps the accepted nodes with index < b
+
+
+def test_disabled_gate_hands_over_the_room():
+    gate = Gate(GateProfile(), "sd", enabled=False)
+    assert [gate.choose(r, CTX) for r in (0, 3, 50)] == [0, 3, 50]
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+PROMPT = [5, 17, 3, 42, 8, 17, 3, 42, 8, 61, 5, 17]
+
+
+@pytest.mark.parametrize("method", ["sd", "pld"])
+@pytest.mark.parametrize("gating", [True, False])
+def test_greedy_identical_with_and_without_gating(method, gating):
+    target = sharpen(tiny_llama(seed=0))
+    draft = sharpen(tiny_llama(seed=1, layers=1))
+    greedy = SamplingConfig()
+    want = autoregressive_generate(target, PROMPT, sampling=greedy, max_new_tokens=40)
+    for _ in range(3):  # later requests start from what the profile learned
+        drafter = REGISTRY[method](draft_model=draft, gamma=4)
+        stats = SpecStats(method=method)
+        out = [t for c in speculative_generate(target, drafter, PROMPT, sampling=greedy, max_new_tokens=40,
+                                               stats=stats, gating=gating) for t in c]
+        assert out == want
+        assert stats.gating is gating
+        if gating:
+            assert sum(stats.draft_shapes.values()) == stats.target_calls
+            assert stats.gated_steps <= stats.draft_shapes.get("0", 0)  # the last step may have no room left
+            assert set(stats.to_dict()) >= {"gating", "gated_steps", "draft_shapes"}
+        else:
+            assert stats.draft_shapes == {} and stats.gated_steps == 0
+    assert profile_for(target).verify_cost(len(PROMPT), 0) is not None
+
+
+def test_plain_decoding_is_never_gated():
+    target = tiny_llama(seed=0)
+    stats = SpecStats(method="ar")
+    list(speculative_generate(target, REGISTRY["ar"](), PROMPT, sampling=SamplingConfig(), max_new_tokens=8,
+                              stats=stats))
+    assert stats.gating is False and stats.draft_shapes == {}
