@@ -113,7 +113,7 @@ def test_greedy_sd_and_pld_are_lossless(full_bench):
 
 def test_report_md_and_console_table(full_bench):
     report = (full_bench["out"] / "report.md").read_text()
-    assert "| method | tokens/s | speedup | ideal | tau | acceptance | lossless |" in report
+    assert "| method | tokens/s | speedup | ideal | tau | acceptance | no-draft steps | lossless |" in report
     rows = {line.split("|")[1].strip(): line for line in report.splitlines()
             if line.startswith("| ") and not line.startswith("| method")}
     assert list(rows) == ALL_METHODS
@@ -293,3 +293,45 @@ def test_bad_bench_command_lines(cli, tmp_path, monkeypatch, args):
     monkeypatch.chdir(tmp_path)
     cli(*args).assert_user_error()
     assert not (tmp_path / "o").exists()
+
+
+# --- gating labels and merged parts ---------------------------------------------------------------------------------
+
+
+def test_gating_labels_run_side_by_side(cli, saved_models, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": PROMPTS[0]}])
+    r = cli(*bench_args(saved_models, tmp_path / "out", "--max-new-tokens", "10", methods="ar,sd,sd@gating=0",
+                        prompts=prompts))
+    assert r.rc == 0, r.err
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    summary = {s["method"]: s for s in res["summary"]}
+    assert summary["sd"]["gating"] is True and summary["sd@gating=0"]["gating"] is False
+    assert summary["ar"]["gating"] is False
+    check_lossless(res, methods=("sd", "sd@gating=0"))
+    assert "no-draft steps" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("label", ["sd@gating=2", "sd@gamma=3", "hf-pld@gating=0", "ar@gating=1"])
+def test_bad_gating_labels(cli, saved_models, tmp_path, label):
+    r = cli(*bench_args(saved_models, tmp_path / "out", methods=f"ar,{label}", prompts=None) + ["--preset", "heldout"])
+    r.assert_user_error(label)
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_merge_parts_is_token_weighted(full_bench, tmp_path):
+    from retrospec.bench.merge import main as merge_main
+
+    part = full_bench["out"]
+    assert merge_main([str(part), str(part), "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    one = {s["method"]: s for s in full_bench["results"]["summary"]}
+    assert merged["config"]["prompts"] == 2 * full_bench["results"]["config"]["prompts"]
+    assert len(merged["runs"]) == 2 * len(full_bench["results"]["runs"])
+    for s in merged["summary"]:
+        assert s["new_tokens"] == 2 * one[s["method"]]["new_tokens"]
+        assert s["tokens_per_s"] == pytest.approx(one[s["method"]]["tokens_per_s"])
+    other = json.loads((part / "results.json").read_text())
+    other["config"]["max_new_tokens"] += 1
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "results.json").write_text(json.dumps(other))
+    assert merge_main([str(part), str(tmp_path / "o"), "--out", str(tmp_path / "m2")]) == 2

@@ -105,15 +105,18 @@ def third_groups(counts3: np.ndarray, p3):
     return groups
 
 
-def sample_runs(target, make_drafter, cfg: SamplingConfig, seeds) -> tuple[np.ndarray, SpecStats]:
-    """Histogram [V, V, V] of (x1, x2, x3) over one run per seed; the stats summed over all runs."""
+def sample_runs(target, make_drafter, cfg: SamplingConfig, seeds, gating: bool = False
+                ) -> tuple[np.ndarray, SpecStats]:
+    """Histogram [V, V, V] of (x1, x2, x3) over one run per seed; the stats summed over all runs (``gating``: the
+    gate picks each step's draft budget, see tests/test_gating.py)."""
     counts = np.zeros((V, V, V), dtype=np.int64)
     drafter = make_drafter()  # reused across runs: prefill() resets it
     total = SpecStats()
     for seed in seeds:
         sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
         stats = SpecStats()
-        steps = speculative_generate(target, drafter, PROMPT, sampling=sampling, max_new_tokens=MAX_NEW, stats=stats)
+        steps = speculative_generate(target, drafter, PROMPT, sampling=sampling, max_new_tokens=MAX_NEW, stats=stats,
+                                     gating=gating)
         out: list[int] = []
         for chunk in steps:  # stop as soon as x1..x3 are known: the rest of the run cannot change them
             out.extend(chunk)
@@ -125,6 +128,8 @@ def sample_runs(target, make_drafter, cfg: SamplingConfig, seeds) -> tuple[np.nd
         total.drafted_tokens += stats.drafted_tokens
         total.accepted_tokens += stats.accepted_tokens
         total.new_tokens += stats.new_tokens
+        for k, v in stats.draft_shapes.items():
+            total.draft_shapes[k] = total.draft_shapes.get(k, 0) + v
     return counts, total
 
 

@@ -19,6 +19,7 @@ from .config import DecodeConfig, SamplingConfig
 from .decode import speculative_generate
 from .drafters import REGISTRY
 from .errors import RetrospecError
+from .gating import resolve as resolve_gating
 from .long_requests import prepare_long_request
 from .models import check_same_vocab, default_target, load_model, paired_draft
 from .request import DEFAULT_GAMMA, Request
@@ -29,7 +30,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
             target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             gamma: int | None = None, adaptive_gamma: bool = False, stop: tuple[str, ...] | list[str] = (),
-            tokenizer=None, context: str | None = None, gating: bool = True, **options) -> Request:
+            tokenizer=None, context: str | None = None, gating: bool | None = None, **options) -> Request:
     """Validate everything and load what is needed; raises ``RetrospecError`` on any user error.
 
     With ``context`` (a long document; methods lc, rag, sd, magicdec, rapid) the prompt is the query and the
@@ -42,8 +43,9 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
     if gamma is not None and gamma < 1:
         raise RetrospecError(f"gamma must be >= 1, got {gamma}")
-    if not isinstance(gating, bool):
-        raise RetrospecError(f"gating must be True or False, got {gating!r}")
+    if gating is not None and not isinstance(gating, bool):
+        raise RetrospecError(f"gating must be True, False or None (auto), got {gating!r}")
+    gating = resolve_gating(gating, sampling)
     if context is not None:
         if messages is not None or chat:
             raise RetrospecError("chat messages do not combine with a long context: pass the query as the prompt (it "
@@ -160,8 +162,9 @@ def generate(prompt: str | list[int] | None = None, **kwargs) -> GenerationResul
     Keyword arguments: ``target`` / ``draft`` (directory, model name such as ``"smollm2-135m"``, ``LoadedModel`` or
     transformers model; default: the bundled zoo, and for ``sd`` a named target's paired draft), ``method`` ('ar',
     'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed``, ``gamma``
-    (draft length), ``adaptive_gamma``, ``stop`` (stop strings), ``gating`` (default True: each step's draft
-    budget follows what pays, down to none; False: always the full draft; see ``retrospec.gating``).
+    (draft length), ``adaptive_gamma``, ``stop`` (stop strings), ``gating`` (default None = on, except for seeded
+    sampling, which stays reproducible: each step's draft budget follows what pays, down to none; False: always
+    the full draft; see ``retrospec.gating``).
 
     Chat: ``messages=[{"role": "user", "content": ...}, ...]`` (roles system / user / assistant) instead of a prompt,
     or ``prompt`` with ``chat=True`` (one user message). The target's chat template is applied with the generation

@@ -8,9 +8,10 @@ Loop invariant: the target's KV cache holds every committed token except the las
 next draft tree. One step = draft (drafter.propose) -> one target forward over [root, *tree] (Verifier.score) ->
 acceptance rule -> commit the accepted path to the cache -> feedback (drafter.observe, and the gate).
 
-Gating (``gating.Gate``, on by default for every drafter but plain decoding): before each step the gate picks the
-node budget handed to the drafter (0 = a plain decoding step) from the measured step costs and acceptance. It
-changes what is drafted, never what is accepted, so every output guarantee above holds with or without it.
+Gating (``gating.Gate``; the entry points turn it on by default, for every drafter but plain decoding): before
+each step the gate picks the node budget handed to the drafter (0 = a plain decoding step) from the measured step
+costs and acceptance. It changes what is drafted, never what is accepted, so every output guarantee above holds
+with or without it.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def speculative_generate(
     stats: SpecStats | None = None,
     rule: AcceptanceRule | None = None,
     prefill_memo: PrefillMemo | None = None,
-    gating: bool = True,
+    gating: bool = False,
 ) -> Iterator[list[int]]:
     """Yield committed token ids step by step; fills ``stats`` as it goes. ``prefill_memo`` reuses a prompt forward
-    across calls with the same target and prompt (see ``verify.PrefillMemo``). ``gating=False`` hands the drafter
-    its whole budget every step (see ``gating``)."""
+    across calls with the same target and prompt (see ``verify.PrefillMemo``). ``gating=True`` lets the gate pick
+    each step's draft budget (see ``gating``); the entry points (``api``, the benches, the server) decide it with
+    ``gating.resolve`` (on by default), so the loop itself defaults to the plain full-budget behaviour."""
     stats = stats if stats is not None else SpecStats()
     rule = rule or default_rule(sampling)
     stats.rule, stats.lossless = rule.name, rule.lossless

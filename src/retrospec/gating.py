@@ -26,7 +26,7 @@ request starts from the budget its target and method settled on last time (``Gat
 Invariant: gating changes only the budget handed to the drafter, i.e. what is drafted; acceptance is untouched,
 so greedy output stays token-identical to plain decoding and sampling stays exact (every draft length is valid
 for the acceptance rules). The decisions depend on wall-clock timings, so the drafted shapes (never the greedy
-output) can differ between runs.
+output) can differ between runs; that is why seeded sampling runs ungated unless gating is asked for (``resolve``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,15 @@ GROWTH = 4  # ramp factor at the top of the budgets tried
 PROBE_OVERHEAD = 0.03  # probes below the top may cost this share of plain decoding time
 PROBE_MAX = 128  # steps between probes at most
 CHEAP_PROBE = 0.25  # a probe at the top budget costing at most this share of a plain step more is cheap
+
+
+def resolve(gating: bool | None, sampling) -> bool:
+    """The gating default (``gating=None``): on, except for seeded sampling. A seed promises the same sample on
+    every run; the gate's budgets follow wall-clock timings, and with rejection sampling a different draft shape
+    consumes the random stream differently (same distribution, different sample). Explicit True/False wins."""
+    if gating is None:
+        return sampling.greedy or sampling.seed is None
+    return bool(gating)
 
 
 def _bucket(context_tokens: int) -> int:
@@ -117,6 +126,8 @@ class Gate:
     def step_cost(self, b: int) -> float | None:
         """Estimated seconds per step with budget b: drafting (measured or interpolated between tried budgets)
         plus verifying the expected number of nodes (the target's verify timings)."""
+        if b >= len(self.wgt):
+            return None
         nodes = 0.0 if b == 0 else self.nodes[b] / self.wgt[b]
         verify = self.profile.verify_cost(self.context, nodes)
         draft = _interpolate(self.draft_s, b) if b <= max(self.draft_s) else None

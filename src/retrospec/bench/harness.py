@@ -34,6 +34,7 @@ from ..config import DecodeConfig, SamplingConfig
 from ..decode import speculative_generate
 from ..drafters import REGISTRY
 from ..errors import RetrospecError
+from ..gating import resolve as resolve_gating
 from ..models import LoadedModel
 from ..request import DEFAULT_GAMMA, Request
 from ..types import SpecStats
@@ -52,7 +53,7 @@ class BenchConfig:
     warmup: bool = True
     method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per method name
     chat: bool = False  # each prompt = one user message under the target's chat template
-    gating: bool = True  # our methods' default (``gating``); a label ``m@gating=0|1`` overrides it for one method
+    gating: bool | None = None  # our methods' default (None = ``gating.resolve``); ``m@gating=0|1`` overrides it
 
 
 def parse_label(label: str) -> tuple[str, bool | None]:
@@ -87,7 +88,7 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     options = {"gamma": gamma if method != "pld" else cfg.pld_k, "max_ngram": cfg.pld_ngram}
     options.update(cfg.method_options.get(label, {}))
     req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options,
-                  eos_ids=eos_ids, gating=cfg.gating if gating is None else gating)
+                  eos_ids=eos_ids, gating=resolve_gating(cfg.gating if gating is None else gating, cfg.sampling))
     stats = SpecStats(method=label)
     probes = [ForwardProbe(target.model)] + ([ForwardProbe(draft.model)] if draft is not None else [])
     for p in probes:

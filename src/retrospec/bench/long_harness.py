@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from ..config import DecodeConfig, SamplingConfig
 from ..decode import speculative_generate
 from ..errors import RetrospecError
+from ..gating import resolve as resolve_gating
 from ..long_requests import LONG_METHODS, USES_DRAFT_LM, LongContextOptions, default_gamma, plan, retrieve
 from ..models import LoadedModel
 from ..request import Request
@@ -104,7 +105,7 @@ class LongBenchConfig:
     options: LongContextOptions = field(default_factory=LongContextOptions)
     warmup: bool = True
     verify_probe_gamma: int = 10
-    gating: bool = True  # the drafting methods' default (``gating``); a spec's @gating=0|1 overrides it
+    gating: bool | None = None  # drafting methods' default (None = ``gating.resolve``); @gating=0|1 overrides it
 
 
 def with_baseline(methods: list[MethodSpec]) -> list[MethodSpec]:
@@ -170,7 +171,7 @@ class _Runner:
         options["adaptive"] = spec.adaptive
         req = Request(self.target, drf, spec.method, p.target_prompt_ids, cfg.sampling,
                       DecodeConfig(max_new_tokens=max_new), options, rule=p.rule, info=p.info,
-                      gating=cfg.gating if spec.gating is None else spec.gating)
+                      gating=resolve_gating(cfg.gating if spec.gating is None else spec.gating, cfg.sampling))
         stats = SpecStats(method=spec.label, **p.info)
         memo = memos.setdefault("short" if spec.method == "rag" else "full", PrefillMemo())
         out: list[int] = []

@@ -23,7 +23,9 @@ def add_sampling_args(p) -> None:
     p.add_argument("--adaptive-gamma", action="store_true", help="sd: grow gamma on full acceptance, shrink on rejection")
     p.add_argument("--no-gating", action="store_true",
                    help="draft the full budget every step (default: the gate drafts only as much as pays, down to "
-                        "plain decoding; output is identical either way)")
+                        "plain decoding; greedy output is identical either way; seeded sampling runs ungated so "
+                        "the seed reproduces the sample). bench: a method label m@gating=0|1 sets it for one "
+                        "method, so one run compares both, e.g. --methods ar,rest,rest@gating=0")
     p.add_argument("--chat", action="store_true",
                    help="each prompt is one user message under the target's chat template; generation stops at "
                         "the template's end-of-turn token")
@@ -80,7 +82,7 @@ def run(args) -> int:
     s = stream(read_prompt(args), chat=args.chat, target=args.target, draft=args.draft, method=args.method,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                seed=args.seed, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma, stop=args.stop,
-               gating=not args.no_gating, **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args))
+               gating=False if args.no_gating else None, **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args))
     if args.json:
         for _ in s.token_chunks():
             pass

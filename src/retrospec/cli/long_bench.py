@@ -59,7 +59,7 @@ def run_long(args, rows: list[dict]) -> int:
     if args.limit:
         rows = rows[: args.limit]
     cfg = LongBenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
-                          options=options, warmup=not args.no_warmup, gating=not args.no_gating)
+                          options=options, warmup=not args.no_warmup, gating=False if args.no_gating else None)
     result = run_long_bench(target, draft, rows, cfg)
     out = Path(args.out)
     write_outputs(result, out)
