@@ -117,6 +117,8 @@ class Gate:
     def step_cost(self, b: int) -> float | None:
         """Estimated seconds per step with budget b: drafting (measured or interpolated between tried budgets)
         plus verifying the expected number of nodes (the target's verify timings)."""
+        if b >= len(self.wgt):
+            return None
         nodes = 0.0 if b == 0 else self.nodes[b] / self.wgt[b]
         verify = self.profile.verify_cost(self.context, nodes)
         draft = _interpolate(self.draft_s, b) if b <= max(self.draft_s) else None
