@@ -25,10 +25,6 @@ def add_parser(sub) -> None:
     p.add_argument("--pld-ngram", type=int, default=3, help="pld / hf-pld maximum n-gram size")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--no-gating", action="store_true",
-                   help="our methods draft their full budget every step (default: gated, see 'gating' in the "
-                        "README); a method label m@gating=0 or m@gating=1 sets it for one method, so one run can "
-                        "compare both, e.g. --methods ar,rest,rest@gating=0")
     add_sampling_args(p)
     from .long_args import add_long_context_args
 
