@@ -48,8 +48,24 @@ def client(zoo):
 
 
 @pytest.fixture(scope="module")
-def chat_server(chat_models, single_thread):
-    with BackgroundServer(create_app(str(chat_models.target), str(chat_models.draft))) as srv:
+def suffix_store(chat_models, tmp_path_factory):
+    """A REST store over the source the chat model's tokenizer was trained on (built through the CLI)."""
+    import inspect
+    import textwrap
+
+    from retrospec.cli import main
+
+    root = tmp_path_factory.mktemp("serve_store")
+    (root / "corpus.py").write_text(inspect.getsource(textwrap))
+    assert main(["datastore", "build", "--kind", "suffix", "--out", str(root / "textwrap-suffix"), "--target",
+                 str(chat_models.target), "--corpus", str(root / "corpus.py")]) == 0
+    return root / "textwrap-suffix"
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_models, suffix_store, single_thread):
+    app = create_app(str(chat_models.target), str(chat_models.draft), datastores=[str(suffix_store)])
+    with BackgroundServer(app) as srv:
         yield srv
 
 
@@ -158,6 +174,7 @@ BAD = [
     ({"max_tokens": 0}, "max_tokens", ">= 1"),
     ({"prompt": ["a", "b"]}, "prompt", "batched prompts"),
     ({"prompt": "   "}, "prompt", "prompt is empty"),
+    ({"seed": 2**70}, "seed", "64-bit integer"),
 ]
 
 
@@ -308,6 +325,23 @@ def test_chat_streamed_equals_plain_equals_generate(chat_server, chat_models):
     assert plain.choices[0].finish_reason == last.choices[0].finish_reason == "stop"
     assert plain.usage.completion_tokens == last.usage.completion_tokens == chat_models.stop_step + 1
     assert last.model_extra["retrospec"]["method"] == "sd"
+
+
+def test_rest_with_the_served_datastore(chat_server, chat_models, suffix_store):
+    c = OpenAI(base_url=f"{chat_server.url}/v1", api_key="unused", max_retries=0)
+    prompt = "    def _wrap_chunks(self, chunks):\n"
+    ref = retrospec.generate(prompt, target=str(chat_models.target), method="rest", datastore=str(suffix_store),
+                             num_drafts=2, draft_len=4, max_new_tokens=20, gating=False)
+    knobs = {"method": "rest", "num_drafts": 2, "draft_len": 4, "gating": False}
+    a = c.completions.create(model="target", prompt=prompt, max_tokens=20, extra_body=knobs)
+    b = c.completions.create(model="target", prompt=prompt, max_tokens=20,
+                             extra_body=knobs | {"datastore": "textwrap-suffix"})
+    assert a.choices[0].text == b.choices[0].text == ref.text
+    assert a.model_extra["retrospec"]["method"] == "rest" and a.model_extra["retrospec"]["drafted_tokens"] > 0
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.completions.create(model="target", prompt=prompt, max_tokens=2, extra_body=knobs | {"datastore": "other"})
+    assert exc.value.response.json()["error"]["param"] == "datastore"
+    assert "textwrap-suffix" in exc.value.response.json()["error"]["message"]
 
 
 def test_load_run_answers_every_request(chat_server):

@@ -74,6 +74,10 @@ def build_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
         return JSONResponse(error_body(msg, code="not_found" if exc.status_code == 404 else None),
                             status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _bug(_request, exc: Exception):  # outside the generation routes' own guard; uvicorn logs it too
+        return _failure("fail", exc)
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": backend.caps.model, "queue_depth": backend.queue_depth}
@@ -167,6 +171,7 @@ async def _generate(backend: Backend, request: Request, route: str) -> Response:
         raise ProtocolError("the request body is not valid JSON") from None
     params = parse(body, route, backend.caps)
     job = backend.submit(params)
+    streaming = False  # once a StreamingResponse owns the job, its generator cancels it when it ends
     try:
         kind, value = await _next_event(job, request)
         if kind in ("error", "fail"):
@@ -174,6 +179,7 @@ async def _generate(backend: Backend, request: Request, route: str) -> Response:
         if kind == "done":  # cancelled before it started
             return Response(status_code=499)
         if params.stream:
+            streaming = True
             return StreamingResponse(_sse(backend, job, route), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         while True:
@@ -191,9 +197,11 @@ async def _generate(backend: Backend, request: Request, route: str) -> Response:
     except ClientGone:
         return Response(status_code=499)
     except Exception as exc:  # a bug in the handler: 500, logged, the server keeps going
-        job.cancel()
         log.exception("request %s failed", job.id)
         return _failure("fail", exc)
+    finally:
+        if not streaming:
+            job.cancel()  # a no-op for a finished job; stops one whose handler was cancelled (shutdown)
 
 
 def _sse_line(obj) -> str:

@@ -166,8 +166,9 @@ def _sampling(body: dict, route: str) -> dict:
         _check(body, name, _is_number, "a number")
         if body.get(name) is not None:
             out[name] = float(body[name])
+    _check(body, "top_k", _is_int, "an integer")
+    _check(body, "seed", lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer")
     for name in ("top_k", "seed"):
-        _check(body, name, _is_int, "an integer")
         if body.get(name) is not None:
             out[name] = body[name]
     stop = body.get("stop")
