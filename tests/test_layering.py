@@ -1,4 +1,4 @@
-"""Imports run one way: cli -> bench -> api -> long_requests -> request -> drafters / models / retrieval.
+"""Imports run one way: cli -> serve / bench -> api -> long_requests -> request -> drafters / models / retrieval.
 
 Checked on the source (AST, every import including lazy ones inside functions), so a circle cannot come back
 through a function-level import.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "retrospec"
-ABOVE_API = {"__init__", "api", "demo"}  # plus the cli/ and bench/ packages
+ABOVE_API = {"__init__", "api", "demo"}  # plus the cli/, serve/ and bench/ packages
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -32,7 +32,7 @@ def imported_modules(path: Path) -> set[str]:
 
 def below_api() -> list[Path]:
     return [p for p in sorted(SRC.rglob("*.py"))
-            if p.relative_to(SRC).parts[0] not in ("cli", "bench") and p.stem not in ABOVE_API]
+            if p.relative_to(SRC).parts[0] not in ("cli", "bench", "serve") and p.stem not in ABOVE_API]
 
 
 @pytest.mark.parametrize("path", below_api(), ids=lambda p: str(p.relative_to(SRC)))
@@ -47,3 +47,9 @@ def test_request_and_long_requests_sit_below_the_api():
     assert imported_modules(SRC / "chat.py") <= {"__future__", "__future__.annotations", "dataclasses",
                                                  "dataclasses.dataclass", "retrospec.errors",
                                                  "retrospec.errors.RetrospecError"}
+
+
+@pytest.mark.parametrize("path", [p for p in sorted(SRC.rglob("*.py")) if p.relative_to(SRC).parts[0] not in
+                                  ("cli", "serve")], ids=lambda p: str(p.relative_to(SRC)))
+def test_only_the_cli_imports_the_server(path):
+    assert not any(m == "retrospec.serve" or m.startswith("retrospec.serve.") for m in imported_modules(path))

@@ -1,4 +1,4 @@
-"""``retrospec`` command line: ``generate``, ``bench``, ``models list|path|import-gguf``,
+"""``retrospec`` command line: ``generate``, ``bench``, ``serve``, ``models list|path|import-gguf``,
 ``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``.
 
 Wherever a model directory is accepted (``--target``, ``--draft``), a model name from ``retrospec models list``
@@ -27,12 +27,13 @@ def _fail(message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench_cmd, datastore_cmd, generate_cmd, models_cmd, tasks_cmd, zoo_cmd
+    from . import bench_cmd, datastore_cmd, generate_cmd, models_cmd, serve_cmd, tasks_cmd, zoo_cmd
 
     parser = _Parser(prog="retrospec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
     models_cmd.add_parser(sub)
     zoo_cmd.add_parser(sub)
     tasks_cmd.add_parser(sub)

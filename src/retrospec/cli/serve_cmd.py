@@ -1,0 +1,59 @@
+"""``retrospec serve``: an OpenAI-compatible server (see ``retrospec.serve``) for one target.
+
+The socket is bound before the models load, so a port in use is a one-line error at once; a bad target, draft or
+datastore is one too (exit 2, like every user error of the CLI).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..errors import RetrospecError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a target over an OpenAI-compatible HTTP API (completions, chat, SSE)")
+    p.add_argument("--target", help="target model directory or name (default: zoo)")
+    p.add_argument("--draft", help="draft model for sd (default: the named target's paired draft, if any)")
+    p.add_argument("--method", default="sd", help="default method of requests that name none (default: sd; a "
+                                                  "request picks another with the 'method' body field)")
+    p.add_argument("--datastore", action="append", default=[], metavar="DIR",
+                   help="retrieval store for rest (suffix) / dresd (dense), loaded at start; repeat to give both")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=os.environ.get("RETROSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$RETROSPEC_API_KEY, else no key)")
+    p.add_argument("--model-name", help="the model id clients send (default: the target's name or directory name)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting or running before new ones get 503 (default: 256)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for generation (0 = torch's default)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..serve.app import create_app
+    from ..serve.server import bind, uvicorn_server
+
+    if args.threads < 0:
+        raise RetrospecError(f"--threads must be >= 0, got {args.threads}")
+    if args.max_queue < 1:
+        raise RetrospecError(f"--max-queue must be >= 1, got {args.max_queue}")
+    sock = bind(args.host, args.port)
+    try:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        app = create_app(args.target, args.draft, method=args.method, datastores=args.datastore,
+                         api_key=args.api_key or None, model_name=args.model_name, max_queue=args.max_queue)
+        caps = app.state.backend.caps
+        host, port = sock.getsockname()[:2]
+        print(f"retrospec: serving {caps.model!r} (methods: {', '.join(caps.methods)}; default {caps.default_method}) "
+              f"at http://{host}:{port}/v1" + (" (API key required)" if args.api_key else ""), file=sys.stderr)
+        uvicorn_server(app, log_level=args.log_level).run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,236 @@
+"""The HTTP layer: an OpenAI-compatible FastAPI app over one ``Backend`` (models, datastores, generation worker).
+
+Routes: ``GET /health`` (never needs a key), ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream: true`` = server-sent events in OpenAI's chunk format, ending with
+``data: [DONE]``), ``GET /metrics`` (Prometheus text).
+
+Contract:
+- ``create_app(target, draft, ...)`` loads everything once (``RetrospecError`` on a bad path, a vocabulary
+  mismatch, a method the server cannot run) and returns the app; tests drive it under uvicorn on a loopback port.
+- Every failure is JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (unknown field,
+  bad value, unsupported feature, a ``RetrospecError`` from ``prepare``), 401 for a missing or wrong bearer key (when
+  the server has one), 404 for an unknown model or route, 503 when the queue is full, 500 for a bug (logged with its
+  traceback; the server keeps serving). A stream that fails after its first byte ends with one ``data: {"error":
+  ...}`` event.
+- Responses carry ``usage`` and ``retrospec`` (the request's ``SpecStats.to_dict()``); so does the last chunk of a
+  stream (the one with ``finish_reason``). ``finish_reason`` is "stop" (EOS, end of turn, stop string) or "length".
+- A client that disconnects cancels its generation: a stream at its next chunk, a plain request within half a
+  second (its wait polls for the disconnect), a queued request before it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Backend, Job
+from .protocol import (ProtocolError, chat_body, chat_chunk, completion_body, completion_chunk, error_body, param_of,
+                       parse, usage)
+
+log = logging.getLogger("retrospec.serve")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+DISCONNECT_POLL_S = 0.5
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited or ran."""
+
+
+def create_app(target=None, draft=None, *, method: str = "sd", datastores=(), api_key: str | None = None,
+               model_name: str | None = None, max_queue: int = 256) -> FastAPI:
+    """Load the target (and draft, datastores) and build the app. ``target``/``draft``: a directory, a model name
+    or a ``LoadedModel`` (default: the zoo and, for a named target, its paired draft)."""
+    backend = Backend(target, draft, method=method, datastores=datastores, model_name=model_name,
+                      max_queue=max_queue)
+    return build_app(backend, api_key=api_key)
+
+
+def build_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        backend.close()
+
+    app = FastAPI(title="retrospec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.backend = backend
+    app.add_middleware(_AuthAndCount, backend=backend, api_key=api_key)
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol_error(_request, exc: ProtocolError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        msg = (f"unknown route: {request.method} {request.url.path}" if exc.status_code == 404
+               else f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405
+               else str(exc.detail))
+        return JSONResponse(error_body(msg, code="not_found" if exc.status_code == 404 else None),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(_request, exc: Exception):  # outside the generation routes' own guard; uvicorn logs it too
+        return _failure("fail", exc)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": backend.caps.model, "queue_depth": backend.queue_depth}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": backend.caps.model, "object": "model", "created": 0,
+                                            "owned_by": "retrospec", "retrospec": backend.describe()}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(backend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(backend, request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(backend, request, "chat")
+
+    return app
+
+
+class _AuthAndCount:
+    """ASGI middleware: the bearer-key check (every route but /health) and the request counter by route/status."""
+
+    def __init__(self, app, backend: Backend, api_key: str | None):
+        self.app, self.backend, self.api_key = app, backend, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = [500]
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and path != "/health" and not self._authorized(scope):
+                body = error_body("invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                  code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send_counted)
+                return
+            await self.app(scope, receive, send_counted)
+        finally:
+            self.backend.metrics.count_request(path if path in ROUTES else "other", status[0])
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+async def _next_event(job: Job, request: Request):
+    """The job's next event. Meanwhile, and at least every ``DISCONNECT_POLL_S`` however fast events come, checks
+    whether the client left (then cancels the job and raises ClientGone)."""
+    loop = asyncio.get_running_loop()
+    getter = asyncio.ensure_future(job.events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=max(0.0, job.poll_at - loop.time()))
+            if loop.time() >= job.poll_at:
+                job.poll_at = loop.time() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise ClientGone
+            if done:
+                return getter.result()
+    finally:
+        if not getter.done():
+            getter.cancel()
+
+
+def _failure(kind: str, exc: Exception) -> JSONResponse:
+    if kind == "error":  # a RetrospecError from prepare / the drafter: the user's to fix
+        return JSONResponse(error_body(str(exc), param=param_of(str(exc))), status_code=400)
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
+                        status_code=500)
+
+
+async def _generate(backend: Backend, request: Request, route: str) -> Response:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ProtocolError("the request body is not valid JSON") from None
+    params = parse(body, route, backend.caps)
+    job = backend.submit(params)
+    streaming = False  # once a StreamingResponse owns the job, its generator cancels it when it ends
+    try:
+        kind, value = await _next_event(job, request)
+        if kind in ("error", "fail"):
+            return _failure(kind, value)
+        if kind == "done":  # cancelled before it started
+            return Response(status_code=499)
+        if params.stream:
+            streaming = True
+            return StreamingResponse(_sse(backend, job, route), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        while True:
+            kind, value = await _next_event(job, request)
+            if kind in ("error", "fail"):
+                return _failure(kind, value)
+            if kind == "done":
+                break
+        if value is None or value.cancelled:
+            return Response(status_code=499)
+        shape = completion_body if route == "completions" else chat_body
+        rid = ("cmpl-" if route == "completions" else "chatcmpl-") + job.id
+        return JSONResponse(shape(rid, job.created, backend.caps.model, value.text, value.finish_reason,
+                                  usage(value.prompt_tokens, len(value.token_ids)), value.stats.to_dict()))
+    except ClientGone:
+        return Response(status_code=499)
+    except Exception as exc:  # a bug in the handler: 500, logged, the server keeps going
+        log.exception("request %s failed", job.id)
+        return _failure("fail", exc)
+    finally:
+        if not streaming:
+            job.cancel()  # a no-op for a finished job; stops one whose handler was cancelled (shutdown)
+
+
+def _sse_line(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(backend: Backend, job: Job, route: str):
+    model = backend.caps.model
+    rid = ("cmpl-" if route == "completions" else "chatcmpl-") + job.id
+    try:
+        if route == "chat":
+            yield _sse_line(chat_chunk(rid, job.created, model, {"role": "assistant", "content": ""}))
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text":
+                yield _sse_line(completion_chunk(rid, job.created, model, value) if route == "completions"
+                                else chat_chunk(rid, job.created, model, {"content": value}))
+            elif kind == "done":
+                if value is None or value.cancelled:
+                    return
+                extra = {"usage": usage(value.prompt_tokens, len(value.token_ids)),
+                         "retrospec": value.stats.to_dict()}
+                yield _sse_line(completion_chunk(rid, job.created, model, "", value.finish_reason, **extra)
+                                if route == "completions"
+                                else chat_chunk(rid, job.created, model, {}, value.finish_reason, **extra))
+                break
+            else:
+                yield _sse_line(json.loads(_failure(kind, value).body))
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # a no-op once the job is done; stops the decode loop when the client went away

@@ -1,0 +1,220 @@
+"""The server's backend: models and datastores loaded once, and one generation worker thread.
+
+Concurrency model (the choice, and why): generation is CPU/GPU-bound torch code that holds the model, so requests
+run **one at a time, in arrival order, on a single worker thread** (``ThreadPoolExecutor(max_workers=1)``); the
+asyncio event loop never runs torch and stays free to accept, validate and stream. Interleaving two decodes on one
+model would not raise throughput (each forward already uses the cores torch is given) but would mix KV caches and
+gate timings. Measured with ``python -m retrospec.serve.loadtest`` on the zoo pair pinned to one core: throughput
+is the single-stream rate whatever the client concurrency; latency grows with the queue (see the README's Serving
+section for figures). ``max_queue`` bounds the waiting line: beyond it a request is refused with 503.
+
+Contract of a ``Job`` (one request):
+- ``Backend.submit(params)`` queues it; the worker runs ``api.prepare`` (templating, tokenization, validation) and
+  then the decode loop, both on the worker thread, so tokenizers and models are only ever used from that thread.
+- Events reach the event loop through an ``asyncio.Queue``: ``("start", prompt_tokens)`` once ``prepare``
+  succeeded, then ``("text", delta)`` per verification step that produced final text, then ``("done", Outcome)``;
+  or ``("error", RetrospecError)`` (a user error: HTTP 400) / ``("fail", Exception)`` (a bug: HTTP 500, logged
+  with its traceback). The worker never dies with a request.
+- ``job.cancel()`` (client disconnect) is checked before the job starts and between verification steps; the decode
+  generator is closed at once, the cancelled generation is counted in the metrics and the worker moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..api import GenerationStream, prepare
+from ..drafters import REGISTRY
+from ..errors import RetrospecError
+from ..models import DEFAULT_TARGET, LoadedModel, check_same_vocab, default_target, load_model, lookup, paired_draft
+from ..types import SpecStats
+from .metrics import Metrics
+from .protocol import METHOD_KNOBS, STORE_KIND, Capabilities, Params, ProtocolError, TextAssembler
+
+log = logging.getLogger("retrospec.serve")
+
+
+@dataclass
+class Outcome:
+    text: str  # final text (stop string cut off)
+    token_ids: list[int]
+    stats: SpecStats
+    finish_reason: str  # "stop" (EOS, end of turn, stop string) or "length"
+    prompt_tokens: int
+    cancelled: bool = False
+
+
+class Job:
+    def __init__(self, params: Params, loop: asyncio.AbstractEventLoop):
+        self.params, self.loop = params, loop
+        self.id = uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+        self.poll_at = 0.0  # event-loop time of the next client-disconnect check (``app._next_event``)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def emit(self, kind: str, value=None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            self.cancel()
+
+
+class Backend:
+    """Loaded target, optional draft, datastores, metrics and the worker (see the module docstring)."""
+
+    def __init__(self, target=None, draft=None, *, method: str = "sd", datastores=(), model_name: str | None = None,
+                 max_queue: int = 256):
+        self.target = load_model(default_target() if target is None else target, role="target")
+        if self.target.tokenizer is None:
+            raise RetrospecError(f"target {self.target.path} has no tokenizer; the server needs one for text")
+        self.draft = self._load_draft(target, draft)
+        self.stores = self._open_stores(datastores)
+        self.caps = self._capabilities(method, model_name or served_name(target, self.target))
+        if max_queue < 1:
+            raise RetrospecError(f"max_queue must be >= 1, got {max_queue}")
+        self.max_queue = max_queue
+        self.metrics = Metrics()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrospec-generate")
+        self._lock = threading.Lock()
+        self._pending: set[Job] = set()
+
+    # ---- loading -------------------------------------------------------------------------------------------------
+    def _load_draft(self, target, draft) -> LoadedModel | None:
+        if draft is None and (target is None or isinstance(target, str)):
+            draft = paired_draft(target)  # a named target's paired draft (zoo -> zoo-draft), else None
+        if draft is None:
+            return None
+        drf = load_model(draft, role="draft")
+        check_same_vocab(self.target, drf)
+        return drf
+
+    def _open_stores(self, datastores) -> dict[str, dict[str, object]]:
+        from ..retrieval import open_store
+
+        by_kind: dict[str, dict[str, object]] = {}
+        for src in datastores:
+            store = open_store(src, target=self.target)
+            if by_kind.get(store.kind):
+                raise RetrospecError(f"two {store.kind} datastores given ({next(iter(by_kind[store.kind]))}, "
+                                     f"{src}); give one per kind")
+            by_kind[store.kind] = {Path(str(src)).name: store}
+        return by_kind
+
+    def _capabilities(self, method: str, name: str) -> Capabilities:
+        why = {m: "it needs a long context, which the server does not take" for m in REGISTRY if m not in METHOD_KNOBS}
+        if self.draft is None:
+            why["sd"] = "no draft model: start the server with --draft"
+        for m, kind in STORE_KIND.items():
+            if kind not in self.stores:
+                why[m] = f"no {kind} datastore: start the server with --datastore DIR"
+        methods = tuple(m for m in METHOD_KNOBS if m in REGISTRY and m not in why)
+        if method not in REGISTRY:
+            raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(REGISTRY))}")
+        if method not in methods:
+            raise RetrospecError(f"method '{method}' cannot be served: {why[method]}")
+        return Capabilities(name, methods, method, self.stores, why)
+
+    # ---- requests ------------------------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def submit(self, params: Params) -> Job:
+        job = Job(params, asyncio.get_running_loop())
+        with self._lock:
+            if len(self._pending) >= self.max_queue:
+                raise ProtocolError(f"the server is busy ({len(self._pending)} requests queued); retry later",
+                                    status=503, type="server_error")
+            self._pending.add(job)
+            self.metrics.set_queue(len(self._pending))
+        self._executor.submit(self._run, job)
+        return job
+
+    def _run(self, job: Job) -> None:
+        try:
+            if job.cancelled:
+                job.emit("done", None)
+                return
+            self._generate(job)
+        except RetrospecError as exc:
+            job.emit("error", exc)
+        except Exception as exc:  # a bug: log it with its traceback, answer 500, keep serving
+            log.exception("generation %s failed", job.id)
+            job.emit("fail", exc)
+        finally:
+            with self._lock:
+                self._pending.discard(job)
+                self.metrics.set_queue(len(self._pending))
+
+    def _generate(self, job: Job) -> None:
+        p = job.params
+        kwargs = dict(p.kwargs)
+        draft = self.draft if kwargs["method"] == "sd" else None
+        try:
+            req = prepare(p.prompt, messages=p.messages, target=self.target, draft=draft, **kwargs)
+        except RetrospecError as exc:
+            if p.messages is not None and "no chat template" in str(exc):
+                raise RetrospecError(f"model {self.caps.model!r} has no chat template, so it cannot chat; send a raw "
+                                     "completion to /v1/completions instead") from None
+            raise
+        job.emit("start", len(req.prompt_ids))
+        t0 = time.perf_counter()
+        s = GenerationStream(req)
+        tok = self.target.tokenizer
+        text = TextAssembler(req.decode.stop_strings)
+        chunks = s.token_chunks()
+        try:
+            for _ in chunks:
+                if job.cancelled:
+                    break
+                delta = text.feed(tok.decode(s.token_ids, skip_special_tokens=True))
+                if delta:
+                    job.emit("text", delta)
+        finally:
+            chunks.close()  # stops the decode loop (and fills s.result) whether it ran out, stopped or was cancelled
+            self.metrics.record_generation(s.stats, time.perf_counter() - t0, cancelled=job.cancelled)
+        delta = text.finish(s.text)
+        if delta:
+            job.emit("text", delta)
+        ids = s.token_ids
+        stopped = text.stopped or bool(ids) and ids[-1] in req.stop_ids()
+        finish = "length" if not stopped and len(ids) >= req.decode.max_new_tokens else "stop"
+        job.emit("done", Outcome(text.sent, list(ids), s.stats, finish, len(req.prompt_ids), job.cancelled))
+
+    def close(self) -> None:
+        """Cancel whatever is queued or running and let the worker go (server shutdown)."""
+        with self._lock:
+            for job in self._pending:
+                job.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def describe(self) -> dict:
+        """What ``/v1/models`` reports about this server besides the model id."""
+        return {"target": self.target.path, "draft": self.draft.path if self.draft else None,
+                "methods": list(self.caps.methods), "default_method": self.caps.default_method,
+                "datastores": {kind: list(s) for kind, s in self.stores.items()}}
+
+
+def served_name(src, loaded: LoadedModel) -> str:
+    """The model id clients use: a model name as given (``zoo``), else the checkpoint directory's name."""
+    if src is None:
+        return DEFAULT_TARGET
+    if isinstance(src, str) and lookup(src) is not None and not Path(src).expanduser().exists():
+        return src
+    return Path(loaded.path).name or str(loaded.path)

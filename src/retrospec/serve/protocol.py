@@ -1,0 +1,338 @@
+"""The OpenAI wire format: request bodies -> validated generation parameters, results -> response objects.
+
+Contract:
+- ``parse(body, route, caps)`` checks one JSON body of ``/v1/completions`` (``route="completions"``) or
+  ``/v1/chat/completions`` (``"chat"``) against what this server serves (``Capabilities``) and returns ``Params``:
+  the prompt or messages plus keyword arguments for ``retrospec.api.prepare`` (target and draft excepted). Anything
+  wrong raises ``ProtocolError`` (HTTP status, one-line message, the offending ``param``): unknown fields, wrong
+  types, standard OpenAI features this server does not implement (``n > 1``, ``logprobs``, ``tools``, penalties,
+  ...), unknown or unserved methods, knobs that do not apply to the request's method. Range checks that
+  ``prepare`` already makes (temperature >= 0, top_p in (0, 1], gamma >= 1, ...) are left to it.
+- Defaults: ``max_tokens`` 16 for completions (as OpenAI), 128 for chat; ``temperature`` 0 (greedy, retrospec's
+  default; OpenAI's is 1). Knobs absent from the body are not passed on, so ``prepare``'s defaults apply.
+- ``TextAssembler`` turns the cumulative decoded text into deltas that never change afterwards: it holds back a
+  trailing U+FFFD (a partial UTF-8 character) and any tail that may begin a stop string, and cuts the text where a
+  stop string starts (OpenAI semantics: the stop sequence itself is not returned). Streamed deltas concatenate to
+  exactly the non-streamed text.
+- ``completion_body`` / ``chat_body`` / ``*_chunk`` shape responses and stream chunks; ``error_body`` the
+  ``{"error": {"message", "type", "param", "code"}}`` object of every failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")
+METHOD_KNOBS = {  # method -> the extra body fields that apply to it (``gating`` applies to all)
+    "ar": (),
+    "sd": ("gamma", "adaptive_gamma"),
+    "pld": ("gamma",),
+    "magicdec": ("gamma", "adaptive_gamma"),
+    "rest": ("datastore", "num_drafts", "draft_len"),
+    "dresd": ("datastore", "num_drafts", "draft_len"),
+}
+ALL_KNOBS = ("method", "gating", "gamma", "adaptive_gamma", "datastore", "num_drafts", "draft_len")
+STORE_KIND = {"rest": "suffix", "dresd": "dense"}
+DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
+# standard fields accepted only at their neutral value: field -> (allowed values, what the server lacks)
+NEUTRAL = {
+    "n": ((None, 1), "n > 1 (one choice per request)"),
+    "best_of": ((None, 1), "best_of > 1"),
+    "echo": ((None, False), "echo"),
+    "suffix": ((None,), "suffix (insertion)"),
+    "logprobs": ((None, False), "logprobs"),
+    "top_logprobs": ((None, 0), "top_logprobs"),
+    "presence_penalty": ((None, 0, 0.0), "presence_penalty"),
+    "frequency_penalty": ((None, 0, 0.0), "frequency_penalty"),
+    "logit_bias": ((None, {}), "logit_bias"),
+    "tools": ((None, []), "tools"),
+    "tool_choice": ((None, "none"), "tool_choice"),
+    "functions": ((None, []), "functions"),
+    "function_call": ((None, "none"), "function_call"),
+    "parallel_tool_calls": ((None, False, True), "parallel_tool_calls"),
+    "response_format": ((None, {"type": "text"}), "response_format other than text"),
+    "store": ((None, False), "store"),
+    "modalities": ((None, ["text"]), "modalities other than text"),
+}
+HARMLESS = ("model", "user", "stream", "stream_options", "metadata", "service_tier")
+FIELDS = {
+    "completions": {"prompt", *SAMPLING, *ALL_KNOBS, *NEUTRAL, *HARMLESS} - {"tools", "tool_choice", "functions",
+                                                                           "function_call", "parallel_tool_calls",
+                                                                           "response_format", "modalities",
+                                                                           "top_logprobs"},
+    "chat": {"messages", *SAMPLING, "max_completion_tokens", *ALL_KNOBS, *NEUTRAL, *HARMLESS}
+    - {"best_of", "echo", "suffix"},
+}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses: ``status`` (400, 401, 404, 503), a one-line message, the offending field."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one server can run: its model name, methods, default method, and datastores by kind."""
+
+    model: str
+    methods: tuple[str, ...]
+    default_method: str
+    stores: dict[str, dict[str, object]] = field(default_factory=dict)  # kind -> {label: opened store}
+    why_not: dict[str, str] = field(default_factory=dict)  # method -> why this server cannot run it
+
+
+@dataclass
+class Params:
+    """One validated request: what ``prepare`` gets (``kwargs``: method, sampling, knobs) and how to answer."""
+
+    route: str
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    stream: bool
+    max_tokens: int
+    kwargs: dict
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# parsing
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _neutral(value, allowed) -> bool:
+    return any(value is None if a is None else value == a and isinstance(value, bool) == isinstance(a, bool)
+               for a in allowed)
+
+
+def _check(body: dict, name: str, ok, want: str) -> None:
+    if name in body and body[name] is not None and not ok(body[name]):
+        raise ProtocolError(f"'{name}' must be {want}, got {body[name]!r}", param=name)
+
+
+def parse(body, route: str, caps: Capabilities) -> Params:
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS[route])
+    if unknown:
+        raise ProtocolError(f"unknown field '{unknown[0]}' (retrospec knobs: {', '.join(ALL_KNOBS)}, top_k)",
+                            param=unknown[0])
+    for name, (allowed, what) in NEUTRAL.items():
+        if name in body and not _neutral(body[name], allowed):
+            raise ProtocolError(f"{what} is not supported by this server", param=name)
+    model = body.get("model")
+    if model is not None and model != caps.model:
+        raise ProtocolError(f"model {model!r} is not served here; this server serves {caps.model!r}", param="model",
+                            status=404, code="model_not_found")
+    _check(body, "stream", lambda v: isinstance(v, bool), "true or false")
+    _check(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    _check(body, "user", lambda v: isinstance(v, str), "a string")
+    _check(body, "metadata", lambda v: isinstance(v, dict), "an object")
+    kwargs = _sampling(body, route)
+    kwargs.update(_method(body, caps))
+    prompt, messages = (_prompt(body), None) if route == "completions" else (None, _messages(body))
+    return Params(route, prompt, messages, bool(body.get("stream") or False), kwargs["max_new_tokens"], kwargs)
+
+
+def _sampling(body: dict, route: str) -> dict:
+    out: dict = {}
+    limit = "max_tokens"
+    if route == "chat" and body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None:
+            raise ProtocolError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        limit = "max_completion_tokens"
+    _check(body, limit, _is_int, "an integer >= 1")
+    n = body.get(limit)
+    if n is not None and n < 1:
+        raise ProtocolError(f"'{limit}' must be an integer >= 1, got {n}", param=limit)
+    out["max_new_tokens"] = n if n is not None else DEFAULT_MAX_TOKENS[route]
+    for name in ("temperature", "top_p"):
+        _check(body, name, _is_number, "a number")
+        if body.get(name) is not None:
+            out[name] = float(body[name])
+    _check(body, "top_k", _is_int, "an integer")
+    _check(body, "seed", lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer")
+    for name in ("top_k", "seed"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ProtocolError(f"'stop' must be a string or a list of strings, got {stop!r}", param="stop")
+        if any(not s for s in stops):
+            raise ProtocolError("'stop' strings must be non-empty", param="stop")
+        out["stop"] = list(dict.fromkeys(stops))
+    return out
+
+
+def _method(body: dict, caps: Capabilities) -> dict:
+    _check(body, "method", lambda v: isinstance(v, str), "a string")
+    method = body.get("method") or caps.default_method
+    if method not in caps.methods:
+        why = caps.why_not.get(method)
+        raise ProtocolError(f"method {method!r} is not served here" + (f" ({why})" if why else "")
+                            + f"; served: {', '.join(caps.methods)}", param="method")
+    out: dict = {"method": method}
+    for name in ("gating", "adaptive_gamma"):
+        _check(body, name, lambda v: isinstance(v, bool), "true or false")
+    for name in ("gamma", "num_drafts", "draft_len"):
+        _check(body, name, _is_int, "an integer")
+    _check(body, "datastore", lambda v: isinstance(v, str), "a string (a datastore this server loaded)")
+    given = [k for k in ALL_KNOBS if k != "method" and body.get(k) is not None]
+    for name in given:
+        if name != "gating" and name not in METHOD_KNOBS[method]:
+            knobs = ", ".join((*METHOD_KNOBS[method], "gating"))
+            raise ProtocolError(f"'{name}' does not apply to method {method!r} (its knobs: {knobs})", param=name)
+        out[name] = body[name]
+    for name in ("num_drafts", "draft_len"):
+        if name in out and out[name] < 1:
+            raise ProtocolError(f"'{name}' must be an integer >= 1, got {out[name]}", param=name)
+    if method in STORE_KIND:
+        out["datastore"] = _store(caps, STORE_KIND[method], out.get("datastore"))
+    return out
+
+
+def _store(caps: Capabilities, kind: str, name: str | None):
+    stores = caps.stores.get(kind, {})
+    if name is None:
+        return next(iter(stores.values()))  # a served rest/dresd method has one store of its kind
+    if name not in stores:
+        raise ProtocolError(f"datastore {name!r} is not loaded; {kind} stores served: {', '.join(stores)}",
+                            param="datastore")
+    return stores[name]
+
+
+def _prompt(body: dict):
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+        return list(p)
+    if p is None:
+        raise ProtocolError("'prompt' is required", param="prompt")
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise ProtocolError("batched prompts are not supported; send one prompt per request", param="prompt")
+    raise ProtocolError("'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ProtocolError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ProtocolError(f"messages[{i}] must be an object", param="messages")
+        role, content = m.get("role"), m.get("content")
+        if role == "developer":
+            role = "system"
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise ProtocolError(f"messages[{i}] has non-text content parts; only text is supported",
+                                    param="messages")
+            content = "".join(c["text"] for c in content)
+        if m.get("tool_calls") or role == "tool":
+            raise ProtocolError(f"messages[{i}]: tool calls are not supported", param="messages")
+        out.append({"role": role, "content": content})
+    return out  # roles and contents are checked by retrospec.chat (a RetrospecError -> 400)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# text assembly
+
+class TextAssembler:
+    """Final text deltas from the cumulative decoded text (see the module docstring)."""
+
+    def __init__(self, stops: list[str] | tuple[str, ...] = ()):
+        self.stops = tuple(stops)
+        self.sent = ""
+        self.stopped = False  # a stop string was found; the text ends where it starts
+
+    def _cut(self, text: str) -> str:
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            return text[: min(hits)]
+        return text
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        text = self._cut(text)
+        if not self.stopped:
+            text = text.rstrip("\ufffd")
+            hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[: len(text) - hold]
+        return self._emit(text)
+
+    def finish(self, text: str) -> str:
+        """The last delta, given the whole decoded text; afterwards ``sent`` is the final text."""
+        return "" if self.stopped else self._emit(self._cut(text))
+
+    def _emit(self, text: str) -> str:
+        if len(text) > len(self.sent) and text.startswith(self.sent):
+            delta, self.sent = text[len(self.sent):], text
+            return delta
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# responses
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish: str, use: dict, stats: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": use, "retrospec": stats}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None = None, **extra) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
+
+
+def chat_body(rid: str, created: int, model: str, text: str, finish: str, use: dict, stats: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}],
+            "usage": use, "retrospec": stats}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None = None, **extra) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+
+
+def param_of(message: str) -> str | None:
+    """The request field a ``RetrospecError`` from ``prepare`` is about, when its message names one."""
+    names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+             "gamma": "gamma", "gating": "gating", "num_drafts": "num_drafts", "draft_len": "draft_len",
+             "stop strings": "stop", "prompt": "prompt", "messages": "messages"}
+    for key, param in names.items():
+        if message.startswith(key):
+            return param
+    return "messages" if "chat template" in message else None
