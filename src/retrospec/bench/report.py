@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "no-draft steps", "lossless")
+COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "no-draft", "lossless")
 
 
 def _row(s: dict) -> list[str]:
@@ -33,7 +33,7 @@ def render_markdown(result: dict) -> str:
         "",
         "tokens/s: decode phase (after the prompt forward), token-weighted over prompts. speedup: tokens/s over "
         "`ar` in this run. ideal: speedup with zero engine overhead (model-forward time only). tau: new tokens per "
-        "target forward. acceptance: accepted / drafted tokens. no-draft steps: share of steps the gate ran without "
+        "target forward. acceptance: accepted / drafted tokens. no-draft: share of steps the gate ran without "
         "a draft (— = not gated: ar, hf-* and m@gating=0 rows, or --no-gating). lossless: every output token-identical to `ar` "
         "(greedy runs only). hf-* rows run transformers' own generate(); their decode time is wall time minus "
         "a prompt forward of the same prompt.",
@@ -48,7 +48,7 @@ def print_table(summary: list[dict]) -> None:
 
     table = Table(title="retrospec bench")
     for col in COLUMNS:
-        table.add_column(col, justify="left" if col == "method" else "right")
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for s in summary:
         table.add_row(*_row(s))
     Console().print(table)
