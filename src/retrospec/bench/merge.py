@@ -3,7 +3,8 @@
 ``python -m retrospec.bench.merge runs/a runs/b --out runs/ab``: the parts must agree on target, draft, methods,
 sampling and lengths (``config``); their per-prompt runs are concatenated (prompt indices offset) and the summary
 is recomputed by ``harness.summarize``, so every figure stays token-weighted over all prompts. Each part has its
-own ``ar`` runs on its own prompts, so speedups compare like with like; the machine should be the same.
+own ``ar`` runs on its own prompts, so speedups compare like with like; the machine should be the same. Models are
+compared by directory name (the same bundled draft may sit in another checkout).
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ def merge(parts: list[dict]) -> dict:
     if len(parts) < 2:
         raise RetrospecError("give at least two bench result directories to merge")
     first = parts[0]["config"]
+    def norm(key, value):  # models compare by directory name (a checkout elsewhere holds the same bundled draft)
+        return Path(value).name if key in ("target", "draft") and value else value
+
     for p in parts[1:]:
         for key in MUST_AGREE:
-            if p["config"].get(key) != first.get(key):
+            if norm(key, p["config"].get(key)) != norm(key, first.get(key)):
                 raise RetrospecError(f"the parts differ in {key!r}: {first.get(key)!r} vs {p['config'].get(key)!r}")
     runs, offset = [], 0
     for p in parts:
