@@ -39,8 +39,9 @@ def test_first_step_measures_plain_decoding_then_ramps_up():
     gate = Gate(GateProfile(), "sd")
     budgets = simulate(gate, 8, natural=10, accept=lambda i: 10, draft_per_node=0.0005)
     assert budgets[0] == 0  # nothing known about this target yet: one plain step
-    assert budgets[1:4] == [1, 4, 16]  # the ramp while the drafter fills its budget
-    assert all(b == 10 for b in budgets[4:])  # 16 > natural (10 proposed): settles on the drafter's own size
+    assert budgets[1:3] == [1, 4]  # the ramp (x4) while the drafter fills its budget
+    assert max(budgets[:6]) >= 10  # 16 > natural: the drafter proposes its own size (10)
+    assert all(b >= 10 for b in budgets[8:])  # and keeps it
 
 
 def test_never_accepted_costly_draft_is_gated_off_and_probed_rarely():
@@ -77,14 +78,17 @@ def test_partial_acceptance_shrinks_the_chain_to_what_pays():
     assert max(budgets[100:], key=budgets[100:].count) == 2
 
 
-def test_profile_carries_plain_timing_and_start_budget_to_the_next_request():
+def test_profile_carries_timings_and_estimates_to_the_next_request():
     prof = GateProfile()
     simulate(Gate(prof, "sd"), 300, natural=5, accept=lambda i: 0, draft_per_node=0.008)
-    assert prof.start["sd"] == 0  # the request settled on no draft
+    assert max(prof.carried["sd"]["wgt"]) <= 3.0 + 1e-9  # carried, but worth a few steps only
     nxt = Gate(prof, "sd")
     assert nxt.choose(100, CTX) == 0  # starts gated (plain timing known, no first measuring step needed)
     other = Gate(prof, "pld")
     assert other.choose(100, CTX) == 1  # another drafter on the same target starts its own ramp
+    good = GateProfile()
+    simulate(Gate(good, "sd"), 50, natural=5, accept=lambda i: 5, draft_per_node=0.0005)
+    assert Gate(good, "sd").choose(100, CTX) >= 5  # a drafter that paid starts at its full draft (5 nodes)
 
 
 def test_counterfactual_budgets_from_one_tree():

@@ -14,14 +14,17 @@ node budget handed to ``Drafter.propose`` from quantities the decode loop measur
   children), so truncating the tree to its first b nodes keeps exactly the accepted nodes with index < b. This is
   exact for chains (a shorter chain is a prefix of the longer one) and the drafters' natural order for trees (the
   tree builders add nodes best-first). E(b) = 1 + decayed mean of those counterfactual accepted counts, starting
-  from a half-step optimistic prior (acceptance 0.5 per position) so one unlucky step does not close the gate.
+  from a half-step prior so one unlucky step does not close the gate: acceptance 0.5 per position for the first
+  budgets tried, and for a larger budget the estimates of the largest one known (more draft, no more tokens,
+  until its own steps show otherwise).
 
 Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried so far. At the top of what was tried, while
 the drafter fills its budget, the budget grows 4x (a ramp: 1, 4, 16, ... up to what the drafter proposes by
 itself, capped by the engine's room). Below the top, a probe step refreshes the estimates as often as its extra
 cost over a plain step fits in 3 % of plain decoding time (every 2 to 128 steps): at the top budget when that
-costs at most a quarter of a plain step more (cheap drafts), else at 2 b* (at least 1). A
-request starts from the budget its target and method settled on last time (``GateProfile.start``), 1 otherwise.
+costs at most a quarter of a plain step more (cheap drafts), else at 2 b* (at least 1). A request starts
+from the estimates of the last request of the same method on the same target (``GateProfile.carried``, each
+budget worth at most 3 steps, so its own steps soon dominate); the very first one starts the ramp at 1.
 
 Invariant: gating changes only the budget handed to the drafter, i.e. what is drafted; acceptance is untouched,
 so greedy output stays token-identical to plain decoding and sampling stays exact (every draft length is valid
@@ -41,6 +44,7 @@ PRIOR_ACCEPT = 0.5  # prior acceptance per position
 GROWTH = 4  # ramp factor at the top of the budgets tried
 PROBE_OVERHEAD = 0.03  # probes below the top may cost this share of plain decoding time
 PROBE_MAX = 128  # steps between probes at most
+CARRY_WEIGHT = 3.0  # a request starts from the last one's estimates, worth this many steps per budget
 CHEAP_PROBE = 0.25  # a probe at the top budget costing at most this share of a plain step more is cheap
 
 
@@ -81,7 +85,7 @@ class GateProfile:
     """What one target model's requests learn for the next ones (kept per target module, see ``profile_for``)."""
 
     verify_s: dict[int, dict[int, float]] = field(default_factory=dict)  # context bucket -> nodes -> seconds
-    start: dict[str, int] = field(default_factory=dict)  # drafter name -> the budget its last request settled on
+    carried: dict[str, dict] = field(default_factory=dict)  # drafter name -> its last request's estimates
 
     def record_verify(self, context_tokens: int, nodes: int, seconds: float) -> None:
         _ema(self.verify_s.setdefault(_bucket(context_tokens), {}), nodes, seconds)
@@ -115,9 +119,12 @@ class Gate:
         self.wgt: list[float] = [0.0]  # observations
         self.top = 0  # largest budget tried
         self.filled_top = False  # the drafter filled the top budget at least once (it may want more)
-        self.start = profile.start.get(drafter_name, 1)  # 0 = the last request ran without drafts: probe first
         self.since_probe = 0
         self.context = 0
+        last = profile.carried.get(drafter_name) if enabled else None
+        if last is not None:  # start from the last request's estimates, worth at most CARRY_WEIGHT steps each
+            self.acc, self.nodes, self.wgt = list(last["acc"]), list(last["nodes"]), list(last["wgt"])
+            self.draft_s, self.top, self.filled_top = dict(last["draft_s"]), last["top"], last["filled_top"]
 
     # ---- estimates -------------------------------------------------------------------------------------------
     def expected_tokens(self, b: int) -> float:
@@ -151,7 +158,7 @@ class Gate:
         if self.profile.verify_cost(context_tokens, 0) is None:
             return 0  # measure plain decoding once for this target and context size
         if self.top == 0:
-            return min(room, self.start) if self.start > 0 else self._probe(room, 0)
+            return 1  # the first request of this drafter on this target: start the ramp
         rates = self.rates()
         best = max(rates, key=lambda b: (rates[b], b))
         if best == self.top:
@@ -192,10 +199,15 @@ class Gate:
         _ema(self.draft_s, budget, draft_s)
         if budget > self.top:
             self.filled_top = False
-        while len(self.acc) <= budget:  # first time at this budget: the optimistic prior
+        below = len(self.acc) - 1  # the largest budget with estimates so far (0: none)
+        while len(self.acc) <= budget:  # first time at this budget: a prior worth PRIOR_WEIGHT steps
             b = len(self.acc)
-            self.acc.append(PRIOR_WEIGHT * sum(PRIOR_ACCEPT ** k for k in range(1, b + 1)))
-            self.nodes.append(PRIOR_WEIGHT * b)
+            if below == 0:  # nothing known: acceptance PRIOR_ACCEPT per position, a full draft
+                acc, nodes = sum(PRIOR_ACCEPT ** k for k in range(1, b + 1)), float(b)
+            else:  # a larger budget behaves like the largest one known until its own steps say otherwise
+                acc, nodes = self.acc[below] / self.wgt[below], self.nodes[below] / self.wgt[below]
+            self.acc.append(PRIOR_WEIGHT * acc)
+            self.nodes.append(PRIOR_WEIGHT * nodes)
             self.wgt.append(PRIOR_WEIGHT)
         self.top = max(self.top, budget)
         if budget == self.top and nodes >= budget:
@@ -210,7 +222,12 @@ class Gate:
             self.wgt[b] = DECAY * self.wgt[b] + 1.0
 
     def finish(self) -> None:
-        """Remember where this request settled, as the next request's starting budget."""
-        if self.enabled and self.top > 0:
-            rates = self.rates()
-            self.profile.start[self.name] = max(rates, key=lambda b: (rates[b], b)) if rates else 1
+        """Hand this request's estimates to the next request of the same drafter on this target, each budget's
+        weight capped at ``CARRY_WEIGHT`` steps so the next request's own steps soon dominate."""
+        if not (self.enabled and self.top > 0):
+            return
+        scale = [min(1.0, CARRY_WEIGHT / w) if w > 0 else 1.0 for w in self.wgt]
+        self.profile.carried[self.name] = {
+            "acc": [a * f for a, f in zip(self.acc, scale)], "nodes": [n * f for n, f in zip(self.nodes, scale)],
+            "wgt": [w * f for w, f in zip(self.wgt, scale)], "draft_s": dict(self.draft_s), "top": self.top,
+            "filled_top": self.filled_top}
