@@ -12,8 +12,8 @@ node budget handed to ``Drafter.propose`` from quantities the decode loop measur
 - E(b): expected tokens committed per step with budget b. Every step with budget B also tells what a smaller
   budget b <= B would have committed: the accepted path's nodes have increasing indices (parents precede their
   children), so truncating the tree to its first b nodes keeps exactly the accepted nodes with index < b. This is
-  exact for chains (a shorter chain is a prefix of the longer one) and the drafters' natural order for trees (the
-  tree builders add nodes best-first). E(b) = 1 + decayed mean of those counterfactual accepted counts, starting
+  exact for chains (a shorter chain is a prefix of the longer one) and an approximation for trees (their nodes
+  come breadth-first; a drafter given b nodes picks its own b best, usually at least as good). E(b) = 1 + decayed mean of those counterfactual accepted counts, starting
   from a half-step prior so one unlucky step does not close the gate: acceptance 0.5 per position for the first
   budgets tried, and for a larger budget the estimates of the largest one known (more draft, no more tokens,
   until its own steps show otherwise).
