@@ -88,17 +88,19 @@ def test_ar_equals_naive_oracle(tgt, prompt):
 
 @pytest.mark.parametrize("method,gamma", [("sd", 1), ("sd", 3), ("sd", None), ("sd", 12), ("pld", 2),
                                           ("pld", None)])
-def test_greedy_is_lossless(tgt, drf, method, gamma):
+@pytest.mark.parametrize("gating", [False, None], ids=["ungated", "default"])
+def test_greedy_is_lossless(tgt, drf, method, gamma, gating):
     accepted = 0
     for prompt in PROMPTS:
         ar = run(prompt, tgt, drf, "ar", max_new_tokens=40)
-        res = run(prompt, tgt, drf, method, max_new_tokens=40, gamma=gamma)
+        res = run(prompt, tgt, drf, method, max_new_tokens=40, gamma=gamma, gating=gating)
         assert res.token_ids == ar.token_ids, prompt
         assert res.text == ar.text
         accepted += res.stats.accepted_tokens
         if gamma is not None:
             assert res.stats.drafted_tokens <= gamma * res.stats.target_calls
-    assert accepted > 0  # drafts were accepted: the comparison exercised speculation, not just fallbacks
+    if gating is False:  # the gate may (by timing) skip drafting on tiny models; ungated, drafts are always tried
+        assert accepted > 0  # drafts were accepted: the comparison exercised speculation, not just fallbacks
 
 
 def test_adaptive_gamma_is_lossless(tgt, drf):

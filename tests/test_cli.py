@@ -53,7 +53,8 @@ def run_json(cli, models, *extra, **kw) -> dict:
 @pytest.mark.parametrize("method", ["ar", "sd", "pld"])
 def test_json_output_contract(cli, models, method):
     n = 16
-    obj = run_json(cli, models, method=method, n=n)
+    # ungated: the contract includes drafting statistics, and the gate may (by timing) skip drafting on tiny models
+    obj = run_json(cli, models, *(("--no-gating",) if method == "sd" else ()), method=method, n=n)
     assert {"text", "token_ids", "stats"} <= obj.keys()
     stats = obj["stats"]
     assert set(JSON_STATS) <= stats.keys()
@@ -92,8 +93,8 @@ def test_greedy_sd_and_pld_equal_ar(cli, models):
             obj = run_json(cli, models, "--gamma", gamma, method=method, n=n)
             assert obj["token_ids"] == ar["token_ids"], (method, gamma)
             assert obj["text"] == ar["text"]
-    # the tiny early-exit draft is accepted sometimes: speculation actually happened
-    sd = run_json(cli, models, method="sd", n=n)
+    # the tiny early-exit draft is accepted sometimes: speculation actually happened (ungated, so it always drafts)
+    sd = run_json(cli, models, "--no-gating", method="sd", n=n)
     assert sd["stats"]["accepted_tokens"] > 0
     assert sd["stats"]["target_calls"] < ar["stats"]["target_calls"]
 
