@@ -22,8 +22,9 @@ Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried so far. At 
 the drafter fills its budget, the budget grows 4x (a ramp: 1, 4, 16, ... up to what the drafter proposes by
 itself, capped by the engine's room). Below the top, a probe step refreshes the estimates as often as its extra
 cost over a plain step fits in 3 % of plain decoding time (every 2 to 128 steps): at the top budget when that
-costs at most a quarter of a plain step more (cheap drafts), else at 2 b* (at least 1). A request starts
-from the estimates of the last request of the same method on the same target (``GateProfile.carried``, each
+costs at most a quarter of a plain step more (cheap drafts), else at 2 b* (at least 1); a probe that becomes the
+best budget is followed at once by the next one (2 b*, ...), so a request that turns speculable climbs back in a
+few steps. A request starts from the estimates of the last request of the same method on the same target (``GateProfile.carried``, each
 budget worth at most 3 steps, so its own steps soon dominate); the very first one starts the ramp at 1.
 
 Invariant: gating changes only the budget handed to the drafter, i.e. what is drafted; acceptance is untouched,
@@ -120,6 +121,7 @@ class Gate:
         self.top = 0  # largest budget tried
         self.filled_top = False  # the drafter filled the top budget at least once (it may want more)
         self.since_probe = 0
+        self.last_probe = 0  # budget of the last probe while it may still be climbing (0: none)
         self.context = 0
         last = profile.carried.get(drafter_name) if enabled else None
         if last is not None:  # start from the last request's estimates, worth at most CARRY_WEIGHT steps each
@@ -182,10 +184,13 @@ class Gate:
         probe = max(1, self.top)
         if extra(probe) > CHEAP_PROBE * plain:
             probe = min(max(1, 2 * best), probe)
+        climbing = best > 0 and best == self.last_probe  # the last probe won: keep climbing at once
         self.since_probe += 1
-        if self.since_probe < min(PROBE_MAX, max(2.0, extra(probe) / (PROBE_OVERHEAD * plain))):
+        if not climbing and self.since_probe < min(PROBE_MAX, max(2.0, extra(probe) / (PROBE_OVERHEAD * plain))):
+            self.last_probe = 0
             return min(room, best)
         self.since_probe = 0
+        self.last_probe = probe if probe > best else 0
         return min(room, probe)
 
     # ---- feedback --------------------------------------------------------------------------------------------
