@@ -155,3 +155,13 @@ def test_gated_sampling_follows_target_law():
     assert es.chisq_pvalue(es.third_groups(counts, p3)) > es.ALPHA
     q1, q2, _ = es.exact_law(draft, es.T1)  # power: the draft's law is rejected
     assert es.chisq_pvalue(es.joint_groups(counts.sum(2), q1, q2), strict=False) < 1e-6
+
+
+def test_a_new_context_bucket_borrows_verify_ratios_from_its_neighbour():
+    prof = GateProfile()
+    prof.record_verify(1000, 0, 0.010)  # bucket of ~1K tokens: a 4-node verify costs 2x a plain step
+    prof.record_verify(1000, 4, 0.020)
+    prof.record_verify(3000, 0, 0.030)  # a longer context: only a plain step measured so far
+    assert prof.verify_cost(3000, 4) == pytest.approx(0.060)  # not the optimistic 0.030
+    assert prof.verify_cost(3000, 2) == pytest.approx(0.045)
+    assert prof.verify_cost(100_000, 1) is None  # no plain step in that bucket yet

@@ -92,9 +92,19 @@ class GateProfile:
         _ema(self.verify_s.setdefault(_bucket(context_tokens), {}), nodes, seconds)
 
     def verify_cost(self, context_tokens: int, nodes: float) -> float | None:
-        """Seconds to verify ``nodes`` draft nodes (0 = a plain decoding step), or None if the bucket has no data."""
-        table = self.verify_s.get(_bucket(context_tokens), {})
-        return _interpolate(table, nodes) if 0 in table else None
+        """Seconds to verify ``nodes`` draft nodes (0 = a plain decoding step), or None if the bucket has no plain
+        step yet. Beyond the node counts this bucket measured, the nearest bucket that measured them lends its
+        ratio to its own plain step (a context that just crossed a bucket boundary keeps what it learned)."""
+        here = _bucket(context_tokens)
+        table = self.verify_s.get(here, {})
+        if 0 not in table:
+            return None
+        if nodes > max(table):
+            for other_bucket in sorted(self.verify_s, key=lambda k: abs(k - here)):
+                other = self.verify_s[other_bucket]
+                if other_bucket != here and 0 in other and other[0] > 0 and max(other) >= nodes:
+                    return table[0] * _interpolate(other, nodes) / other[0]
+        return _interpolate(table, nodes)
 
 
 _PROFILES: "weakref.WeakKeyDictionary[object, GateProfile]" = weakref.WeakKeyDictionary()
