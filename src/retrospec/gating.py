@@ -23,9 +23,9 @@ the drafter fills its budget, the budget grows 4x (a ramp: 1, 4, 16, ... up to w
 itself, capped by the engine's room). Below the top, a probe step refreshes the estimates as often as its extra
 cost over a plain step fits in 3 % of plain decoding time (every 2 to 128 steps): at the top budget when that
 costs at most a quarter of a plain step more (cheap drafts), else at 2 b* (at least 1); a probe that becomes the
-best budget is followed at once by the next one (2 b*, ...), so a request that turns speculable climbs back in a
-few steps. A request starts from the estimates of the last request of the same method on the same target (``GateProfile.carried``, each
-budget worth at most 3 steps, so its own steps soon dominate); the very first one starts the ramp at 1.
+best budget, or whose whole draft is accepted, is followed at once by the next one (2 b*, ...), so a request
+that turns speculable climbs back in a few steps. A request starts from the estimates of the last request of the same method on the same target (``GateProfile.carried``, each
+budget worth at most 1 step, so its own steps soon dominate); the very first one starts the ramp at 1.
 
 Invariant: gating changes only the budget handed to the drafter, i.e. what is drafted; acceptance is untouched,
 so greedy output stays token-identical to plain decoding and sampling stays exact (every draft length is valid
@@ -45,7 +45,7 @@ PRIOR_ACCEPT = 0.5  # prior acceptance per position
 GROWTH = 4  # ramp factor at the top of the budgets tried
 PROBE_OVERHEAD = 0.03  # probes below the top may cost this share of plain decoding time
 PROBE_MAX = 128  # steps between probes at most
-CARRY_WEIGHT = 3.0  # a request starts from the last one's estimates, worth this many steps per budget
+CARRY_WEIGHT = 1.0  # a request starts from the last one's estimates, worth this many steps per budget
 CHEAP_PROBE = 0.25  # a probe at the top budget costing at most this share of a plain step more is cheap
 
 
@@ -132,6 +132,7 @@ class Gate:
         self.filled_top = False  # the drafter filled the top budget at least once (it may want more)
         self.since_probe = 0
         self.last_probe = 0  # budget of the last probe while it may still be climbing (0: none)
+        self.last_full = False  # the last step's whole draft was accepted
         self.context = 0
         last = profile.carried.get(drafter_name) if enabled else None
         if last is not None:  # start from the last request's estimates, worth at most CARRY_WEIGHT steps each
@@ -153,12 +154,15 @@ class Gate:
         return None if verify is None or draft is None else draft + verify
 
     def rates(self) -> dict[int, float]:
-        """Estimated tokens per second for budget 0 and every budget up to the top tried."""
-        out = {}
+        """Estimated tokens per second for budget 0 and every budget up to the top tried. Tokens per step never
+        fall as the budget grows (a larger draft contains the smaller one), so a budget whose own estimate is
+        older and lower than a smaller budget's takes the smaller one's."""
+        out, tokens = {}, 1.0
         for b in range(0, self.top + 1):
+            tokens = max(tokens, self.expected_tokens(b))
             c = self.step_cost(b)
             if c is not None and c > 0:
-                out[b] = self.expected_tokens(b) / c
+                out[b] = tokens / c
         return out
 
     # ---- decisions -------------------------------------------------------------------------------------------
@@ -194,7 +198,8 @@ class Gate:
         probe = max(1, self.top)
         if extra(probe) > CHEAP_PROBE * plain:
             probe = min(max(1, 2 * best), probe)
-        climbing = best > 0 and best == self.last_probe  # the last probe won: keep climbing at once
+        # the last probe won, or its whole draft was accepted: keep climbing at once
+        climbing = self.last_probe > 0 and (best == self.last_probe or self.last_full)
         self.since_probe += 1
         if not climbing and self.since_probe < min(PROBE_MAX, max(2.0, extra(probe) / (PROBE_OVERHEAD * plain))):
             self.last_probe = 0
@@ -209,6 +214,7 @@ class Gate:
         """One step's outcome: the budget given, the tree's node count, the accepted path (node indices, root to
         leaf), the seconds spent drafting and verifying (verify + accept + commit)."""
         self.profile.record_verify(context_tokens, nodes, verify_s)
+        self.last_full = nodes > 0 and nodes == budget and len(accepted_nodes) == nodes
         if not self.enabled or budget == 0:
             return
         _ema(self.draft_s, budget, draft_s)
