@@ -35,6 +35,7 @@ output) can differ between runs; that is why seeded sampling runs ungated unless
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass, field
 
@@ -63,48 +64,61 @@ def _bucket(context_tokens: int) -> int:
     return max(9, int(context_tokens).bit_length())
 
 
-def _ema(table: dict, key, value: float) -> None:
-    old = table.get(key)
-    table[key] = value if old is None else COST_DECAY * old + (1 - COST_DECAY) * value
+class Curve(dict):
+    """Measured points x -> seconds, read piecewise-linearly (``at``); the sorted keys are kept as points arrive,
+    so a read is a binary search, not a sort (``Gate.rates`` reads every budget on every step)."""
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.xs = sorted(self)
 
-def _interpolate(table: dict[int, float], x: float) -> float | None:
-    """Piecewise-linear through the measured points; flat beyond the last one; None when the table is empty."""
-    if not table:
-        return None
-    keys = sorted(table)
-    if x <= keys[0]:
-        return table[keys[0]]
-    for lo, hi in zip(keys, keys[1:]):
-        if x <= hi:
-            return table[lo] + (x - lo) / (hi - lo) * (table[hi] - table[lo])
-    return table[keys[-1]]
+    def __setitem__(self, x, y) -> None:
+        if x not in self:
+            bisect.insort(self.xs, x)
+        super().__setitem__(x, y)
+
+    def ema(self, x, value: float) -> None:
+        old = self.get(x)
+        self[x] = value if old is None else COST_DECAY * old + (1 - COST_DECAY) * value
+
+    def at(self, x: float) -> float | None:
+        """Piecewise-linear through the points; flat beyond the last one; None when there are none."""
+        xs = self.xs
+        if not xs:
+            return None
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return self[xs[0]]
+        if i == len(xs):
+            return self[xs[-1]]
+        lo, hi = xs[i - 1], xs[i]
+        return self[lo] + (x - lo) / (hi - lo) * (self[hi] - self[lo])
 
 
 @dataclass
 class GateProfile:
     """What one target model's requests learn for the next ones (kept per target module, see ``profile_for``)."""
 
-    verify_s: dict[int, dict[int, float]] = field(default_factory=dict)  # context bucket -> nodes -> seconds
+    verify_s: dict[int, Curve] = field(default_factory=dict)  # context bucket -> nodes -> seconds
     carried: dict[str, dict] = field(default_factory=dict)  # drafter name -> its last request's estimates
 
     def record_verify(self, context_tokens: int, nodes: int, seconds: float) -> None:
-        _ema(self.verify_s.setdefault(_bucket(context_tokens), {}), nodes, seconds)
+        self.verify_s.setdefault(_bucket(context_tokens), Curve()).ema(nodes, seconds)
 
     def verify_cost(self, context_tokens: int, nodes: float) -> float | None:
         """Seconds to verify ``nodes`` draft nodes (0 = a plain decoding step), or None if the bucket has no plain
         step yet. Beyond the node counts this bucket measured, the nearest bucket that measured them lends its
         ratio to its own plain step (a context that just crossed a bucket boundary keeps what it learned)."""
         here = _bucket(context_tokens)
-        table = self.verify_s.get(here, {})
+        table = self.verify_s.get(here, Curve())
         if 0 not in table:
             return None
-        if nodes > max(table):
+        if nodes > table.xs[-1]:
             for other_bucket in sorted(self.verify_s, key=lambda k: abs(k - here)):
                 other = self.verify_s[other_bucket]
-                if other_bucket != here and 0 in other and other[0] > 0 and max(other) >= nodes:
-                    return table[0] * _interpolate(other, nodes) / other[0]
-        return _interpolate(table, nodes)
+                if other_bucket != here and 0 in other and other[0] > 0 and other.xs[-1] >= nodes:
+                    return table[0] * other.at(nodes) / other[0]
+        return table.at(nodes)
 
 
 _PROFILES: "weakref.WeakKeyDictionary[object, GateProfile]" = weakref.WeakKeyDictionary()
@@ -123,7 +137,7 @@ class Gate:
 
     def __init__(self, profile: GateProfile, drafter_name: str, enabled: bool = True):
         self.profile, self.name, self.enabled = profile, drafter_name, enabled
-        self.draft_s: dict[int, float] = {0: 0.0}  # budget -> EMA seconds in propose() (budget 0 drafts nothing)
+        self.draft_s = Curve({0: 0.0})  # budget -> EMA seconds in propose() (budget 0 drafts nothing)
         # index b: decayed sums over steps with budget >= b of what budget b would have given
         self.acc: list[float] = [0.0]  # accepted tokens
         self.nodes: list[float] = [0.0]  # drafted nodes (what verification pays for)
@@ -137,7 +151,7 @@ class Gate:
         last = profile.carried.get(drafter_name) if enabled else None
         if last is not None:  # start from the last request's estimates, worth at most CARRY_WEIGHT steps each
             self.acc, self.nodes, self.wgt = list(last["acc"]), list(last["nodes"]), list(last["wgt"])
-            self.draft_s, self.top, self.filled_top = dict(last["draft_s"]), last["top"], last["filled_top"]
+            self.draft_s, self.top, self.filled_top = Curve(last["draft_s"]), last["top"], last["filled_top"]
 
     # ---- estimates -------------------------------------------------------------------------------------------
     def expected_tokens(self, b: int) -> float:
@@ -150,7 +164,7 @@ class Gate:
             return None
         nodes = 0.0 if b == 0 else self.nodes[b] / self.wgt[b]
         verify = self.profile.verify_cost(self.context, nodes)
-        draft = _interpolate(self.draft_s, b) if b <= max(self.draft_s) else None
+        draft = self.draft_s.at(b) if b <= self.draft_s.xs[-1] else None
         return None if verify is None or draft is None else draft + verify
 
     def rates(self) -> dict[int, float]:
@@ -196,12 +210,14 @@ class Gate:
             return max(0.0, (self.step_cost(b) or plain) - plain)
 
         probe = max(1, self.top)
-        if extra(probe) > CHEAP_PROBE * plain:
+        cost = extra(probe)
+        if cost > CHEAP_PROBE * plain:
             probe = min(max(1, 2 * best), probe)
+            cost = extra(probe)
         # the last probe won, or its whole draft was accepted: keep climbing at once
         climbing = self.last_probe > 0 and (best == self.last_probe or self.last_full)
         self.since_probe += 1
-        if not climbing and self.since_probe < min(PROBE_MAX, max(2.0, extra(probe) / (PROBE_OVERHEAD * plain))):
+        if not climbing and self.since_probe < min(PROBE_MAX, max(2.0, cost / (PROBE_OVERHEAD * plain))):
             self.last_probe = 0
             return min(room, best)
         self.since_probe = 0
@@ -217,18 +233,18 @@ class Gate:
         self.last_full = nodes > 0 and nodes == budget and len(accepted_nodes) == nodes
         if not self.enabled or budget == 0:
             return
-        _ema(self.draft_s, budget, draft_s)
+        self.draft_s.ema(budget, draft_s)
         if budget > self.top:
             self.filled_top = False
         below = len(self.acc) - 1  # the largest budget with estimates so far (0: none)
         while len(self.acc) <= budget:  # first time at this budget: a prior worth PRIOR_WEIGHT steps
             b = len(self.acc)
             if below == 0:  # nothing known: acceptance PRIOR_ACCEPT per position, a full draft
-                acc, nodes = sum(PRIOR_ACCEPT ** k for k in range(1, b + 1)), float(b)
+                prior_acc, prior_nodes = sum(PRIOR_ACCEPT ** k for k in range(1, b + 1)), float(b)
             else:  # a larger budget behaves like the largest one known until its own steps say otherwise
-                acc, nodes = self.acc[below] / self.wgt[below], self.nodes[below] / self.wgt[below]
-            self.acc.append(PRIOR_WEIGHT * acc)
-            self.nodes.append(PRIOR_WEIGHT * nodes)
+                prior_acc, prior_nodes = self.acc[below] / self.wgt[below], self.nodes[below] / self.wgt[below]
+            self.acc.append(PRIOR_WEIGHT * prior_acc)
+            self.nodes.append(PRIOR_WEIGHT * prior_nodes)
             self.wgt.append(PRIOR_WEIGHT)
         self.top = max(self.top, budget)
         if budget == self.top and nodes >= budget:
