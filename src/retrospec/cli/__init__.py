@@ -1,5 +1,6 @@
 """``retrospec`` command line: ``generate``, ``bench``, ``serve``, ``models list|path|import-gguf``,
-``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``.
+``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``, ``train rag-drafter``,
+``rag index``.
 
 Wherever a model directory is accepted (``--target``, ``--draft``), a model name from ``retrospec models list``
 works too.
@@ -27,7 +28,8 @@ def _fail(message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench_cmd, datastore_cmd, generate_cmd, models_cmd, serve_cmd, tasks_cmd, zoo_cmd
+    from . import (bench_cmd, datastore_cmd, generate_cmd, models_cmd, rag_cmd, serve_cmd, tasks_cmd, train_cmd,
+                   zoo_cmd)
 
     parser = _Parser(prog="retrospec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     zoo_cmd.add_parser(sub)
     tasks_cmd.add_parser(sub)
     datastore_cmd.add_parser(sub)
+    train_cmd.add_parser(sub)
+    rag_cmd.add_parser(sub)
     return parser
 
 

@@ -219,6 +219,14 @@ def run_build(args) -> int:
 def summary(path, meta: dict) -> str:
     c, p, b = meta.get("counts", {}), meta.get("params", {}), meta.get("build", {})
     size = sum((meta.get("files") or {}).values())
+    if meta["kind"] == "rag":  # Speculative RAG passage index (retrospec rag index)
+        e = meta.get("embedder") or {}
+        return "\n".join([
+            f"{path}: RAG passage index (retrospec rag)",
+            f"  passages {c.get('passages', 0):,} from {p.get('source')}; embedder {e.get('name')} "
+            f"({e.get('dim')}-d, fingerprint {e.get('fingerprint')}); exact inner-product index",
+            f"  size {size / 2**20:.1f} MiB; built {b.get('created')} in {b.get('seconds')} s, "
+            f"peak RSS {b.get('peak_rss_mb')} MiB"])
     lines = [f"{path}: {meta['kind']} datastore ({'rest' if meta['kind'] == 'suffix' else 'dresd'})"]
     if meta["kind"] == "suffix":
         lines.append(f"  tokens {c.get('tokens', 0):,} in {c.get('documents', 0):,} documents")

@@ -6,6 +6,8 @@ by default, whatever dtype they were saved in (the zoo is stored in float16 to s
 
 A ``str`` that is not an existing path but is a known model name (``named.py``: ``zoo``, ``smollm2-135m``, ...) is
 resolved to that model's directory first, converting it once if it needs to be; a path always wins over a name.
+A LoRA adapter directory (``adapters.py``: peft files + ``retrospec_adapter.json``) loads as its base with the
+adapter merged into a private copy.
 
 A draft directory may hold ``draft_vocab.json`` (a *reduced draft vocabulary*)::
 
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import RetrospecError
+from .adapters import is_adapter_dir, load_adapter
 from .named import known_names, lookup, resolve_name
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -100,10 +103,13 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
         loaded = LoadedModel(src.eval(), tokenizer, str(name or "<in-memory model>"))
         return _attach_vocab_map(loaded, home) if home is not None else loaded
     path = model_dir(src)
-    _check_dir(path, role)
     key = (str(path.resolve()), str(dtype), str(device))
     if key in _CACHE:
         return _CACHE[key]
+    if path.is_dir() and is_adapter_dir(path):  # a LoRA adapter: merged into a copy of its base
+        _CACHE[key] = load_adapter(path, dtype=dtype, device=device, load_model=load_model)
+        return _CACHE[key]
+    _check_dir(path, role)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

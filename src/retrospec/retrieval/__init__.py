@@ -32,6 +32,9 @@ def open_store(src, kind: str | None = None, *, target=None, tokenizer=None) -> 
             raise RetrospecError("no datastore given (--datastore DIR)")
         path = Path(src).expanduser()
         meta = load_meta(path, kind=kind)
+        if meta["kind"] not in ("suffix", "dense"):
+            raise RetrospecError(f"datastore {path} is a RAG passage index (for 'retrospec rag'); rest and dresd "
+                                 f"need a suffix or dense store (retrospec datastore build)")
         key = (str(path.resolve()), (path / META_FILE).stat().st_mtime_ns)
         store = _CACHE.get(key)
         if store is None:

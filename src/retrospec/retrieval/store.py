@@ -2,7 +2,7 @@
 
 A datastore is one directory. ``meta.json`` says what it is and what it was built for::
 
-    {"format": "retrospec-datastore", "version": 1, "kind": "suffix" | "dense",
+    {"format": "retrospec-datastore", "version": 1, "kind": "suffix" | "dense" | "rag",
      "tokenizer": {"fingerprint", "vocab_size", "eos_id", "source"},
      "target":    {"fingerprint", "config_hash", "weights_digest", "path", "layer", "hidden_size"}   # dense only
      "params": {...build parameters...}, "corpus": {...description...}, "counts": {...},
@@ -39,7 +39,12 @@ from ..errors import RetrospecError
 
 FORMAT = "retrospec-datastore"
 VERSION = 1
-KINDS = ("suffix", "dense")
+KINDS = ("suffix", "dense", "rag")  # rag: Speculative RAG passage index (retrospec.rag.index)
+# how a kind is named, and what needs it (for the wrong-kind refusal)
+_KIND_NAMES = {"suffix": "suffix store", "dense": "dense store", "rag": "RAG passage index"}
+_KIND_NEEDS = {"suffix": "method 'rest' needs a suffix store (retrospec datastore build --kind suffix)",
+               "dense": "method 'dresd' needs a dense store (retrospec datastore build --kind dense)",
+               "rag": "a RAG passage index is needed (retrospec rag index)"}
 META_FILE = "meta.json"
 
 # config keys that do not change what the model computes
@@ -189,9 +194,8 @@ def load_meta(path: str | Path, kind: str | None = None) -> dict:
     if meta.get("kind") not in KINDS:
         raise RetrospecError(f"corrupt datastore {path}: unknown kind {meta.get('kind')!r}")
     if kind is not None and meta["kind"] != kind:
-        method = {"suffix": "rest", "dense": "dresd"}[kind]
-        raise RetrospecError(f"datastore {path} is a {meta['kind']} store; method '{method}' needs a {kind} store "
-                             f"(retrospec datastore build --kind {kind})")
+        needs = _KIND_NEEDS.get(kind, f"a {kind} store is needed")
+        raise RetrospecError(f"datastore {path} is a {_KIND_NAMES[meta['kind']]}; {needs}")
     for name, size in (meta.get("files") or {}).items():
         f = path / name
         if not f.is_file():

@@ -1,0 +1,85 @@
+"""Batched greedy generation: several prompts decoded together (the project's first batch > 1 path).
+
+Speculative RAG drafts m answers in parallel, one per document subset (Wang et al., ICLR 2025, §3.3); on a GPU a
+batch of m costs about one sequence. This is plain batched decoding, not the speculative loop: it lives with its
+only user, ``rag/``.
+
+Layout: prompts are **left-padded** to one length ``L``; ``attention_mask`` hides the pads and ``position_ids`` count
+only real tokens (``cumsum(mask) - 1``), so every row sees exactly what it would see alone. Each step feeds one
+token per live row; a row stops at an EOS id, when ``stop(row_ids)`` says so, or at ``max_new_tokens``. Finished rows
+are dropped from the batch (``DynamicCache.batch_select_indices``), so a long straggler does not pay for the rest.
+
+Invariants (tested): each row's tokens equal one-at-a-time greedy decoding of its prompt (``decode.
+autoregressive_generate``); ``logprobs[i][t]`` is the raw (unwarped, untempered) log-softmax of the model at the
+step that produced ``tokens[i][t]`` — the teacher-forced log-probability of that token given the prompt and the
+row's earlier tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ..errors import RetrospecError
+
+
+@dataclass
+class BatchOutput:
+    tokens: list[list[int]]  # generated ids per row (the stopping EOS id included, when one was produced)
+    logprobs: list[list[float]]  # raw log p of each generated token
+    steps: int  # forward passes after the prefill
+
+
+@torch.no_grad()
+def greedy_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: frozenset[int] = frozenset(),
+                 pad_id: int = 0, stop: Callable[[list[int]], bool] | None = None) -> BatchOutput:
+    """Greedy-decode every prompt of ``prompts`` together; see the module docstring."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise RetrospecError("batched generation needs non-empty prompts")
+    if max_new_tokens < 1:
+        raise RetrospecError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    n, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)  # [n, L]
+    mask = torch.zeros((n, width), dtype=torch.long, device=device)  # [n, L]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, L]
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    logits = out.logits[:, -1]  # [n, V]
+    next_pos = positions[:, -1] + 1  # [n]
+    live = list(range(n))  # row of the batch -> prompt index
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    steps = 0
+    while True:
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [b, V]
+        best = logp.argmax(dim=-1)  # [b]
+        picked = logp.gather(-1, best[:, None])[:, 0]  # [b]
+        keep = []
+        for b, row in enumerate(live):
+            t = int(best[b])
+            tokens[row].append(t)
+            logprobs[row].append(float(picked[b]))
+            if not (t in eos_ids or len(tokens[row]) >= max_new_tokens or (stop is not None and stop(tokens[row]))):
+                keep.append(b)
+        if not keep:
+            break
+        if len(keep) < len(live):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, next_pos, best = mask[index], next_pos[index], best[index]
+            live = [live[b] for b in keep]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=-1)  # [b, L + t]
+        out = model(input_ids=best[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                    past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1]
+        next_pos = next_pos + 1
+        steps += 1
+    return BatchOutput(tokens, logprobs, steps)
