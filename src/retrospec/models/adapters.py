@@ -50,7 +50,9 @@ def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
     base_path = Path(base_src).expanduser()
     if not base_path.is_absolute() and not base_path.exists() and (path / base_src).exists():
         base_src = str(path / base_src)
-    base = load_model(base_src, role="adapter base", dtype=dtype, device=device)
+    # float32 whatever ``dtype``: the recorded identity is of float32 weights (rounding to bfloat16 changes the
+    # digest), and the merge W + BA is rounded once, at the end
+    base = load_model(base_src, role="adapter base", dtype=torch.float32, device=device)
     want = (meta.get("base_identity") or {}).get("fingerprint")
     have = model_identity(base.model)["fingerprint"]
     if want is not None and want != have:

@@ -63,7 +63,16 @@ def run_bench(pipe: RagPipeline, questions: Sequence[Question], methods: list[st
         if not resume:
             raise RetrospecError(f"{out} already holds a bench ({ROWS}); pass --resume to continue it or choose "
                                  "another --out")
-        done = {r["id"] for r in read_rows(rows_file)}
+        rows = read_rows(rows_file)
+        have: dict[str, set[str]] = {}
+        for r in rows:
+            have.setdefault(r["id"], set()).add(r["method"])
+        done = {qid for qid, ms in have.items() if set(methods) <= ms}
+        # a stopped run may leave a partial last line (appending after it would corrupt the next row) and some of
+        # a question's rows: keep the complete questions' rows only; the others are answered again
+        tmp = out / f"{ROWS}.part"
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows if r["id"] in done))
+        tmp.replace(rows_file)
     todo = [q for q in questions if q.id not in done]
     with rows_file.open("a") as f:
         for q in tqdm(todo, desc="rag bench", unit="question", disable=not progress, dynamic_ncols=True):

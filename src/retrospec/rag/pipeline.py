@@ -203,11 +203,17 @@ class RagPipeline:
     def _generated_logprob(self, toks: list[int], lps: list[float], text: str) -> float:
         """log P(β) + log P(α) from the generated tokens' own log-probs; spans found in the decoded text."""
         tok = self.drafter.tokenizer
-        offsets, pos = [], 0
-        for t in range(len(toks)):  # character range of each generated token in ``text``
-            end = len(tok.decode(toks[: t + 1], skip_special_tokens=True))
-            offsets.append((pos, max(pos, end)))
-            pos = max(pos, end)
+
+        def complete(n: int) -> tuple[int, bool]:  # characters completed by toks[:n]; a partial one pending?
+            decoded = tok.decode(toks[:n], skip_special_tokens=True)
+            done = decoded.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes to replacement characters
+            return len(done), len(done) < len(decoded)
+
+        offsets = []
+        for t in range(len(toks)):  # character range of each generated token in ``text``, as tokenizer offsets
+            start, _ = complete(t)  # give it: every byte token of a multi-byte character covers that character
+            end, partial = complete(t + 1)
+            offsets.append((start, max(start, end + partial)))
         cut = text.index(ANSWER_TAG)
         head = text[:cut]
         b_span = (len(head) - len(head.lstrip()), len(head.rstrip()))

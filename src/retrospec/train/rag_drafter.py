@@ -80,6 +80,8 @@ def hard_negatives(questions: list[Question], passages: list[Passage], embedder=
     """For each question, the id of the passage nearest to it (cosine, sentence embedder), its gold passage excluded."""
     from ..retrieval.embedder import load_embedder
 
+    if not questions:  # nothing to embed (encode([]) is not a [0, d] array)
+        return {}
     emb = load_embedder(embedder)
     p = np.concatenate([emb.encode([x.as_text() for x in passages[i:i + batch]])
                         for i in range(0, len(passages), batch)])  # [P, d]
