@@ -77,10 +77,14 @@ def all_methods(pipe):
     return pipe.answer_many(QUESTIONS[0].question, list(METHODS))
 
 
-def expected_score(d: Draft, m: Method) -> float:
+def expected_score(d: Draft, m: Method, default_norm: str = "mean") -> float:
     if not d.answer:
         return -math.inf
-    parts = {"draft": d.log_draft, "sc": d.log_sc, "sr": d.log_sr}
+    if (m.norm or default_norm) == "mean":  # ρ_draft and ρ_SC per token
+        assert d.n_draft > 0 and d.n_sc > 0
+        parts = {"draft": d.log_draft / d.n_draft, "sc": d.log_sc / d.n_sc, "sr": d.log_sr}
+    else:
+        parts = {"draft": d.log_draft, "sc": d.log_sc, "sr": d.log_sr}
     return float(sum(parts[t] for t in m.terms))
 
 
@@ -153,7 +157,7 @@ def test_every_method_answers(all_methods, index):
 def test_methods_share_drafts(all_methods):
     clustered = [n for n, m in METHODS.items() if m.kind == "specrag" and m.subsets == "clustered"]
     assert set(clustered) == {"specrag", "drafter", "specrag-random-select", "specrag-no-sc", "specrag-no-sr",
-                              "specrag-no-draft"}
+                              "specrag-no-draft", "specrag-sum"}
     ref = all_methods["specrag"]
     key = [(d.subset, d.rationale, d.answer, d.log_draft, d.log_sc, d.log_sr) for d in ref.drafts]
     for name in clustered:
@@ -198,9 +202,11 @@ def test_choose_rule_and_empty_answers(pipe):
               Draft(["b"], "r", "x", log_draft=-5.0, log_sc=-1.0, log_sr=-3.0),
               Draft(["c"], "r", "y", log_draft=-2.0, log_sc=-9.0, log_sr=-0.5),
               Draft(["d"], "r", "z", log_draft=-2.0, log_sc=-9.0, log_sr=-0.5)]  # ties with c
-    want = {"specrag": 1, "specrag-no-sc": 2, "specrag-no-sr": 1, "specrag-no-draft": 1, "drafter": 2}
-    for name, chosen in want.items():
-        picked = [Draft(list(d.subset), d.rationale, d.answer, d.log_draft, d.log_sc, d.log_sr) for d in drafts]
+    want = {"specrag": 1, "specrag-no-sc": 2, "specrag-no-sr": 1, "specrag-no-draft": 1, "drafter": 2,
+            "specrag-sum": 1}
+    for name, chosen in want.items():  # one token per span: the per-token and raw scores agree
+        picked = [Draft(list(d.subset), d.rationale, d.answer, d.log_draft, d.log_sc, d.log_sr, n_draft=1, n_sc=1)
+                  for d in drafts]
         assert pipe._choose("q", picked, METHODS[name]) == chosen, name
         assert picked[0].score == -math.inf
     for _ in range(3):
@@ -370,3 +376,13 @@ def test_merge_is_the_union(pipe, full_bench, tmp_path):
 
 def test_passage_fixture_sanity(index):
     assert len(index) == 12 and index.passages[11] == Passage("insulin", "", "Insulin is made by the pancreas.")
+
+
+def test_score_norm_mean_is_per_token_and_sum_is_the_raw_product(pipe):
+    # a long, well-scored rationale against a short, worse-per-token one: the raw product prefers the short one
+    long = Draft(["a"], "r", "x", log_draft=-4.0, log_sc=-40.0, log_sr=-1.0, n_draft=40, n_sc=40)  # -1.0 / token
+    short = Draft(["b"], "r", "y", log_draft=-3.0, log_sc=-20.0, log_sr=-1.0, n_draft=10, n_sc=10)  # -2.0 / token
+    assert pipe._choose("q", [long, short], METHODS["specrag-sum"]) == 1
+    assert long.score == pytest.approx(-45.0)
+    assert pipe._choose("q", [long, short], METHODS["specrag"]) == 0
+    assert long.score == pytest.approx(-4.0 / 40 - 40.0 / 40 - 1.0)

@@ -18,6 +18,7 @@ from .chat import build_chat_prompt, chat_messages
 from .config import DecodeConfig, SamplingConfig
 from .decode import speculative_generate
 from .drafters import REGISTRY
+from .drafters.longspec import longspec_options
 from .errors import RetrospecError
 from .gating import resolve as resolve_gating
 from .long_requests import prepare_long_request
@@ -85,6 +86,8 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     opts = dict(options)
     opts["gamma"] = gamma or DEFAULT_GAMMA.get(method, 5)
     opts["adaptive"] = adaptive_gamma
+    if method == "longspec":  # ``draft`` is a LongSpec block (a directory or a LongSpecDraft), not a draft LM
+        opts.update(longspec_options(draft, tgt.model, gamma, opts.pop("tree", None)))
     return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids, gating=gating)
 
 

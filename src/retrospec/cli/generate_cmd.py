@@ -34,12 +34,14 @@ def add_sampling_args(p) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a continuation of one prompt")
     p.add_argument("--method", default="sd",
-                   help="ar | sd | pld | rest | dresd (these two with --datastore); with --context-file: lc | rag | sd | "
-                        "magicdec | rapid (default: sd)")
+                   help="ar | sd | pld | rest | dresd (these two with --datastore) | longspec (--draft: a LongSpec "
+                        "block directory); with --context-file: lc | rag | sd | magicdec | rapid (default: sd)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")
     add_sampling_args(p)
+    p.add_argument("--tree", metavar="W1,W2,...", default=None,
+                   help="longspec: beam tree widths per depth (default 4,16,16,16,16); --gamma N drafts a chain")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     from .long_args import add_long_context_args
@@ -79,10 +81,13 @@ def run(args) -> int:
     long_kwargs = long_context_kwargs(args) if context is not None else {}
     if context is None and (long_context_kwargs(args) or args.method in ("rag", "rapid")):
         raise RetrospecError("long-context options and methods rag / rapid need --context-file FILE")
+    if args.tree is not None and args.method != "longspec":
+        raise RetrospecError("--tree applies to method longspec only")
     s = stream(read_prompt(args), chat=args.chat, target=args.target, draft=args.draft, method=args.method,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                seed=args.seed, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma, stop=args.stop,
-               gating=False if args.no_gating else None, **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args))
+               gating=False if args.no_gating else None, **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args),
+               **({"tree": args.tree} if args.tree is not None else {}))
     if args.json:
         for _ in s.token_chunks():
             pass

@@ -65,6 +65,8 @@ def _add_models(p) -> None:
     p.add_argument("--max-answer-tokens", type=int, default=24)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model dtype (bfloat16 roughly halves prompt time on CPUs with AVX512-BF16)")
+    p.add_argument("--score-norm", default="mean", choices=("mean", "sum"),
+                   help="mean (default): ρ_draft and ρ_SC per token; sum: the paper's raw product")
     p.add_argument("--seed", type=int, default=0, help="subset sampling seed (default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
 
@@ -109,7 +111,7 @@ def _pipeline(args):
         torch.set_num_threads(args.threads)
     cfg = RagConfig(docs=args.docs, drafts=args.drafts, per_draft=args.per_draft,
                     max_rationale_tokens=args.max_rationale_tokens, max_answer_tokens=args.max_answer_tokens,
-                    seed=args.seed)
+                    seed=args.seed, score_norm=args.score_norm)
     cfg.validate()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     # answer-level: drafter and verifier exchange text, not token ids, so their tokenizers may differ
@@ -179,7 +181,7 @@ def run_bench(args) -> int:
               "dtype": args.dtype, "threads": torch.get_num_threads(), "methods": methods,
               "machine": platform.machine(), "torch": torch.__version__} | {
         k: getattr(pipe.config, k) for k in ("docs", "drafts", "per_draft", "max_rationale_tokens",
-                                             "max_answer_tokens", "seed")}
+                                             "max_answer_tokens", "seed", "score_norm")}
     result = bench(pipe, questions, methods, Path(args.out), config=config, resume=args.resume)
     _print_summary(result, args.out)
     return 0

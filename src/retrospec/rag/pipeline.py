@@ -13,7 +13,14 @@ accuracy and latency, which ``rag/bench.py`` measures.
 Methods (``METHODS``): ``specrag``; baselines ``standard`` (the verifier answers with all ``docs`` passages in its
 prompt), ``drafter`` (best ρ_draft, no verifier call), ``closed-book`` (the verifier, no passages); ablations
 ``specrag-random-subsets`` / ``specrag-same-cluster`` (other subset sampling), ``specrag-random-select`` (a
-uniformly random draft, no verifier call), ``specrag-no-sc`` / ``-no-sr`` / ``-no-draft`` (a score term dropped).
+uniformly random draft, no verifier call), ``specrag-no-sc`` / ``-no-sr`` / ``-no-draft`` (a score term dropped),
+``specrag-sum`` (the paper's raw product, see Scores).
+
+Scores: ``score_norm="mean"`` (the default) divides ``log ρ_draft`` and ``log ρ_SC`` by their token counts (a
+per-token geometric mean) before summing; ``"sum"`` is the paper's raw product. Raw log-probabilities of extractive
+rationales fall with their length (a 40-token Wikipedia sentence scores ~100 nats under a 135M verifier, a 15-token
+one ~40), so the raw product picks the shortest rationale rather than the best-supported answer. ``specrag-sum``
+runs the paper's product next to the default in every bench.
 
 Invariants: a draft whose answer is empty scores −inf and is picked only when every draft is empty; methods that
 share a subset strategy share its drafts and verifier scores within ``answer_many`` (their latency is that of the
@@ -46,6 +53,7 @@ class Method:
     subsets: str = "clustered"  # subsets.make_subsets strategy
     terms: tuple[str, ...] = ("draft", "sc", "sr")  # score terms summed (log space); () = random choice
     verify: bool = True  # whether the verifier scores the drafts
+    norm: str | None = None  # "sum" | "mean" (per token); None = RagConfig.score_norm
 
 
 METHODS: dict[str, Method] = {
@@ -59,7 +67,9 @@ METHODS: dict[str, Method] = {
     "specrag-no-sc": Method("specrag", terms=("draft", "sr")),
     "specrag-no-sr": Method("specrag", terms=("draft", "sc")),
     "specrag-no-draft": Method("specrag", terms=("sc", "sr")),
+    "specrag-sum": Method("specrag", norm="sum"),  # the paper's raw product of probabilities (no length norm)
 }
+SCORE_NORMS = ("mean", "sum")
 
 
 @dataclass
@@ -71,12 +81,15 @@ class RagConfig:
     max_answer_tokens: int = 24
     seed: int = 0
     drafter_rescore: bool = False  # re-run a teacher-forced drafter forward for ρ_draft (equal, slower)
+    score_norm: str = "mean"  # "mean": ρ_draft and ρ_SC per token (geometric mean); "sum": the paper's raw product
 
     def validate(self) -> None:
         for name in ("docs", "drafts", "per_draft", "max_rationale_tokens", "max_answer_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RetrospecError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.score_norm not in SCORE_NORMS:
+            raise RetrospecError(f"score-norm must be one of {', '.join(SCORE_NORMS)}, got {self.score_norm!r}")
         if self.per_draft > self.docs:
             raise RetrospecError(f"per-draft ({self.per_draft}) cannot exceed docs ({self.docs})")
 
@@ -91,6 +104,8 @@ class Draft:
     log_sr: float | None = None
     score: float | None = None
     tokens: int = 0  # drafter tokens generated
+    n_draft: int = 0  # drafter tokens of β and α (the per-token norm of log_draft)
+    n_sc: int = 0  # verifier tokens of α and β (the per-token norm of log_sc)
 
 
 @dataclass
@@ -196,6 +211,7 @@ class RagPipeline:
             for j, row in zip(redo, scores):
                 drafts[j].log_draft = float(row.sum())
         for d in drafts:
+            d.n_draft = _count(tok, d.rationale) + _count(tok, d.answer)
             if not d.answer:
                 d.log_draft = -math.inf
         return drafts
@@ -235,6 +251,7 @@ class RagPipeline:
         scores = span_logprobs(self.verifier.model, self.verifier.tokenizer, texts, spans, batch_size=len(texts))
         for d, (a, b, yes) in zip(live, scores):
             d.log_sc, d.log_sr = float(a + b), float(yes)
+            d.n_sc = _count(self.verifier.tokenizer, d.answer) + _count(self.verifier.tokenizer, d.rationale)
 
     def respond(self, question: str, docs: list[Passage]) -> str:
         """``standard`` (docs) and ``closed-book`` (no docs): the verifier answers directly, greedy, one line."""
@@ -307,14 +324,21 @@ class RagPipeline:
         if not m.terms:  # random selection among drafts with an answer
             ok = [i for i, d in enumerate(drafts) if d.answer] or list(range(len(drafts)))
             return int(np.random.default_rng(self._seed(question)).choice(ok))
+        mean = (m.norm or self.config.score_norm) == "mean"
         for d in drafts:
-            parts = {"draft": d.log_draft, "sc": d.log_sc, "sr": d.log_sr}
+            parts = {"draft": d.log_draft / max(1, d.n_draft) if mean else d.log_draft,
+                     "sc": d.log_sc / max(1, d.n_sc) if mean and d.log_sc is not None else d.log_sc, "sr": d.log_sr}
             d.score = -math.inf if not d.answer else float(sum(parts[t] for t in m.terms))
         return int(max(range(len(drafts)), key=lambda i: (drafts[i].score, -i)))
 
 
 def _copy(d: Draft) -> Draft:
-    return Draft(list(d.subset), d.rationale, d.answer, d.log_draft, d.log_sc, d.log_sr, None, d.tokens)
+    return Draft(list(d.subset), d.rationale, d.answer, d.log_draft, d.log_sc, d.log_sr, None, d.tokens, d.n_draft,
+                 d.n_sc)
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(f" {text}", add_special_tokens=False)["input_ids"]) if text else 0
 
 
 def _total(timings: dict) -> dict:

@@ -1,0 +1,166 @@
+"""``longspec``: a one-block draft that reads the target's KV cache drafts a chain or a beam tree (LongSpec: Yang et
+al., "LongSpec: Long-Context Lossless Speculative Decoding with Efficient Drafting and Verification", sail-sg 2025).
+
+The draft block (``models.longspec``) attends to a sliding window of its own keys/values (a fixed-size ring buffer,
+``DraftState``) and cross-attends to the target's last-layer K/V, read through the ``target_kv`` view the decode loop
+provides (declared in ``needs``; read only, never mutated). Its memory does not grow with the context.
+
+Modes (both deterministic drafts, ``draft_probs=None`` = one-hot q, so the engine's rules verify them exactly:
+``GreedyMatch`` at temperature 0, the multi-draft ``RejectionSampling`` at any temperature / top-k / top-p):
+- chain (``gamma=N``): the draft's argmax chain of N tokens, at every temperature. Sampling the chain from q and
+  keeping q would be exact too; a deterministic chain needs no q, no random draws and no second code path.
+- tree (default, ``tree=(4, 16, 16, 16, 16)``): depth 1 = the root's top-``w1`` tokens; each later depth runs the
+  draft once over the whole previous level (batched, tree mask over the tentative tokens + the ring) and keeps the
+  global top-``w_d`` (node, token) pairs by cumulative draft log-prob; unpicked nodes get no children. Flattened
+  breadth-first into a ``DraftTree`` (at most ``budget`` nodes; a level cut by the budget keeps its best nodes).
+  Siblings are distinct tokens (a top-k over (node x vocabulary) picks each pair once), which is what makes the
+  one-hot multi-draft rule exact. (The seed's p/q rejection over top-k children is biased: not done here.)
+  Ranking uses the draft's raw log-probs, whatever the sampling temperature; it changes what is drafted only.
+  Children of an EOS token are never drafted (nothing after it can be committed).
+
+State consistency. The draft's ring holds every committed token but the last, like the target's cache (the last
+committed token is the root of the next tree). ``observe`` only receives counts and runs before the loop extends
+``ctx.tokens``, so the ring is advanced at the top of ``propose``, from ``ctx.tokens`` itself (the root of last step,
+the accepted tokens, and none of the rejected ones), and every tentative token is dropped at the end of
+``propose``. After any step, full rejection included, the ring therefore equals a ring rebuilt from the committed
+tokens (tested), and the target cache length is checked against it on every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import RetrospecError
+from ..models.longspec import DraftState, LongSpecDraft, load_longspec
+from ..types import DraftTree
+from .base import DecodeContext, as_module, register
+
+DEFAULT_TREE = (4, 16, 16, 16, 16)
+
+
+def parse_tree(spec) -> tuple[int, ...]:
+    """``"4,16,16"`` or a sequence of ints -> (4, 16, 16); widths per depth, each >= 1."""
+    try:
+        widths = tuple(int(w) for w in (spec.split(",") if isinstance(spec, str) else spec))
+    except (TypeError, ValueError):
+        raise RetrospecError(f"tree must be comma-separated widths per depth, e.g. 4,16,16; got {spec!r}") from None
+    if not widths or any(w < 1 for w in widths):
+        raise RetrospecError(f"tree widths must be >= 1 (one per depth, e.g. 4,16,16); got {spec!r}")
+    return widths
+
+
+class LongSpecDrafter:
+    name = "longspec"
+    needs: frozenset[str] = frozenset({"target_kv"})
+
+    def __init__(self, block: LongSpecDraft, gamma: int | None = None, tree=None):
+        if gamma is not None and tree is not None:
+            raise RetrospecError("longspec drafts a chain (gamma) or a tree (tree), not both")
+        self.block = block
+        self.gamma = gamma
+        self.tree = None if gamma is not None else parse_tree(DEFAULT_TREE if tree is None else tree)
+        self.state: DraftState | None = None
+
+    def prefill(self, ctx: DecodeContext) -> None:
+        self.state = DraftState(self.block)
+        self.state.append(ctx.tokens[:-1])
+
+    def _sync(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Commit the tokens the ring lacks (all but the root); return the target's last-layer (k, v)."""
+        state = self.state
+        state.rollback()
+        state.append(ctx.tokens[state.length: len(ctx.tokens) - 1])
+        kv = ctx.extras.get("target_kv")
+        layers = kv.layer_tensors() if kv is not None else []
+        cached = int(layers[-1][0].shape[2]) if layers else 0
+        if cached != state.length:
+            raise RetrospecError(f"longspec needs the target's full last-layer KV cache of the committed tokens; it "
+                                 f"holds {cached} positions for {state.length} committed tokens")
+        return layers[-1] if layers else None
+
+    @torch.no_grad()
+    def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
+        n = min(budget, self.gamma if self.gamma is not None else sum(self.tree))
+        if n <= 0:
+            return DraftTree.empty()
+        target_kv = self._sync(ctx)
+        try:
+            logits = self.state.speculate([ctx.tokens[-1]], [-1], target_kv)[0]  # [V] after the root
+            if self.gamma is not None:
+                return self._chain(logits, n, target_kv, ctx.eos_ids)
+            return self._tree(logits, n, target_kv, ctx.eos_ids)
+        finally:
+            self.state.rollback()
+
+    def _chain(self, logits: torch.Tensor, n: int, target_kv, eos_ids) -> DraftTree:
+        tokens: list[int] = []
+        for i in range(n):
+            tok = int(logits.argmax())
+            tokens.append(tok)
+            if tok in eos_ids or i + 1 == n:
+                break
+            logits = self.state.speculate([tok], [i], target_kv)[0]  # parent: tentative token i (0 = the root)
+        return DraftTree.chain(tokens)
+
+    def _tree(self, root_logits: torch.Tensor, n: int, target_kv, eos_ids) -> DraftTree:
+        vocab = root_logits.shape[-1]
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=root_logits.device)
+        k = min(self.tree[0], n, vocab)
+        scores, toks = root_logits.float().log_softmax(-1).topk(k)  # [k] cumulative log-probs, best first
+        tokens, parents = toks.tolist(), [-1] * k
+        level = list(range(k))  # tree indices of the last level (tentative index = tree index + 1; 0 = root)
+        for width in self.tree[1:]:
+            room = n - len(tokens)
+            if room <= 0:
+                break
+            logits = self.state.speculate(toks, [i + 1 for i in parents[level[0]: level[-1] + 1]], target_kv)
+            cand = scores[:, None] + logits.float().log_softmax(-1)  # [level, V]
+            if eos.numel():
+                cand[torch.isin(toks, eos)] = float("-inf")  # nothing follows an EOS token
+            k = min(width, room, int(torch.isfinite(cand).sum()))
+            if k == 0:
+                break
+            scores, flat = cand.flatten().topk(k)  # global top-k over (node x vocabulary), best first
+            toks = flat % vocab
+            parents.extend(level[j] for j in (flat // vocab).tolist())
+            level = list(range(len(tokens), len(tokens) + k))
+            tokens.extend(toks.tolist())
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        """Nothing to do: the ring catches up with the committed tokens at the next ``propose`` (module docstring)."""
+
+
+def load_block(draft, target) -> LongSpecDraft:
+    """The LongSpec block for ``target``: ``draft`` is a block directory (``save_longspec``) or a ``LongSpecDraft``
+    bound to this target. None is refused (no block is bundled yet)."""
+    model = as_module(target)
+    if draft is None:
+        raise RetrospecError("method 'longspec' needs a LongSpec draft block (--draft DIR / draft=...: a directory "
+                             "written by retrospec.models.longspec.save_longspec, or a LongSpecDraft); none is bundled")
+    if isinstance(draft, LongSpecDraft):
+        if not draft.uses(model):
+            raise RetrospecError("the LongSpecDraft passed as draft is bound to another model than the target; pass "
+                                 "its directory, or load it with load_longspec(dir, target)")
+        return draft
+    if isinstance(draft, (str, Path)):
+        return load_longspec(Path(draft).expanduser(), model)
+    raise RetrospecError(f"method 'longspec' takes a LongSpec block directory or a LongSpecDraft as draft, got "
+                         f"{type(draft).__name__}")
+
+
+def longspec_options(draft, target, gamma: int | None, tree) -> dict:
+    """Validated options for the ``longspec`` factory (used by ``api.prepare``): the loaded block, and the chain
+    length or tree shape (tree by default)."""
+    if gamma is not None and tree is not None:
+        raise RetrospecError("longspec drafts a chain (gamma / --gamma) or a tree (tree / --tree), not both")
+    return {"block": load_block(draft, target), "gamma": gamma, "tree": None if tree is None else parse_tree(tree)}
+
+
+@register("longspec")
+def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=None, **_) -> LongSpecDrafter:
+    if not isinstance(block, LongSpecDraft):
+        block = load_block(block, target)
+    return LongSpecDrafter(block, gamma=gamma, tree=tree)

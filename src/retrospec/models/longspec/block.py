@@ -1,0 +1,262 @@
+"""LongSpec's draft block: one decoder layer that reads the target's own KV cache.
+
+Paper: Yang et al., "LongSpec: Long-Context Lossless Speculative Decoding with Efficient Drafting and
+Verification" (sail-sg, 2025). The draft is ONE decoder block between the target's frozen token embedding and its
+frozen LM head, shaped like a layer of the target (hidden size, query / key-value heads (GQA), head size, RMSNorm
+eps, MLP size and activation, RoPE), so its memory does not grow with the context:
+
+    x  = embed(ids)                  # the target's embedding module: a shared reference, not a copy
+    x += SelfAttn(norm1(x))          # own q/k/v/o; RoPE at the token's absolute position; sliding window
+    x += CrossAttn(norm2(x))         # own q_proj (+ RoPE at the token's position) and o_proj; keys / values are
+                                     # the target's LAST-LAYER K/V exactly as cached (post-RoPE), no projection
+    x += MLP(norm3(x))
+    logits = lm_head(x)              # the target's head; no final norm (as in the paper's code)
+
+Visibility rules (explicit functions, tested):
+- ``self_visible``: a query at absolute position t sees draft keys at positions s with t - window < s <= t (the
+  window counts the query itself). A full-sequence forward adds causality by index; at inference the tentative
+  tokens of a tree also need ancestry (``DraftState`` adds it).
+- ``cross_visible``: a query at position t sees the target's K/V at positions s <= t - shift. At inference
+  shift = 1: the target cache holds exactly the committed tokens, all strictly before the root (the newest token),
+  so the root sees the whole cache and deeper tree nodes see it too (nothing newer exists). Training may draw
+  shift in [1, 4] (an int, or a tensor broadcastable to the [b, L] query positions).
+A query with no visible key gets a zero attention output (then o_proj), not NaN.
+
+Invariants:
+- ``state_dict()`` holds only the block's own weights: the embedding and head are held outside the module tree
+  (``embed_tokens`` / ``lm_head`` properties), so they are never saved, trained or moved with the block.
+- The self-attention keys/values of a token depend only on the token and its position (the block has one layer), so
+  committing tokens to the inference state (``DraftState.append``) needs no attention at all.
+- Nothing here copies transformers modeling code: the target family's public ``*RotaryEmbedding``,
+  ``apply_rotary_pos_emb``, ``*RMSNorm`` and ``*MLP`` are imported and called (``family``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...errors import RetrospecError
+
+DEFAULT_WINDOW = 512
+# model_type -> class-name prefix in transformers.models.<type>.modeling_<type> (Llama-style decoder layers)
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """The public building blocks of one transformers model family."""
+
+    rotary: type  # *RotaryEmbedding(config); forward(x, position_ids) -> (cos, sin) [b, L, head_dim]
+    apply_rope: object  # apply_rotary_pos_emb(q, k, cos, sin) -> (q, k)
+    norm: type  # *RMSNorm(hidden_size, eps)
+    mlp: type  # *MLP(config): gate_proj / up_proj / down_proj with the config's activation
+
+
+def family(config) -> Family:
+    model_type = getattr(config, "model_type", None)
+    prefix = FAMILIES.get(model_type)
+    if prefix is None:
+        raise RetrospecError(f"LongSpec drafts for Llama-style targets ({', '.join(FAMILIES)}); this target is "
+                             f"{model_type!r}")
+    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return Family(getattr(mod, f"{prefix}RotaryEmbedding"), mod.apply_rotary_pos_emb, getattr(mod, f"{prefix}RMSNorm"),
+                  getattr(mod, f"{prefix}MLP"))
+
+
+def attention_bias(config) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias) as the target family's attention has them (Qwen2: biased q/k/v, plain o)."""
+    if config.model_type == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+def self_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., L] query positions, [..., S] key positions (-1 = empty slot) -> [..., L, S] bool:
+    key s is visible to query t iff 0 <= s <= t and s > t - window."""
+    t, s = q_pos[..., :, None], k_pos[..., None, :]
+    return (s >= 0) & (s <= t) & (s > t - window)
+
+
+def cross_visible(q_pos: torch.Tensor, length: int, shift: int | torch.Tensor = 1) -> torch.Tensor:
+    """[b, L] query positions -> [b, L, length] bool: the target's K/V at position s is visible to the query at
+    position t iff s <= t - shift (``shift``: an int, or a tensor broadcastable to [b, L])."""
+    limit = q_pos - torch.as_tensor(shift, device=q_pos.device)  # [b, L]
+    return torch.arange(length, device=q_pos.device) <= limit[..., None]
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Softmax attention with grouped key/value heads and an explicit visibility mask.
+
+    q [b, h, L, d]; k, v [b, kvh, S, d] (h a multiple of kvh; query head i reads key/value head i // (h / kvh), as
+    transformers' repeat_kv); allowed [b, L, S] bool. The query heads of one group are stacked along the query axis,
+    so the (possibly long) keys are never copied. Scores and softmax in float32. Returns [b, L, h * d]; a query with
+    no visible key gets zeros."""
+    b, h, n, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    rep = h // kvh
+    scores = (q.reshape(b, kvh, rep * n, d) @ k.transpose(-1, -2)).float() * scale  # [b, kvh, rep * L, S]
+    scores = scores.view(b, kvh, rep, n, s)
+    mask = allowed[:, None, None]  # [b, 1, 1, L, S]
+    weights = scores.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1)
+    weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # rows with nothing visible: zero output
+    out = weights.view(b, kvh, rep * n, s).to(v.dtype) @ v  # [b, kvh, rep * L, d]
+    return out.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+
+
+class _CrossAttention(nn.Module):
+    """Queries and output only: keys and values are the target's cached last-layer K/V."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, q_bias: bool, o_bias: bool):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=q_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+
+
+class LongSpecDraft(nn.Module):
+    """The draft block for one target (see the module docstring). Build it with ``for_target``."""
+
+    def __init__(self, config, embed_tokens: nn.Module, lm_head: nn.Module, window: int = DEFAULT_WINDOW):
+        super().__init__()
+        if window < 1:
+            raise RetrospecError(f"LongSpec window must be >= 1, got {window}")
+        fam = family(config)
+        self.config = config  # the target's config (the block mirrors one of its layers)
+        self.window = int(window)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        qkv_bias, o_bias = attention_bias(config)
+        self._apply_rope = fam.apply_rope
+        self.rotary = fam.rotary(config)  # buffers only (not persistent): nothing in the state dict
+        self.norm1 = fam.norm(hidden, eps=eps)
+        self.self_attn = _SelfAttention(hidden, self.num_heads, self.num_kv_heads, self.head_dim, qkv_bias, o_bias)
+        self.norm2 = fam.norm(hidden, eps=eps)
+        self.cross_attn = _CrossAttention(hidden, self.num_heads, self.head_dim, qkv_bias, o_bias)
+        self.norm3 = fam.norm(hidden, eps=eps)
+        self.mlp = fam.mlp(config)
+        self._shared = (embed_tokens, lm_head)  # a tuple: nn.Module does not register (or save) these
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._shared[1]
+
+    @classmethod
+    def for_target(cls, target, window: int = DEFAULT_WINDOW, init: str = "random") -> "LongSpecDraft":
+        """A block for ``target`` (a transformers causal LM, or a ``LoadedModel``) on its device and dtype, sharing its
+        embedding and head. ``init``: "random" (normal(0, initializer_range), as transformers initialises layers)
+        or "identity" (the same, with every residual branch's output projection zeroed: the block starts as the
+        identity, logits = lm_head(embed(ids)))."""
+        target = getattr(target, "model", target)  # a LoadedModel -> its module
+        ref = target.get_input_embeddings().weight
+        block = cls(target.config, target.get_input_embeddings(), target.get_output_embeddings(), window)
+        block.to(device=ref.device, dtype=ref.dtype)
+        block.reset_parameters(init)
+        return block.eval()
+
+    @torch.no_grad()
+    def reset_parameters(self, init: str = "random") -> None:
+        if init not in ("random", "identity"):
+            raise ValueError(f"init must be 'random' or 'identity', got {init!r}")
+        std = getattr(self.config, "initializer_range", 0.02)
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                mod.weight.normal_(0.0, std)
+                if mod.bias is not None:
+                    mod.bias.zero_()
+        for norm in (self.norm1, self.norm2, self.norm3):
+            norm.weight.fill_(1.0)
+        if init == "identity":
+            for lin in (self.self_attn.o_proj, self.cross_attn.o_proj, self.mlp.down_proj):
+                lin.weight.zero_()
+                if lin.bias is not None:
+                    lin.bias.zero_()
+
+    def uses(self, target) -> bool:
+        """True when this block reads ``target``'s own embedding and head modules."""
+        target = getattr(target, "model", target)
+        return self.embed_tokens is target.get_input_embeddings() and self.lm_head is target.get_output_embeddings()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # computation
+
+    def _heads(self, lin: nn.Linear, h: torch.Tensor, n_heads: int) -> torch.Tensor:
+        b, n, _ = h.shape
+        return lin(h).view(b, n, n_heads, self.head_dim).transpose(1, 2)  # [b, heads, L, d]
+
+    def token_kv(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Self-attention keys (post-RoPE) and values of tokens ``ids`` [b, L] at ``positions`` [b, L]; each
+        [b, kv_heads, L, head_dim]. They depend on nothing else (one layer), so committing needs no attention."""
+        h = self.norm1(self.embed_tokens(ids))  # [b, L, H]
+        cos, sin = self.rotary(h, positions)  # [b, L, d]
+        k = self._heads(self.self_attn.k_proj, h, self.num_kv_heads)
+        return self._apply_rope(k, k, cos, sin)[1], self._heads(self.self_attn.v_proj, h, self.num_kv_heads)
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, own_allowed: torch.Tensor,
+            past: tuple[torch.Tensor, torch.Tensor] | None = None, past_allowed: torch.Tensor | None = None,
+            target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, cross_allowed: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block over new tokens ``ids`` [b, L] at ``positions`` [b, L].
+
+        Self-attention keys: ``past`` (k, v) [b, kv_heads, P, d] of earlier tokens (a ring buffer, tentative
+        tokens), visible per ``past_allowed`` [b, L, P], then the new tokens' own, visible per ``own_allowed``
+        [b, L, L]. Cross-attention: ``target_kv`` (k, v) [b, kv_heads, T, d], visible per ``cross_allowed``
+        [b, L, T]. Returns (logits [b, L, V], the new tokens' self-attention k and v [b, kv_heads, L, d])."""
+        b, n = ids.shape
+        x = self.embed_tokens(ids)  # [b, L, H]
+        cos, sin = self.rotary(x, positions)  # [b, L, d]
+        h = self.norm1(x)
+        q = self._heads(self.self_attn.q_proj, h, self.num_heads)  # [b, heads, L, d]
+        k = self._heads(self.self_attn.k_proj, h, self.num_kv_heads)  # [b, kv_heads, L, d]
+        v = self._heads(self.self_attn.v_proj, h, self.num_kv_heads)
+        q, k = self._apply_rope(q, k, cos, sin)
+        keys, values, allowed = k, v, own_allowed
+        if past is not None:
+            keys, values = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # [b, kv_heads, P + L, d]
+            allowed = torch.cat([past_allowed, own_allowed], -1)  # [b, L, P + L]
+        x = x + self.self_attn.o_proj(grouped_attention(q, keys, values, allowed, self.scaling))
+        h = self.norm2(x)
+        if target_kv is not None and target_kv[0].shape[2] > 0:
+            qc = self._heads(self.cross_attn.q_proj, h, self.num_heads)
+            qc = self._apply_rope(qc, qc, cos, sin)[0]  # the target's keys carry RoPE at their own positions
+            attn = grouped_attention(qc, target_kv[0], target_kv[1], cross_allowed, self.scaling)
+        else:  # no target context: nothing visible, a zero attention output
+            attn = h.new_zeros(b, n, self.num_heads * self.head_dim)
+        x = x + self.cross_attn.o_proj(attn)
+        x = x + self.mlp(self.norm3(x))
+        return self.lm_head(x), k, v
+
+    def forward(self, input_ids: torch.Tensor, target_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                position_ids: torch.Tensor | None = None, shift: int | torch.Tensor = 1) -> torch.Tensor:
+        """Full-sequence forward (training, references): ``input_ids`` [b, L] -> logits [b, L, V].
+
+        Self-attention: causal by index and ``self_visible`` by position (sliding window). ``target_kv``: the
+        target's last-layer (keys, values) [b, kv_heads, T, d], position s at index s; each query sees them per
+        ``cross_visible(position_ids, T, shift)``. ``position_ids`` [b, L] default 0..L-1."""
+        b, n = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(n, device=input_ids.device)[None].expand(b, n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
+        own = self_visible(position_ids, position_ids, self.window) & causal  # [b, L, L]
+        cross = None if target_kv is None else cross_visible(position_ids, target_kv[0].shape[2], shift)
+        return self.run(input_ids, position_ids, own, target_kv=target_kv, cross_allowed=cross)[0]

@@ -1,0 +1,120 @@
+"""Inference state of a LongSpec draft block for one sequence: a ring buffer plus tentative (speculated) tokens.
+
+Paper: Yang et al., "LongSpec" (sail-sg, 2025): the draft's own attention is a sliding window, so its state has a
+fixed size whatever the context length; only the target's cache (read, never written) grows.
+
+Layout:
+- ring: ``k``, ``v`` [1, kv_heads, window, head_dim] and ``slot_pos`` [window] (absolute position held by each
+  slot, -1 = empty). Position p lives in slot p % window, so the ring always holds the last ``window`` committed
+  tokens' keys/values (post-RoPE); ``length`` counts every committed token (the next position).
+- tentative tokens: keys/values, positions and an ancestor matrix of the tokens speculated since the last
+  ``rollback`` (a draft tree under construction). They never enter the ring.
+
+Operations:
+- ``append(ids)``: commit tokens at positions length, length + 1, ... Their keys/values depend only on token and
+  position (one layer), so this is a projection of at most ``window`` tokens, no attention. Refused while
+  tentative tokens exist (their positions would shift).
+- ``speculate(ids, parents, target_kv)``: run the block on tentative tokens below the committed prefix (parent
+  -1, at position ``length``) or below earlier tentative tokens (parent = index among the tentative tokens, in
+  speculation order); each token attends to the ring (``self_visible``), to its tentative ancestors and itself, and
+  to the target's K/V (``cross_visible``, shift 1). Returns their logits; their keys/values are kept for later
+  levels of the tree.
+- ``rollback()``: forget every tentative token (free: nothing in the ring changed).
+
+Invariant (tested): logits from ``speculate`` equal ``LongSpecDraft.forward`` over the committed tokens followed by
+the tentative token's ancestor path, with a sliding window mask, as long as the sequence is longer than the window.
+``nbytes()`` is the same at any context length (for a given number of tentative tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .block import LongSpecDraft, cross_visible, self_visible
+
+
+class DraftState:
+    def __init__(self, draft: LongSpecDraft):
+        self.draft = draft
+        ref = next(draft.parameters())
+        self.window = draft.window
+        shape = (1, draft.num_kv_heads, draft.window, draft.head_dim)
+        self.k = ref.new_zeros(shape)  # [1, kv_heads, window, head_dim]
+        self.v = ref.new_zeros(shape)
+        self.slot_pos = torch.full((draft.window,), -1, dtype=torch.long, device=ref.device)  # [window]
+        self.length = 0  # committed tokens so far = position of the next one
+        self.rollback()
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def tentative(self) -> int:
+        return len(self.t_pos)
+
+    def rollback(self) -> None:
+        """Forget every tentative token."""
+        self.t_k = self.k[:, :, :0]  # [1, kv_heads, S, head_dim]
+        self.t_v = self.v[:, :, :0]
+        self.t_pos: list[int] = []  # [S] positions
+        self.t_anc = torch.zeros(0, 0, dtype=torch.bool)  # [S, S] t_anc[i, j]: j is i or an ancestor of i (CPU)
+
+    @torch.no_grad()
+    def append(self, ids: Sequence[int] | torch.Tensor) -> None:
+        """Commit ``ids`` at positions length, length + 1, ...; only the last ``window`` are computed."""
+        if self.t_pos:
+            raise RuntimeError("rollback() the tentative tokens before committing")
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        n = ids.numel()
+        if n == 0:
+            return
+        tail = ids[-self.window:]
+        start = self.length + n - tail.numel()
+        pos = torch.arange(start, start + tail.numel(), device=self.device)  # [m]
+        k, v = self.draft.token_kv(tail.to(self.device)[None], pos[None])  # [1, kv_heads, m, d]
+        slots = pos % self.window
+        self.k[:, :, slots] = k
+        self.v[:, :, slots] = v
+        self.slot_pos[slots] = pos
+        self.length += n
+
+    @torch.no_grad()
+    def speculate(self, ids: Sequence[int] | torch.Tensor, parents: Sequence[int],
+                  target_kv: tuple[torch.Tensor, torch.Tensor] | None, shift: int = 1) -> torch.Tensor:
+        """Logits [N, V] of tentative tokens ``ids`` [N]; ``parents[i]``: -1 (the token follows the committed
+        prefix) or the index of an earlier tentative token (earlier calls first, then this call's, < S + i).
+        ``target_kv``: the target's last-layer (keys, values) [1, kv_heads, T, d] (None: no target context)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        n, s = ids.numel(), len(self.t_pos)
+        all_pos = list(self.t_pos)
+        anc = torch.zeros(s + n, s + n, dtype=torch.bool)  # [S + N, S + N]
+        anc[:s, :s] = self.t_anc
+        for i, p in enumerate(parents):
+            p = int(p)
+            if not -1 <= p < s + i:
+                raise ValueError(f"parent {p} of tentative token {s + i} is not an earlier tentative token")
+            all_pos.append(self.length if p < 0 else all_pos[p] + 1)
+            if p >= 0:
+                anc[s + i] = anc[p]
+            anc[s + i, s + i] = True
+        new_pos = torch.tensor(all_pos[s:], device=self.device)[None]  # [1, N]
+        t_pos = torch.tensor(all_pos, device=self.device)[None]  # [1, S + N]
+        tree = anc[s:].to(self.device)[None] & self_visible(new_pos, t_pos, self.window)  # [1, N, S + N]
+        ring = self_visible(new_pos, self.slot_pos[None], self.window)  # [1, N, window]
+        past = (torch.cat([self.k, self.t_k], 2), torch.cat([self.v, self.t_v], 2))  # [1, kv_heads, window + S, d]
+        cross = None
+        if target_kv is not None:
+            cross = cross_visible(new_pos, target_kv[0].shape[2], shift)  # [1, N, T]
+        logits, k, v = self.draft.run(ids.to(self.device)[None], new_pos, tree[..., s:], past,
+                                      torch.cat([ring, tree[..., :s]], -1), target_kv, cross)
+        self.t_k, self.t_v = torch.cat([self.t_k, k], 2), torch.cat([self.t_v, v], 2)
+        self.t_pos, self.t_anc = all_pos, anc
+        return logits[0]  # [N, V]
+
+    def nbytes(self) -> int:
+        """Bytes held by the state's tensors (ring and tentative tokens)."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.slot_pos, self.t_k, self.t_v,
+                                                             self.t_anc))
