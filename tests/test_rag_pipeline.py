@@ -288,6 +288,11 @@ def test_summarize_means():
     assert got["a"]["accuracy"] == 50.0 and got["a"]["exact_match"] == 0.0 and got["a"]["latency_s"] == 2.0
     assert got["a"]["questions"] == 2 and got["a"]["draft_s"] == 0.5 and got["a"]["verify_s"] == 0.0
     assert got["b"]["accuracy"] == got["b"]["exact_match"] == 100.0
+    drafted = [{"method": "s", "correct": False, "exact": False, "timings": {}, "answers": ["Paris"],
+                "drafts": [{"answer": "Lyon"}, {"answer": "in paris."}]},
+               {"method": "s", "correct": False, "exact": False, "timings": {}, "answers": ["Rome"],
+                "drafts": [{"answer": "Milan"}]}]
+    assert bench.summarize(drafted)[0]["draft_oracle"] == 50.0  # some draft holds the answer in 1 of 2 questions
 
 
 BENCH_METHODS = ["specrag", "standard", "drafter"]
@@ -316,7 +321,8 @@ def test_run_bench_writes_everything(full_bench):
     assert saved["config"]["gold_in_retrieved"] == 100.0  # every gold passage is retrieved in the top 4
     assert [s["method"] for s in saved["summary"]] == BENCH_METHODS
     for s in saved["summary"]:
-        assert set(s) == SUMMARY_KEYS and s["questions"] == 3
+        assert set(s) - {"draft_oracle"} == SUMMARY_KEYS and s["questions"] == 3
+        assert ("draft_oracle" in s) == (s["method"] != "standard")
         mine = [r for r in rows if r["method"] == s["method"]]
         assert s["accuracy"] == pytest.approx(100 * sum(r["correct"] for r in mine) / 3, abs=0.01)
         assert s["latency_s"] == pytest.approx(sum(r["timings"]["latency_s"] for r in mine) / 3, abs=1e-3)

@@ -82,10 +82,10 @@ class LongSpecDrafter:
 
     @torch.no_grad()
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
+        target_kv = self._sync(ctx)  # every step, drafting or not: the ring never lags behind
         n = min(budget, self.gamma if self.gamma is not None else sum(self.tree))
         if n <= 0:
             return DraftTree.empty()
-        target_kv = self._sync(ctx)
         try:
             logits = self.state.speculate([ctx.tokens[-1]], [-1], target_kv)[0]  # [V] after the root
             if self.gamma is not None:

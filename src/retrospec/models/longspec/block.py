@@ -75,6 +75,13 @@ def attention_bias(config) -> tuple[bool, bool]:
     return bias, bias
 
 
+def as_module(model) -> nn.Module:
+    """The module behind a ``LoadedModel``; a transformers model as is."""
+    from ..loading import LoadedModel
+
+    return model.model if isinstance(model, LoadedModel) else model
+
+
 def self_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
     """[..., L] query positions, [..., S] key positions (-1 = empty slot) -> [..., L, S] bool:
     key s is visible to query t iff 0 <= s <= t and s > t - window."""
@@ -167,7 +174,7 @@ class LongSpecDraft(nn.Module):
         embedding and head. ``init``: "random" (normal(0, initializer_range), as transformers initialises layers)
         or "identity" (the same, with every residual branch's output projection zeroed: the block starts as the
         identity, logits = lm_head(embed(ids)))."""
-        target = getattr(target, "model", target)  # a LoadedModel -> its module
+        target = as_module(target)
         ref = target.get_input_embeddings().weight
         block = cls(target.config, target.get_input_embeddings(), target.get_output_embeddings(), window)
         block.to(device=ref.device, dtype=ref.dtype)
@@ -194,7 +201,7 @@ class LongSpecDraft(nn.Module):
 
     def uses(self, target) -> bool:
         """True when this block reads ``target``'s own embedding and head modules."""
-        target = getattr(target, "model", target)
+        target = as_module(target)
         return self.embed_tokens is target.get_input_embeddings() and self.lm_head is target.get_output_embeddings()
 
     # ------------------------------------------------------------------------------------------------------------

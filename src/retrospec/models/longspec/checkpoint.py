@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 
 from ...errors import RetrospecError
-from .block import LongSpecDraft
+from .block import LongSpecDraft, as_module
 
 FORMAT = "retrospec-longspec"
 VERSION = 1
@@ -36,14 +36,10 @@ _ARCH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "inte
               "rms_norm_eps")
 
 
-def _module(target):
-    return getattr(target, "model", target)  # a LoadedModel -> its module
-
-
 def _target_meta(target, path: str | None) -> dict:
     from ...retrieval.store import model_identity  # lazy: retrieval sits above models
 
-    model = _module(target)
+    model = as_module(target)
     path = path or getattr(target, "path", None) or getattr(model, "name_or_path", "") or "<in-memory model>"
     return model_identity(model) | {"hidden_size": int(model.config.hidden_size),
                                     "vocab_size": int(model.get_output_embeddings().weight.shape[0]),

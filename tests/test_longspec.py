@@ -1,0 +1,461 @@
+"""LongSpec (issue 9, parts 1 and 3): the one-block draft, its ring-buffer state, its checkpoint, and the
+``longspec`` drafter through the engine, the API and the CLI. Tiny Llama and Qwen2 targets, fp32, no training:
+blocks are random (weights scaled up so every branch matters) or identity-initialised.
+
+- the block equals a naive reference written here with plain tensor ops (explicit masks, repeat_kv by hand);
+- the ring buffer (``DraftState``) equals a full-sequence forward with a sliding-window mask, chains and trees;
+- the state's memory is the same at 2K and 8K context; the cross-attention shift rule is honoured;
+- greedy output equals the oracle (chain and tree; random block and one that gets accepted), and after every step
+  the ring equals one rebuilt from the committed tokens;
+- tree drafts at temperature 1 commit tokens distributed as the target's (chi-square, 20k draws of the rule on a
+  real LongSpec tree, and seeded end-to-end runs);
+- save / load round trip; a block for another target is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import sharpen, tiny_llama, tiny_qwen2
+from scipy import stats as sps
+
+from retrospec.acceptance import RejectionSampling
+from retrospec.config import SamplingConfig
+from retrospec.decode import autoregressive_generate, speculative_generate
+from retrospec.drafters import REGISTRY
+from retrospec.drafters.base import DecodeContext
+from retrospec.drafters.longspec import LongSpecDrafter, parse_tree
+from retrospec.errors import RetrospecError
+from retrospec.models.longspec import DraftState, LongSpecDraft, load_longspec, save_longspec
+from retrospec.sampling import probs_from_logits
+from retrospec.types import SpecStats
+from retrospec.verify import Verifier
+
+torch.set_num_threads(1)
+
+GREEDY = SamplingConfig(temperature=0.0)
+T1 = SamplingConfig(temperature=1.0)
+PROMPT = [5, 17, 3, 42, 8, 17, 3, 42, 8, 61, 5, 17]
+
+
+def make_target(arch: str, **kw):
+    return (tiny_llama if arch == "llama" else tiny_qwen2)(**kw)
+
+
+def randomized(target, window: int, seed: int = 0, std: float = 0.3) -> LongSpecDraft:
+    """A block whose every branch changes the output: weights N(0, std), biases and norm weights random."""
+    block = LongSpecDraft.for_target(target, window=window)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return block
+
+
+def random_kv(block: LongSpecDraft, length: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, block.num_kv_heads, length, block.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the naive reference
+
+
+def reference_logits(block: LongSpecDraft, ids: list[int], tk: torch.Tensor, tv: torch.Tensor, shift: int,
+                     window: int) -> torch.Tensor:
+    """The block with plain tensor ops. ids [L] at positions 0..L-1; tk, tv [kvh, T, d] -> logits [L, V]."""
+    cfg = block.config
+    w = dict(block.named_parameters())
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, block.head_dim
+    n = len(ids)
+    eps = cfg.rms_norm_eps
+
+    def rms(x, name):
+        return w[name + ".weight"] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def lin(x, name):
+        out = x @ w[name + ".weight"].T
+        return out + w[name + ".bias"] if name + ".bias" in w else out
+
+    pos = torch.arange(n, dtype=torch.float32)
+    inv_freq = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = pos[:, None] * inv_freq[None]  # [L, d/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)  # [L, d]
+
+    def rope(x):  # [h, L, d]
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def attend(q, k, v, mask):  # q [nh, L, d]; k, v [nkv, S, d]; mask [L, S]
+        k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)  # repeat_kv by hand
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+        p = s.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)  # no visible key: zero output
+        return (p @ v).transpose(0, 1).reshape(n, nh * d)
+
+    x = block.embed_tokens.weight[torch.tensor(ids)]  # [L, H]
+    h = rms(x, "norm1")
+    q = rope(lin(h, "self_attn.q_proj").view(n, nh, d).transpose(0, 1))
+    k = rope(lin(h, "self_attn.k_proj").view(n, nkv, d).transpose(0, 1))
+    v = lin(h, "self_attn.v_proj").view(n, nkv, d).transpose(0, 1)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    x = x + lin(attend(q, k, v, (j <= i) & (j > i - window)), "self_attn.o_proj")
+    h = rms(x, "norm2")
+    qc = rope(lin(h, "cross_attn.q_proj").view(n, nh, d).transpose(0, 1))
+    s_idx = torch.arange(tk.shape[1])[None]
+    x = x + lin(attend(qc, tk, tv, s_idx <= i - shift), "cross_attn.o_proj")
+    h = rms(x, "norm3")
+    x = x + lin(torch.nn.functional.silu(lin(h, "mlp.gate_proj")) * lin(h, "mlp.up_proj"), "mlp.down_proj")
+    return x @ block.lm_head.weight.T
+
+
+@pytest.mark.parametrize("shift", [1, 3])
+def test_block_equals_naive_reference(arch, shift):
+    target = make_target(arch)
+    block = randomized(target, window=6)
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    tk, tv = random_kv(block, 20)
+    with torch.no_grad():
+        got = block(torch.tensor([ids]), (tk, tv), shift=shift)[0]
+        want = reference_logits(block, ids, tk[0], tv[0], shift, window=6)
+        per_query = block(torch.tensor([ids]), (tk, tv), shift=torch.full((1, 20), shift))[0]  # tensor shift
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    assert torch.equal(got, per_query)
+    assert set(block.state_dict()) == {k for k, _ in block.named_parameters()}  # no embedding / head inside
+    assert not any(k.startswith(("embed", "lm_head")) for k in block.state_dict())
+
+
+def test_cross_attention_visibility_rule(arch):
+    target = make_target(arch)
+    block = randomized(target, window=8)
+    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(3))
+    tk, tv = random_kv(block, 16)
+    t = 12
+    with torch.no_grad():
+        for shift in (1, 2, 4):
+            base = block(ids, (tk, tv), shift=shift)[0, t]
+            for s in range(t - shift + 1, 16):  # invisible positions: changing them changes nothing
+                k2, v2 = tk.clone(), tv.clone()
+                k2[:, :, s] += 5.0
+                v2[:, :, s] -= 5.0
+                assert torch.equal(block(ids, (k2, v2), shift=shift)[0, t], base), (shift, s)
+            s = t - shift  # the last visible one
+            k2, v2 = tk.clone(), tv.clone()
+            v2[:, :, s] += 5.0
+            assert not torch.allclose(block(ids, (k2, v2), shift=shift)[0, t], base, atol=1e-4)
+        # position 0 with shift 1 sees nothing: finite output (zero attention, not NaN)
+        assert torch.isfinite(block(ids, (tk, tv), shift=1)).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ring buffer
+
+
+def test_ring_buffer_equals_sliding_window_forward(arch):
+    window, n = 7, 30
+    target = make_target(arch)
+    block = randomized(target, window=window)
+    ids = torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(4)).tolist()
+    tk, tv = random_kv(block, n)
+    with torch.no_grad():
+        full = block(torch.tensor([ids]), (tk, tv))[0]  # [n, V]
+        state = DraftState(block)
+        for t in range(n):  # the root at position t over a ring of tokens[:t] (wrapped many times)
+            got = state.speculate([ids[t]], [-1], (tk, tv))[0]
+            assert torch.allclose(got, full[t], atol=1e-5, rtol=0), t
+            state.rollback()
+            state.append([ids[t]])
+        for cut in (3, 7, 8, 19):  # one append of many tokens (more than the window) = one at a time
+            fresh = DraftState(block)
+            fresh.append(ids[:cut])
+            fresh.append(ids[cut:])
+            assert fresh.length == state.length == n
+            assert torch.equal(fresh.slot_pos, state.slot_pos)
+            assert torch.allclose(fresh.k, state.k, atol=1e-6) and torch.allclose(fresh.v, state.v, atol=1e-6)
+
+        # a tree of tentative tokens over a committed prefix: every node = the forward of its root-to-node path
+        t = 17
+        state = DraftState(block)
+        state.append(ids[:t])
+        cache = (tk[:, :, :t], tv[:, :, :t])  # the target cache holds the committed tokens only
+        root = state.speculate([ids[t]], [-1], cache)  # tentative 0
+        lvl1 = state.speculate([11, 23, 5], [0, 0, 0], cache)  # tentative 1..3
+        lvl2 = state.speculate([40, 41, 42, 9], [1, 1, 3, 6], cache)  # 4..7; the last is a child of 6 (same call)
+        paths = {0: [ids[t]]}
+        for idx, (tok, par) in enumerate(zip([11, 23, 5, 40, 41, 42, 9], [0, 0, 0, 1, 1, 3, 6]), start=1):
+            paths[idx] = paths[par] + [tok]
+        rows = [root[0], *lvl1, *lvl2]
+        for idx, row in enumerate(rows):
+            seq = ids[:t] + paths[idx]
+            want = block(torch.tensor([seq]), cache)[0, -1]
+            assert torch.allclose(row, want, atol=1e-5, rtol=0), idx
+        state.rollback()
+        assert state.tentative == 0 and state.length == t
+
+
+def test_state_memory_is_flat_in_context_length():
+    target = tiny_llama(max_pos=9000)
+    block = LongSpecDraft.for_target(target, window=64)
+    sizes = []
+    for context in (2048, 8192):
+        state = DraftState(block)
+        state.append(torch.randint(0, 96, (context,), generator=torch.Generator().manual_seed(5)))
+        before = state.nbytes()
+        with torch.no_grad():
+            logits = state.speculate([3], [-1], random_kv(block, context))
+        assert logits.shape == (1, 96) and torch.isfinite(logits).all()
+        state.rollback()
+        assert state.nbytes() == before and state.length == context
+        sizes.append(before)
+    assert sizes[0] == sizes[1] == 2 * 64 * block.num_kv_heads * block.head_dim * 4 + 64 * 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# greedy through the engine
+
+
+class CheckedDrafter(LongSpecDrafter):
+    """After every draft, the ring must equal one rebuilt from the committed tokens (all but the root)."""
+
+    def propose(self, ctx, budget):
+        tree = super().propose(ctx, budget)
+        fresh = DraftState(self.block)
+        fresh.append(ctx.tokens[:-1])
+        assert self.state.length == len(ctx.tokens) - 1 and self.state.tentative == 0
+        assert torch.equal(self.state.slot_pos, fresh.slot_pos)
+        assert torch.allclose(self.state.k, fresh.k, atol=1e-6) and torch.allclose(self.state.v, fresh.v, atol=1e-6)
+        return tree
+
+
+def mimic_pair(arch: str):
+    """A target close to a bigram model and an identity block (logits = lm_head(embed(token))): drafts are often
+    accepted, sometimes partly, sometimes fully rejected."""
+    target = sharpen(make_target(arch), 4.0)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.5)
+            layer.mlp.down_proj.weight.mul_(0.5)
+    return target, LongSpecDraft.for_target(target, window=8, init="identity")
+
+
+@pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 16, 16)}, {"tree": (2, 2, 2)}],
+                         ids=["chain", "tree", "narrow-tree"])
+@pytest.mark.parametrize("kind", ["random", "mimic"])
+def test_greedy_equals_oracle(arch, mode, kind):
+    if kind == "random":
+        target = make_target(arch)
+        block = randomized(target, window=8, std=0.1)
+    else:
+        target, block = mimic_pair(arch)
+    want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
+    stats = SpecStats()
+    chunks = list(speculative_generate(target, CheckedDrafter(block, **mode), PROMPT, sampling=GREEDY,
+                                       max_new_tokens=40, stats=stats))
+    assert [t for c in chunks for t in c] == want
+    assert stats.new_tokens == stats.target_calls + stats.accepted_tokens
+    if kind == "mimic":  # whole drafts accepted
+        assert max(len(c) for c in chunks) >= 3
+    else:  # full rejections (the ring still follows the committed tokens: CheckedDrafter)
+        assert any(len(c) == 1 for c in chunks[:-1])
+
+
+def test_tree_shape_and_budget():
+    target = make_target("llama")
+    block = randomized(target, window=8, std=0.1)
+    drafter = LongSpecDrafter(block, tree=(3, 5, 4))
+    verifier = Verifier(target)
+    verifier.prefill(PROMPT[:-1])
+    ctx = DecodeContext(tokens=list(PROMPT), prompt_len=len(PROMPT), sampling=GREEDY)
+    ctx.extras["target_kv"] = verifier.kv
+    drafter.prefill(ctx)
+    tree = drafter.propose(ctx, 100)
+    assert len(tree) == 12 and tree.draft_probs is None
+    par = tree.parents.tolist()
+    assert par[:3] == [-1, -1, -1] and all(0 <= p < 3 for p in par[3:8]) and all(3 <= p < 8 for p in par[8:])
+    pairs = list(zip(par, tree.tokens.tolist()))
+    assert len(set(pairs)) == len(pairs)  # siblings are distinct tokens
+    assert len(drafter.propose(ctx, 5)) == 5 and len(drafter.propose(ctx, 0)) == 0
+    chain = LongSpecDrafter(block, gamma=3)
+    chain.prefill(ctx)
+    assert chain.propose(ctx, 10).is_chain and len(chain.propose(ctx, 10)) == 3
+    assert parse_tree("4,16") == (4, 16)
+    for bad in ("", "4,0", "a,b"):
+        with pytest.raises(RetrospecError):
+            parse_tree(bad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampling: the committed tokens follow the target's distribution
+
+V = 12
+ALPHA = 1e-3
+
+
+def chisq_pvalue(groups) -> float:
+    """Pearson chi-square over groups of (observed, expected) counts; cells with expected < 5 pooled per group;
+    a token with target probability 0 must never appear."""
+    stat, df = 0.0, 0
+    for obs, exp in groups:
+        obs, exp = np.asarray(obs, float).ravel(), np.asarray(exp, float).ravel()
+        impossible = exp <= 1e-9 * max(exp.sum(), 1.0)
+        assert obs[impossible].sum() == 0, "a token outside the target's support was committed"
+        big = (exp >= 5) & ~impossible
+        o, e = list(obs[big]), list(exp[big])
+        rest = ~big & ~impossible
+        if exp[rest].sum() > 0:
+            o.append(obs[rest].sum())
+            e.append(exp[rest].sum())
+        if len(e) >= 2:
+            o, e = np.array(o), np.array(e)
+            stat += float(((o - e) ** 2 / e).sum())
+            df += len(e) - 1
+    assert df > 0
+    return float(sps.chi2.sf(stat, df))
+
+
+@pytest.fixture(scope="module")
+def small_world():
+    target = sharpen(tiny_llama(seed=11, layers=1, hidden=16, vocab=V), 8.0)
+    block = LongSpecDraft.for_target(target, window=4, init="identity")  # drafts get accepted at depth 1 and 2
+    with torch.inference_mode():
+        base = torch.tensor(PROMPT[:4]) % V
+        prompt = base.tolist()
+        one = torch.stack([torch.cat([base, torch.tensor([a])]) for a in range(V)])
+        two = torch.stack([torch.cat([base, torch.tensor([a, b])]) for a in range(V) for b in range(V)])
+        p1 = probs_from_logits(target(input_ids=base[None]).logits[0, -1], T1).double()
+        p2 = probs_from_logits(target(input_ids=one).logits[:, -1], T1).double()  # [V, V]
+        p3 = probs_from_logits(target(input_ids=two).logits[:, -1], T1).double().reshape(V, V, V)
+    return target, block, prompt, p1, p2, p3
+
+
+def test_tree_rule_draws_match_target(small_world):
+    """20k draws of the multi-draft rule on one real LongSpec tree (4, 6, 6): the first three committed tokens
+    follow p(x1), p(x2 | x1), p(x3 | x1, x2) whenever the earlier ones were accepted draft tokens."""
+    target, block, prompt, p1, p2, p3 = small_world
+    drafter = LongSpecDrafter(block, tree=(4, 6, 6))
+    verifier = Verifier(target)
+    verifier.prefill(prompt[:-1])
+    ctx = DecodeContext(tokens=list(prompt), prompt_len=len(prompt), sampling=T1)
+    ctx.extras["target_kv"] = verifier.kv
+    drafter.prefill(ctx)
+    tree = drafter.propose(ctx, 64)
+    assert len(tree) == 16 and tree.draft_probs is None
+    p = probs_from_logits(verifier.score(prompt[-1], tree), T1)  # [1 + N, V]
+    rule, gen = RejectionSampling(), torch.Generator().manual_seed(0)
+    toks = tree.tokens.tolist()
+    firsts, pairs, triples = np.zeros(V), np.zeros((V, V)), np.zeros((V, V, V))
+    for _ in range(20_000):
+        step = rule.accept(tree, p, gen)
+        out = [toks[i] for i in step.accepted_nodes] + [step.next_token]
+        firsts[out[0]] += 1
+        if len(out) > 1:
+            pairs[out[0], out[1]] += 1
+        if len(out) > 2:
+            triples[out[0], out[1], out[2]] += 1
+    assert chisq_pvalue([(firsts, p1.numpy() * 20_000)]) > ALPHA
+    assert chisq_pvalue([(pairs[a], p2[a].numpy() * pairs[a].sum()) for a in range(V) if pairs[a].sum()]) > ALPHA
+    groups = [(triples[a, b], p3[a, b].numpy() * triples[a, b].sum())
+              for a in range(V) for b in range(V) if triples[a, b].sum()]
+    assert groups and chisq_pvalue(groups) > ALPHA
+    assert pairs.sum() > 8_000 and triples.sum() > 2_000  # accepted paths reach depth 2 often
+    # power: the same first-token histogram rejects the draft's own distribution at the root
+    with torch.no_grad():
+        q1 = DraftState(block)
+        q1.append(prompt[:-1])
+        q1 = q1.speculate([prompt[-1]], [-1], verifier.kv.layer_tensors()[-1])[0].softmax(-1).double()
+    assert chisq_pvalue([(firsts, q1.numpy() * 20_000)]) < ALPHA
+
+
+def test_tree_sampling_end_to_end(small_world):
+    """Seeded runs through ``speculative_generate`` with tree drafts at temperature 1: (x1, x2) ~ p1 * p2."""
+    target, block, prompt, p1, p2, _ = small_world
+    drafter = REGISTRY["longspec"](block=block, tree=(4, 6, 6))  # reused across runs: prefill() resets it
+    counts = np.zeros((V, V))
+    runs = 2_000
+    for seed in range(runs):
+        sampling = SamplingConfig(temperature=1.0, seed=seed)
+        out: list[int] = []
+        steps = speculative_generate(target, drafter, prompt, sampling=sampling, max_new_tokens=8)
+        for chunk in steps:
+            out.extend(chunk)
+            if len(out) >= 2:
+                break
+        steps.close()
+        counts[out[0], out[1]] += 1
+    assert chisq_pvalue([(counts, (p1[:, None] * p2).numpy() * runs)]) > ALPHA
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoint, API, CLI
+
+
+def test_save_load_round_trip_and_mismatch(arch, tmp_path):
+    target = make_target(arch)
+    block = randomized(target, window=5)
+    out = save_longspec(block, target, tmp_path / "blk", target_path="tiny-target")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blk"]  # no temporary directory left behind
+    assert sorted(p.name for p in out.iterdir()) == ["block.safetensors", "longspec.json"]
+    meta = json.loads((out / "longspec.json").read_text())
+    assert meta["block"]["window"] == 5 and meta["target"]["path"] == "tiny-target"
+    assert meta["target"]["hidden_size"] == 32 and meta["target"]["vocab_size"] == 96
+    assert {"config_hash", "weights_digest", "fingerprint"} <= set(meta["target"])
+    loaded = load_longspec(out, target)
+    assert loaded.window == 5 and loaded.uses(target)
+    for (k, a), (k2, b) in zip(block.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    ids = torch.tensor([PROMPT])
+    kv = random_kv(block, len(PROMPT))
+    with torch.no_grad():
+        assert torch.equal(block(ids, kv), loaded(ids, kv))
+
+    with pytest.raises(RetrospecError) as err:  # another target: same shapes, other weights
+        load_longspec(out, make_target(arch, seed=7))
+    msg = str(err.value)
+    assert "\n" not in msg and "another target" in msg and "tiny-target" in msg
+    with pytest.raises(RetrospecError, match="hidden size"):
+        load_longspec(out, make_target(arch, hidden=64))
+    with pytest.raises(RetrospecError, match="already exists"):
+        save_longspec(block, target, out)
+    save_longspec(block, target, out, overwrite=True)
+    with pytest.raises(RetrospecError, match="no longspec.json"):
+        load_longspec(tmp_path, target)
+
+
+def test_api_and_cli(saved_models, cli, tmp_path):
+    import retrospec
+    from retrospec.models import load_model
+
+    tgt = load_model(str(saved_models.target))  # cached: the API and the CLI get this same object
+    block = randomized(tgt.model, window=16, std=0.1)
+    blk_dir = save_longspec(block, tgt, tmp_path / "blk")
+    prompt = tgt.tokenizer("def wrap(text, width):", add_special_tokens=False)["input_ids"]
+    want = autoregressive_generate(tgt.model, prompt, sampling=GREEDY, max_new_tokens=12)
+    for kw in ({"tree": "3,3"}, {"gamma": 3}, {}):
+        for draft in (blk_dir, str(blk_dir), block):
+            res = retrospec.generate(prompt, target=str(saved_models.target), draft=draft, method="longspec",
+                                     max_new_tokens=12, gating=False, **kw)
+            assert res.token_ids == want, (kw, type(draft))
+    assert res.stats.method == "longspec" and res.stats.target_calls > 0
+    with pytest.raises(RetrospecError, match="needs a LongSpec draft block"):
+        retrospec.generate(prompt, target=str(saved_models.target), method="longspec")
+    with pytest.raises(RetrospecError, match="not both"):
+        retrospec.generate(prompt, target=str(saved_models.target), method="longspec", draft=blk_dir, gamma=2,
+                           tree="2,2")
+
+    run = cli("generate", "--prompt", "def wrap(text, width):", "--target", saved_models.target, "--method",
+              "longspec", "--draft", blk_dir, "--tree", "2,2,2", "--max-new-tokens", "12", "--json")
+    assert run.rc == 0, run.err
+    assert json.loads(run.out)["token_ids"] == want
+    cli("generate", "--prompt", "x", "--target", saved_models.target, "--method",
+        "longspec").assert_user_error("needs a LongSpec draft block")
+    cli("generate", "--prompt", "x", "--target", saved_models.target, "--method", "longspec", "--draft", tmp_path,
+        ).assert_user_error("no longspec.json")
+    cli("generate", "--prompt", "x", "--target", saved_models.target, "--method", "sd", "--tree",
+        "2,2").assert_user_error("--tree applies to method longspec")
