@@ -1,8 +1,13 @@
 """``retrospec rag index|answer|bench|merge``: Speculative RAG (Wang et al., ICLR 2025) from the command line.
 
-``index`` embeds a passages JSONL (id, title, text) into a ``rag`` datastore directory (exact FAISS inner-product
-index over unit-norm sentence embeddings; see ``retrospec.rag.index``). Each sub-subcommand is added by its own
-``_add_<name>(rsub)`` function and runs in its own ``run_<name>(args)``.
+- ``index`` embeds a passages JSONL (id, title, text) into a ``rag`` datastore directory (exact FAISS inner-product
+  index over unit-norm sentence embeddings; see ``retrospec.rag.index``);
+- ``answer`` answers one question with one method and prints the drafts, their scores and the latency split;
+- ``bench`` runs methods over a question file (``--split eval`` by default: never used to tune the drafter) and
+  writes ``results.json``, ``report.md`` and ``accuracy_latency.png``; ``merge`` joins benches run in shards.
+
+Each sub-subcommand is added by its own ``_add_<name>(rsub)`` function and runs in its own ``run_<name>(args)``.
+User errors are ``RetrospecError``s: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
