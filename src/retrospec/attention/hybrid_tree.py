@@ -178,19 +178,9 @@ def enable(model: torch.nn.Module) -> bool:
     Accepted from ``sdpa`` or ``prefix_block`` (both compute the same attention); any other implementation is left
     alone, since the fallback is ``sdpa``.
     """
-    current = getattr(model.config, "_attn_implementation", None)
-    if current == ATTN_NAME:
-        return True
-    if current not in ("sdpa", prefix_block.ATTN_NAME) or not hasattr(model, "set_attn_implementation"):
-        return False
-    try:
-        model.set_attn_implementation(ATTN_NAME)
-    except (ValueError, ImportError, AttributeError):
-        return False
-    return getattr(model.config, "_attn_implementation", None) == ATTN_NAME
+    return prefix_block.switch(model, ATTN_NAME, accept=("sdpa", prefix_block.ATTN_NAME))
 
 
 def disable(model: torch.nn.Module) -> None:
     """Back to ``sdpa`` if hybrid tree attention is on; otherwise nothing changes."""
-    if getattr(model.config, "_attn_implementation", None) == ATTN_NAME:
-        model.set_attn_implementation("sdpa")
+    prefix_block.restore(model, ATTN_NAME)

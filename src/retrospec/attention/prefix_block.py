@@ -61,19 +61,31 @@ def prefix_block_attention(module, query, key, value, attention_mask, dropout: f
 AttentionInterface.register(ATTN_NAME, prefix_block_attention)
 
 
-def enable(model: torch.nn.Module) -> bool:
-    """Use the prefix + block attention in ``model`` (public ``set_attn_implementation``); False if unsupported."""
-    if getattr(model.config, "_attn_implementation", None) == ATTN_NAME:
+def switch(model: torch.nn.Module, name: str, accept: tuple[str, ...] = ("sdpa",)) -> bool:
+    """Set ``model``'s attention implementation to the registered ``name`` (public ``set_attn_implementation``)
+    when its current one is in ``accept`` (or already ``name``); False, and nothing changed, otherwise."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == name:
         return True
-    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+    if current not in accept or not hasattr(model, "set_attn_implementation"):
         return False
     try:
-        model.set_attn_implementation(ATTN_NAME)
+        model.set_attn_implementation(name)
     except (ValueError, ImportError, AttributeError):
         return False
-    return getattr(model.config, "_attn_implementation", None) == ATTN_NAME
+    return getattr(model.config, "_attn_implementation", None) == name
+
+
+def restore(model: torch.nn.Module, name: str) -> None:
+    """Back to ``sdpa`` if ``name`` is the model's attention implementation; otherwise nothing changes."""
+    if getattr(model.config, "_attn_implementation", None) == name:
+        model.set_attn_implementation("sdpa")
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Use the prefix + block attention in ``model`` (public ``set_attn_implementation``); False if unsupported."""
+    return switch(model, ATTN_NAME)
 
 
 def disable(model: torch.nn.Module) -> None:
-    if getattr(model.config, "_attn_implementation", None) == ATTN_NAME:
-        model.set_attn_implementation("sdpa")
+    restore(model, ATTN_NAME)
