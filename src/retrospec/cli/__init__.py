@@ -1,6 +1,6 @@
 """``retrospec`` command line: ``generate``, ``bench``, ``serve``, ``models list|path|import-gguf``,
-``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``, ``train rag-drafter``,
-``rag index``.
+``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``,
+``train rag-drafter|longspec|longspec-eval``, ``rag index``.
 
 Wherever a model directory is accepted (``--target``, ``--draft``), a model name from ``retrospec models list``
 works too.
