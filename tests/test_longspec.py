@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import sharpen, tiny_llama, tiny_qwen2
-from scipy import stats as sps
+from test_engine_sampling import chisq_pvalue
 
 from retrospec.acceptance import RejectionSampling
 from retrospec.config import SamplingConfig
@@ -296,28 +296,6 @@ def test_tree_shape_and_budget():
 
 V = 12
 ALPHA = 1e-3
-
-
-def chisq_pvalue(groups) -> float:
-    """Pearson chi-square over groups of (observed, expected) counts; cells with expected < 5 pooled per group;
-    a token with target probability 0 must never appear."""
-    stat, df = 0.0, 0
-    for obs, exp in groups:
-        obs, exp = np.asarray(obs, float).ravel(), np.asarray(exp, float).ravel()
-        impossible = exp <= 1e-9 * max(exp.sum(), 1.0)
-        assert obs[impossible].sum() == 0, "a token outside the target's support was committed"
-        big = (exp >= 5) & ~impossible
-        o, e = list(obs[big]), list(exp[big])
-        rest = ~big & ~impossible
-        if exp[rest].sum() > 0:
-            o.append(obs[rest].sum())
-            e.append(exp[rest].sum())
-        if len(e) >= 2:
-            o, e = np.array(o), np.array(e)
-            stat += float(((o - e) ** 2 / e).sum())
-            df += len(e) - 1
-    assert df > 0
-    return float(sps.chi2.sf(stat, df))
 
 
 @pytest.fixture(scope="module")

@@ -111,8 +111,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_build(dest: str | Path, overwrite: bool = False):
-    """Yield a fresh temporary directory next to ``dest``; rename it to ``dest`` when the block completes.
+def atomic_build(dest: str | Path, overwrite: bool = False, required: str = META_FILE):
+    """Yield a fresh temporary directory next to ``dest``; rename it to ``dest`` when the block completes (and
+    wrote ``required``, the file that marks a finished directory: ``meta.json`` for datastores).
 
     On any exception the temporary directory is removed and ``dest`` is untouched. A process killed mid-build
     leaves only a hidden ``.<name>.tmp-<pid>`` directory, which the next build of the same destination removes.
@@ -135,9 +136,9 @@ def atomic_build(dest: str | Path, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not (tmp / META_FILE).is_file():
+    if not (tmp / required).is_file():
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError("datastore build finished without writing meta.json")
+        raise RuntimeError(f"build of {dest} finished without writing {required}")
     if dest.exists():
         trash = dest.parent / f".{dest.name}.old-{os.getpid()}"
         dest.rename(trash)

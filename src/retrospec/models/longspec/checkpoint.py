@@ -21,8 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from ...errors import RetrospecError
@@ -62,25 +60,13 @@ def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_p
             "block": {"window": draft.window, "model_type": cfg.model_type, "head_dim": draft.head_dim}
             | {k: getattr(cfg, k) for k in _ARCH_KEYS},
             "target": _target_meta(target, target_path)}
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    from ...retrieval.store import atomic_build  # lazy: retrieval sits above models
+
+    with atomic_build(dest, overwrite=True, required=META_FILE) as tmp:  # refusal of an existing dest: above
         state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         meta["files"] = {WEIGHTS_FILE: (tmp / WEIGHTS_FILE).stat().st_size}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if dest.exists():
-            trash = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            dest.rename(trash)
-            tmp.rename(dest)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
 
 
