@@ -211,3 +211,27 @@ def test_triton_kernel_equals_reference_tree_part(tmp_path):
         assert torch.allclose(lse, ref_lse, atol=1e-5, rtol=0)  # -inf rows compare equal
     out2, lse2 = torch.load(tmp_path / "out.pt")[1]
     assert torch.all(lse2[1, :, 4] == float("-inf")) and torch.all(out2[1, :, 4] == 0)
+
+
+def test_prefix_block_verifies_trees_with_the_hybrid_split(monkeypatch):
+    """With ``prefix_block`` on (long contexts, method longspec), a tree's explicit 4D mask goes through the hybrid
+    split (prefix unmasked + masked tree block) and the verifier's logits equal sdpa's; chains keep the block path."""
+    calls = []
+    real = hybrid_tree._hybrid_forward
+    monkeypatch.setattr(hybrid_tree, "_hybrid_forward", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    model = sharpen(tiny_llama(seed=1, max_pos=512), 4.0)
+    ids = torch.randint(0, 90, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    tree = merge_sequences([[1, 2, 3], [1, 4], [5, 6]])  # 6 nodes
+    outs = {}
+    for impl in ("sdpa", prefix_block.ATTN_NAME):
+        (prefix_block.enable if impl != "sdpa" else prefix_block.disable)(model)
+        assert model.config._attn_implementation == impl
+        ver = Verifier(model)
+        ver.prefill(ids[:90])
+        outs[impl] = [ver.score(ids[90], tree)]
+        ver.commit([0, 1])
+        outs[impl].append(ver.score(ids[91], DraftTree.chain(ids[92:96])))
+    prefix_block.disable(model)
+    for a, b in zip(*outs.values()):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    assert calls == [7] * 2  # the tree in both layers; the chain took prefix_block's own path

@@ -152,6 +152,10 @@ def test_chunked_draft_logits_equal_unchunked():
             assert torch.allclose(draft_logits(block, ids, pos, kv, 2, chunk=chunk), full, atol=1e-5)
         plain = torch.arange(30)[None].expand(2, 30)  # at positions 0..L-1 the block's own forward agrees
         assert torch.allclose(draft_logits(block, ids, plain, kv, 2), block(ids, kv, plain, shift=2), atol=1e-5)
+        # and at anchor-offset positions too: the forward's cross-attention visibility is by index, so no query
+        # sees the target K/V of a later token however large the position jump
+        assert int(pos.max()) > 30
+        assert torch.allclose(full, block(ids, kv, pos, shift=2), atol=1e-5)
 
 
 # -------------------------------------------------------------------------------------------------- training

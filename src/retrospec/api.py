@@ -22,7 +22,7 @@ from .drafters.longspec import longspec_options
 from .errors import RetrospecError
 from .gating import resolve as resolve_gating
 from .long_requests import prepare_long_request
-from .models import check_same_vocab, default_target, load_model, paired_draft
+from .models import check_same_vocab, default_target, load_model, paired_draft, paired_longspec
 from .request import DEFAULT_GAMMA, Request
 from .types import GenerationResult, SpecStats
 
@@ -86,8 +86,12 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     opts = dict(options)
     opts["gamma"] = gamma or DEFAULT_GAMMA.get(method, 5)
     opts["adaptive"] = adaptive_gamma
-    if method == "longspec":  # ``draft`` is a LongSpec block (a directory or a LongSpecDraft), not a draft LM
-        opts.update(longspec_options(draft, tgt.model, gamma, opts.pop("tree", None)))
+    if method == "longspec":  # ``draft`` is a LongSpec block (a directory, a name or a LongSpecDraft), not a draft LM
+        block = paired_longspec(target) if draft is None else draft  # default/named target: its bundled block
+        opts.update(longspec_options(block, tgt.model, gamma, opts.pop("tree", None)))
+        from .attention import prefix_block
+
+        prefix_block.enable(tgt.model)  # long-context verification: unmasked prefix + masked chain / tree block
     return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids, gating=gating)
 
 

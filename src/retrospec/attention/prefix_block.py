@@ -12,8 +12,11 @@ registered mask interface) and the query is shorter than the cache, the query to
 entries (the engine's invariant), so every query sees the whole prefix and a causal q x q block at the end. The
 computation packs the query heads that share a key/value head (no ``repeat_kv`` copy), computes scores against the
 keys in one matmul, masks only the last q x q block, and normalises once (one softmax over prefix and block; the
-same as attention over the prefix and over the block merged by their log-sum-exp). Every other case (one query,
-prefill, an explicit 4D tree mask) is handed to transformers' own ``sdpa`` path with the mask it would have built.
+same as attention over the prefix and over the block merged by their log-sum-exp). An explicit 4D mask (a draft
+tree, which the engine passes itself) goes to ``hybrid_tree.hybrid_tree_attention``: the prefix unmasked, the tree
+block with its ancestor mask, merged by log-sum-exp, when every prefix column is visible (checked per call), else
+``sdpa``. Every other case (one query, prefill) is handed to transformers' own ``sdpa`` path with the mask it would
+have built.
 
 Enabling it (``enable``) sets the model's attention implementation through the public ``set_attn_implementation``;
 ``disable`` restores ``sdpa``. Equality with ``sdpa`` is tested (outputs and greedy decoding).
@@ -50,6 +53,12 @@ def prefix_block_attention(module, query, key, value, attention_mask, dropout: f
     if attention_mask is None and 1 < q < length and not module.training and query.shape[1] % key.shape[1] == 0:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return _block_attention(module, query, key, value, scale), None
+    if torch.is_tensor(attention_mask) and attention_mask.dim() == 4 and 1 < q < length:
+        from . import hybrid_tree  # lazy: hybrid_tree imports this module
+
+        # an explicit 4D mask (a draft tree): the hybrid split when every prefix column is visible, else sdpa
+        return hybrid_tree.hybrid_tree_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                                 scaling=scaling, is_causal=is_causal, **kwargs)
     if attention_mask is None and 1 < q < length:  # what sdpa_mask would have given sdpa: causal over the cache
         attention_mask = sdpa_mask(batch_size=query.shape[0], q_length=q, kv_length=length,
                                    q_offset=length - q, kv_offset=0, mask_function=causal_mask_function,

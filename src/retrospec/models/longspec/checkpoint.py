@@ -7,15 +7,22 @@ shared, never saved) and ``longspec.json``::
      "block": {"window", "model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "hidden_act", "rms_norm_eps"},
      "target": {"config_hash", "weights_digest", "fingerprint", "hidden_size", "vocab_size", "path"},
-     "files": {"block.safetensors": size in bytes}}
+     "files": {"block.safetensors": size in bytes},
+     "storage": "float32" | "float16" | "bfloat16" | "int8"}
+
+``storage`` is how ``block.safetensors`` holds the weights: a float dtype (exact for weights of that dtype), or
+``"int8"`` (``models.quant``: symmetric int8 with one absmax scale per output row, 1-D tensors in float16; lossy,
+error <= scale / 2 per weight). It is also written into the safetensors metadata. A file without the key (older
+saves) holds the block's own dtype. ``load_longspec`` dequantises / casts to the target's dtype; the drafter stays
+lossless whatever the storage (the target verifies every token), only the acceptance rate can change.
 
 Invariants:
 - ``save_longspec`` writes into ``.<name>.tmp-<pid>`` next to the destination and renames it into place when both
   files are complete, so an interrupted save never leaves a directory at the destination.
-- ``load_longspec`` refuses (one ``RetrospecError`` line each) a missing or incomplete directory, an unknown format
-  or version, and a block built for another target: other hidden or vocabulary size, or another identity
-  (``retrieval.store.model_identity``: config hash + weights digest). The block's queries were trained against that
-  target's keys and its embedding / head.
+- ``load_longspec`` refuses (one ``RetrospecError`` line each) a missing or incomplete directory, an unknown format,
+  version or storage, tensors that do not match the recorded storage, and a block built for another target: other
+  hidden or vocabulary size, or another identity (``retrieval.store.model_identity``: config hash + weights
+  digest). The block's queries were trained against that target's keys and its embedding / head.
 """
 
 from __future__ import annotations
@@ -23,13 +30,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from ...errors import RetrospecError
+from .. import quant
 from .block import LongSpecDraft, as_module
 
 FORMAT = "retrospec-longspec"
 VERSION = 1
 META_FILE = "longspec.json"
 WEIGHTS_FILE = "block.safetensors"
+MANIFEST_FILE = "manifest.json"  # written by ``train.longspec`` (not read here except to copy it on repack)
+# ``storage`` names -> the dtype a file holds (int8: ``quant.pack_int8``)
+STORAGES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, quant.INT8: torch.int8}
 _ARCH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "hidden_act",
               "rms_norm_eps")
 
@@ -44,12 +57,30 @@ def _target_meta(target, path: str | None) -> dict:
                                     "path": str(path)}
 
 
+def _storage_name(dtype: torch.dtype) -> str | None:
+    return next((name for name, d in STORAGES.items() if d == dtype and name != quant.INT8), None)
+
+
+def _stored_state(draft: LongSpecDraft, storage: str | None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """(the tensors ``block.safetensors`` holds for ``storage``, the storage name recorded)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    if storage is None:
+        return state, _storage_name(next(iter(state.values())).dtype) if state else None
+    if storage == quant.INT8:
+        return quant.pack_int8(state), storage
+    return {k: v.to(STORAGES[storage]).contiguous() if v.is_floating_point() else v for k, v in state.items()}, storage
+
+
 def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_path: str | None = None,
-                  overwrite: bool = False) -> Path:
-    """Write ``draft``'s weights and ``longspec.json`` (block config + ``target``'s identity) to ``out_dir``."""
+                  overwrite: bool = False, storage: str | None = None) -> Path:
+    """Write ``draft``'s weights and ``longspec.json`` (block config + ``target``'s identity) to ``out_dir``.
+    ``storage``: None (the block's own dtype, exact), "float32", "float16", "bfloat16" or "int8" (lossy: see
+    ``models.quant``); recorded in ``longspec.json`` and in the safetensors metadata."""
     from safetensors.torch import save_file
 
     dest = Path(out_dir)
+    if storage is not None and storage not in STORAGES:
+        raise RetrospecError(f"unknown LongSpec storage {storage!r}; choose one of {', '.join(STORAGES)}")
     if not draft.uses(target):
         raise RetrospecError("this LongSpec block is not bound to the given target (its embedding / head are another "
                              "model's); save it with the target it was built for")
@@ -63,9 +94,12 @@ def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_p
     from ...retrieval.store import atomic_build  # lazy: retrieval sits above models
 
     with atomic_build(dest, overwrite=True, required=META_FILE) as tmp:  # refusal of an existing dest: above
-        state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        state, stored = _stored_state(draft, storage)
+        save_file(state, str(tmp / WEIGHTS_FILE),
+                  metadata={"format": FORMAT} | ({"storage": stored} if stored else {}))
         meta["files"] = {WEIGHTS_FILE: (tmp / WEIGHTS_FILE).stat().st_size}
+        if stored:
+            meta["storage"] = stored
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return dest
 
@@ -91,6 +125,10 @@ def read_meta(path: str | Path) -> dict:
         f = path / name
         if not f.is_file() or (size is not None and f.stat().st_size != size):
             raise RetrospecError(f"corrupt LongSpec block {path}: {name} is missing or has another size than recorded")
+    storage = meta.get("storage")
+    if storage is not None and storage not in STORAGES:
+        raise RetrospecError(f"corrupt LongSpec block {path}: unknown storage {storage!r} in {META_FILE} (this "
+                             f"retrospec reads {', '.join(STORAGES)})")
     return meta
 
 
@@ -114,11 +152,61 @@ def load_longspec(path: str | Path, target) -> LongSpecDraft:
     window = block_cfg.get("window")
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise RetrospecError(f"corrupt LongSpec block {path}: window {window!r} is not a positive integer")
-    draft = LongSpecDraft.for_target(target, window=window)
+    width = block_cfg.get("intermediate_size")
+    if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
+        raise RetrospecError(f"corrupt LongSpec block {path}: intermediate_size {width!r} is not a positive integer")
+    draft = LongSpecDraft.for_target(target, window=window, intermediate_size=width)
     try:
         state = load_file(str(path / WEIGHTS_FILE))
+    except Exception as exc:  # unreadable file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RetrospecError(f"corrupt LongSpec block {path}: could not load {WEIGHTS_FILE} ({first})") from None
+    storage = meta.get("storage")
+    if storage == quant.INT8:
+        try:
+            state = quant.unpack_int8(state, dtype=torch.float32)  # float32, then rounded once into the draft's dtype
+        except RetrospecError as exc:
+            raise RetrospecError(f"corrupt LongSpec block {path}: {exc}") from None
+    elif quant.is_packed(state):
+        raise RetrospecError(f"corrupt LongSpec block {path}: {WEIGHTS_FILE} holds int8 tensors but {META_FILE} "
+                             f"records storage {storage or 'unset'}")
+    try:
         draft.load_state_dict(state, strict=True)
     except Exception as exc:  # unreadable file, missing / unexpected / misshapen tensors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RetrospecError(f"corrupt LongSpec block {path}: could not load {WEIGHTS_FILE} ({first})") from None
     return draft.eval()
+
+
+def repack_longspec(src: str | Path, target, out: str | Path, storage: str) -> dict:
+    """Load the block at ``src`` against ``target`` and save it to ``out`` (a new directory) with ``storage``; a
+    ``manifest.json`` next to ``src``'s weights is copied with a ``"packed": {"from", "storage"}`` entry. Returns
+    {"bytes_before", "bytes_after" (of ``block.safetensors``), "storage_before", "storage_after",
+    "max_abs_error" (largest weight difference between the two blocks as loaded, in the target's dtype)}."""
+    from ...retrieval.store import atomic_build  # lazy: retrieval sits above models
+
+    src, out = Path(src), Path(out)
+    if storage not in STORAGES:
+        raise RetrospecError(f"unknown LongSpec storage {storage!r}; choose one of {', '.join(STORAGES)}")
+    if out.exists():
+        raise RetrospecError(f"{out} already exists; choose another --out")
+    meta = read_meta(src)
+    manifest = None
+    if (src / MANIFEST_FILE).is_file():
+        try:
+            manifest = json.loads((src / MANIFEST_FILE).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            raise RetrospecError(f"corrupt LongSpec block {src}: {MANIFEST_FILE} is not valid JSON") from None
+        if not isinstance(manifest, dict):
+            raise RetrospecError(f"corrupt LongSpec block {src}: {MANIFEST_FILE} is not a JSON object")
+    block = load_longspec(src, target)
+    with atomic_build(out, required=META_FILE) as tmp:
+        save_longspec(block, target, tmp, target_path=(meta.get("target") or {}).get("path"), storage=storage,
+                      overwrite=True)
+        if manifest is not None:
+            manifest["packed"] = {"from": str(src), "storage": storage}
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    packed = load_longspec(out, target)
+    return {"bytes_before": (src / WEIGHTS_FILE).stat().st_size, "bytes_after": (out / WEIGHTS_FILE).stat().st_size,
+            "storage_before": meta.get("storage"), "storage_after": storage,
+            "max_abs_error": quant.max_abs_difference(block.state_dict(), packed.state_dict())}
