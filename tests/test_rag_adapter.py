@@ -1,7 +1,7 @@
 """The Speculative RAG drafter as a LoRA adapter: ``train_rag_drafter`` on a tiny chat model writes a complete
 adapter directory (or nothing); ``load_model(adapter)`` is the base plus exactly the LoRA deltas of the saved file,
-in a private copy (the cached base is untouched); a base with another identity is refused; extractive rationales
-and the training examples' labels."""
+in a private copy (the cached base is untouched); a base with another identity is refused; an int8-packed adapter
+loads within the int8 error bound; extractive rationales and the training examples' labels."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from retrospec.errors import RetrospecError
-from retrospec.models.adapters import ADAPTER_META, is_adapter_dir
+from retrospec.models.adapters import ADAPTER_META, INT8_WEIGHTS, PEFT_WEIGHTS, is_adapter_dir, pack_adapter
 from retrospec.models.loading import load_model
 from retrospec.rag.data import Passage, Question, split_of
 from retrospec.rag.prompts import draft_reply, drafter_prompt
@@ -181,6 +181,61 @@ def test_adapter_for_another_base_is_refused(trained, chat_models, tmp_path):
     (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(RetrospecError, match="could not load adapter"):
         load_model(broken)
+
+
+def test_int8_adapter_round_trip(trained, tmp_path):
+    """``pack_adapter``: int8 weights under their own file name, the storage recorded; the merged model is within
+    the int8 error bound of the float16 adapter's (per element: alpha/r * sum_k |B||dA| + |dB||A| + |dB||dA|)."""
+    out, _, _, _ = trained
+    packed = tmp_path / "int8"
+    report = pack_adapter(out, packed)
+    assert is_adapter_dir(packed) and (packed / INT8_WEIGHTS).is_file() and not (packed / PEFT_WEIGHTS).exists()
+    assert report["bytes_after"] == (packed / INT8_WEIGHTS).stat().st_size < report["bytes_before"]
+    meta = json.loads((packed / ADAPTER_META).read_text())
+    assert meta["storage"] == "int8" and meta["base_identity"] == json.loads((out / ADAPTER_META).read_text())[
+        "base_identity"]
+    assert json.loads((packed / "manifest.json").read_text())["packed"]["storage"] == "int8"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    fp16, int8 = load_model(out).model.state_dict(), load_model(packed).model.state_dict()
+    weights = {k: v.float() for k, v in load_file(out / "adapter_model.safetensors").items()}
+    stored = load_file(packed / INT8_WEIGHTS)
+    scale = 16 / 8  # lora_alpha / r
+    checked = 0
+    for key in weights:
+        if not key.endswith("lora_A.weight"):
+            continue
+        kb = key.replace("lora_A", "lora_B")
+        a, b = weights[key].abs(), weights[kb].abs()  # [r, in], [out, r]
+        da = (stored[key + ".int8_scale"].float()[:, None] / 2).expand_as(a)  # [r, in]: |error| bound of A
+        db = (stored[kb + ".int8_scale"].float()[:, None] / 2).expand_as(b)  # [out, r]
+        bound = scale * (b @ da + db @ a + db @ da)  # [out, in]
+        name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+        diff = (int8[name] - fp16[name]).abs()
+        assert bool((diff <= bound * (1 + 1e-4) + 1e-7).all()), name
+        checked += 1
+    assert checked == 2 * 7
+    assert any(not torch.equal(int8[k], fp16[k]) for k in fp16)  # lossy
+    assert max((int8[k] - fp16[k]).abs().max() for k in fp16) < 1e-3
+    assert all(torch.equal(int8[k], fp16[k]) for k in fp16 if "proj" not in k)  # only adapted weights move
+
+    with pytest.raises(RetrospecError, match="already exists"):
+        pack_adapter(out, packed)
+    with pytest.raises(RetrospecError, match="pack the original adapter"):
+        pack_adapter(packed, tmp_path / "twice")
+    broken = tmp_path / "broken"
+    shutil.copytree(packed, broken)
+    state = load_file(broken / INT8_WEIGHTS)
+    del state[next(k for k in state if k.endswith(".int8_scale"))]
+    save_file(state, broken / INT8_WEIGHTS)
+    with pytest.raises(RetrospecError, match="could not load adapter .*has no scale"):
+        load_model(broken)
+    unknown = tmp_path / "unknown"
+    shutil.copytree(packed, unknown)
+    meta["storage"] = "int4"
+    (unknown / ADAPTER_META).write_text(json.dumps(meta))
+    with pytest.raises(RetrospecError, match="unknown storage 'int4'"):
+        load_model(unknown)
 
 
 def test_failed_training_leaves_nothing(chat_models, data, tmp_path):

@@ -1,6 +1,7 @@
 """``retrospec train rag-drafter``: tune a Speculative RAG drafter (a LoRA adapter on a base model).
 ``retrospec train longspec``: train a LongSpec draft block for a target; ``retrospec train longspec-eval``: its loss
-per position bucket on long held-out documents, and the target's loss under anchor-offset positions.
+per position bucket on long held-out documents, and the target's loss under anchor-offset positions;
+``retrospec train longspec-pack``: re-save a block with another weight storage (int8: ~1/4 of float32, lossy).
 
 Training of the other models lives under ``retrospec zoo`` (the zoo pair, ``real-draft``).
 """
@@ -14,7 +15,7 @@ from ..errors import RetrospecError
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train models: rag-drafter (Speculative RAG's drafter, a LoRA adapter), "
-                                     "longspec (a LongSpec draft block), longspec-eval")
+                                     "longspec (a LongSpec draft block), longspec-eval, longspec-pack")
     tsub = p.add_subparsers(dest="train_command", required=True, parser_class=type(p))
     r = tsub.add_parser("rag-drafter", help="instruction-tune a Speculative RAG drafter on extractive rationales")
     r.add_argument("--base", default="smollm2-135m", help="base model directory or name (default smollm2-135m)")
@@ -82,6 +83,8 @@ def _add_longspec(tsub) -> None:
     ls.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
     ls.add_argument("--init", choices=("identity", "random"), default="identity",
                     help="block initialisation (default identity: the block starts as lm_head(embed(ids)))")
+    ls.add_argument("--intermediate-size", type=int, default=None,
+                    help="the block's MLP width (default the target's; narrower = a smaller block)")
     ls.add_argument("--seed", type=int, default=0)
     ls.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ls.set_defaults(func=run_longspec)
@@ -103,6 +106,15 @@ def _add_longspec(tsub) -> None:
     ev.add_argument("--out", help="write the results as JSON to this file")
     ev.set_defaults(func=run_longspec_eval)
 
+    pk = tsub.add_parser("longspec-pack", help="re-save a LongSpec block with another weight storage (int8: about "
+                                               "1/4 of float32, lossy; the drafter stays lossless)")
+    pk.add_argument("src", help="block directory to read")
+    pk.add_argument("--target", required=True, help="the block's target model directory or name (e.g. zoo)")
+    pk.add_argument("--out", required=True, help="block directory to create")
+    pk.add_argument("--storage", required=True, choices=("int8", "float16", "bfloat16", "float32"),
+                    help="int8: symmetric, one absmax scale per output row (lossy); or a float dtype")
+    pk.set_defaults(func=run_longspec_pack)
+
 
 def _threads(n: int) -> None:
     import torch
@@ -119,7 +131,8 @@ def run_longspec(args) -> int:
     cfg = LongSpecTrainConfig(target=args.target, out=args.out, corpus=args.corpus, seq_len=args.seq_len,
                               batch=args.batch, anchor_offset=args.anchor_offset == "on", noisy_max=args.noisy_max,
                               steps=args.steps, seconds=args.seconds, device=args.device, window=args.window,
-                              lr=args.lr, init=args.init, seed=args.seed)
+                              lr=args.lr, init=args.init, seed=args.seed,
+                              intermediate_size=args.intermediate_size)
     check_config(cfg)
     _threads(args.threads)
     train_longspec(cfg)
@@ -150,4 +163,20 @@ def run_longspec_eval(args) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def run_longspec_pack(args) -> int:
+    from ..models.loading import load_model
+    from ..models.longspec import read_meta, repack_longspec
+
+    src, out = Path(args.src).expanduser(), Path(args.out).expanduser()
+    read_meta(src)  # a missing or corrupt block fails before the target is loaded
+    if out.exists():
+        raise RetrospecError(f"{out} already exists; choose another --out")
+    report = repack_longspec(src, load_model(args.target), out, args.storage)
+    before, after = report["bytes_before"], report["bytes_after"]
+    print(f"packed {src} ({report['storage_before'] or 'unrecorded storage'}) -> {out} ({args.storage})")
+    print(f"block.safetensors: {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB ({after / before:.1%})")
+    print(f"max abs weight error: {report['max_abs_error']:.3g}")
     return 0

@@ -1,10 +1,19 @@
-"""LoRA adapters as models: a directory with peft's ``adapter_config.json`` + ``adapter_model.safetensors`` and our
-``retrospec_adapter.json`` loads wherever a model directory does (``load_model``), as its base with the adapter
-merged in. ``smollm2-135m-rag-drafter`` (Speculative RAG's drafter, ``train/rag_drafter.py``) is one.
+"""LoRA adapters as models: a directory with peft's ``adapter_config.json`` + ``adapter_model.safetensors`` (or,
+packed, ``adapter_model.int8.safetensors``) and our ``retrospec_adapter.json`` loads wherever a model directory does
+(``load_model``), as its base with the adapter merged in. ``smollm2-135m-rag-drafter`` (Speculative RAG's drafter,
+``train/rag_drafter.py``) is one; it is bundled packed to int8.
 
 ``retrospec_adapter.json``::
 
-    {"base": "smollm2-135m" | "/path/to/base", "base_identity": {"config_hash", "weights_digest", "fingerprint"}}
+    {"base": "smollm2-135m" | "/path/to/base", "base_identity": {"config_hash", "weights_digest", "fingerprint"},
+     "storage": "int8"}  # optional; absent: peft's own adapter_model.safetensors (float16 from our trainer)
+
+Storage: an adapter from ``retrospec train rag-drafter`` holds peft's ``adapter_model.safetensors`` (float16) and
+loads through ``PeftModel.from_pretrained``. ``pack_adapter`` rewrites it as ``adapter_model.int8.safetensors``
+(``models.quant``: int8, one absmax scale per output row; lossy, error <= scale / 2 per LoRA weight) and records
+``"storage": "int8"``; at load the int8 file is dequantised to float32 and handed to peft
+(``set_peft_model_state_dict``) before the merge. The int8 file has another name on purpose: peft alone cannot
+find it, so it can never read int8 codes as if they were weights.
 
 Invariants: the merged model is a private copy — the cached base (which may be serving as a target or verifier at
 the same time) is never modified. A base whose identity differs from the recorded one is refused with one line:
@@ -15,13 +24,18 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from ..errors import RetrospecError
+from . import quant
 
 ADAPTER_META = "retrospec_adapter.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+INT8_WEIGHTS = "adapter_model.int8.safetensors"
 
 
 def is_adapter_dir(path: Path) -> bool:
@@ -58,12 +72,90 @@ def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
     if want is not None and want != have:
         raise RetrospecError(f"adapter {path} was trained on another {base_src} (fingerprint {want}); the loaded base "
                              f"has fingerprint {have}")
+    storage = meta.get("storage")
+    if storage not in (None, quant.INT8):
+        raise RetrospecError(f"adapter {path}: unknown storage {storage!r} in {ADAPTER_META} (this retrospec reads "
+                             f"{quant.INT8} or none: peft's own file)")
     try:
-        from peft import PeftModel
+        if storage == quant.INT8:
+            model = _peft_from_int8(copy.deepcopy(base.model), path)
+        else:
+            from peft import PeftModel
 
-        model = PeftModel.from_pretrained(copy.deepcopy(base.model), str(path), is_trainable=False)
+            model = PeftModel.from_pretrained(copy.deepcopy(base.model), str(path), is_trainable=False)
         model = model.merge_and_unload()
     except Exception as exc:  # missing or corrupt adapter weights, target modules absent from the base
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RetrospecError(f"could not load adapter {path} onto {base_src}: {first}") from exc
     return LoadedModel(model.to(dtype).eval(), base.tokenizer, str(path))
+
+
+def _peft_from_int8(model, path: Path):
+    """``model`` wrapped by peft with the int8 adapter at ``path`` loaded (dequantised to float32)."""
+    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = quant.unpack_int8(load_file(str(path / INT8_WEIGHTS)), dtype=torch.float32)
+    config = PeftConfig.from_pretrained(str(path))
+    config.inference_mode = True
+    config.base_model_name_or_path = getattr(model, "name_or_path", None)  # (peft warns when they differ)
+    peft_model = get_peft_model(model, config)
+    result = set_peft_model_state_dict(peft_model, state)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        raise RetrospecError(f"{INT8_WEIGHTS} does not match adapter_config.json ({len(missing)} adapter weights "
+                             f"missing, {len(result.unexpected_keys)} unexpected)")
+    return peft_model
+
+
+def pack_adapter(src: str | Path, out: str | Path, storage: str = quant.INT8) -> dict:
+    """Copy the adapter directory ``src`` to ``out`` (new; written to a temporary sibling, renamed when complete)
+    with its float weights stored as int8 (``models.quant``): ``adapter_model.int8.safetensors`` instead of peft's
+    file, ``"storage": "int8"`` in ``retrospec_adapter.json``, a ``"packed"`` entry in ``manifest.json`` if there is
+    one. Returns {"bytes_before", "bytes_after"} of the weights file."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    if storage != quant.INT8:
+        raise RetrospecError(f"adapters can be packed to {quant.INT8} only, not {storage!r}")
+    if not src.is_dir() or not is_adapter_dir(src) or not (src / ADAPTER_META).is_file():
+        raise RetrospecError(f"not a retrospec LoRA adapter directory (adapter_config.json + {ADAPTER_META}): {src}")
+    if out.exists():
+        raise RetrospecError(f"{out} already exists; choose another output directory")
+    try:
+        meta = json.loads((src / ADAPTER_META).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise RetrospecError(f"adapter {src}: {ADAPTER_META} is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise RetrospecError(f"adapter {src}: {ADAPTER_META} is not a JSON object")
+    if meta.get("storage") is not None or not (src / PEFT_WEIGHTS).is_file():
+        raise RetrospecError(f"adapter {src} is not stored as peft's {PEFT_WEIGHTS} (storage "
+                             f"{meta.get('storage')!r}); pack the original adapter")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(PEFT_WEIGHTS))
+        packed = quant.pack_int8(load_file(str(src / PEFT_WEIGHTS)))
+        save_file(packed, str(tmp / INT8_WEIGHTS), metadata={"format": "pt", "storage": quant.INT8})
+        os.chmod(tmp / INT8_WEIGHTS, 0o644)  # safetensors creates 0600 files; this one may be bundled
+        meta["storage"] = quant.INT8
+        meta["storage_description"] = quant.INT8_DESCRIPTION
+        (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
+        manifest_file = tmp / "manifest.json"
+        if manifest_file.is_file():
+            try:
+                manifest = json.loads(manifest_file.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise RetrospecError(f"adapter {src}: manifest.json is not valid JSON") from None
+            if not isinstance(manifest, dict):
+                raise RetrospecError(f"adapter {src}: manifest.json is not a JSON object")
+            manifest["packed"] = {"from": src.name, "storage": quant.INT8,
+                                  "bytes_before": (src / PEFT_WEIGHTS).stat().st_size,
+                                  "bytes_after": (tmp / INT8_WEIGHTS).stat().st_size}
+            manifest_file.write_text(json.dumps(manifest, indent=1) + "\n")
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"bytes_before": (src / PEFT_WEIGHTS).stat().st_size, "bytes_after": (out / INT8_WEIGHTS).stat().st_size}

@@ -4,8 +4,8 @@ Drafting and Verification", sail-sg 2025): the one-block draft (``block``), its 
 ``retrospec.drafters.longspec``; nothing here imports the engine."""
 
 from .block import DEFAULT_WINDOW, LongSpecDraft, cross_visible, grouped_attention, self_visible
-from .checkpoint import load_longspec, read_meta, save_longspec
+from .checkpoint import load_longspec, read_meta, repack_longspec, save_longspec
 from .state import DraftState
 
 __all__ = ["DEFAULT_WINDOW", "LongSpecDraft", "DraftState", "cross_visible", "self_visible", "grouped_attention",
-           "save_longspec", "load_longspec", "read_meta"]
+           "save_longspec", "load_longspec", "read_meta", "repack_longspec"]
