@@ -105,6 +105,13 @@ def test_results_summary(full_bench):
     assert by["ar"]["lossless"] is True
     assert by["ar"]["mean_accepted_tokens"] == pytest.approx(1.0)
     assert by["sd"]["mean_accepted_tokens"] >= 1.0
+    # memory figures: our rows measure them (ar holds no draft state), transformers' generate() rows do not
+    assert by["ar"]["draft_state_bytes"] == 0
+    sd_runs = [r["stats"] for r in full_bench["results"]["runs"] if r["method"] == "sd"]
+    assert all(st["draft_state_bytes"] > 0 for st in sd_runs if st["drafted_tokens"] > 0)  # the gate may not draft
+    assert by["ar"]["target_kv_bytes"] > 0 and by["pld"]["target_kv_bytes"] > 0
+    assert all(by[m]["draft_state_bytes"] is None and by[m]["target_kv_bytes"] is None
+               for m in ALL_METHODS if m.startswith("hf-"))
 
 
 def test_greedy_sd_and_pld_are_lossless(full_bench):
@@ -113,7 +120,8 @@ def test_greedy_sd_and_pld_are_lossless(full_bench):
 
 def test_report_md_and_console_table(full_bench):
     report = (full_bench["out"] / "report.md").read_text()
-    assert "| method | tokens/s | speedup | ideal | tau | acceptance | no-draft | lossless |" in report
+    assert ("| method | tokens/s | speedup | ideal | tau | acceptance | no-draft | draft state | target KV | lossless |"
+            in report)
     rows = {line.split("|")[1].strip(): line for line in report.splitlines()
             if line.startswith("| ") and not line.startswith("| method")}
     assert list(rows) == ALL_METHODS
@@ -311,7 +319,7 @@ def test_gating_labels_run_side_by_side(cli, saved_models, tmp_path):
     assert "no-draft" in (tmp_path / "out" / "report.md").read_text()
 
 
-@pytest.mark.parametrize("label", ["sd@gating=2", "sd@gamma=3", "hf-pld@gating=0", "ar@gating=1"])
+@pytest.mark.parametrize("label", ["sd@gating=2", "sd@tree=3x3", "hf-pld@gating=0", "ar@gating=1"])
 def test_bad_gating_labels(cli, saved_models, tmp_path, label):
     r = cli(*bench_args(saved_models, tmp_path / "out", methods=f"ar,{label}", prompts=None) + ["--preset", "heldout"])
     r.assert_user_error(label)

@@ -373,3 +373,14 @@ def test_malformed_draft_vocab(saved_models, tmp_path, vocab, fragment):
         load_model(d, role="draft")
     msg = str(info.value)
     assert "\n" not in msg and "draft_vocab.json" in msg and fragment in msg, msg
+
+
+def test_bundled_weights_fit_the_budget():
+    """Every weight file shipped inside the package (``zoo/``) together stays within the project's 48 MiB."""
+    files = [p for p in named.ZOO_DIR.rglob("*.safetensors")]
+    assert files, "no bundled weights found"
+    total = sum(p.stat().st_size for p in files)
+    assert total <= 48 * 2**20, f"bundled weights take {total / 2**20:.2f} MiB > 48 MiB"
+    for m in named.NAMED:  # every bundled name that is ready holds its weights under zoo/
+        if m.kind == "bundled" and m.ready():
+            assert any(m.location().glob("*.safetensors")), m.name

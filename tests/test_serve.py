@@ -360,12 +360,77 @@ def test_load_run_answers_every_request(chat_server):
     assert (after[0] - before[0], after[1] - before[1]) == (200, 200)  # nothing lost, nothing counted twice
 
 
+# --- longspec ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def longspec_block(chat_models, tmp_path_factory):
+    """A random LongSpec block bound to the chat model (saved like ``retrospec train longspec`` does)."""
+    from test_longspec import randomized
+
+    from retrospec.models import load_model
+    from retrospec.models.longspec import save_longspec
+
+    tgt = load_model(str(chat_models.target))
+    return save_longspec(randomized(tgt.model, window=16, std=0.1), tgt, tmp_path_factory.mktemp("serve_ls") / "blk")
+
+
+@pytest.fixture(scope="module")
+def longspec_server(chat_models, longspec_block, single_thread):
+    app = create_app(str(chat_models.target), longspec_draft=str(longspec_block), method="longspec")
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("knobs", [{}, {"gamma": 3}, {"tree": "2,2"}], ids=["tree-default", "gamma", "tree"])
+def test_longspec_knobs_equal_generate(longspec_server, chat_models, longspec_block, knobs):
+    c = OpenAI(base_url=f"{longspec_server.url}/v1", api_key="unused", max_retries=0)
+    prompt = "    def _wrap_chunks(self, chunks):\n"
+    lib = {"tree": tuple(int(w) for w in knobs["tree"].split(","))} if "tree" in knobs else dict(knobs)
+    ref = retrospec.generate(prompt, target=str(chat_models.target), draft=str(longspec_block), method="longspec",
+                             max_new_tokens=16, gating=False, **lib)
+    res = c.completions.create(model="target", prompt=prompt, max_tokens=16, extra_body=knobs | {"gating": False})
+    assert res.choices[0].text == ref.text
+    stats = res.model_extra["retrospec"]
+    assert stats["method"] == "longspec" and stats["drafted_tokens"] > 0  # the server's default method
+    assert stats["draft_state_bytes"] > 0 and stats["target_kv_bytes"] > 0
+    if "gamma" in knobs:
+        assert len(stats["per_position_drafted"]) <= 3
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"tree": "2,x"}, "comma-separated widths"),
+    ({"tree": "2,0"}, ">= 1"),
+    ({"tree": [2, 2]}, "a string of widths"),
+    ({"tree": "2,2", "gamma": 2}, "not both"),
+    ({"method": "pld", "tree": "2,2"}, "does not apply to method 'pld'"),
+])
+def test_bad_longspec_knobs_are_400(longspec_server, body, fragment):
+    c = OpenAI(base_url=f"{longspec_server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.completions.create(model="target", prompt="x = 1\n", max_tokens=2, extra_body=body)
+    err = exc.value.response.json()["error"]
+    assert err["param"] == "tree"
+    assert fragment in err["message"] and "\n" not in err["message"]
+
+
+def test_longspec_unavailable_without_a_block(chat_server):
+    c = OpenAI(base_url=f"{chat_server.url}/v1", api_key="unused", max_retries=0)
+    (model,) = c.models.list().data
+    info = model.model_extra["retrospec"]
+    assert "longspec" not in info["methods"] and "--longspec-draft" in info["unavailable"]["longspec"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.completions.create(model="target", prompt="x = 1\n", max_tokens=2, extra_body={"method": "longspec"})
+    err = exc.value.response.json()["error"]
+    assert err["param"] == "method" and "not served here" in err["message"] and "--longspec-draft" in err["message"]
+
+
 # --- the command line -------------------------------------------------------------------------------------------
 
 def test_cli_user_errors_are_one_line(cli, tmp_path):
     cli("serve", "--port", "0", "--target", tmp_path / "nothing").assert_user_error("not found")
     cli("serve", "--port", "0", "--method", "nope").assert_user_error("unknown method")
     cli("serve", "--port", "0", "--method", "rest").assert_user_error("rest", "--datastore")
+    cli("serve", "--port", "0", "--longspec-draft", tmp_path / "nope").assert_user_error("not found")
     cli("serve", "--port", "70000").assert_user_error("port")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

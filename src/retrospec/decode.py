@@ -23,7 +23,7 @@ import torch
 
 from .acceptance import AcceptanceRule, GreedyMatch, RejectionSampling
 from .config import SamplingConfig
-from .drafters.base import DecodeContext, Drafter, NoDraft
+from .drafters.base import DecodeContext, Drafter, NoDraft, state_bytes
 from .gating import Gate, profile_for
 from .sampling import make_generator, probs_from_logits
 from .tree import depths
@@ -117,6 +117,7 @@ def speculative_generate(
             yield toks
     finally:
         stats.decode_s = time.perf_counter() - t_start
+        stats.draft_state_bytes, stats.target_kv_bytes = state_bytes(drafter), verifier.kv.nbytes()
         gate.finish()
 
 

@@ -87,6 +87,8 @@ class SpecStats:
     gating: bool = False  # the gate chose each step's draft budget (``gating``); False = the full budget always
     gated_steps: int = 0  # steps the gate ran without a draft although the drafter had room
     draft_shapes: dict[str, int] = field(default_factory=dict)  # node budget handed to the drafter -> steps
+    draft_state_bytes: int | None = None  # the drafter's own state at the end (``Drafter.state_bytes``; 0 = none)
+    target_kv_bytes: int | None = None  # the target's KV cache at the end (keys/values of the cached positions)
 
     @property
     def mean_accepted_tokens(self) -> float:

@@ -11,7 +11,16 @@ Summary per method (token-weighted over prompts):
   verifier's forwards are timed as ``verify_s``, decoder and LM head together; see ``verify.LogitsHead``);
 - mean_accepted_tokens (tau) = new tokens / target forward calls; acceptance_rate = accepted / drafted;
 - lossless = every output token-identical to ar's (greedy only; null when sampling);
-- gated_share = steps the gate ran without a draft / target forwards (``gating``; labels ``m@gating=0|1``).
+- gated_share = steps the gate ran without a draft / target forwards (``gating``; labels ``m@gating=0|1``);
+- draft_state_bytes = the most the drafter held in its own per-request state at the end of a run, over prompts
+  (``Drafter.state_bytes``: longspec's ring buffer, magicdec's window cache, sd's draft KV cache; 0 for drafters
+  that hold none, null for the hf-* rows); target_kv_bytes = the largest target KV cache at the end of a run.
+
+Method labels (``parse_label``): ``m`` or ``m@opt@opt...`` with options ``gating=0|1``, ``gamma=N`` (a chain of N:
+sd, pld, magicdec, and longspec, which drafts a tree by default) and ``tree=4x16x16`` (longspec's widths per
+depth; ``x``-separated so commas still separate methods). ``longspec`` gets its block, loaded once, in
+``method_options[label]["block"]``; when it runs, the target verifies with ``attention.prefix_block`` for every
+method of the run (as ``api.prepare`` does for longspec), so all methods share one attention implementation.
 
 With ``chat`` each prompt row's text becomes one user message under the target's chat template
 (``chat.build_chat_prompt``), and the template's end-of-turn id joins the EOS ids. Every method, ours and the HF
@@ -51,28 +60,68 @@ class BenchConfig:
     pld_k: int = DEFAULT_GAMMA["pld"]
     pld_ngram: int = 3
     warmup: bool = True
-    method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per method name
+    method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per method label
     chat: bool = False  # each prompt = one user message under the target's chat template
     gating: bool | None = None  # our methods' default (None = ``gating.resolve``); ``m@gating=0|1`` overrides it
+    longspec_draft: str | None = None  # where longspec's block came from (reported; the block is in method_options)
 
 
-def parse_label(label: str) -> tuple[str, bool | None]:
-    """A bench method label -> (method, gating): ``'rest@gating=0'`` -> ``('rest', False)``; ``'sd'`` ->
-    ``('sd', None)``, None meaning the run's default. Lets one run compare a method with and without gating."""
-    name, sep, opt = label.partition("@")
-    if not sep:
-        return name, None
-    if opt not in ("gating=0", "gating=1"):
-        raise RetrospecError(f"bad method option {opt!r} in {label!r}: the only option here is gating=0|1")
-    if name in HF_METHODS or name == "ar":
-        raise RetrospecError(f"{label!r}: gating applies to our drafting methods, not to {name}")
-    return name, opt == "gating=1"
+@dataclass(frozen=True)
+class MethodLabel:
+    """A parsed bench label: the method and the options the label sets (None = the run's default)."""
+
+    method: str
+    gating: bool | None = None
+    gamma: int | None = None
+    tree: tuple[int, ...] | None = None
+
+
+LABEL_OPTIONS = "gating=0|1, gamma=N, tree=WxWx... (longspec)"
+
+
+def parse_label(label: str) -> MethodLabel:
+    """A bench method label -> ``MethodLabel``: ``'rest@gating=0'`` -> gating False; ``'longspec@gamma=4'`` -> a
+    chain of 4; ``'longspec@tree=4x8x8'`` -> tree (4, 8, 8); ``'sd'`` -> the run's defaults. Options join with
+    ``@`` (``sd@gamma=3@gating=0``); each at most once. Lets one run compare variants of a method."""
+    name, *opts = label.split("@")
+    seen: dict[str, object] = {}
+    ours = name not in HF_METHODS and name != "ar"
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or key not in ("gating", "gamma", "tree"):
+            raise RetrospecError(f"bad method option {opt!r} in {label!r}: options are {LABEL_OPTIONS}")
+        if key in seen:
+            raise RetrospecError(f"{label!r} sets {key} twice")
+        if key == "gating":
+            if value not in ("0", "1"):
+                raise RetrospecError(f"bad method option {opt!r} in {label!r}: gating takes 0 or 1")
+            if not ours:
+                raise RetrospecError(f"{label!r}: gating applies to our drafting methods, not to {name}")
+            seen[key] = value == "1"
+        elif key == "gamma":
+            if not (value.isdigit() and int(value) >= 1):
+                raise RetrospecError(f"bad method option {opt!r} in {label!r}: gamma takes an integer >= 1")
+            if not ours or name in ("rest", "dresd"):
+                raise RetrospecError(f"{label!r}: gamma applies to chain drafters (sd, pld, magicdec, longspec), "
+                                     f"not to {name}" + (" (use --draft-len)" if name in ("rest", "dresd") else ""))
+            seen[key] = int(value)
+        else:
+            if name != "longspec":
+                raise RetrospecError(f"{label!r}: tree applies to longspec only")
+            widths = value.split("x")
+            if not all(w.isdigit() and int(w) >= 1 for w in widths):
+                raise RetrospecError(f"bad method option {opt!r} in {label!r}: tree takes widths >= 1 per depth "
+                                     "joined by x, e.g. tree=4x16x16")
+            seen[key] = tuple(int(w) for w in widths)
+    if "gamma" in seen and "tree" in seen:
+        raise RetrospecError(f"{label!r}: longspec drafts a chain (gamma) or a tree (tree), not both")
+    return MethodLabel(name, **seen)
 
 
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
     known = set(REGISTRY) | set(HF_METHODS)
     for label in methods:
-        m, _ = parse_label(label)
+        m = parse_label(label).method
         if m not in known:
             raise RetrospecError(f"unknown method {m!r}; available: {', '.join(sorted(known))}")
         if (m == "sd" or m.startswith("hf-assisted")) and not has_draft:
@@ -80,12 +129,23 @@ def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
     return (["ar"] if "ar" not in methods else []) + list(dict.fromkeys(methods))
 
 
+def label_options(label: MethodLabel, cfg: BenchConfig) -> dict:
+    """Factory options of one label: the chain length (or longspec's tree) from the label, else the run's."""
+    m = label.method
+    if m == "longspec":  # a tree unless a chain length is given (by the label, else by --gamma); tree wins
+        gamma = label.gamma if label.gamma is not None else (cfg.gamma if label.tree is None else None)
+        return {"gamma": gamma, "tree": label.tree}
+    if m == "pld":
+        return {"gamma": label.gamma or cfg.pld_k, "max_ngram": cfg.pld_ngram}
+    return {"gamma": label.gamma or cfg.gamma or DEFAULT_GAMMA.get(m, 5), "max_ngram": cfg.pld_ngram}
+
+
 def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
               cfg: BenchConfig, max_new: int, eos_ids: frozenset[int]) -> tuple[list[int], SpecStats, float]:
     label = method
-    method, gating = parse_label(label)
-    gamma = cfg.gamma or DEFAULT_GAMMA.get(method, 5)
-    options = {"gamma": gamma if method != "pld" else cfg.pld_k, "max_ngram": cfg.pld_ngram}
+    parsed = parse_label(label)
+    method, gating = parsed.method, parsed.gating
+    options = label_options(parsed, cfg)
     options.update(cfg.method_options.get(label, {}))
     req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options,
                   eos_ids=eos_ids, gating=resolve_gating(cfg.gating if gating is None else gating, cfg.sampling))
@@ -110,6 +170,8 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
         # the first target forward is the prefill (all prompt tokens but the last), not decoding
         prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
         forward_s = sum(p.seconds for p in probes) - prefill_fwd
+    if method == "longspec":  # the block is not a model the probes see: its drafting time counts whole
+        forward_s += stats.draft_s
     return out, stats, forward_s
 
 
@@ -134,6 +196,10 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         if len(ids) >= limit:
             raise RetrospecError(f"prompt {i} has {len(ids)} tokens; the target supports {limit} positions")
     pad = getattr(tok, "pad_token_id", None)
+    if any(parse_label(m).method == "longspec" for m in cfg.methods):
+        from ..attention import prefix_block
+
+        prefix_block.enable(target.model)  # as api.prepare does for longspec; every method of the run then uses it
     torch.manual_seed(0)
 
     def run_one(method: str, ids: list[int], max_new: int):
@@ -191,10 +257,26 @@ def summarize(runs: list[dict], cfg: BenchConfig) -> list[dict]:
             "lossless": lossless,
             "gating": any(r["stats"].get("gating") for r in rs),
             "gated_share": sum(r["stats"].get("gated_steps", 0) for r in rs) / calls if calls else 0.0,
+            "draft_state_bytes": _max_of(rs, "draft_state_bytes"),
+            "target_kv_bytes": _max_of(rs, "target_kv_bytes"),
             "new_tokens": new,
             "decode_s": dec,
         })
     return summary
+
+
+def _max_of(runs: list[dict], key: str) -> int | None:
+    """The largest ``stats[key]`` over runs; None when no run measured it (hf-* rows)."""
+    values = [r["stats"].get(key) for r in runs if r["stats"].get(key) is not None]
+    return max(values) if values else None
+
+
+def _option_value(v):
+    if isinstance(v, (str, int, float, bool, type(None))):
+        return v
+    if isinstance(v, torch.nn.Module):  # a loaded model (longspec's block): its class, not its repr
+        return type(v).__name__
+    return str(v)
 
 
 def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig) -> dict:
@@ -213,8 +295,11 @@ def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         "pld_k": cfg.pld_k,
         "pld_max_ngram": cfg.pld_ngram,
         "gating": cfg.gating,
-        "method_options": {m: {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
-                               for k, v in o.items()} for m, o in cfg.method_options.items()},
+        "longspec_draft": cfg.longspec_draft,
+        "method_options": {m: {k: _option_value(v) for k, v in o.items()} for m, o in cfg.method_options.items()},
+        "attention": getattr(target.model.config, "_attn_implementation", None),
+        "prompt_rows": [{k: p[k] for k in ("source", "prompt_tokens") if k in p} for p in prompts]
+        if any("source" in p or "prompt_tokens" in p for p in prompts) else None,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

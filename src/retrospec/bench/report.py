@@ -4,14 +4,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "no-draft", "lossless")
+COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "no-draft", "draft state", "target KV",
+           "lossless")
+
+
+def format_bytes(n: int | None) -> str:
+    """``1536`` -> ``1.5 KiB``; None (not measured) -> ``—``."""
+    if n is None:
+        return "—"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def _row(s: dict) -> list[str]:
     lossless = {True: "yes", False: "NO", None: "n/a"}[s["lossless"]]
     return [s["method"], f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['ideal_speedup']:.2f}x",
             f"{s['mean_accepted_tokens']:.2f}", f"{s['acceptance_rate']:.2f}",
-            f"{s['gated_share']:.0%}" if s.get("gating") else "—", lossless]
+            f"{s['gated_share']:.0%}" if s.get("gating") else "—", format_bytes(s.get("draft_state_bytes")),
+            format_bytes(s.get("target_kv_bytes")), lossless]
+
+
+def _span(rows: list[dict] | None) -> str:
+    """``min-max (mean m)`` of the rows' ``prompt_tokens``; empty when the rows do not carry it."""
+    counts = [r["prompt_tokens"] for r in rows or () if "prompt_tokens" in r]
+    if not counts:
+        return ""
+    return f"{min(counts)}-{max(counts)} (mean {sum(counts) / len(counts):.0f})"
 
 
 def render_markdown(result: dict) -> str:
@@ -23,6 +46,9 @@ def render_markdown(result: dict) -> str:
         f"- {c['prompts']} prompts, {c['max_new_tokens']} new tokens max, temperature {c['temperature']}, "
         f"gamma {c['gamma']}, pld k {c['pld_k']} (max n-gram {c['pld_max_ngram']})"
         + (", chat template (each prompt one user message)" if c.get("chat") else ""),
+        *([f"- prompt tokens: {_span(c['prompt_rows'])}"] if _span(c.get("prompt_rows")) else []),
+        *([f"- longspec block: `{c['longspec_draft']}`"] if c.get("longspec_draft") else []),
+        *([f"- target attention: `{c['attention']}`"] if c.get("attention") else []),
         f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}",
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -34,7 +60,10 @@ def render_markdown(result: dict) -> str:
         "tokens/s: decode phase (after the prompt forward), token-weighted over prompts. speedup: tokens/s over "
         "`ar` in this run. ideal: speedup with zero engine overhead (model-forward time only). tau: new tokens per "
         "target forward. acceptance: accepted / drafted tokens. no-draft: share of steps the gate ran without "
-        "a draft (— = not gated: ar, hf-* and m@gating=0 rows, or --no-gating). lossless: every output token-identical to `ar` "
+        "a draft (— = not gated: ar, hf-* and m@gating=0 rows, or --no-gating). draft state: the most the drafter "
+        "held in its own per-request state at the end of a run (longspec: its ring buffer; magicdec: its sink + "
+        "window KV cache; sd: the draft's KV cache; pld: its token buffer; — = not measured, hf-* rows). target KV: "
+        "the largest target KV cache at the end of a run. lossless: every output token-identical to `ar` "
         "(greedy runs only). hf-* rows run transformers' own generate(); their decode time is wall time minus "
         "a prompt forward of the same prompt.",
         "",

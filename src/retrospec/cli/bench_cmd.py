@@ -19,7 +19,12 @@ def add_parser(sub) -> None:
                                        "rows with a 'context' field (retrospec tasks make; several files "
                                        "comma-separated) run the long-context bench: lc,rag,sd,magicdec,rapid")
     src.add_argument("--preset", help="built-in prompt set: heldout (held-out stdlib functions) | chat (short "
-                                      "instructions and questions; use with --chat)")
+                                      "instructions and questions; use with --chat) | lcc (long code completion: "
+                                      "4K-7K target tokens of held-out package source) | lcc-8k | lcc-16k | lcc-32k "
+                                      "(the same at a fixed length)")
+    p.add_argument("--longspec-draft", metavar="DIR|NAME",
+                   help="LongSpec draft block of method longspec (labels longspec@gamma=N, longspec@tree=4x16x16); "
+                        "default: the named target's bundled block (smollm2-135m -> smollm2-135m-longspec)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--pld-k", type=int, default=10, help="pld / hf-pld draft length")
     p.add_argument("--pld-ngram", type=int, default=3, help="pld / hf-pld maximum n-gram size")
@@ -38,7 +43,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..bench.harness import BenchConfig, run_bench, validate_methods, write_outputs
     from ..bench.report import print_table
-    from ..bench.tasks import load_prompts, preset
+    from ..bench.tasks import load_prompts, preset, preset_max_tokens
     from ..config import DecodeConfig, SamplingConfig
     from ..models import check_same_vocab, default_target, load_model, paired_draft
     from .datastore_cmd import bench_method_options
@@ -67,7 +72,7 @@ def run(args) -> int:
     draft_src = args.draft
     from ..bench.harness import parse_label
 
-    if draft_src is None and any(parse_label(m)[0] == "sd" or m.startswith("hf-assisted") for m in methods):
+    if draft_src is None and any(parse_label(m).method == "sd" or m.startswith("hf-assisted") for m in methods):
         draft_src = paired_draft(args.target)  # default/named target: its paired draft
     draft = load_model(draft_src, role="draft") if draft_src is not None else None
     if draft is not None:
@@ -75,16 +80,66 @@ def run(args) -> int:
     if target.tokenizer is None:
         raise RetrospecError(f"target {target.path} has no tokenizer files")
     methods = validate_methods(methods, has_draft=draft is not None)
-    prompts = load_prompts(args.prompts) if args.prompts else preset(args.preset, args.limit or 20)
+    longest = preset_max_tokens(args.preset) if args.preset else None
+    if longest is not None:  # lcc*: plain continuation of prompts measured in target tokens
+        if args.chat:
+            raise RetrospecError(f"--preset {args.preset} is plain code continuation; drop --chat")
+        limit = target.max_positions
+        if limit and longest + args.max_new_tokens > limit:
+            raise RetrospecError(f"--preset {args.preset} makes prompts of up to {longest} tokens; with "
+                                 f"--max-new-tokens {args.max_new_tokens} they need {longest + args.max_new_tokens} "
+                                 f"positions, but target {target.path} supports {limit}")
+    options = bench_method_options(args, methods, target)
+    longspec_src = _longspec_options(args, methods, target, options)
+    _magicdec_options(args, methods, options)
+    prompts = (load_prompts(args.prompts) if args.prompts
+               else preset(args.preset, args.limit or 20, tokenizer=target.tokenizer))
     if args.limit:
         prompts = prompts[: args.limit]
     cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
                       pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup,
-                      method_options=bench_method_options(args, methods, target), chat=args.chat,
-                      gating=False if args.no_gating else None)
+                      method_options=options, chat=args.chat, gating=False if args.no_gating else None,
+                      longspec_draft=longspec_src)
     result = run_bench(target, draft, prompts, cfg)
     out = Path(args.out)
     write_outputs(result, out)
     print_table(result["summary"])
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'speedup.png'}")
     return 0
+
+
+def _longspec_options(args, methods: list[str], target, options: dict[str, dict]) -> str | None:
+    """Load longspec's block once (``--longspec-draft``, else the named target's bundled block) and hand it to
+    every longspec label in ``options``; returns where it came from (None when no label runs longspec)."""
+    from ..bench.harness import parse_label
+    from ..drafters.longspec import load_block
+    from ..models import paired_longspec
+
+    labels = [m for m in methods if parse_label(m).method == "longspec"]
+    if not labels:
+        return None
+    src = args.longspec_draft
+    if src is None:
+        try:
+            src = paired_longspec(args.target)
+        except RetrospecError as exc:  # a bundled block that is not built yet
+            raise RetrospecError(f"{exc}; or give a block with --longspec-draft DIR|NAME") from None
+        if src is None:
+            raise RetrospecError(f"method 'longspec' needs a LongSpec draft block: --longspec-draft DIR|NAME (target "
+                                 f"{target.path} has no bundled block)")
+    block = load_block(src, target)
+    for label in labels:
+        options.setdefault(label, {})["block"] = block
+    return str(src)
+
+
+def _magicdec_options(args, methods: list[str], options: dict[str, dict]) -> None:
+    """magicdec labels: --sink / --window when given (else the drafter's defaults: 4 sinks, ``default_window``)."""
+    from ..bench.harness import parse_label
+
+    given = {k: getattr(args, k, None) for k in ("sink", "window") if getattr(args, k, None) is not None}
+    if any(v < (0 if k == "sink" else 1) for k, v in given.items()):
+        raise RetrospecError("--sink must be >= 0 and --window >= 1")
+    for label in methods:
+        if given and parse_label(label).method == "magicdec":
+            options.setdefault(label, {}).update(given)

@@ -113,7 +113,7 @@ def bench_method_options(args, methods: list[str], target=None) -> dict[str, dic
 
     options = {}
     for label in methods:
-        m, _ = parse_label(label)
+        m = parse_label(label).method
         if m in RETRIEVAL_METHODS:
             kind = RETRIEVAL_METHODS[m]
             if kind not in by_kind:

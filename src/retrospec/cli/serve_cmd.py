@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a target over an OpenAI-compatible HTTP API (completions, chat, SSE)")
     p.add_argument("--target", help="target model directory or name (default: zoo)")
     p.add_argument("--draft", help="draft model for sd (default: the named target's paired draft, if any)")
+    p.add_argument("--longspec-draft", metavar="DIR|NAME",
+                   help="LongSpec draft block of method longspec (default: the named target's bundled block, if any; "
+                        "without one, longspec is not served)")
     p.add_argument("--method", default="sd", help="default method of requests that name none (default: sd; a "
                                                   "request picks another with the 'method' body field)")
     p.add_argument("--datastore", action="append", default=[], metavar="DIR",
@@ -48,7 +51,8 @@ def run(args) -> int:
 
             torch.set_num_threads(args.threads)
         app = create_app(args.target, args.draft, method=args.method, datastores=args.datastore,
-                         api_key=args.api_key or None, model_name=args.model_name, max_queue=args.max_queue)
+                         api_key=args.api_key or None, model_name=args.model_name, max_queue=args.max_queue,
+                         longspec_draft=args.longspec_draft)
         caps = app.state.backend.caps
         host, port = sock.getsockname()[:2]
         print(f"retrospec: serving {caps.model!r} (methods: {', '.join(caps.methods)}; default {caps.default_method}) "

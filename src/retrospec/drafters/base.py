@@ -7,6 +7,12 @@ A drafter never mutates the target model or the target's KV cache.
 Lifecycle per request: ``prefill(ctx)`` once after the prompt is known, then per step ``propose(ctx, budget)``
 (at most ``budget`` nodes) and ``observe(accepted, drafted)`` with the outcome (for adaptive lengths and the
 drafter's own cache bookkeeping).
+
+Optional: ``state_bytes() -> int``, the bytes of the per-request state the drafter holds (its own KV cache, ring
+buffer, window cache; not shared read-only things such as model weights or a datastore). A drafter that holds
+such state defines it; ``state_bytes(drafter)`` reads it, 0 for drafters without it. The decode loop records it
+at the end of a run (``SpecStats.draft_state_bytes``) for the bench's memory figures. It must work before
+``prefill`` too (then 0).
 """
 
 from __future__ import annotations
@@ -77,6 +83,12 @@ class Drafter(Protocol):
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree: ...
 
     def observe(self, accepted: int, drafted: int) -> None: ...
+
+
+def state_bytes(drafter) -> int:
+    """``drafter.state_bytes()`` when the drafter defines it (see the module docstring), else 0."""
+    fn = getattr(drafter, "state_bytes", None)
+    return int(fn()) if callable(fn) else 0
 
 
 class NoDraft:

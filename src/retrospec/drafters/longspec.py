@@ -132,6 +132,10 @@ class LongSpecDrafter:
     def observe(self, accepted: int, drafted: int) -> None:
         """Nothing to do: the ring catches up with the committed tokens at the next ``propose`` (module docstring)."""
 
+    def state_bytes(self) -> int:
+        """Bytes of the ``DraftState`` (ring buffer and tentative tokens): the same at any context length."""
+        return self.state.nbytes() if self.state is not None else 0
+
 
 def load_block(draft, target) -> LongSpecDraft:
     """The LongSpec block for ``target``: ``draft`` is a block directory (``save_longspec``) or a ``LongSpecDraft``

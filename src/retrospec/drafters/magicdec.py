@@ -84,6 +84,10 @@ class MagicDecDrafter:
             return
         self.gamma = min(self.max_gamma, self.gamma + 2) if accepted == drafted else max(1, self.gamma - 1)
 
+    def state_bytes(self) -> int:
+        """Bytes of the StreamingLLM cache (sinks + window; draft entries until the next step rolls them back)."""
+        return self.cache.nbytes() if self.cache is not None else 0
+
 
 @register("magicdec")
 def _make_magicdec(*, target=None, gamma: int = 10, sink: int = DEFAULT_SINK, window: int | None = None,

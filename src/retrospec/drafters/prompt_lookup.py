@@ -53,6 +53,10 @@ class PromptLookupDrafter:
         self._buf = np.zeros(max(64, 2 * len(ctx.tokens)), dtype=np.int64)
         self._n = 0
 
+    def state_bytes(self) -> int:
+        """Bytes of the token buffer searched for n-grams (a copy of the committed tokens, with room to grow)."""
+        return int(self._buf.nbytes)
+
     def _sync(self, tokens: list[int]) -> np.ndarray:
         """Append newly committed tokens to a growing numpy buffer (no per-step full conversion)."""
         n = len(tokens)

@@ -95,6 +95,10 @@ class SmallLMDrafter:
         logits = self._step(seq[keep:])
         return draft_chain(logits, gamma, ctx, lambda tok, _: self._step([tok]), keep_q=self.probs_when_greedy)
 
+    def state_bytes(self) -> int:
+        """Bytes of the draft model's KV cache (the cached positions)."""
+        return self.kv.nbytes()
+
     def observe(self, accepted: int, drafted: int) -> None:
         if not self.adaptive or drafted == 0:
             return

@@ -147,3 +147,7 @@ class KVCache:
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, each [batch, kv_heads, seq, head_dim]; read-only views for drafters/tests."""
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
+
+    def nbytes(self) -> int:
+        """Bytes of the cached keys/values (the filled positions; a buffer's spare capacity is not counted)."""
+        return sum(t.numel() * t.element_size() for kv in self.layer_tensors() for t in kv)

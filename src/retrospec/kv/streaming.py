@@ -82,3 +82,7 @@ class SinkWindowCache:
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
+
+    def nbytes(self) -> int:
+        """Bytes of the keys/values held (sinks, window, and any draft entries not rolled back yet)."""
+        return sum(t.numel() * t.element_size() for kv in self.layer_tensors() for t in kv)

@@ -44,11 +44,13 @@ class ClientGone(Exception):
 
 
 def create_app(target=None, draft=None, *, method: str = "sd", datastores=(), api_key: str | None = None,
-               model_name: str | None = None, max_queue: int = 256) -> FastAPI:
-    """Load the target (and draft, datastores) and build the app. ``target``/``draft``: a directory, a model name
-    or a ``LoadedModel`` (default: the zoo and, for a named target, its paired draft)."""
+               model_name: str | None = None, max_queue: int = 256, longspec_draft=None) -> FastAPI:
+    """Load the target (and draft, datastores, LongSpec block) and build the app. ``target``/``draft``: a
+    directory, a model name or a ``LoadedModel`` (default: the zoo and, for a named target, its paired draft);
+    ``longspec_draft``: method longspec's block, a directory, a name or a ``LongSpecDraft`` (default: the named
+    target's bundled block, if any)."""
     backend = Backend(target, draft, method=method, datastores=datastores, model_name=model_name,
-                      max_queue=max_queue)
+                      max_queue=max_queue, longspec_draft=longspec_draft)
     return build_app(backend, api_key=api_key)
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 from ..api import GenerationStream, prepare
 from ..drafters import REGISTRY
 from ..errors import RetrospecError
-from ..models import DEFAULT_TARGET, LoadedModel, check_same_vocab, default_target, load_model, lookup, paired_draft
+from ..models import (DEFAULT_TARGET, LoadedModel, check_same_vocab, default_target, load_model, lookup, paired_draft,
+                      paired_longspec)
 from ..types import SpecStats
 from .metrics import Metrics
 from .protocol import METHOD_KNOBS, STORE_KIND, Capabilities, Params, ProtocolError, TextAssembler
@@ -78,11 +79,12 @@ class Backend:
     """Loaded target, optional draft, datastores, metrics and the worker (see the module docstring)."""
 
     def __init__(self, target=None, draft=None, *, method: str = "sd", datastores=(), model_name: str | None = None,
-                 max_queue: int = 256):
+                 max_queue: int = 256, longspec_draft=None):
         self.target = load_model(default_target() if target is None else target, role="target")
         if self.target.tokenizer is None:
             raise RetrospecError(f"target {self.target.path} has no tokenizer; the server needs one for text")
         self.draft = self._load_draft(target, draft)
+        self.longspec_src, self.longspec_block, self._no_longspec = self._load_longspec(target, longspec_draft)
         self.stores = self._open_stores(datastores)
         self.caps = self._capabilities(method, model_name or served_name(target, self.target))
         if max_queue < 1:
@@ -103,6 +105,25 @@ class Backend:
         check_same_vocab(self.target, drf)
         return drf
 
+    def _load_longspec(self, target, src) -> tuple[str | None, object, str | None]:
+        """(source, loaded block, why not): the given block (``--longspec-draft``; a bad one fails the start), else
+        the named target's bundled block; without one, ``longspec`` is listed as unavailable with the reason."""
+        from ..drafters.longspec import load_block
+
+        hint = "start the server with --longspec-draft DIR|NAME"
+        if src is None:
+            try:
+                src = paired_longspec(target)  # None for a directory or a loaded model
+            except RetrospecError as exc:  # a bundled block that is not built yet
+                return None, None, f"no LongSpec draft block ({exc}); {hint}"
+            if src is None:
+                return None, None, f"no LongSpec draft block for this target: {hint}"
+            try:
+                return (str(src) if isinstance(src, (str, Path)) else type(src).__name__), load_block(src, self.target), None
+            except RetrospecError as exc:
+                return None, None, f"the bundled LongSpec block cannot be used ({exc}); {hint}"
+        return (str(src) if isinstance(src, (str, Path)) else type(src).__name__), load_block(src, self.target), None
+
     def _open_stores(self, datastores) -> dict[str, dict[str, object]]:
         from ..retrieval import open_store
 
@@ -119,6 +140,8 @@ class Backend:
         why = {m: "it needs a long context, which the server does not take" for m in REGISTRY if m not in METHOD_KNOBS}
         if self.draft is None:
             why["sd"] = "no draft model: start the server with --draft"
+        if self._no_longspec:
+            why["longspec"] = self._no_longspec
         for m, kind in STORE_KIND.items():
             if kind not in self.stores:
                 why[m] = f"no {kind} datastore: start the server with --datastore DIR"
@@ -165,7 +188,7 @@ class Backend:
     def _generate(self, job: Job) -> None:
         p = job.params
         kwargs = dict(p.kwargs)
-        draft = self.draft if kwargs["method"] == "sd" else None
+        draft = {"sd": self.draft, "longspec": self.longspec_block}.get(kwargs["method"])
         try:
             req = prepare(p.prompt, messages=p.messages, target=self.target, draft=draft, **kwargs)
         except RetrospecError as exc:
@@ -207,7 +230,9 @@ class Backend:
     def describe(self) -> dict:
         """What ``/v1/models`` reports about this server besides the model id."""
         return {"target": self.target.path, "draft": self.draft.path if self.draft else None,
+                "longspec_draft": self.longspec_src,
                 "methods": list(self.caps.methods), "default_method": self.caps.default_method,
+                "unavailable": dict(sorted(self.caps.why_not.items())),  # method -> why this server cannot run it
                 "datastores": {kind: list(s) for kind, s in self.stores.items()}}
 
 

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..drafters.longspec import parse_tree
+from ..errors import RetrospecError
+
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")
 METHOD_KNOBS = {  # method -> the extra body fields that apply to it (``gating`` applies to all)
     "ar": (),
@@ -30,8 +33,9 @@ METHOD_KNOBS = {  # method -> the extra body fields that apply to it (``gating``
     "magicdec": ("gamma", "adaptive_gamma"),
     "rest": ("datastore", "num_drafts", "draft_len"),
     "dresd": ("datastore", "num_drafts", "draft_len"),
+    "longspec": ("gamma", "tree"),  # gamma = a chain of gamma tokens; tree = "4,16,16" (the default: 4,16,16,16,16)
 }
-ALL_KNOBS = ("method", "gating", "gamma", "adaptive_gamma", "datastore", "num_drafts", "draft_len")
+ALL_KNOBS = ("method", "gating", "gamma", "adaptive_gamma", "datastore", "num_drafts", "draft_len", "tree")
 STORE_KIND = {"rest": "suffix", "dresd": "dense"}
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
 # standard fields accepted only at their neutral value: field -> (allowed values, what the server lacks)
@@ -195,6 +199,7 @@ def _method(body: dict, caps: Capabilities) -> dict:
     for name in ("gamma", "num_drafts", "draft_len"):
         _check(body, name, _is_int, "an integer")
     _check(body, "datastore", lambda v: isinstance(v, str), "a string (a datastore this server loaded)")
+    _check(body, "tree", lambda v: isinstance(v, str), 'a string of widths per depth, e.g. "4,16,16"')
     given = [k for k in ALL_KNOBS if k != "method" and body.get(k) is not None]
     for name in given:
         if name != "gating" and name not in METHOD_KNOBS[method]:
@@ -206,6 +211,13 @@ def _method(body: dict, caps: Capabilities) -> dict:
             raise ProtocolError(f"'{name}' must be an integer >= 1, got {out[name]}", param=name)
     if method in STORE_KIND:
         out["datastore"] = _store(caps, STORE_KIND[method], out.get("datastore"))
+    if "tree" in out:
+        if "gamma" in out:
+            raise ProtocolError("longspec drafts a chain (gamma) or a tree (tree), not both", param="tree")
+        try:
+            out["tree"] = parse_tree(out["tree"])
+        except RetrospecError as exc:
+            raise ProtocolError(str(exc), param="tree") from None
     return out
 
 
@@ -331,6 +343,7 @@ def param_of(message: str) -> str | None:
     """The request field a ``RetrospecError`` from ``prepare`` is about, when its message names one."""
     names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "gamma": "gamma", "gating": "gating", "num_drafts": "num_drafts", "draft_len": "draft_len",
+             "tree": "tree",
              "stop strings": "stop", "prompt": "prompt", "messages": "messages"}
     for key, param in names.items():
         if message.startswith(key):
