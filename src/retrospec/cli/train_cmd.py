@@ -135,7 +135,7 @@ def run_longspec(args) -> int:
                               intermediate_size=args.intermediate_size)
     check_config(cfg)
     _threads(args.threads)
-    train_longspec(cfg)
+    train_longspec(cfg, log=lambda msg: print(msg, flush=True))
     return 0
 
 

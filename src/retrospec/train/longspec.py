@@ -62,6 +62,7 @@ from .corpus import HELDOUT_PACKAGES, read_texts, stdlib_files
 
 MANIFEST = "manifest.json"
 MAX_ANCHOR = 4
+LOG_SECONDS = 60.0  # progress line interval when stderr is not a terminal (tqdm then stays silent)
 
 
 @dataclass
@@ -354,6 +355,7 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
         p.requires_grad_(False)  # the shared embedding and head stay frozen: no gradient is ever stored for them
     history, window_losses, shifts, running = [], [], [], None
     step, tokens, started = 0, 0, time.perf_counter()
+    last_line = started
     bar = tqdm(total=cfg.steps or int(cfg.seconds), desc="train longspec", unit="step" if cfg.steps else "s",
                dynamic_ncols=True, disable=None)
     try:
@@ -389,6 +391,10 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
                 window_losses = []
             running = value if running is None else 0.95 * running + 0.05 * value
             bar.set_postfix(loss=f"{running:.3f}", delta=shift)
+            if bar.disable and time.perf_counter() - last_line >= LOG_SECONDS:  # no terminal: a line a minute
+                last_line = time.perf_counter()
+                log(f"longspec: step {step}, {tokens:,} tokens, {last_line - started:.0f} s, loss {running:.3f}, "
+                    f"lr {lr:.2e}")
             bar.update(1 if cfg.steps else int(time.perf_counter() - started) - bar.n)
     finally:
         bar.close()
