@@ -97,6 +97,7 @@ def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_p
         state, stored = _stored_state(draft, storage)
         save_file(state, str(tmp / WEIGHTS_FILE),
                   metadata={"format": FORMAT} | ({"storage": stored} if stored else {}))
+        (tmp / WEIGHTS_FILE).chmod(0o644)  # safetensors may create it owner-only; a block is shipped and shared
         meta["files"] = {WEIGHTS_FILE: (tmp / WEIGHTS_FILE).stat().st_size}
         if stored:
             meta["storage"] = stored
