@@ -34,8 +34,10 @@ def add_sampling_args(p) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a continuation of one prompt")
     p.add_argument("--method", default="sd",
-                   help="ar | sd | pld | rest | dresd (these two with --datastore) | longspec (--draft: a LongSpec "
-                        "block directory); with --context-file: lc | rag | sd | magicdec | rapid (default: sd)")
+                   help="ar | sd | pld | magicdec | rest | dresd (these two with --datastore) | longspec (--draft: "
+                        "a LongSpec block directory or name; default the target's bundled block, e.g. smollm2-135m "
+                        "-> smollm2-135m-longspec); with --context-file: lc | rag | sd | magicdec | rapid "
+                        "(default: sd)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")
