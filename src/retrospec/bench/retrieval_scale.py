@@ -7,7 +7,7 @@ distribution, so copies are not verbatim duplicates (a synthetic corpus: say so 
 contexts from held-out documents (``--queries-from``, default the stdlib held-out split), encoded with the
 tokenizer of ``--target``. Reports build time, peak RSS, and search / lookup latency percentiles (wall and CPU).
 
-XX
+The dense (DReSD) side is measured by ``retrospec datastore eval`` (``retrieval.evaluate``), the same
 job (it reports the same percentiles); this module covers the suffix side only.
 """
 
