@@ -226,6 +226,7 @@ def test_bad_prompts_file(cli, saved_models, tmp_path, kind, fragment):
     "unknown_method", "unknown_method_only", "unknown_preset", "limit_0", "max_new_0",
     "temperature", "top_p_0", "top_p_big", "top_k", "gamma_0", "missing_target", "target_no_config",
     "missing_draft", "vocab_size", "vocab_tokens", "sd_without_draft", "hf_assisted_without_draft",
+    "context_method_on_prompts",
     "out_is_a_file",
 ])
 def test_bad_bench_options(cli, saved_models, tmp_path, case):
@@ -239,6 +240,8 @@ def test_bad_bench_options(cli, saved_models, tmp_path, case):
         args, fragment = bench_args(m, out, *base, methods="ar,sd,medusa", prompts=prompts), "medusa"
     elif case == "unknown_method_only":
         args, fragment = bench_args(m, out, *base, methods="hf-medusa", prompts=prompts), "hf-medusa"
+    elif case == "context_method_on_prompts":  # rapid / rag / lc need rows with a context
+        args, fragment = bench_args(m, out, *base, methods="ar,rapid", prompts=prompts), "long-context rows"
     elif case == "unknown_preset":
         args = ["bench", "--target", m.target, "--preset", "nope", "--methods", "pld", "--out", out, *base]
         fragment = "preset"

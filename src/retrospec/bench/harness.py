@@ -118,12 +118,18 @@ def parse_label(label: str) -> MethodLabel:
     return MethodLabel(name, **seen)
 
 
+CONTEXT_ONLY = ("lc", "rag", "rapid")  # methods of the long-context bench (rows with a context), not of this one
+
+
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
     known = set(REGISTRY) | set(HF_METHODS)
     for label in methods:
         m = parse_label(label).method
         if m not in known:
-            raise RetrospecError(f"unknown method {m!r}; available: {', '.join(sorted(known))}")
+            raise RetrospecError(f"unknown method {m!r}; available: {', '.join(sorted(known - set(CONTEXT_ONLY)))}")
+        if m in CONTEXT_ONLY:
+            raise RetrospecError(f"method '{m}' needs long-context rows: a --prompts file whose rows have a "
+                                 "'context' field (retrospec tasks make)")
         if (m == "sd" or m.startswith("hf-assisted")) and not has_draft:
             raise RetrospecError(f"method '{m}' needs a draft model (--draft DIR)")
     return (["ar"] if "ar" not in methods else []) + list(dict.fromkeys(methods))
