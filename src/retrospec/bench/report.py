@@ -6,6 +6,8 @@ from pathlib import Path
 
 COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "no-draft", "draft state", "target KV",
            "lossless")
+MEMORY_COLUMNS = ("draft state", "target KV")  # left out of the console table below WIDE columns (report.md has them)
+WIDE = 110
 
 
 def format_bytes(n: int | None) -> str:
@@ -75,12 +77,17 @@ def print_table(summary: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="retrospec bench")
-    for col in COLUMNS:
+    console = Console()
+    keep = [i for i, col in enumerate(COLUMNS) if console.width >= WIDE or col not in MEMORY_COLUMNS]
+    table = Table(title="retrospec bench", caption=None if len(keep) == len(COLUMNS) else
+                  "memory columns (draft state, target KV): report.md and results.json")
+    for i in keep:
+        col = COLUMNS[i]
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for s in summary:
-        table.add_row(*_row(s))
-    Console().print(table)
+        row = _row(s)
+        table.add_row(*(row[i] for i in keep))
+    console.print(table)
 
 
 def render_plot(summary: list[dict], path: Path) -> None:
