@@ -27,8 +27,9 @@ biases, as transformers' Trainer does), cosine schedule to 0 with 10 % linear wa
 With a wall-clock budget (``seconds``) the schedule runs over elapsed time.
 
 Data: a token stream (documents joined by the target's EOS) from the standard library's training split
-(``corpus.stdlib_files("train")``; its held-out packages never enter training) or a text file, a directory of
-text files, or a ``.jsonl`` file (a ``"text"`` field per line); windows of L tokens at uniform random starts.
+(``corpus.stdlib_files("train")``; its held-out packages never enter training) or any ``--corpus`` the datastores
+take (``retrieval.corpus.open_text_corpus``: a text file, a directory, a ``.jsonl`` file); windows of L tokens at
+uniform random starts.
 
 Output (atomic: ``save_longspec`` into a temporary sibling, ``manifest.json`` added, then renamed into place): a
 block directory ``load_longspec`` reads, plus ``manifest.json`` (data, seed, steps, tokens seen, seconds, loss
@@ -194,34 +195,10 @@ def draft_token_losses(draft: LongSpecDraft, ids: torch.Tensor, positions: torch
 # ------------------------------------------------------------------------------------------------------------ data
 
 
-def _encode_stream(tok, texts: list[str]) -> np.ndarray:
-    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tok(text, add_special_tokens=False)["input_ids"])
-        ids.append(eos)
-    return np.asarray(ids, dtype=np.int32)
-
-
-def _read_jsonl(path: Path) -> list[str]:
-    texts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise RetrospecError(f"{path}:{n} is not valid JSON") from None
-        text = row if isinstance(row, str) else row.get("text") if isinstance(row, dict) else None
-        if not isinstance(text, str):
-            raise RetrospecError(f"{path}:{n}: each line must be a JSON string or an object with a 'text' string")
-        texts.append(text)
-    return texts
-
-
 def corpus_texts(spec: str | None, split: str = "train") -> tuple[list[str], dict]:
-    """(texts, description) of a corpus: None = the stdlib ``split`` (``train`` or ``heldout``), else a text file,
-    a ``.jsonl`` file ('text' per line) or a directory (its files, recursively, in sorted order)."""
+    """(texts, description) of a corpus: None = the stdlib ``split`` (``train`` or ``heldout``), else anything the
+    datastores' ``--corpus`` takes (``retrieval.corpus.open_text_corpus``: a text file, a ``.jsonl`` file with a
+    ``text`` field (or ``prompt`` + ``completion``) per line, or a directory, recursively, in sorted order)."""
     import sys
 
     if spec is None:
@@ -234,26 +211,20 @@ def corpus_texts(spec: str | None, split: str = "train") -> tuple[list[str], dic
         else:
             desc["excluded_packages"] = list(HELDOUT_PACKAGES)
         return texts, desc
+    from ..retrieval.corpus import open_text_corpus  # lazy: the datastores' corpus reader
+
     path = Path(spec).expanduser()
-    if not path.exists():
-        raise RetrospecError(f"--corpus not found: {spec}")
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-        texts = []
-        for f in files:
-            texts.extend(_read_jsonl(f) if f.suffix == ".jsonl" else read_texts([f]))
-        desc = {"source": str(path), "kind": "directory", "files": len(files)}
-    elif path.suffix == ".jsonl":
-        texts, desc = _read_jsonl(path), {"source": str(path), "kind": "jsonl"}
-    else:
-        texts, desc = read_texts([path]), {"source": str(path), "kind": "text file"}
+    texts = [t for t in open_text_corpus(str(path)) if t.strip()]
     if not texts:
         raise RetrospecError(f"--corpus {spec} holds no readable text")
-    return texts, desc | {"documents": len(texts)}
+    kind = "directory" if path.is_dir() else "jsonl" if path.suffix == ".jsonl" else "text file"
+    return texts, {"source": str(path), "kind": kind, "documents": len(texts)}
 
 
 def token_stream(tok, spec: str | None, split: str = "train") -> tuple[np.ndarray, dict]:
     """The corpus as one token stream (EOS after each document) and its description (with the token count)."""
+    from .zoo import _encode_stream  # the zoo's: batched encoding, EOS after each document
+
     texts, desc = corpus_texts(spec, split)
     stream = _encode_stream(tok, texts)
     return stream, desc | {"tokens": int(len(stream))}

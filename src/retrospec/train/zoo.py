@@ -76,7 +76,7 @@ class ZooBuildConfig:
 
 
 def _encode_stream(tokenizer, texts: list[str]) -> np.ndarray:
-    eos = tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     ids: list[int] = []
     for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
