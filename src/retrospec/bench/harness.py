@@ -42,6 +42,7 @@ from ..chat import build_chat_prompt
 from ..config import DecodeConfig, SamplingConfig
 from ..decode import speculative_generate
 from ..drafters import REGISTRY
+from ..drafters.longspec import parse_tree
 from ..errors import RetrospecError
 from ..gating import resolve as resolve_gating
 from ..models import LoadedModel
@@ -108,11 +109,11 @@ def parse_label(label: str) -> MethodLabel:
         else:
             if name != "longspec":
                 raise RetrospecError(f"{label!r}: tree applies to longspec only")
-            widths = value.split("x")
-            if not all(w.isdigit() and int(w) >= 1 for w in widths):
+            try:
+                seen[key] = parse_tree(value.split("x"))  # longspec's own check of the widths
+            except RetrospecError:
                 raise RetrospecError(f"bad method option {opt!r} in {label!r}: tree takes widths >= 1 per depth "
-                                     "joined by x, e.g. tree=4x16x16")
-            seen[key] = tuple(int(w) for w in widths)
+                                     "joined by x, e.g. tree=4x16x16") from None
     if "gamma" in seen and "tree" in seen:
         raise RetrospecError(f"{label!r}: longspec drafts a chain (gamma) or a tree (tree), not both")
     return MethodLabel(name, **seen)

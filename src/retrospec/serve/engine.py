@@ -111,18 +111,21 @@ class Backend:
         from ..drafters.longspec import load_block
 
         hint = "start the server with --longspec-draft DIR|NAME"
-        if src is None:
+        given = src is not None
+        if not given:
             try:
                 src = paired_longspec(target)  # None for a directory or a loaded model
             except RetrospecError as exc:  # a bundled block that is not built yet
                 return None, None, f"no LongSpec draft block ({exc}); {hint}"
             if src is None:
                 return None, None, f"no LongSpec draft block for this target: {hint}"
-            try:
-                return (str(src) if isinstance(src, (str, Path)) else type(src).__name__), load_block(src, self.target), None
-            except RetrospecError as exc:
-                return None, None, f"the bundled LongSpec block cannot be used ({exc}); {hint}"
-        return (str(src) if isinstance(src, (str, Path)) else type(src).__name__), load_block(src, self.target), None
+        name = str(src) if isinstance(src, (str, Path)) else type(src).__name__
+        try:
+            return name, load_block(src, self.target), None
+        except RetrospecError as exc:
+            if given:  # a block asked for explicitly fails the start
+                raise
+            return None, None, f"the bundled LongSpec block cannot be used ({exc}); {hint}"
 
     def _open_stores(self, datastores) -> dict[str, dict[str, object]]:
         from ..retrieval import open_store
