@@ -131,11 +131,10 @@ def pack_adapter(src: str | Path, out: str | Path, storage: str = quant.INT8) ->
     if meta.get("storage") is not None or not (src / PEFT_WEIGHTS).is_file():
         raise RetrospecError(f"adapter {src} is not stored as peft's {PEFT_WEIGHTS} (storage "
                              f"{meta.get('storage')!r}); pack the original adapter")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(PEFT_WEIGHTS))
+    from ..retrieval.store import atomic_build  # lazy: retrieval sits above models
+
+    with atomic_build(out, required=ADAPTER_META) as tmp:  # renamed into place when complete
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(PEFT_WEIGHTS), dirs_exist_ok=True)
         packed = quant.pack_int8(load_file(str(src / PEFT_WEIGHTS)))
         save_file(packed, str(tmp / INT8_WEIGHTS), metadata={"format": "pt", "storage": quant.INT8})
         os.chmod(tmp / INT8_WEIGHTS, 0o644)  # safetensors creates 0600 files; this one may be bundled
@@ -154,8 +153,4 @@ def pack_adapter(src: str | Path, out: str | Path, storage: str = quant.INT8) ->
                                   "bytes_before": (src / PEFT_WEIGHTS).stat().st_size,
                                   "bytes_after": (tmp / INT8_WEIGHTS).stat().st_size}
             manifest_file.write_text(json.dumps(manifest, indent=1) + "\n")
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"bytes_before": (src / PEFT_WEIGHTS).stat().st_size, "bytes_after": (out / INT8_WEIGHTS).stat().st_size}

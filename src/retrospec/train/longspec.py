@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -400,19 +398,16 @@ def _record(step: int, losses: list[float], started: float, lr: float) -> dict:
 
 
 def save_block(block: LongSpecDraft, target, manifest: dict, out: Path) -> Path:
-    """``save_longspec`` into a temporary sibling, add ``manifest.json``, rename into place (nothing at ``out`` on
-    failure)."""
+    """``save_longspec`` plus ``manifest.json``, written into a temporary sibling and renamed into place
+    (``retrieval.store.atomic_build``: nothing at ``out`` on failure)."""
+    from ..models.longspec.checkpoint import META_FILE
+    from ..retrieval.store import atomic_build  # lazy: the shared atomic directory writer
+
     if out.exists():
         raise RetrospecError(f"{out} already exists; choose another --out")
-    tmp = out.parent / f".{out.name}.train-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        save_longspec(block, target, tmp, target_path=getattr(target, "path", None))
+    with atomic_build(out, required=META_FILE) as tmp:
+        save_longspec(block, target, tmp, target_path=getattr(target, "path", None), overwrite=True)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
