@@ -141,7 +141,7 @@ def test_tree_verification_through_a_tiny_model_equals_sdpa(make, monkeypatch):
         else:
             assert prefix_block.enable(model) and hybrid_tree.enable(model)  # switches from prefix_block too
         assert model.config._attn_implementation == impl
-        ver = Verifier(model)
+        ver = Verifier(model, fastpath="off")  # the model as it is (the engine's own copy would use prefix_block)
         rows = [ver.prefill(ids[:120])]  # prefill: sdpa
         rows.append(ver.score(ids[120], tree))  # tree: 4D additive ancestor mask + position_ids by depth
         ver.commit([5, 6, 7])  # the path 6 -> 7 -> 8
@@ -226,7 +226,7 @@ def test_prefix_block_verifies_trees_with_the_hybrid_split(monkeypatch):
     for impl in ("sdpa", prefix_block.ATTN_NAME):
         (prefix_block.enable if impl != "sdpa" else prefix_block.disable)(model)
         assert model.config._attn_implementation == impl
-        ver = Verifier(model)
+        ver = Verifier(model, fastpath="off")  # the model as it is: each implementation in turn
         ver.prefill(ids[:90])
         outs[impl] = [ver.score(ids[90], tree)]
         ver.commit([0, 1])

@@ -13,6 +13,7 @@ import pytest
 from rapid_fakes import FakeEmbedder
 from retrospec import generate
 from retrospec.attention import prefix_block
+from retrospec.fastpath import engine_for
 from retrospec.bench.long_harness import LongBenchConfig, parse_method, run_long_bench
 from retrospec.bench.long_report import write_outputs
 from retrospec.bench.long_tasks import TASKS, make_tasks, score
@@ -24,11 +25,12 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(autouse=True)
-def sdpa_after(saved_models):
-    """Long-context requests switch the (cached, shared) target to the prefix + block attention: switch it back."""
+def callers_models_unchanged(saved_models):
+    """Long-context requests verify on the engine's own copy (prefix + block attention): the cached, shared models
+    keep transformers' sdpa."""
     yield
     for path in (saved_models.target, saved_models.draft):
-        prefix_block.disable(load_model(path).model)
+        assert load_model(path).model.config._attn_implementation == "sdpa"
 
 COLOURS = ["red", "blue", "green", "amber", "teal", "violet", "ochre", "grey", "pink", "gold"]
 CONTEXT = "".join(f"Tower {i} is {c}.\n" for i, c in enumerate(COLOURS))
@@ -51,8 +53,8 @@ def test_long_context_methods_through_the_api(saved_models):
     upward = _gen(saved_models, "rapid", draft=saved_models.draft)  # another drafter LM, same vocabulary
     assert upward.token_ids == lc.token_ids
     rapid = _gen(saved_models, "rapid")
-    assert load_model(saved_models.target).model.config._attn_implementation == prefix_block.ATTN_NAME
-    plain = _gen(saved_models, "rapid", prefix_attention=False)  # transformers' sdpa: the same tokens
+    assert engine_for(load_model(saved_models.target).model).describe()["attention"] == prefix_block.ATTN_NAME
+    plain = _gen(saved_models, "rapid", prefix_attention=False)  # the target as it is (sdpa): the same tokens
     assert plain.token_ids == rapid.token_ids
     assert load_model(saved_models.target).model.config._attn_implementation == "sdpa"
     assert 0 < rapid.stats.retrieved_tokens <= 60 and rapid.stats.retrieval_s > 0
@@ -133,7 +135,7 @@ def test_long_bench_harness(saved_models, tmp_path):
     assert 0.0 <= summary["rag"]["accuracy"] <= 1.0
     probe = result["verify_probes"][0]
     assert probe["gamma"] == 4 and probe["sdpa"]["ratio"] > 0 and probe["prefix_block"]["ratio"] > 0
-    assert target.model.config._attn_implementation == prefix_block.ATTN_NAME  # the probe restores the model
+    assert target.model.config._attn_implementation == "sdpa"  # the probe left the caller's model as it was
     write_outputs(result, tmp_path / "bench")
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "LOSSY" in report and "rapid@eta=1.5" in report

@@ -89,9 +89,6 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     if method == "longspec":  # ``draft`` is a LongSpec block (a directory, a name or a LongSpecDraft), not a draft LM
         block = paired_longspec(target) if draft is None else draft  # default/named target: its bundled block
         opts.update(longspec_options(block, tgt.model, gamma, opts.pop("tree", None)))
-        from .attention import prefix_block
-
-        prefix_block.enable(tgt.model)  # long-context verification: unmasked prefix + masked chain / tree block
     return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids, gating=gating)
 
 
@@ -111,7 +108,7 @@ class GenerationStream:
         tok = req.target.tokenizer
         steps = speculative_generate(req.target.model, req.drafter(), req.prompt_ids, sampling=req.sampling,
                                      max_new_tokens=req.decode.max_new_tokens, eos_ids=req.stop_ids(),
-                                     stats=self.stats, rule=req.rule, gating=req.gating)
+                                     stats=self.stats, rule=req.rule, gating=req.gating, fastpath=req.fastpath)
         try:
             for chunk in steps:
                 if req.decode.stop_strings and tok is not None:

@@ -47,16 +47,19 @@ def speculative_generate(
     rule: AcceptanceRule | None = None,
     prefill_memo: PrefillMemo | None = None,
     gating: bool = False,
+    fastpath: str | None = None,
 ) -> Iterator[list[int]]:
     """Yield committed token ids step by step; fills ``stats`` as it goes. ``prefill_memo`` reuses a prompt forward
     across calls with the same target and prompt (see ``verify.PrefillMemo``). ``gating=True`` lets the gate pick
     each step's draft budget (see ``gating``); the entry points (``api``, the benches, the server) decide it with
-    ``gating.resolve`` (on by default), so the loop itself defaults to the plain full-budget behaviour."""
+    ``gating.resolve`` (on by default), so the loop itself defaults to the plain full-budget behaviour.
+    ``fastpath`` picks the verifier's engine (``fastpath.engine_for``; None = the measured default, "off" = the
+    target as it is)."""
     stats = stats if stats is not None else SpecStats()
     rule = rule or default_rule(sampling)
     stats.rule, stats.lossless = rule.name, rule.lossless
     gen = make_generator(sampling.seed)
-    verifier = Verifier(target, want_hidden="hidden_states" in drafter.needs)
+    verifier = Verifier(target, want_hidden="hidden_states" in drafter.needs, fastpath=fastpath)
     max_pos = getattr(target.config, "max_position_embeddings", None) or 1 << 30
     stats.prompt_tokens = len(prompt_ids)
     gate = Gate(profile_for(target), drafter.name, enabled=gating and not isinstance(drafter, NoDraft))

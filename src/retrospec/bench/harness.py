@@ -8,7 +8,8 @@ Summary per method (token-weighted over prompts):
 - speedup = tokens_per_s / ar's tokens_per_s from the same run;
 - ideal_speedup = ar's seconds per token / (seconds inside target + draft forwards per token): the speedup with
   zero engine overhead, so speedup / ideal_speedup is the share of decode time spent in model forwards (our
-  verifier's forwards are timed as ``verify_s``, decoder and LM head together; see ``verify.LogitsHead``);
+  verifier's forwards are timed as ``verify_s``; when the engine runs its private fast copies (``fastpath``),
+  drafting time counts whole as draft forwards);
 - mean_accepted_tokens (tau) = new tokens / target forward calls; acceptance_rate = accepted / drafted;
 - lossless = every output token-identical to ar's (greedy only; null when sampling);
 - gated_share = steps the gate ran without a draft / target forwards (``gating``; labels ``m@gating=0|1``);
@@ -19,8 +20,8 @@ Summary per method (token-weighted over prompts):
 Method labels (``parse_label``): ``m`` or ``m@opt@opt...`` with options ``gating=0|1``, ``gamma=N`` (a chain of N:
 sd, pld, magicdec, and longspec, which drafts a tree by default) and ``tree=4x16x16`` (longspec's widths per
 depth; ``x``-separated so commas still separate methods). ``longspec`` gets its block, loaded once, in
-``method_options[label]["block"]``; when it runs, the target verifies with ``attention.prefix_block`` for every
-method of the run (as ``api.prepare`` does for longspec), so all methods share one attention implementation.
+``method_options[label]["block"]``. Every method of ours verifies through the engine's fast copy of the target
+(``fastpath``: prefix + block attention, measured matmul paths); the caller's model is left as it was.
 
 With ``chat`` each prompt row's text becomes one user message under the target's chat template
 (``chat.build_chat_prompt``), and the template's end-of-turn id joins the EOS ids. Every method, ours and the HF
@@ -48,7 +49,7 @@ from ..gating import resolve as resolve_gating
 from ..models import LoadedModel
 from ..request import DEFAULT_GAMMA, Request
 from ..types import SpecStats
-from ..verify import LogitsHead
+from ..fastpath import engine_for
 from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 
 
@@ -169,15 +170,15 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     finally:
         for p in probes:
             p.__exit__()
-    if LogitsHead.of(target.model) is not None:
-        # the verifier runs the decoder and the head itself (verify.LogitsHead): its forwards are stats.verify_s
-        # (decoding only); the probes see only drafters that call a whole model (a draft LM, or the target itself)
-        forward_s = stats.verify_s + sum(p.seconds for p in probes)
+    if engine_for(target.model).mode != "off":
+        # the engine runs private copies of the models (fastpath): the probes on the caller's modules see nothing,
+        # so forward time = verification forwards (stats.verify_s) + drafting (stats.draft_s, Python included)
+        forward_s = stats.verify_s + stats.draft_s
     else:
         # the first target forward is the prefill (all prompt tokens but the last), not decoding
         prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
         forward_s = sum(p.seconds for p in probes) - prefill_fwd
-    if method == "longspec":  # the block is not a model the probes see: its drafting time counts whole
+    if method == "longspec" and engine_for(target.model).mode == "off":  # the block is not a model the probes see
         forward_s += stats.draft_s
     return out, stats, forward_s
 
@@ -203,10 +204,6 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         if len(ids) >= limit:
             raise RetrospecError(f"prompt {i} has {len(ids)} tokens; the target supports {limit} positions")
     pad = getattr(tok, "pad_token_id", None)
-    if any(parse_label(m).method == "longspec" for m in cfg.methods):
-        from ..attention import prefix_block
-
-        prefix_block.enable(target.model)  # as api.prepare does for longspec; every method of the run then uses it
     torch.manual_seed(0)
 
     def run_one(method: str, ids: list[int], max_new: int):

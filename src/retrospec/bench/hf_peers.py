@@ -4,6 +4,8 @@
   dynamic confidence cut-off disabled (the configuration that matches our ``sd``).
 - ``hf-assisted-default``: the same with transformers' default assistant settings (20 tokens, confidence 0.4).
 - ``hf-pld``: ``generate(prompt_lookup_num_tokens=k)`` with our k and our maximum n-gram size.
+- ``hf-ar``: plain ``generate()`` (greedy or sampled like the run), transformers' own decoding loop with its
+  ``DynamicCache``: the peer of our ``ar``, which decodes through our engine (``fastpath``).
 
 A draft with a reduced vocabulary (``draft_vocab.json``) is handed to transformers as an equivalent full-vocabulary
 model (``full_vocab_draft``): the same blocks, input rows gathered so every target id reads what our drafter feeds
@@ -27,7 +29,7 @@ import torch
 from ..config import SamplingConfig
 from ..types import SpecStats
 
-HF_METHODS = ("hf-assisted", "hf-assisted-default", "hf-pld")
+HF_METHODS = ("hf-ar", "hf-assisted", "hf-assisted-default", "hf-pld")
 
 
 class ForwardProbe:
@@ -95,8 +97,10 @@ def run_hf(method: str, target, draft, prompt_ids: list[int], *, sampling: Sampl
     ids = torch.tensor([prompt_ids])
     mask = torch.ones_like(ids)
     stats = SpecStats(method=method, prompt_tokens=len(prompt_ids))
-    probes = [ForwardProbe(target)] + ([ForwardProbe(draft)] if method != "hf-pld" else [])
-    if method == "hf-pld":
+    probes = [ForwardProbe(target)] + ([ForwardProbe(draft)] if method not in ("hf-pld", "hf-ar") else [])
+    if method == "hf-ar":
+        extra, ctx = {}, _noop()
+    elif method == "hf-pld":
         extra, ctx = dict(prompt_lookup_num_tokens=pld_k, max_matching_ngram_size=pld_ngram), _noop()
     elif method == "hf-assisted":
         extra = dict(assistant_model=draft)

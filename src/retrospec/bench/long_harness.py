@@ -119,36 +119,28 @@ def with_baseline(methods: list[MethodSpec]) -> list[MethodSpec]:
 def verify_cost(target: torch.nn.Module, prompt_ids: list[int], gamma: int = 10, reps: int = 15,
                 memo: PrefillMemo | None = None) -> dict:
     """Median seconds of one verification forward of ``gamma`` chain tokens vs one decode token after
-    ``prompt_ids`` (cache rolled back after each call, so every call sees the same cache length), with
-    transformers' ``sdpa`` and with ``attention.prefix_block`` (the model's implementation is restored after)."""
-    from ..attention import prefix_block
-
-    ver = Verifier(target)
-    ver.prefill(prompt_ids[:-1], memo)  # the decode loop's invariant: the cache holds all but the root
+    ``prompt_ids`` (cache rolled back after each call, so every call sees the same cache length), with the target
+    as it is (transformers' ``sdpa``) and through the engine's fast copy (``fastpath``: ``attention.prefix_block``
+    and the measured matmul paths). The caller's model is not changed."""
     root = prompt_ids[-1]
     chain = DraftTree.chain(prompt_ids[-gamma - 1:-1] if len(prompt_ids) > gamma else [root] * gamma)
-    before = target.config._attn_implementation
     out = {"cache_tokens": len(prompt_ids), "gamma": gamma}
-    try:
-        for impl in ("sdpa", prefix_block.ATTN_NAME):
-            if impl == "sdpa":
-                prefix_block.disable(target)
-            elif not prefix_block.enable(target):
-                continue
-            times: dict[int, list[float]] = {0: [], gamma: []}
-            for _ in range(reps):
-                for n, tree in ((0, DraftTree.empty()), (gamma, chain)):
-                    t = time.perf_counter()
-                    ver.score(root, tree)
-                    times[n].append(time.perf_counter() - t)
-                    ver.commit([])
-                    ver.kv.crop(len(prompt_ids))
-            t1, tg = statistics.median(times[0]), statistics.median(times[gamma])
-            key = "prefix_block" if impl == prefix_block.ATTN_NAME else "sdpa"
-            out[key] = {"attention": impl, "decode_s": t1, "verify_s": tg, "ratio": tg / t1}
-    finally:
-        if target.config._attn_implementation != before:
-            target.set_attn_implementation(before)
+    for key, how in (("sdpa", "off"), ("prefix_block", None)):
+        ver = Verifier(target, fastpath=how)
+        if how is None and ver.engine.mode == "off":
+            continue
+        ver.prefill(prompt_ids[:-1], memo)  # the decode loop's invariant: the cache holds all but the root
+        times: dict[int, list[float]] = {0: [], gamma: []}
+        for _ in range(reps):
+            for n, tree in ((0, DraftTree.empty()), (gamma, chain)):
+                t = time.perf_counter()
+                ver.score(root, tree)
+                times[n].append(time.perf_counter() - t)
+                ver.commit([])
+                ver.kv.crop(len(prompt_ids))
+        t1, tg = statistics.median(times[0]), statistics.median(times[gamma])
+        out[key] = {"attention": ver.engine.describe()["attention"], "decode_s": t1, "verify_s": tg,
+                    "ratio": tg / t1}
     return out
 
 
@@ -177,7 +169,8 @@ class _Runner:
         out: list[int] = []
         for chunk in speculative_generate(self.target.model, req.drafter(), req.prompt_ids, sampling=cfg.sampling,
                                           max_new_tokens=max_new, eos_ids=self.target.eos_ids(), stats=stats,
-                                          rule=req.rule, prefill_memo=memo, gating=req.gating):
+                                          rule=req.rule, prefill_memo=memo, gating=req.gating,
+                                          fastpath=None if opts.prefix_attention else "off"):
             out.extend(chunk)
         return out, stats
 
@@ -190,9 +183,6 @@ def run_long_bench(target: LoadedModel, draft: LoadedModel | None, rows: list[di
         if not isinstance(row.get("context"), str) or not isinstance(row.get("prompt"), str):
             raise RetrospecError(f"row {i} needs string fields 'context' and 'prompt'")
     methods = with_baseline(cfg.methods)
-    from ..attention import prefix_block
-
-    (prefix_block.enable if cfg.options.prefix_attention else prefix_block.disable)(target.model)
     runner = _Runner(target, draft, cfg)
     tok = target.tokenizer
     torch.manual_seed(0)

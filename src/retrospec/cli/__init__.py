@@ -1,4 +1,4 @@
-"""``retrospec`` command line: ``generate``, ``bench``, ``serve``, ``models list|path|import-gguf``,
+"""``retrospec`` command line: ``generate``, ``bench``, ``profile``, ``serve``, ``models list|path|import-gguf``,
 ``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``,
 ``train rag-drafter|longspec|longspec-eval``, ``rag index``.
 
@@ -28,13 +28,14 @@ def _fail(message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import (bench_cmd, datastore_cmd, generate_cmd, models_cmd, rag_cmd, serve_cmd, tasks_cmd, train_cmd,
-                   zoo_cmd)
+    from . import (bench_cmd, datastore_cmd, generate_cmd, models_cmd, profile_cmd, rag_cmd, serve_cmd, tasks_cmd,
+                   train_cmd, zoo_cmd)
 
     parser = _Parser(prog="retrospec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    profile_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     models_cmd.add_parser(sub)
     zoo_cmd.add_parser(sub)

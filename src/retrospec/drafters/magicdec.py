@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ..fastpath import engine_for
 from ..kv.streaming import SinkWindowCache
 from ..types import DraftTree
 from .base import DecodeContext, as_module, draft_chain, register
@@ -44,6 +45,7 @@ class MagicDecDrafter:
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.device = next(model.parameters()).device
+        self.engine = engine_for(model)  # drafts on the engine's fast copy of the target (fastpath)
         self.cache: SinkWindowCache | None = None
 
     @torch.inference_mode()
@@ -51,7 +53,7 @@ class MagicDecDrafter:
         """Feed ``ids`` at true positions start, start + 1, ...; returns the [V] logits after the last one."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        return self.model(input_ids=x, position_ids=pos, past_key_values=self.cache.cache, use_cache=True).logits[0, -1]
+        return self.engine.forward(x, pos, None, self.cache.cache, last_only=True)[0][-1]  # [V]
 
     def prefill(self, ctx: DecodeContext) -> None:
         window = self.window or default_window(ctx.prompt_len)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fastpath import engine_for
 from ..kv import KVCache
 from ..types import DraftTree
 from .base import DecodeContext, draft_chain, register
@@ -40,6 +41,7 @@ class SmallLMDrafter:
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.device = next(model.parameters()).device
+        self.engine = engine_for(model)  # the draft runs on the engine's fast copy (fastpath); the model is untouched
         self.kv = KVCache(model)
         self.cached: list[int] = []
         self.vocab_map: torch.Tensor | None = None  # [Vd] target id of each draft row
@@ -68,10 +70,8 @@ class SmallLMDrafter:
         if self.to_draft is not None:
             x = self.to_draft[x]
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.model(input_ids=x, position_ids=pos, past_key_values=self.kv.cache, use_cache=True,
-                         logits_to_keep=1)
+        logits = self.engine.forward(x, pos, None, self.kv.cache, last_only=True)[0][-1]  # [Vd]
         self.cached.extend(ids)
-        logits = out.logits[0, -1]  # [Vd]
         if self.vocab_map is None:
             return logits
         full = logits.new_full((self.target_vocab,), float("-inf"))  # [V]: q = 0 off the draft's vocabulary

@@ -1,0 +1,272 @@
+"""``retrospec profile``: what one target forward costs on this machine, by tokens per forward and context length.
+
+Every method's speedup is tau divided by what a verification step costs next to a plain decode step, so this is
+how a user chooses a method on their hardware. Measured (medians, one process, nothing else should run):
+
+- ``forward_ms[context][tokens]``: one ``Verifier.score`` of a chain of ``tokens - 1`` draft nodes (``tokens`` rows:
+  the root and the chain) over a cache of ``context`` tokens, through the engine's fast path (``fastpath``) — what
+  every method pays; ``plain_forward_ms`` the same with the target as it is (transformers' ``sdpa`` and its own
+  matmuls, ``RETROSPEC_FASTPATH=off``); ``tree_ms`` for draft trees of the shapes methods use;
+- floors: the weights' bytes read once at the measured memory bandwidth (``bandwidth_floor_ms``), and the model's
+  linear layers alone on the engine's matmul path (``linear_ms``, decoder linears + head, no attention or norms);
+- with a draft: its cost per drafted token (a one-token step of the draft on its own cache), as a share of a
+  one-token target step;
+- ``gamma``: the chain length a method would pick from these costs for a per-token acceptance alpha (expected
+  tokens per step (1 - alpha^(g+1)) / (1 - alpha) over the step's cost, against a plain step), per alpha.
+
+Times depend on the machine and on what else runs; the JSON records the machine, torch version and threads.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+from ..fastpath import engine_for, machine_id
+from ..fastpath.linear import PackedLinear, head_logits
+from ..kv import KVCache
+from ..types import DraftTree
+from ..verify import Verifier
+
+DEFAULT_CONTEXTS = (300, 2000)
+DEFAULT_TOKENS = (1, 2, 3, 5, 8, 16)
+TREES = ((4, 3), (4, 2, 2, 1))  # children per node per depth: 4 + 12 = 16 nodes; 4 + 8 + 16 + 16 = 44 nodes
+ALPHAS = (0.5, 0.7, 0.9)
+
+
+def tree_shape(fanout: tuple[int, ...]) -> DraftTree:
+    """A full tree with ``fanout[d]`` children per node at depth d (breadth first; tokens are placeholders)."""
+    parents, level = [], [-1]
+    for f in fanout:
+        nxt = []
+        for p in level:
+            for _ in range(f):
+                parents.append(p)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    n = len(parents)
+    return DraftTree(torch.arange(10, 10 + n), torch.tensor(parents, dtype=torch.long))
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def bandwidth_gbs(mib: int = 256) -> float:
+    """Memory read bandwidth: a sum over ``mib`` MiB of touched float32 memory (best of 5)."""
+    x = torch.ones(mib * (1 << 20) // 4)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def verify_ms(model, fastpath: str | None, context: int, shapes: dict[str, DraftTree], reps: int,
+              vocab: int) -> dict[str, float]:
+    """Median ms of one ``Verifier.score`` per tree shape over a cache of ``context`` tokens (rolled back each time)."""
+    gen = torch.Generator().manual_seed(context)
+    prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    ver = Verifier(model, fastpath=fastpath)
+    ver.prefill(prompt[:-1])
+
+    def step(tree):
+        ver.score(prompt[-1], tree)
+        ver.commit([])
+        ver.kv.crop(context - 1)
+
+    return {name: _median_ms(lambda: step(tree), reps) for name, tree in shapes.items()}
+
+
+@torch.inference_mode()
+def linear_ms(model, tokens: tuple[int, ...], reps: int) -> dict[int, float]:
+    """Median ms of the decoder's linear layers (as the engine runs them) plus the head, per token count."""
+    engine = engine_for(model)
+    module = engine.module
+    decoder = engine.decoder if engine.decoder is not None else module.get_decoder()
+    lins = [m for m in decoder.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    head_w = module.get_output_embeddings().weight
+    out = {}
+    for t in tokens:
+        xs = {m.in_features: torch.randn(1, t, m.in_features, dtype=head_w.dtype) for m in lins}
+        h = torch.randn(t, head_w.shape[1], dtype=head_w.dtype)
+        layout = engine.plan.head_layout(t) if engine.plan is not None else "linear"
+
+        def run():
+            for m in lins:
+                m(xs[m.in_features])
+            head_logits(h, head_w, layout, engine.head_packed)
+
+        out[t] = _median_ms(run, reps)
+    return out
+
+
+@torch.inference_mode()
+def draft_step_ms(draft, context: int, reps: int) -> float:
+    """Median ms of one draft token (a one-token forward of the draft on its own cache of ``context`` tokens)."""
+    engine = engine_for(draft)
+    kv = KVCache(draft)
+    ids = torch.randint(0, draft.config.vocab_size, (1, context))
+    engine.forward(ids, torch.arange(context)[None], None, kv.cache, last_only=True)
+    one = torch.tensor([[1]])
+
+    def step():
+        engine.forward(one, torch.tensor([[context]]), None, kv.cache, last_only=True)
+        kv.crop(context)
+
+    return _median_ms(step, reps)
+
+
+def best_gamma(step_ms: dict[int, float], draft_ms: float, alpha: float, max_gamma: int) -> tuple[int, float]:
+    """(gamma, expected speedup over plain decoding) maximising expected tokens per ms for a chain of gamma; 0 =
+    plain decoding pays best. ``step_ms[t]`` = a forward of t tokens (read linearly between measured t)."""
+    xs = sorted(step_ms)
+
+    def cost(t):
+        for lo, hi in zip(xs, xs[1:]):
+            if lo <= t <= hi:
+                return step_ms[lo] + (t - lo) / (hi - lo) * (step_ms[hi] - step_ms[lo])
+        return step_ms[xs[-1]] * t / xs[-1]
+
+    best, rate = 0, 1.0 / step_ms[xs[0]]
+    for g in range(1, max_gamma + 1):
+        expected = (1 - alpha ** (g + 1)) / (1 - alpha)
+        r = expected / (g * draft_ms + cost(g + 1))
+        if r > rate:
+            best, rate = g, r
+    return best, rate * step_ms[xs[0]]
+
+
+def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TOKENS, reps: int = 7,
+                plain: bool = True, trees: bool = True, progress=None) -> dict:
+    """The whole profile as one JSON-ready dict (see the module docstring). ``target``/``draft``: loaded models."""
+    model = target.model
+    vocab = int(model.config.vocab_size)
+    say = progress or (lambda _msg: None)
+    engine = engine_for(model)
+    say(f"engine: {engine.describe()}")
+    chains = {str(t): DraftTree.chain(list(range(10, 10 + t - 1))) for t in tokens}
+    tree_shapes = {f"tree{len(t)}": t for t in map(tree_shape, TREES)} if trees else {}
+    fwd, base, tree_ms = {}, {}, {}
+    for ctx in contexts:
+        say(f"context {ctx}: engine")
+        got = verify_ms(model, None, ctx, chains | tree_shapes, reps, vocab)
+        fwd[str(ctx)] = {k: got[k] for k in chains}
+        tree_ms[str(ctx)] = {k: got[k] for k in tree_shapes}  # "tree16": a tree of 16 draft nodes
+        if plain:
+            say(f"context {ctx}: plain transformers forward")
+            base[str(ctx)] = verify_ms(model, "off", ctx, chains, reps, vocab)
+    say("floors")
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.get_decoder().modules()
+                  if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings().weight
+    weights += head.numel() * head.element_size()
+    bw = bandwidth_gbs()
+    lin = linear_ms(model, tokens, reps)
+    out = {
+        "target": str(getattr(target, "path", "")),
+        "machine": machine_id(), "arch": platform.machine(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "engine": engine.describe(),
+        "contexts": list(contexts), "tokens": list(tokens),
+        "forward_ms": fwd,
+        "ratio": {c: {t: v / row[str(tokens[0])] for t, v in row.items()} for c, row in fwd.items()},
+        "plain_forward_ms": base,
+        "tree_ms": tree_ms,
+        "floors": {"weights_bytes": weights, "bandwidth_gbs": bw, "bandwidth_floor_ms": weights / bw / 1e6,
+                   "linear_ms": {str(t): v for t, v in lin.items()}},
+    }
+    short = fwd[str(contexts[0])]
+    steps = {int(t): v for t, v in short.items()}
+    draft_ms = None
+    if draft is not None:
+        say("draft")
+        draft_ms = draft_step_ms(draft.model, contexts[0], reps)
+        out["draft"] = {"model": str(getattr(draft, "path", "")), "ms_per_token": draft_ms,
+                        "share_of_target_step": draft_ms / steps[min(steps)]}
+    gam = {"pld (draft cost ~0)": {str(a): best_gamma(steps, 0.0, a, 16) for a in ALPHAS}}
+    if draft_ms is not None:
+        gam["sd"] = {str(a): best_gamma(steps, draft_ms, a, 16) for a in ALPHAS}
+    out["gamma"] = {m: {a: {"gamma": g, "expected_speedup": s} for a, (g, s) in row.items()} for m, row in gam.items()}
+    return out
+
+
+def render_plot(profile: dict, path) -> None:
+    """ms per forward by tokens, one line per context (engine solid, plain transformers dashed), floors dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, ctx in enumerate(profile["forward_ms"]):
+        color = f"C{i}"
+        row = profile["forward_ms"][ctx]
+        ax.plot([int(t) for t in row], list(row.values()), "o-", color=color, label=f"retrospec, context {ctx}")
+        plain = profile["plain_forward_ms"].get(ctx)
+        if plain:
+            ax.plot([int(t) for t in plain], list(plain.values()), "s--", color=color, alpha=0.6,
+                    label=f"transformers as is, context {ctx}")
+    lin = profile["floors"]["linear_ms"]
+    ax.plot([int(t) for t in lin], list(lin.values()), ":", color="gray", label="linear layers alone")
+    ax.axhline(profile["floors"]["bandwidth_floor_ms"], color="black", lw=0.8, ls=":",
+               label=f"weights at {profile['floors']['bandwidth_gbs']:.0f} GB/s")
+    ax.set_xlabel("tokens per target forward (root + chain)")
+    ax.set_ylabel("ms per forward (median)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{profile['target'].split('/')[-1] or 'target'}: forward cost on {profile['machine'][:40]}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render_table(profile: dict) -> str:
+    """Markdown: ms and ratio to a one-token step per context and token count, trees, floors, draft, gamma."""
+    toks = [str(t) for t in profile["tokens"]]
+    lines = ["| context | path | " + " | ".join(f"{t} tok" for t in toks) + " |",
+             "|---|---|" + "---|" * len(toks)]
+    for ctx, row in profile["forward_ms"].items():
+        one = row[toks[0]]
+        lines.append(f"| {ctx} | retrospec | " + " | ".join(
+            f"{row[t]:.1f} ms" + ("" if t == toks[0] else f" ({row[t] / one:.2f}x)") for t in toks) + " |")
+        plain = profile["plain_forward_ms"].get(ctx)
+        if plain:
+            p1 = plain[toks[0]]
+            lines.append(f"| {ctx} | transformers | " + " | ".join(
+                f"{plain[t]:.1f} ms" + ("" if t == toks[0] else f" ({plain[t] / p1:.2f}x)") for t in toks) + " |")
+    fl = profile["floors"]
+    lines.append(f"| - | linear layers alone | " + " | ".join(f"{fl['linear_ms'][t]:.1f} ms" for t in toks) + " |")
+    lines.append("")
+    lines.append(f"Weights {fl['weights_bytes'] / 1e6:.0f} MB at {fl['bandwidth_gbs']:.1f} GB/s: "
+                 f"floor {fl['bandwidth_floor_ms']:.1f} ms per forward.")
+    for ctx, row in profile["tree_ms"].items():
+        one = profile["forward_ms"][ctx][toks[0]]
+        for name, ms in row.items():
+            lines.append(f"Context {ctx}, {name[4:]}-node tree: {ms:.1f} ms ({ms / one:.2f}x a one-token step).")
+    if "draft" in profile:
+        d = profile["draft"]
+        lines.append(f"Draft: {d['ms_per_token']:.2f} ms per drafted token = "
+                     f"{100 * d['share_of_target_step']:.1f} % of a one-token target step.")
+    for m, row in profile["gamma"].items():
+        picks = ", ".join(f"alpha {a}: gamma {v['gamma']} (~{v['expected_speedup']:.2f}x)" for a, v in row.items())
+        lines.append(f"Best chain for {m}: {picks}.")
+    e = profile["engine"]
+    lines.append(f"Engine: {e.get('mode')} (attention {e.get('attention')}, prepacked linears for "
+                 f"{e.get('packed_rows', [])} rows, head {e.get('head', {})}; plan {e.get('plan', '-')}).")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,79 @@
+"""``retrospec profile``: ms of one target forward by tokens and context on this machine, floors, draft cost, the
+gamma each method would pick; a table, ``--json`` (one object) and a plot (``bench.profile``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import RetrospecError
+
+
+def _ints(text: str, what: str, lo: int) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise RetrospecError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < lo:
+        raise RetrospecError(f"{what} must be integers >= {lo}, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="what one target forward costs here, by tokens and context (choose a method)")
+    p.add_argument("--target", help="target model directory or name (default: the bundled zoo target)")
+    p.add_argument("--draft", help="draft model directory or name: its cost per drafted token")
+    p.add_argument("--contexts", default="300,2000", help="cached context lengths (default 300,2000)")
+    p.add_argument("--tokens", default="1,2,3,5,8,16", help="tokens per forward, root included (default 1,2,3,5,8,16)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per point, median reported (default 7)")
+    p.add_argument("--no-plain", action="store_true", help="skip the plain transformers forward (half the time)")
+    p.add_argument("--no-trees", action="store_true", help="skip the tree shapes")
+    p.add_argument("--remeasure", action="store_true", help="measure the engine's matmul plan again (it is cached "
+                                                              "per model shape and machine)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (forward_ms[context][tokens] = ms)")
+    p.add_argument("--plot", metavar="PNG", help="write the plot here")
+    p.add_argument("--out", metavar="DIR", help="write profile.json, profile.md and profile.png here")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..bench.profile import render_plot, render_table, run_profile
+    from ..fastpath import engine_for
+    from ..models import check_same_vocab, default_target, load_model
+
+    contexts = _ints(args.contexts, "--contexts", 1)
+    tokens = _ints(args.tokens, "--tokens", 1)
+    if args.reps < 1:
+        raise RetrospecError("--reps must be >= 1")
+    for path in (args.plot,):
+        if path and Path(path).is_dir():
+            raise RetrospecError(f"--plot must be a file, but {path} is a directory")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise RetrospecError(f"--out must be a directory, but {args.out} is a file")
+    target = load_model(default_target() if args.target is None else args.target, role="target")
+    if target.max_positions and max(contexts) + max(tokens) > target.max_positions:
+        raise RetrospecError(f"context {max(contexts)} + {max(tokens)} tokens exceeds the target's "
+                             f"{target.max_positions} positions")
+    draft = None
+    if args.draft is not None:
+        draft = load_model(args.draft, role="draft")
+        check_same_vocab(target, draft)
+    if args.remeasure:
+        engine_for(target.model, remeasure=True)
+    say = (lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True)) if sys.stderr.isatty() or not args.json \
+        else (lambda m: None)
+    prof = run_profile(target, draft, contexts, tokens, reps=args.reps, plain=not args.no_plain,
+                       trees=not args.no_trees, progress=say)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "profile.json.tmp"
+        tmp.write_text(json.dumps(prof, indent=1) + "\n")
+        tmp.replace(out / "profile.json")
+        (out / "profile.md").write_text(render_table(prof))
+        render_plot(prof, out / "profile.png")
+    if args.plot:
+        render_plot(prof, args.plot)
+    print(json.dumps(prof) if args.json else render_table(prof), end="\n" if args.json else "")
+    return 0

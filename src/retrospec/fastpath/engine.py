@@ -1,0 +1,137 @@
+"""The engine's private fast copy of a model: what the verifier (and drafters that run a model) call.
+
+Why: a verification step should cost about one decode step. Two things stand between the two on CPU, and both are
+fixed here without touching the caller's model or transformers' code:
+
+- attention: the copy runs ``attention.prefix_block`` (every query sees the whole cached prefix, a causal block at
+  the end; no mask materialised for chains, no ``repeat_kv`` copy; trees go to hybrid tree attention), set through
+  the public ``set_attn_implementation`` on the copy's own config;
+- matmuls: decoder linears prepacked for oneDNN where ``fastpath.plan`` measured that it pays on this machine, and
+  the output head in the measured layout (families whose logits are plain ``lm_head(last_hidden_state)``).
+
+What: ``engine_for(model)`` returns an ``EngineModel`` built once per model and cached (weakly) while the model's
+weights stay the same objects, storage and in-place version; any change rebuilds it. The copy is
+``copy.deepcopy(model)`` with every parameter and buffer memoised to itself: modules and config are new objects,
+weights are shared, so it costs the packed copies only (plus nothing in ``plain`` mode).
+
+Invariants (tested): the caller's model is unchanged (attention implementation, modules, weights); the copy's
+logits equal the plain forward's within float tolerance (same products, another summation order), and greedy
+decoding through it is token-identical to the oracle on the tests' models. Anything the copy cannot be built for
+(no ``get_decoder``, a non-CPU device, an attention implementation other than ``sdpa``) runs the caller's model
+as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import weakref
+
+import torch
+
+from ..attention import prefix_block
+from .linear import PackedLinear, head_logits, pack_weight
+from .plan import Plan, forced_plan, linear_layers, load_or_measure, mode
+
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})  # logits = lm_head(last_hidden_state)
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, EngineModel]]" = weakref.WeakKeyDictionary()
+
+
+def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not hasattr(model, "get_decoder"):
+        return None
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None
+    return head
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple:
+    return tuple((id(p), p.data_ptr(), p._version, p.dtype) for p in model.parameters())
+
+
+class EngineModel:
+    """One model as the engine runs it: ``forward`` -> (logits [T, V], last hidden states [T, H] or None)."""
+
+    def __init__(self, model: torch.nn.Module, how: str = "auto", remeasure: bool = False):
+        self.source = model
+        self.mode = how
+        self.plan: Plan | None = None
+        self.module = model  # what is called: the private copy, or the caller's model when nothing applies
+        self.decoder: torch.nn.Module | None = None  # set when the head is applied here (plain-head families)
+        self.head_weight: torch.Tensor | None = None  # [V, H]
+        self.head_packed: torch.Tensor | None = None
+        device = next(model.parameters()).device
+        if how == "off" or device.type != "cpu" or _plain_head(model) is None:
+            self.mode = "off"
+            return
+        if getattr(model.config, "_attn_implementation", None) not in ("sdpa", prefix_block.ATTN_NAME):
+            self.mode = "off"
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+            clone = copy.deepcopy(model, memo)  # new modules and config, the same weight tensors
+            if not prefix_block.switch(clone, prefix_block.ATTN_NAME):
+                self.mode = "off"
+                return
+            decoder, head = clone.get_decoder(), _plain_head(clone)
+            linears = linear_layers(decoder)
+            if how == "auto":
+                self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
+            else:
+                self.plan = forced_plan(how)
+            if self.plan.packed_rows:
+                self._pack(decoder, max(self.plan.packed_rows))
+            self.head_weight = head.weight
+            if "packed" in self.plan.head.values():
+                self.head_packed = pack_weight(head.weight)
+        self.module, self.decoder = clone, decoder
+
+    def _pack(self, decoder: torch.nn.Module, max_rows: int) -> None:
+        """Swap the copy's decoder linears for ``PackedLinear`` (the copy's own modules; the caller's are untouched)."""
+        for parent in list(decoder.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    packed = pack_weight(child.weight)
+                    if packed is not None:
+                        setattr(parent, name, PackedLinear(child, packed, max_rows))
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                cache, *, want_hidden: bool = False, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids/position_ids [1, T]; logits [T, V] (or [1, V] with ``last_only``); hidden [T, H] when asked."""
+        kwargs = dict(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache,
+                      use_cache=True, output_hidden_states=want_hidden)
+        if self.decoder is None:
+            out = self.module(**kwargs, logits_to_keep=1 if last_only else 0)
+            return out.logits[0], (out.hidden_states[-1][0] if want_hidden else None)
+        out = self.decoder(**kwargs)
+        hidden = out.last_hidden_state[0]  # [T, H]
+        rows = hidden[-1:] if last_only else hidden
+        layout = self.plan.head_layout(rows.shape[0]) if self.plan is not None else "linear"
+        logits = head_logits(rows, self.head_weight, layout, self.head_packed)
+        return logits, (out.hidden_states[-1][0] if want_hidden else None)
+
+    def describe(self) -> dict:
+        """What runs, for reports: mode, attention, the packed row counts and head layouts, where the plan came from."""
+        d = {"mode": self.mode, "attention": getattr(self.module.config, "_attn_implementation", None)}
+        if self.plan is not None:
+            d.update(packed_rows=self.plan.packed_rows, head=self.plan.head, plan=self.plan.source,
+                     plan_seconds=round(self.plan.seconds, 2))
+        return d
+
+
+def engine_for(model: torch.nn.Module, how: str | None = None, remeasure: bool = False) -> EngineModel:
+    """The cached ``EngineModel`` of ``model`` (built on first use; rebuilt when its weights change).
+    ``how`` defaults to ``RETROSPEC_FASTPATH`` (see ``fastpath.plan``)."""
+    how = how or mode()
+    fp = (how, _fingerprint(model))
+    hit = _ENGINES.get(model)
+    if hit is not None and hit[0] == fp and not remeasure:
+        return hit[1]
+    engine = EngineModel(model, how, remeasure=remeasure)
+    _ENGINES[model] = (fp, engine)
+    return engine

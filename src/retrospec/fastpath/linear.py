@@ -1,0 +1,73 @@
+"""Prepacked small-M linear layers for CPU inference, and the head layouts the verifier chooses between.
+
+Why: a verification forward multiplies every weight matrix by T = 1..16 rows. On CPU the default BLAS path for
+``F.linear`` at small M can be far from the memory floor and differ wildly between CPUs (measured on a 2-core AMD
+EPYC with AVX-512: 35 ms for SmolLM2-135M's decoder linears at T = 1 and 51 ms at T = 2, where oneDNN with a
+prepacked weight takes 21-25 ms at both). Which one wins is machine-specific, so ``fastpath.plan`` measures it.
+
+What: ``PackedLinear`` holds a weight reordered once by PyTorch's oneDNN backend (``mkldnn._reorder_linear_weight``,
+the op inductor's freezing pass emits for CPU linears) and multiplies through ``mkldnn._linear_pointwise``; inputs
+with more rows than ``max_rows`` (a prompt's prefill) go to plain ``F.linear`` on the shared original weight.
+``head_logits`` computes ``hidden @ W.T`` in one of ``HEAD_LAYOUTS``. All layouts compute the same products; only
+the order of float summation differs (tested within float tolerance, greedy identical).
+
+Invariant: a ``PackedLinear`` never owns the caller's weight: it keeps a reference (for the fallback and for
+``weight.dtype`` readers) plus its own packed copy; nothing is written to the original.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+HEAD_LAYOUTS = ("linear", "wht", "packed")  # F.linear(h, W) | (W @ h.T).T | oneDNN prepacked
+PACK_HINT = 8  # the batch-size hint given to the reorder (measured: a hint of 8 serves 1..16 rows well)
+
+
+def onednn_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's prepacked copy of a [out, in] weight, or None where the backend refuses this dtype/device."""
+    if weight.device.type != "cpu" or not onednn_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., in] x packed [out, in] -> [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(torch.nn.Module):
+    """A drop-in ``nn.Linear`` for the engine's private model copy (see ``fastpath.engine``)."""
+
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, max_rows: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared with the caller's module (a Parameter: no copy)
+        self.bias = linear.bias
+        self.packed = packed  # plain attribute, not a buffer: never saved, never moved by .to()
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.numel() > self.max_rows * self.in_features or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return packed_matmul(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed rows<={self.max_rows}"
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: str,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H] hidden x [V, H] weight -> [T, V] logits in the given layout (``packed`` needs the packed weight)."""
+    if layout == "packed" and packed is not None:
+        return packed_matmul(hidden, packed)
+    if layout == "wht":
+        return (weight @ hidden.T).T  # [V, H] x [H, T], a transposed view back
+    return F.linear(hidden, weight)

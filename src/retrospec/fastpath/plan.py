@@ -1,0 +1,198 @@
+"""Which matmul path is fastest for a model's shapes on the running machine: measured once, cached on disk.
+
+Machines differ (AMD or Intel, with or without AVX-512/bf16, MKL or oneDNN underneath), and so does the fastest way
+to multiply T = 1..64 rows by a weight matrix. ``measure_plan`` times, on the model's own decoder weights:
+
+- the decoder's linear layers, plain ``F.linear`` against oneDNN prepacked (``fastpath.linear``), per row count in
+  ``ROWS``: whole layers from the first one until ``SAMPLE_BYTES`` of weights (past the last-level cache, so the
+  timing is memory-bound like the real forward), scaled to the whole decoder. Bounded time for any model size;
+- the output head in each of ``linear.HEAD_LAYOUTS`` per row count.
+
+The choice (``Plan``) is cached as JSON under ``cache_home()/fastpath/`` keyed by the machine (CPU model and flags),
+torch version, thread count, dtype and the weight shapes, so the next process reads it in microseconds. A plan
+only picks among computations of the same products; it never changes what is computed.
+
+``RETROSPEC_FASTPATH`` overrides the measurement: ``auto`` (default), ``packed`` (oneDNN for every row count up to
+64 and the packed head: the tests use it to exercise the fast path on any machine), ``plain`` (plain matmuls, the
+engine's attention path only) or ``off`` (the caller's model as it is: the reference the profile compares with).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .linear import HEAD_LAYOUTS, head_logits, onednn_available, pack_weight, packed_matmul
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a forward of r rows uses the bucket >= r
+SAMPLE_BYTES = 96 << 20  # decoder weights timed per measurement (then scaled to the whole decoder)
+REPS = 5
+MODES = ("auto", "packed", "plain", "off")
+PLAN_VERSION = 1
+
+
+def bucket(rows: int) -> int | None:
+    """The measured row count that stands for ``rows`` (the next one up), or None above ``ROWS[-1]``."""
+    for r in ROWS:
+        if rows <= r:
+            return r
+    return None
+
+
+@dataclass
+class Plan:
+    """Per measured row count: whether decoder linears run prepacked, and the head layout."""
+
+    packed_rows: list[int] = field(default_factory=list)  # buckets where PackedLinear beats F.linear
+    head: dict[int, str] = field(default_factory=dict)  # bucket -> layout in HEAD_LAYOUTS
+    ms: dict = field(default_factory=dict)  # what was measured: {"linear": {path: {rows: ms}}, "head": {...}}
+    key: str = ""
+    seconds: float = 0.0  # time the measurement took (0 when read from the cache or forced)
+    source: str = "measured"  # measured | cache | forced:<mode>
+
+    def linear_packed(self, rows: int) -> bool:
+        return bucket(rows) in self.packed_rows
+
+    def head_layout(self, rows: int) -> str:
+        b = bucket(rows)
+        return self.head.get(b, "linear") if b is not None else "linear"
+
+    def to_json(self) -> dict:
+        return {"version": PLAN_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        ms = d.get("ms", {})
+        return cls(packed_rows=[int(r) for r in d["packed_rows"]], head={int(k): v for k, v in d["head"].items()},
+                   ms=ms, key=d.get("key", ""), seconds=0.0, source="cache")
+
+
+def mode() -> str:
+    m = os.environ.get("RETROSPEC_FASTPATH", "auto").strip().lower() or "auto"
+    if m not in MODES:
+        from ..errors import RetrospecError
+
+        raise RetrospecError(f"RETROSPEC_FASTPATH must be one of {', '.join(MODES)}, got {m!r}")
+    return m
+
+
+def forced_plan(m: str) -> Plan:
+    if m == "packed" and onednn_available():
+        return Plan(packed_rows=list(ROWS), head={r: "packed" for r in ROWS}, source="forced:packed")
+    return Plan(source=f"forced:{m}")
+
+
+def cache_home() -> Path:
+    """``$RETROSPEC_HOME``, else ``$XDG_CACHE_HOME/retrospec``, else ``~/.cache/retrospec`` (read at call time)."""
+    if os.environ.get("RETROSPEC_HOME"):
+        return Path(os.environ["RETROSPEC_HOME"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "retrospec"
+
+
+def machine_id() -> str:
+    """The CPU model and its feature flags (hashed), or the accelerator's name: what a measured plan depends on."""
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{model} [{hashlib.sha1(flags.encode()).hexdigest()[:8]}]"
+
+
+def linear_layers(decoder: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in decoder.modules() if type(m) is torch.nn.Linear]
+
+
+def plan_key(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None) -> str:
+    shapes = sorted({tuple(m.weight.shape) for m in decoder_linears})
+    w = decoder_linears[0].weight if decoder_linears else head_weight
+    parts = [machine_id(), torch.__version__, str(torch.get_num_threads()), str(w.dtype if w is not None else ""),
+             str(shapes), str(len(decoder_linears)), str(tuple(head_weight.shape) if head_weight is not None else ())]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _median_ms(fn, reps: int = REPS) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+@torch.inference_mode()
+def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None, key: str = "") -> Plan:
+    """Time plain against prepacked linears and every head layout on these weights (see the module docstring)."""
+    t0 = time.perf_counter()
+    sample, total, nbytes = [], sum(m.weight.numel() * m.weight.element_size() for m in decoder_linears), 0
+    for m in decoder_linears:  # whole modules in forward order until SAMPLE_BYTES
+        sample.append(m)
+        nbytes += m.weight.numel() * m.weight.element_size()
+        if nbytes >= SAMPLE_BYTES:
+            break
+    scale = total / nbytes if nbytes else 1.0
+    packed = [pack_weight(m.weight) for m in sample]
+    can_pack = bool(sample) and all(p is not None for p in packed)
+    dtype = sample[0].weight.dtype if sample else (head_weight.dtype if head_weight is not None else torch.float32)
+    lin: dict[str, dict[int, float]] = {"plain": {}, "packed": {}}
+    packed_rows = []
+    for r in ROWS:
+        xs = {m.in_features: torch.randn(1, r, m.in_features, dtype=dtype) for m in sample}
+        lin["plain"][r] = scale * _median_ms(lambda: [F.linear(xs[m.in_features], m.weight) for m in sample])
+        if can_pack:
+            lin["packed"][r] = scale * _median_ms(
+                lambda: [packed_matmul(xs[m.in_features], p) for m, p in zip(sample, packed)])
+            if lin["packed"][r] < lin["plain"][r]:
+                packed_rows.append(r)
+    del packed
+    head: dict[int, str] = {}
+    head_ms: dict[str, dict[int, float]] = {}
+    if head_weight is not None:
+        hp = pack_weight(head_weight)
+        layouts = [lay for lay in HEAD_LAYOUTS if lay != "packed" or hp is not None]
+        for lay in layouts:
+            head_ms[lay] = {}
+        for r in ROWS:
+            h = torch.randn(r, head_weight.shape[1], dtype=head_weight.dtype)
+            for lay in layouts:
+                head_ms[lay][r] = _median_ms(lambda: head_logits(h, head_weight, lay, hp))
+            head[r] = min(layouts, key=lambda lay: head_ms[lay][r])
+    return Plan(packed_rows=packed_rows, head=head, ms={"linear": lin, "head": head_ms, "sampled_share": 1 / scale},
+                key=key, seconds=time.perf_counter() - t0, source="measured")
+
+
+def load_or_measure(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None,
+                    remeasure: bool = False) -> Plan:
+    """The cached plan for these shapes on this machine, measured (and written atomically) when absent."""
+    key = plan_key(decoder_linears, head_weight)
+    path = cache_home() / "fastpath" / f"{key}.json"
+    if not remeasure:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == PLAN_VERSION and data.get("key") == key:
+                return Plan.from_json(data)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # absent or unreadable: measure again
+    plan = measure_plan(decoder_linears, head_weight, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(plan.to_json(), indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the plan is kept for this process only
+    return plan

@@ -1,0 +1,148 @@
+"""The engine's fast path (``fastpath``): each piece equals the plain computation, greedy decoding through it is
+token-identical to the oracle, the caller's model is never changed, and the measured plan round-trips its cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import sharpen, tiny_llama
+from retrospec.config import SamplingConfig
+from retrospec.decode import autoregressive_generate, speculative_generate
+from retrospec.drafters import REGISTRY
+from retrospec.fastpath import engine_for
+from retrospec.fastpath.linear import HEAD_LAYOUTS, PackedLinear, head_logits, onednn_available, pack_weight
+from retrospec.fastpath.plan import ROWS, Plan, load_or_measure, linear_layers
+from retrospec.types import DraftTree
+from retrospec.verify import Verifier
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear(bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(lin, pack_weight(lin.weight), max_rows=8)
+    with torch.inference_mode():
+        for shape in [(1, 1, 48), (1, 5, 48), (8, 48), (1, 30, 48)]:  # the last is above max_rows: plain F.linear
+            x = torch.randn(*shape)
+            torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert packed.weight is lin.weight  # shared, never copied
+
+
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS)
+def test_every_head_layout_equals_the_model_logits(target, layout):
+    if layout == "packed" and not onednn_available():
+        pytest.skip("PyTorch built without oneDNN")
+    w = target.get_output_embeddings().weight
+    ids = torch.tensor([[5, 17, 3, 42, 8, 61, 2]])
+    with torch.inference_mode():
+        ref = target(input_ids=ids).logits[0]  # [T, V]
+        hidden = target.get_decoder()(input_ids=ids).last_hidden_state[0]  # [T, H]
+        for rows in (slice(0, 1), slice(0, 2), slice(0, 7), slice(6, 7)):
+            got = head_logits(hidden[rows], w, layout, pack_weight(w))
+            torch.testing.assert_close(got, ref[rows], rtol=1e-5, atol=1e-5)
+
+
+def _scores(model, how, prompt, trees):
+    ver = Verifier(model, fastpath=how)
+    out = [ver.prefill(prompt)]
+    root = prompt[-1]
+    for tree in trees:
+        out.append(ver.score(root, tree))
+        ver.commit([])
+    return out
+
+
+@pytest.mark.parametrize("how", ["packed", "plain"])
+def test_fast_verifier_equals_the_model_as_it_is(target, how):
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    trees = [DraftTree.empty(), DraftTree.chain([4, 5, 6, 7]),
+             DraftTree(torch.tensor([4, 9, 5, 6, 2]), torch.tensor([-1, -1, 0, 0, 2]))]
+    for got, ref in zip(_scores(target, how, prompt, trees), _scores(target, "off", prompt, trees)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert engine_for(target, how).mode == how
+
+
+@pytest.mark.parametrize("how", ["packed", "plain"])
+@pytest.mark.parametrize("method", ["ar", "pld", "sd"])
+def test_greedy_through_the_fast_path_equals_the_oracle(arch, method, how):
+    target = sharpen(tiny_llama(seed=3, layers=2) if arch == "llama" else __import__("conftest").tiny_qwen2(seed=3))
+    draft = tiny_llama(seed=4, layers=1) if arch == "llama" else __import__("conftest").tiny_qwen2(seed=4, layers=1)
+    prompt = [5, 17, 3, 42, 8, 61, 2, 5, 17, 3]
+    greedy = SamplingConfig()
+    ref = autoregressive_generate(target, prompt, sampling=greedy, max_new_tokens=24)
+    drafter = REGISTRY[method](target=target, draft_model=draft, gamma=4)
+    out = [t for chunk in speculative_generate(target, drafter, prompt, sampling=greedy, max_new_tokens=24,
+                                               fastpath=how) for t in chunk]
+    assert out == ref
+
+
+def _snapshot(model):
+    return (model.config._attn_implementation, [type(m) for m in model.modules()],
+            [(n, p.data_ptr(), p._version) for n, p in model.named_parameters()])
+
+
+def test_the_callers_model_is_unchanged(target):
+    before = _snapshot(target)
+    sd = REGISTRY["sd"](draft_model=target, gamma=3)
+    list(speculative_generate(target, sd, [1, 2, 3, 4], sampling=SamplingConfig(), max_new_tokens=8))
+    assert engine_for(target).module is not target  # the engine ran its own copy
+    assert _snapshot(target) == before
+
+
+def test_the_engine_follows_in_place_weight_updates(target):
+    prompt = [3, 14, 15, 9, 26]
+    first = Verifier(target).prefill(prompt)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(2.0)  # e.g. tests that sharpen a model after first use
+        for m in target.modules():
+            if isinstance(m, torch.nn.Linear) and m is not target.get_output_embeddings():
+                m.weight.mul_(1.0)
+    again = Verifier(target).prefill(prompt)
+    ref = Verifier(target, fastpath="off").prefill(prompt)
+    torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(first, again)
+
+
+def test_other_families_run_as_they_are():
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=64, n_embd=16, n_layer=1, n_head=2)).eval()
+    engine = engine_for(model, "packed")
+    assert engine.mode == "off" and engine.module is model
+
+
+def test_a_measured_plan_is_cached_per_machine_and_shapes(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
+    lins, head = linear_layers(target.get_decoder()), target.get_output_embeddings().weight
+    plan = load_or_measure(lins, head)
+    assert plan.source == "measured" and set(plan.head) == set(ROWS)
+    assert set(plan.packed_rows) <= set(ROWS) and all(lay in HEAD_LAYOUTS for lay in plan.head.values())
+    files = list((tmp_path / "fastpath").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"] == plan.key
+    again = load_or_measure(lins, head)
+    assert again.source == "cache" and again.packed_rows == plan.packed_rows and again.head == plan.head
+    files[0].write_text("{not json")  # a corrupt cache entry is measured again, not trusted
+    assert load_or_measure(lins, head).source == "measured"
+
+
+def test_auto_mode_uses_the_measured_plan(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
+    engine = engine_for(target, "auto")
+    assert engine.mode == "auto" and isinstance(engine.plan, Plan)
+    prompt = [3, 14, 15, 9, 26]
+    torch.testing.assert_close(Verifier(target, fastpath="auto").prefill(prompt),
+                               Verifier(target, fastpath="off").prefill(prompt), rtol=1e-4, atol=1e-4)
+
+
+def test_a_misspelt_mode_is_a_user_error(monkeypatch):
+    from retrospec.errors import RetrospecError
+
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "fastest")
+    with pytest.raises(RetrospecError, match="RETROSPEC_FASTPATH"):
+        engine_for(tiny_llama())
+
