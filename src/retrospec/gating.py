@@ -125,11 +125,38 @@ _PROFILES: "weakref.WeakKeyDictionary[object, GateProfile]" = weakref.WeakKeyDic
 
 
 def profile_for(target) -> GateProfile:
-    """The shared ``GateProfile`` of a target module (created on first use; dropped with the module)."""
+    """The shared ``GateProfile`` of a target module (created on first use; dropped with the module). A new one
+    starts from the verification costs ``retrospec profile`` saved for this model's shapes on this machine, when
+    there are some (``saved_verify_costs``), instead of measuring them from scratch in each process."""
     prof = _PROFILES.get(target)
     if prof is None:
         prof = _PROFILES[target] = GateProfile()
+        for context, nodes, seconds in saved_verify_costs(target):
+            prof.record_verify(context, nodes, seconds)
     return prof
+
+
+def saved_profile_path(target):
+    """Where ``retrospec profile`` keeps its measurements for ``target``'s shapes on this machine (None: the engine
+    runs the model as it is, or its plan was forced, so there is no machine-specific key)."""
+    from .fastpath import cache_home, engine_for
+
+    engine = engine_for(target)
+    key = engine.plan.key if engine.plan is not None else ""
+    return cache_home() / "profiles" / f"{key}.json" if key else None
+
+
+def saved_verify_costs(target) -> list[tuple[int, int, float]]:
+    """(context tokens, draft nodes, seconds) of the saved profile's chain forwards; [] when there is none."""
+    import json
+
+    try:
+        path = saved_profile_path(target)
+        data = json.loads(path.read_text()) if path is not None else {}
+        return [(int(c), int(t) - 1, float(ms) / 1e3) for c, row in data.get("forward_ms", {}).items()
+                for t, ms in row.items()]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []  # absent or unreadable: the gate measures for itself
 
 
 class Gate:

@@ -76,20 +76,28 @@ def _timed(fn) -> float:
 
 
 @torch.inference_mode()
-def verify_ms(model, fastpath: str | None, context: int, shapes: dict[str, DraftTree], reps: int,
-              vocab: int) -> dict[str, float]:
-    """Median ms of one ``Verifier.score`` per tree shape over a cache of ``context`` tokens (rolled back each time)."""
+def verify_ms(model, paths: dict[str, str | None], context: int, shapes: dict[str, DraftTree], reps: int,
+              vocab: int) -> dict[str, dict[str, float]]:
+    """Median ms of one ``Verifier.score`` per path (name -> fastpath mode) and tree shape over a cache of
+    ``context`` tokens, rolled back after each call. Interleaved (every repetition runs every path and shape in
+    turn), so slow drift of the machine hits all alike."""
     gen = torch.Generator().manual_seed(context)
     prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    ver = Verifier(model, fastpath=fastpath)
-    ver.prefill(prompt[:-1])
-
-    def step(tree):
-        ver.score(prompt[-1], tree)
-        ver.commit([])
-        ver.kv.crop(context - 1)
-
-    return {name: _median_ms(lambda: step(tree), reps) for name, tree in shapes.items()}
+    verifiers = {}
+    for name, how in paths.items():
+        verifiers[name] = Verifier(model, fastpath=how)
+        verifiers[name].prefill(prompt[:-1])
+    times = {name: {shape: [] for shape in shapes} for name in paths}
+    for rep in range(reps + 1):  # the first repetition warms up
+        for name, ver in verifiers.items():
+            for shape, tree in shapes.items():
+                t = time.perf_counter()
+                ver.score(prompt[-1], tree)
+                ver.commit([])
+                ver.kv.crop(context - 1)
+                if rep:
+                    times[name][shape].append(time.perf_counter() - t)
+    return {name: {shape: statistics.median(ts) * 1e3 for shape, ts in row.items()} for name, row in times.items()}
 
 
 @torch.inference_mode()
@@ -163,13 +171,14 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
     tree_shapes = {f"tree{len(t)}": t for t in map(tree_shape, TREES)} if trees else {}
     fwd, base, tree_ms = {}, {}, {}
     for ctx in contexts:
-        say(f"context {ctx}: engine")
-        got = verify_ms(model, None, ctx, chains | tree_shapes, reps, vocab)
+        say(f"context {ctx}")
+        got = verify_ms(model, {"engine": None}, ctx, chains | tree_shapes, reps, vocab)["engine"]
+        if plain:  # chains only, both paths interleaved (the trees above are the engine's alone)
+            both = verify_ms(model, {"engine": None, "plain": "off"}, ctx, chains, reps, vocab)
+            got |= both["engine"]
+            base[str(ctx)] = both["plain"]
         fwd[str(ctx)] = {k: got[k] for k in chains}
         tree_ms[str(ctx)] = {k: got[k] for k in tree_shapes}  # "tree16": a tree of 16 draft nodes
-        if plain:
-            say(f"context {ctx}: plain transformers forward")
-            base[str(ctx)] = verify_ms(model, "off", ctx, chains, reps, vocab)
     say("floors")
     weights = sum(m.weight.numel() * m.weight.element_size() for m in model.get_decoder().modules()
                   if isinstance(m, torch.nn.Linear))

@@ -37,6 +37,24 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def save_for_gate(model, prof: dict) -> None:
+    """Keep the profile where the gate of later processes starts from it (``gating.saved_verify_costs``)."""
+    import os
+
+    from ..gating import saved_profile_path
+
+    path = saved_profile_path(model)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(prof))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: the gate learns its costs as before
+
+
 def run(args) -> int:
     from ..bench.profile import render_plot, render_table, run_profile
     from ..fastpath import engine_for
@@ -65,6 +83,7 @@ def run(args) -> int:
         else (lambda m: None)
     prof = run_profile(target, draft, contexts, tokens, reps=args.reps, plain=not args.no_plain,
                        trees=not args.no_trees, progress=say)
+    save_for_gate(target.model, prof)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

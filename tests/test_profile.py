@@ -1,0 +1,66 @@
+"""``retrospec profile`` from the user's side: one JSON object with ``forward_ms[context][tokens]``, the plot, the
+markdown table, and one-line errors for bad knobs (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from retrospec.bench.profile import best_gamma, tree_shape
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_profile_json_plot_and_table(cli, saved_models, tmp_path):
+    plot = tmp_path / "p.png"
+    run = cli("profile", "--target", saved_models.target, "--draft", saved_models.draft, "--contexts", "20,40",
+              "--tokens", "1,2,3", "--reps", "1", "--json", "--plot", plot, "--out", tmp_path / "out")
+    assert run.rc == 0, run.err
+    prof = json.loads(run.out)
+    assert set(prof["forward_ms"]) == {"20", "40"}
+    for ctx in ("20", "40"):
+        assert set(prof["forward_ms"][ctx]) == {"1", "2", "3"} and all(v > 0 for v in prof["forward_ms"][ctx].values())
+        assert set(prof["plain_forward_ms"][ctx]) == {"1", "2", "3"}
+        assert set(prof["tree_ms"][ctx]) == {"tree16", "tree44"}
+    assert prof["ratio"]["20"]["1"] == 1.0
+    assert prof["floors"]["bandwidth_gbs"] > 0 and prof["floors"]["weights_bytes"] > 0
+    assert set(prof["floors"]["linear_ms"]) == {"1", "2", "3"}
+    assert prof["draft"]["ms_per_token"] > 0 and "sd" in prof["gamma"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"profile.json", "profile.md", "profile.png"}
+    assert "| 20 | retrospec |" in (tmp_path / "out" / "profile.md").read_text()
+
+
+@pytest.mark.parametrize("flag,value,fragment", [("--tokens", "1,x", "--tokens"), ("--contexts", "0", "--contexts"),
+                                                 ("--reps", "0", "--reps"), ("--contexts", "100000", "positions")])
+def test_bad_knobs_are_one_line_errors(cli, saved_models, flag, value, fragment):
+    run = cli("profile", "--target", saved_models.target, flag, value)
+    assert run.rc == 2 and run.err.count("\n") == 1 and fragment in run.err and "Traceback" not in run.err
+
+
+def test_tree_shapes_and_gamma_choice():
+    tree = tree_shape((4, 3))
+    assert len(tree) == 16 and tree.parents[:4].tolist() == [-1] * 4 and not tree.is_chain
+    flat = {1: 10.0, 2: 10.0, 16: 10.0}  # verification as cheap as a decode step: draft as much as allowed
+    assert best_gamma(flat, 0.0, 0.9, 8)[0] == 8
+    steep = {1: 10.0, 2: 20.0, 16: 160.0}  # every token costs a full step: plain decoding pays best
+    assert best_gamma(steep, 0.0, 0.5, 8) == (0, 1.0)
+
+
+def test_a_saved_profile_seeds_the_gate_of_a_new_process(cli, saved_models, tmp_path, monkeypatch):
+    import copy
+
+    from retrospec.gating import profile_for, saved_verify_costs
+    from retrospec.models import load_model
+
+    monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "auto")  # a measured plan: its key names this machine and these shapes
+    run = cli("profile", "--target", saved_models.target, "--contexts", "20", "--tokens", "1,3", "--reps", "1",
+              "--no-plain", "--no-trees", "--json")
+    assert run.rc == 0, run.err
+    fresh = copy.deepcopy(load_model(saved_models.target).model)  # another module of the same shapes
+    costs = saved_verify_costs(fresh)
+    assert sorted((c, n) for c, n, _ in costs) == [(20, 0), (20, 2)]
+    gate_profile = profile_for(fresh)
+    assert gate_profile.verify_cost(20, 0) == pytest.approx(costs[0][2] if costs[0][1] == 0 else costs[1][2])
