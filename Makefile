@@ -28,7 +28,7 @@ test: $(STAMP)
 # The issue's acceptance bench: 20 MBPP prompts from ../shared/data, greedy, 128 new tokens.
 bench: $(STAMP)
 	$(VENV)/bin/retrospec bench --prompts ../shared/data/mbpp_sanitized.jsonl --limit 20 --max-new-tokens 128 \
-		--methods ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld --out runs/bench-mbpp
+		--methods ar,hf-ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld --out runs/bench-mbpp
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

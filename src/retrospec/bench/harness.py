@@ -302,6 +302,7 @@ def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         "longspec_draft": cfg.longspec_draft,
         "method_options": {m: {k: _option_value(v) for k, v in o.items()} for m, o in cfg.method_options.items()},
         "attention": getattr(target.model.config, "_attn_implementation", None),
+        "engine": engine_for(target.model).describe(),
         "prompt_rows": [{k: p[k] for k in ("source", "prompt_tokens") if k in p} for p in prompts]
         if any("source" in p or "prompt_tokens" in p for p in prompts) else None,
         "torch": torch.__version__,

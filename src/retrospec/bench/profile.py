@@ -27,6 +27,7 @@ import torch
 
 from ..fastpath import engine_for, machine_id
 from ..fastpath.linear import PackedLinear, head_logits
+from ..fastpath.plan import median_ms
 from ..kv import KVCache
 from ..types import DraftTree
 from ..verify import Verifier
@@ -49,16 +50,6 @@ def tree_shape(fanout: tuple[int, ...]) -> DraftTree:
         level = nxt
     n = len(parents)
     return DraftTree(torch.arange(10, 10 + n), torch.tensor(parents, dtype=torch.long))
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def bandwidth_gbs(mib: int = 256) -> float:
@@ -119,7 +110,7 @@ def linear_ms(model, tokens: tuple[int, ...], reps: int) -> dict[int, float]:
                 m(xs[m.in_features])
             head_logits(h, head_w, layout, engine.head_packed)
 
-        out[t] = _median_ms(run, reps)
+        out[t] = median_ms(run, reps)
     return out
 
 
@@ -136,7 +127,7 @@ def draft_step_ms(draft, context: int, reps: int) -> float:
         engine.forward(one, torch.tensor([[context]]), None, kv.cache, last_only=True)
         kv.crop(context)
 
-    return _median_ms(step, reps)
+    return median_ms(step, reps)
 
 
 def best_gamma(step_ms: dict[int, float], draft_ms: float, alpha: float, max_gamma: int) -> tuple[int, float]:

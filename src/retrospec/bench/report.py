@@ -50,7 +50,8 @@ def render_markdown(result: dict) -> str:
         + (", chat template (each prompt one user message)" if c.get("chat") else ""),
         *([f"- prompt tokens: {_span(c['prompt_rows'])}"] if _span(c.get("prompt_rows")) else []),
         *([f"- longspec block: `{c['longspec_draft']}`"] if c.get("longspec_draft") else []),
-        *([f"- target attention: `{c['attention']}`"] if c.get("attention") else []),
+        *([f"- target attention: `{c['attention']}` (the loaded model, left as it was)"] if c.get("attention") else []),
+        *([f"- our engine (`fastpath`): {_engine_line(c['engine'])}"] if c.get("engine") else []),
         f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}",
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -109,3 +110,11 @@ def render_plot(summary: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _engine_line(e: dict) -> str:
+    """One line on what our methods ran: the engine's mode, attention, prepacked row counts and head layouts."""
+    if e.get("mode") == "off":
+        return "off (the target as it is)"
+    return (f"{e.get('mode')}, attention `{e.get('attention')}`, oneDNN-prepacked linears for "
+            f"{e.get('packed_rows') or 'no'} rows, head layouts {e.get('head')} (plan: {e.get('plan')})")

@@ -124,7 +124,8 @@ def plan_key(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor |
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _median_ms(fn, reps: int = REPS) -> float:
+def median_ms(fn, reps: int = REPS) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` after one warm-up call."""
     fn()  # warm-up
     ts = []
     for _ in range(reps):
@@ -152,9 +153,9 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
     packed_rows = []
     for r in ROWS:
         xs = {m.in_features: torch.randn(1, r, m.in_features, dtype=dtype) for m in sample}
-        lin["plain"][r] = scale * _median_ms(lambda: [F.linear(xs[m.in_features], m.weight) for m in sample])
+        lin["plain"][r] = scale * median_ms(lambda: [F.linear(xs[m.in_features], m.weight) for m in sample])
         if can_pack:
-            lin["packed"][r] = scale * _median_ms(
+            lin["packed"][r] = scale * median_ms(
                 lambda: [packed_matmul(xs[m.in_features], p) for m, p in zip(sample, packed)])
             if lin["packed"][r] < lin["plain"][r]:
                 packed_rows.append(r)
@@ -169,7 +170,7 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
         for r in ROWS:
             h = torch.randn(r, head_weight.shape[1], dtype=head_weight.dtype)
             for lay in layouts:
-                head_ms[lay][r] = _median_ms(lambda: head_logits(h, head_weight, lay, hp))
+                head_ms[lay][r] = median_ms(lambda: head_logits(h, head_weight, lay, hp))
             head[r] = min(layouts, key=lambda lay: head_ms[lay][r])
     return Plan(packed_rows=packed_rows, head=head, ms={"linear": lin, "head": head_ms, "sampled_share": 1 / scale},
                 key=key, seconds=time.perf_counter() - t0, source="measured")
