@@ -1,5 +1,5 @@
 """Speculative RAG scoring primitives against hand-computed forwards on tiny models: batched greedy decoding
-(``rag.batched.greedy_batch``) equals one-at-a-time greedy row by row, with the raw log-probs of a fresh forward;
+(``batched.greedy_batch``) equals one-at-a-time greedy row by row, with the raw log-probs of a fresh forward;
 teacher-forced span log-probs (``rag.scoring.span_logprobs``) equal a hand-written sum over offsets; the prompts'
 spans slice exactly to the strings they stand for; ρ_draft from generated log-probs equals the teacher-forced
 rescoring."""
@@ -17,7 +17,7 @@ from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate
 from retrospec.errors import RetrospecError
 from retrospec.models.loading import load_model
-from retrospec.rag.batched import greedy_batch
+from retrospec.batched import greedy_batch
 from retrospec.rag.data import Passage
 from retrospec.rag.pipeline import Draft, RagConfig, RagPipeline
 from retrospec.rag.prompts import (ANSWER_TAG, RATIONALE_TAG, REFLECTION, answer_prompt, draft_reply, draft_spans,

@@ -1,5 +1,5 @@
 """``retrospec`` command line: ``generate``, ``bench``, ``profile``, ``serve``, ``models list|path|import-gguf``,
-``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``,
+``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``, ``corpus generate|info``,
 ``train rag-drafter|longspec|longspec-eval``, ``rag index``.
 
 Wherever a model directory is accepted (``--target``, ``--draft``), a model name from ``retrospec models list``
@@ -28,8 +28,8 @@ def _fail(message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import (bench_cmd, datastore_cmd, generate_cmd, models_cmd, profile_cmd, rag_cmd, serve_cmd, tasks_cmd,
-                   train_cmd, zoo_cmd)
+    from . import (bench_cmd, corpus_cmd, datastore_cmd, generate_cmd, models_cmd, profile_cmd, rag_cmd, serve_cmd,
+                   tasks_cmd, train_cmd, zoo_cmd)
 
     parser = _Parser(prog="retrospec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     zoo_cmd.add_parser(sub)
     tasks_cmd.add_parser(sub)
     datastore_cmd.add_parser(sub)
+    corpus_cmd.add_parser(sub)
     train_cmd.add_parser(sub)
     rag_cmd.add_parser(sub)
     return parser

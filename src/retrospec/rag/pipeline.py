@@ -39,7 +39,7 @@ import numpy as np
 
 from ..chat import end_of_turn_ids
 from ..errors import RetrospecError
-from .batched import greedy_batch
+from ..batched import greedy_batch
 from .data import Passage
 from .prompts import (ANSWER_TAG, answer_prompt, draft_spans, drafter_prompt, first_line, parse_draft,
                       verifier_text)

@@ -1,18 +1,22 @@
-"""Batched greedy generation: several prompts decoded together (the project's first batch > 1 path).
+"""Batched generation: several prompts decoded together with one KV cache (plain decoding, not the speculative loop).
 
-Speculative RAG drafts m answers in parallel, one per document subset (Wang et al., ICLR 2025, §3.3); on a GPU a
-batch of m costs about one sequence. This is plain batched decoding, not the speculative loop: it lives with its
-only user, ``rag/``.
+Users: Speculative RAG drafts m answers in parallel, one per document subset (Wang et al., ICLR 2025, §3.3; on a GPU
+a batch of m costs about one sequence), and ``generations`` writes a corpus of the target's own outputs, greedy and
+sampled, many sequences per forward.
 
 Layout: prompts are **left-padded** to one length ``L``; ``attention_mask`` hides the pads and ``position_ids`` count
 only real tokens (``cumsum(mask) - 1``), so every row sees exactly what it would see alone. Each step feeds one
 token per live row; a row stops at an EOS id, when ``stop(row_ids)`` says so, or at ``max_new_tokens``. Finished rows
 are dropped from the batch (``DynamicCache.batch_select_indices``), so a long straggler does not pay for the rest.
 
-Invariants (tested): each row's tokens equal one-at-a-time greedy decoding of its prompt (``decode.
-autoregressive_generate``); ``logprobs[i][t]`` is the raw (unwarped, untempered) log-softmax of the model at the
-step that produced ``tokens[i][t]`` — the teacher-forced log-probability of that token given the prompt and the
-row's earlier tokens.
+Sampling (``generate_batch`` with a non-greedy ``SamplingConfig``): each row draws from ``sampling.
+probs_from_logits`` of its own logits (temperature, top-k, top-p) through one ``torch.Generator``, so a seed fixes
+the batch's output (a row's sample depends on the batch it was drawn in, its distribution does not).
+
+Invariants (tested): with greedy sampling each row's tokens equal one-at-a-time greedy decoding of its prompt
+(``decode.autoregressive_generate``); ``logprobs[i][t]`` is the raw (unwarped, untempered) log-softmax of the model
+at the step that produced ``tokens[i][t]`` — the teacher-forced log-probability of that token given the prompt and
+the row's earlier tokens. One host sync per step (the chosen ids), not one per row.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ..errors import RetrospecError
+from .config import SamplingConfig
+from .errors import RetrospecError
+from .sampling import probs_from_logits
 
 
 @dataclass
@@ -33,10 +39,19 @@ class BatchOutput:
     steps: int  # forward passes after the prefill
 
 
-@torch.no_grad()
 def greedy_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: frozenset[int] = frozenset(),
                  pad_id: int = 0, stop: Callable[[list[int]], bool] | None = None) -> BatchOutput:
     """Greedy-decode every prompt of ``prompts`` together; see the module docstring."""
+    return generate_batch(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, stop=stop)
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                   eos_ids: frozenset[int] = frozenset(), pad_id: int = 0,
+                   stop: Callable[[list[int]], bool] | None = None, sampling: SamplingConfig | None = None,
+                   generator: torch.Generator | None = None) -> BatchOutput:
+    """Decode every prompt of ``prompts`` together, greedy (default) or sampled; see the module docstring."""
+    sampling = sampling or SamplingConfig()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise RetrospecError("batched generation needs non-empty prompts")
     if max_new_tokens < 1:
@@ -60,13 +75,17 @@ def greedy_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
     steps = 0
     while True:
         logp = torch.log_softmax(logits.float(), dim=-1)  # [b, V]
-        best = logp.argmax(dim=-1)  # [b]
+        if sampling.greedy:
+            best = logp.argmax(dim=-1)  # [b]
+        else:
+            best = torch.multinomial(probs_from_logits(logits, sampling), 1, generator=generator)[:, 0]  # [b]
         picked = logp.gather(-1, best[:, None])[:, 0]  # [b]
         keep = []
+        best_list, picked_list = best.tolist(), picked.tolist()  # one host sync per step
         for b, row in enumerate(live):
-            t = int(best[b])
+            t = best_list[b]
             tokens[row].append(t)
-            logprobs[row].append(float(picked[b]))
+            logprobs[row].append(picked_list[b])
             if not (t in eos_ids or len(tokens[row]) >= max_new_tokens or (stop is not None and stop(tokens[row]))):
                 keep.append(b)
         if not keep:

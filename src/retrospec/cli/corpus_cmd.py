@@ -1,0 +1,66 @@
+"""``retrospec corpus generate``: the target's own outputs to many prompts, batched, sharded and resumable
+(``generations``); ``corpus info`` prints a corpus's manifest."""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import RetrospecError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("corpus", help="a corpus of the target's own outputs (for drafts and datastores)")
+    verbs = p.add_subparsers(dest="verb", required=True, parser_class=type(p))
+    g = verbs.add_parser("generate", help="generate the target's replies to prompt sources (resumable)")
+    g.add_argument("--target", help="target model directory or name (default: the bundled zoo target)")
+    g.add_argument("--sources", required=True,
+                   help="comma-separated: mbpp=PATH (raw code completion), nq=PATH (NQ-open questions, train split, "
+                        "chat), stdlib[=N] (function openings from the stdlib's train split), self-instruct=N "
+                        "(instructions the target writes itself, then answers)")
+    g.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy (default 0,0.7)")
+    g.add_argument("--top-p", type=float, default=0.95, help="for sampled temperatures (default 0.95)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=16, help="sequences decoded together (default 16)")
+    g.add_argument("--shard-size", type=int, default=128, help="items per shard file (default 128)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
+    g.add_argument("--out", required=True, help="corpus directory (rerun the same command to resume)")
+    g.set_defaults(func=run_generate)
+    i = verbs.add_parser("info", help="print a corpus's manifest")
+    i.add_argument("path")
+    i.set_defaults(func=run_info)
+
+
+def run_generate(args) -> int:
+    from ..generations import CorpusBuilder, CorpusConfig, load_rows, parse_sources
+    from ..models import default_target, load_model
+
+    try:
+        temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
+    except ValueError:
+        raise RetrospecError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+    sources = parse_sources(args.sources)
+    cfg = CorpusConfig(sources=args.sources, temperatures=temps, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
+                       max_prompt_tokens=args.max_prompt_tokens)
+    rows = load_rows(sources)
+    target = load_model(default_target() if args.target is None else args.target, role="target")
+    manifest = CorpusBuilder(target, rows, args.out, cfg).build()
+    print(f"{args.out}: {sum(s['records'] for s in manifest['shards'].values()):,} replies, "
+          f"{manifest['output_tokens']:,} output tokens in {manifest['seconds']:.0f} s "
+          f"({'complete' if manifest.get('complete') else 'partial'})")
+    return 0
+
+
+def run_info(args) -> int:
+    from pathlib import Path
+
+    path = Path(args.path) / "manifest.json"
+    if not path.is_file():
+        raise RetrospecError(f"{args.path} is not a corpus directory (no manifest.json)")
+    try:
+        m = json.loads(path.read_text())
+    except ValueError:
+        raise RetrospecError(f"{path} is corrupt") from None
+    print(json.dumps({k: v for k, v in m.items() if k != "shards"}, indent=1))
+    return 0

@@ -1,0 +1,215 @@
+"""A corpus of the target's own outputs: batched, sharded, resumable, written atomically, with a manifest (issue 19).
+
+Drafts and in-domain datastores learn best from text the target itself wrote. ``build_corpus`` asks the target
+every prompt row (``generations.prompts``) at every temperature of the config and writes what it answered:
+
+- work items = (row, temperature) in a fixed order, cut into shards of ``shard_size`` items; shard k is
+  ``shard-0000k.jsonl``, one JSON object per item: ``source``, ``chat``, ``temperature``, ``prompt`` (text; for
+  self-instruct the instruction the target wrote), ``prompt_ids`` (what the target was fed), ``output_ids``,
+  ``finished`` (ended at an end-of-turn / EOS id rather than at ``max_new_tokens``);
+- a shard is decoded in batches of ``batch_size`` sequences with one KV cache (``batched.generate_batch``), rows
+  sorted by prompt length so a batch pads little; sampled shards draw from a generator seeded by (seed, shard);
+- each shard is written to a temporary file and renamed, then ``manifest.json`` is rewritten the same way, so a
+  killed build leaves whole shards only; a rerun with the same ``--out`` and config skips the shards the manifest
+  lists (a shard file the manifest does not list yet is generated again, identically: same seed), and a different
+  config is refused (one line), never mixed in.
+
+Manifest: the config, the target's identity, per-source and per-temperature counts, prompt and output tokens,
+seconds, and the shards written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..batched import generate_batch
+from ..chat import build_chat_prompt, end_of_turn_ids, render
+from ..config import SamplingConfig
+from ..errors import RetrospecError
+from .prompts import PromptRow
+
+MANIFEST = "manifest.json"
+INSTRUCTION_TOKENS = 96  # the most a self-written instruction may take
+MARK = "\x00RETROSPEC-USER\x00"
+
+
+@dataclass
+class CorpusConfig:
+    sources: str  # the --sources spec (recorded)
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    top_p: float = 0.95  # sampled temperatures only
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    shard_size: int = 128
+    seed: int = 0
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted in the manifest)
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def target_identity(target) -> dict:
+    cfg = target.model.config
+    return {"path": str(target.path), "model_type": cfg.model_type, "vocab_size": int(target.vocab_size),
+            "hidden_size": int(cfg.hidden_size), "layers": int(cfg.num_hidden_layers),
+            "parameters": int(sum(p.numel() for p in target.model.parameters())),
+            "dtype": str(next(target.model.parameters()).dtype).replace("torch.", "")}
+
+
+def self_instruct_prefix(tokenizer) -> list[int]:
+    """The chat template rendered up to where the user's message starts (Magpie)."""
+    text = render(tokenizer, [{"role": "user", "content": MARK}], name="the target")
+    head = text.split(MARK)[0]
+    if head == text:
+        raise RetrospecError("the target's chat template hides the user message; self-instruct cannot use it")
+    return list(tokenizer(head, add_special_tokens=False)["input_ids"])
+
+
+class CorpusBuilder:
+    def __init__(self, target, rows: list[PromptRow], out: str | Path, cfg: CorpusConfig):
+        if not rows:
+            raise RetrospecError("no prompt rows to generate from")
+        if cfg.batch_size < 1 or cfg.shard_size < 1 or cfg.max_new_tokens < 1:
+            raise RetrospecError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
+        if any(t < 0 for t in cfg.temperatures) or not cfg.temperatures:
+            raise RetrospecError("temperatures must be >= 0 (0 = greedy)")
+        if not 0 < cfg.top_p <= 1:
+            raise RetrospecError(f"top_p must be in (0, 1], got {cfg.top_p}")
+        tok = target.tokenizer
+        if tok is None:
+            raise RetrospecError(f"target {target.path} has no tokenizer; a corpus needs text prompts")
+        if any(r.chat for r in rows):
+            render(tok, [{"role": "user", "content": "x"}], name=f"target {target.path}")  # a chat template exists
+        self.target, self.rows, self.cfg, self.out = target, rows, cfg, Path(out)
+        self.items = [(i, t) for t in cfg.temperatures for i in range(len(rows))]  # (row, temperature)
+        self.eos = target.eos_ids() | end_of_turn_ids(tok)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def shards(self) -> list[list[tuple[int, float]]]:
+        n = self.cfg.shard_size
+        return [self.items[k:k + n] for k in range(0, len(self.items), n)]
+
+    def _manifest(self) -> dict:
+        path = self.out / MANIFEST
+        if self.out.exists() and not self.out.is_dir():
+            raise RetrospecError(f"--out must be a directory, but {self.out} is a file")
+        if path.is_file():
+            try:
+                m = json.loads(path.read_text())
+            except ValueError:
+                raise RetrospecError(f"{path} is corrupt; remove the directory or choose another --out") from None
+            if m.get("config_key") != self.cfg.key() or m.get("target", {}).get("path") != str(self.target.path):
+                raise RetrospecError(f"{self.out} holds a corpus built with another config or target; choose "
+                                     "another --out (or rerun with the same arguments to resume)")
+            return m
+        if self.out.is_dir() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):
+            raise RetrospecError(f"{self.out} exists and is not a corpus directory; choose another --out")
+        return {"config": asdict(self.cfg), "config_key": self.cfg.key(), "target": target_identity(self.target),
+                "rows": len(self.rows), "items": len(self.items), "shards": {}, "by_source": {},
+                "by_temperature": {}, "prompt_tokens": 0, "output_tokens": 0, "skipped_long": 0, "seconds": 0.0}
+
+    def _encode(self, row: PromptRow, instruction: str | None = None) -> tuple[str, list[int]]:
+        tok = self.target.tokenizer
+        text = instruction if instruction is not None else row.text
+        if row.chat:
+            return text, build_chat_prompt(tok, [{"role": "user", "content": text}]).prompt_ids
+        return text, list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def _instructions(self, count: int, gen: torch.Generator) -> list[str]:
+        """``count`` user instructions written by the target (sampled at temperature 1, top-p 0.95)."""
+        tok = self.target.tokenizer
+        prefix = self_instruct_prefix(tok)
+        out = []
+        for k in range(0, count, self.cfg.batch_size):
+            b = min(self.cfg.batch_size, count - k)
+            res = generate_batch(self.target.model, [prefix] * b, max_new_tokens=INSTRUCTION_TOKENS,
+                                 eos_ids=self.eos, pad_id=self.pad, sampling=SamplingConfig(temperature=1.0,
+                                                                                           top_p=0.95),
+                                 generator=gen)
+            out += [tok.decode(t, skip_special_tokens=True).strip() for t in res.tokens]
+        return out
+
+    def run_shard(self, index: int, items: list[tuple[int, float]]) -> list[dict]:
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + index)
+        n_self = sum(1 for i, _ in items if self.rows[i].source == "self-instruct")
+        written = iter(self._instructions(n_self, gen)) if n_self else iter(())
+        prepared = []  # (item order, row, temperature, prompt text, prompt ids)
+        for order, (i, temp) in enumerate(items):
+            row = self.rows[i]
+            text, ids = self._encode(row, next(written) if row.source == "self-instruct" else None)
+            if text.strip() and 0 < len(ids) <= self.cfg.max_prompt_tokens:
+                prepared.append((order, row, temp, text, ids))
+        records: dict[int, dict] = {}
+        for temp in sorted({p[2] for p in prepared}):
+            group = sorted((p for p in prepared if p[2] == temp), key=lambda p: len(p[4]))
+            sampling = SamplingConfig(temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0)
+            for k in range(0, len(group), self.cfg.batch_size):
+                batch = group[k:k + self.cfg.batch_size]
+                res = generate_batch(self.target.model, [p[4] for p in batch], max_new_tokens=self.cfg.max_new_tokens,
+                                     eos_ids=self.eos, pad_id=self.pad, sampling=sampling, generator=gen)
+                for (order, row, t, text, ids), toks in zip(batch, res.tokens):
+                    records[order] = {"source": row.source, "chat": row.chat, "temperature": t, "prompt": text,
+                                      "prompt_ids": ids, "output_ids": toks,
+                                      "finished": bool(toks) and toks[-1] in self.eos}
+        return [records[o] for o in sorted(records)]
+
+    def build(self, progress: bool = True) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        manifest = self._manifest()
+        shards = self.shards()
+        # done = listed in the manifest (written after its shard file); a shard file without its manifest entry
+        # (killed between the two renames) is generated again: the same seed gives the same records
+        todo = [k for k in range(len(shards))
+                if f"{k:05d}" not in manifest["shards"] or not (self.out / f"shard-{k:05d}.jsonl").is_file()]
+        bar = tqdm(total=len(self.items), initial=len(self.items) - sum(len(shards[k]) for k in todo),
+                   desc="corpus", unit="seq", disable=not progress, dynamic_ncols=True)
+        for k in todo:
+            t0 = time.perf_counter()
+            records = self.run_shard(k, shards[k])
+            _atomic_write(self.out / f"shard-{k:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+            out_tokens = sum(len(r["output_ids"]) for r in records)
+            manifest["shards"][f"{k:05d}"] = {"items": len(shards[k]), "records": len(records),
+                                              "output_tokens": out_tokens,
+                                              "seconds": round(time.perf_counter() - t0, 2)}
+            manifest["skipped_long"] += len(shards[k]) - len(records)
+            manifest["prompt_tokens"] += sum(len(r["prompt_ids"]) for r in records)
+            manifest["output_tokens"] += out_tokens
+            manifest["seconds"] = round(manifest["seconds"] + time.perf_counter() - t0, 2)
+            for r in records:
+                for key, val in (("by_source", r["source"]), ("by_temperature", str(r["temperature"]))):
+                    slot = manifest[key].setdefault(val, {"records": 0, "output_tokens": 0})
+                    slot["records"] += 1
+                    slot["output_tokens"] += len(r["output_ids"])
+            manifest["complete"] = len(manifest["shards"]) == len(shards)
+            _atomic_write(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            bar.update(len(shards[k]))
+            bar.set_postfix_str(f"{manifest['output_tokens']:,} tokens")
+        bar.close()
+        if not todo and not (self.out / MANIFEST).is_file():
+            _atomic_write(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        return manifest
+
+
+def read_corpus(path: str | Path) -> list[dict]:
+    """Every record of a corpus directory, in shard order (a complete or partial build)."""
+    d = Path(path)
+    if not (d / MANIFEST).is_file():
+        raise RetrospecError(f"{path} is not a corpus directory (no {MANIFEST})")
+    out = []
+    for f in sorted(d.glob("shard-*.jsonl")):
+        out += [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return out

@@ -1,0 +1,114 @@
+"""Prompt sources for a corpus of the target's own outputs (issue 19): what the target is asked to write.
+
+Sources (``parse_sources``: a comma-separated list of ``name`` or ``name=ARG``):
+
+- ``mbpp=PATH``: HumanEval-format rows (``prompt`` = signature + docstring), raw code completion;
+- ``nq=PATH``: NQ-open ``questions.jsonl``, **train split only** (``rag.data.split_of``: the eval split the RAG
+  bench scores on is never generated from), each question one chat user message;
+- ``stdlib[=N]``: up to N (default 2,000) function openings from the standard library's train split
+  (``train.corpus``; the held-out packages the benches use are excluded): the 30 lines before a ``def``, the ``def``
+  line, raw continuation;
+- ``self-instruct=N``: N instructions the target writes itself (Magpie: the chat template up to the user's turn,
+  sampled until the end of the turn), each then answered as a chat prompt.
+
+Invariant: rows come out in a deterministic order for the same arguments (the corpus is resumable by shard index).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import RetrospecError
+
+SOURCES = ("mbpp", "nq", "stdlib", "self-instruct")
+STDLIB_DEFAULT = 2000
+CONTEXT_LINES = 30
+_DEF = re.compile(r"^\s*(async\s+)?def \w+\(")
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    source: str  # one of SOURCES
+    text: str  # the prompt ("" for self-instruct: the instruction is generated first)
+    chat: bool  # one user message under the chat template, or a raw completion
+
+
+def parse_sources(spec: str) -> list[tuple[str, str | None]]:
+    """``"mbpp=PATH,stdlib=500,self-instruct=200"`` -> [(name, arg), ...]; unknown names are a user error."""
+    out = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, eq, arg = part.partition("=")
+        if name not in SOURCES:
+            raise RetrospecError(f"unknown prompt source {name!r}; sources: {', '.join(SOURCES)} "
+                                 "(mbpp=PATH, nq=PATH, stdlib[=N], self-instruct=N)")
+        if name in ("mbpp", "nq") and not arg:
+            raise RetrospecError(f"prompt source {name} needs a file: {name}=PATH")
+        if name in ("stdlib", "self-instruct") and arg and not (arg.isdigit() and int(arg) > 0):
+            raise RetrospecError(f"prompt source {name} takes a count >= 1, got {arg!r}")
+        if name == "self-instruct" and not arg:
+            raise RetrospecError("prompt source self-instruct needs a count: self-instruct=N")
+        out.append((name, arg or None))
+    if not out:
+        raise RetrospecError("no prompt sources given (e.g. --sources mbpp=PATH,stdlib,self-instruct=500)")
+    return out
+
+
+def _jsonl(path: str, what: str) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise RetrospecError(f"{what} prompt file {path} does not exist")
+    rows = []
+    try:
+        with p.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    obj = json.loads(line)
+                    if not isinstance(obj, dict):
+                        raise ValueError("not an object")
+                    rows.append(obj)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RetrospecError(f"{path}: line {n} is not a JSON object ({exc})") from None
+    return rows
+
+
+def stdlib_openings(limit: int) -> list[str]:
+    """Function openings from the stdlib's train split: the lines before a ``def`` and the ``def`` line."""
+    from ..train.corpus import read_texts, stdlib_files
+
+    texts = read_texts(stdlib_files("train"))
+    candidates = []
+    for text in texts:
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if _DEF.match(line) and line.rstrip().endswith(":") and i >= 3:
+                candidates.append("\n".join(lines[max(0, i - CONTEXT_LINES): i + 1]) + "\n")
+    step = max(1, len(candidates) // limit) if candidates else 1
+    return candidates[::step][:limit]
+
+
+def load_rows(sources: list[tuple[str, str | None]]) -> list[PromptRow]:
+    """Every prompt row of the sources, in order."""
+    from ..rag.data import split_of
+
+    rows: list[PromptRow] = []
+    for name, arg in sources:
+        if name == "mbpp":
+            got = [r.get("prompt") for r in _jsonl(arg, "mbpp")]
+            rows += [PromptRow("mbpp", t, False) for t in got if isinstance(t, str) and t.strip()]
+        elif name == "nq":
+            for r in _jsonl(arg, "nq"):
+                q, qid = r.get("question"), r.get("id")
+                if isinstance(q, str) and q.strip() and qid is not None and split_of(str(qid)) == "train":
+                    rows.append(PromptRow("nq", q.strip(), True))
+        elif name == "stdlib":
+            rows += [PromptRow("stdlib", t, False) for t in stdlib_openings(int(arg or STDLIB_DEFAULT))]
+        else:
+            rows += [PromptRow("self-instruct", "", True)] * int(arg)
+    if not rows:
+        raise RetrospecError("the prompt sources hold no usable prompts")
+    return rows

@@ -1,0 +1,112 @@
+"""A corpus of the target's own outputs (``generations``): batched sampling, shards, resume after a kill, the
+manifest, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from retrospec.batched import generate_batch
+from retrospec.config import SamplingConfig
+from retrospec.decode import autoregressive_generate
+from retrospec.errors import RetrospecError
+from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow, parse_sources, read_corpus
+from retrospec.models import load_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_greedy_batch_rows_equal_one_at_a_time():
+    model = tiny_llama(seed=5)
+    prompts = [[5, 17, 3], [8, 61, 2, 5, 17, 3, 42], [9]]
+    out = generate_batch(model, prompts, max_new_tokens=12, pad_id=0)
+    for p, toks in zip(prompts, out.tokens):
+        assert toks == autoregressive_generate(model, p, sampling=SamplingConfig(), max_new_tokens=12)
+
+
+def test_sampled_batches_are_seeded_and_stay_in_the_nucleus():
+    model = tiny_llama(seed=5)
+    prompts = [[5, 17, 3], [8, 61, 2, 5]] * 3
+    cfg = SamplingConfig(temperature=0.9, top_k=5)
+    a = generate_batch(model, prompts, max_new_tokens=8, sampling=cfg, generator=torch.Generator().manual_seed(1))
+    b = generate_batch(model, prompts, max_new_tokens=8, sampling=cfg, generator=torch.Generator().manual_seed(1))
+    assert a.tokens == b.tokens and len({tuple(t) for t in a.tokens}) > 2  # seeded, and actually sampled
+    with torch.inference_mode():  # every first token is among the prompt's top-5 next tokens
+        for p, toks in zip(prompts, a.tokens):
+            top5 = model(input_ids=torch.tensor([p])).logits[0, -1].topk(5).indices.tolist()
+            assert toks[0] in top5
+
+
+def _rows(n):
+    return [PromptRow("stdlib", f"def f{i}(x):\n    return x + {i}\n\ndef g{i}(", False) for i in range(n)]
+
+
+def _build(saved, out, rows, **kw):
+    cfg = CorpusConfig(sources="test", temperatures=(0.0, 0.8), max_new_tokens=6, batch_size=3, shard_size=4, **kw)
+    return CorpusBuilder(load_model(saved.target), rows, out, cfg)
+
+
+def test_corpus_shards_manifest_and_resume_after_a_kill(saved_models, tmp_path):
+    rows = _rows(5)
+    full = _build(saved_models, tmp_path / "full", rows).build(progress=False)
+    assert full["complete"] and full["items"] == 10 and len(full["shards"]) == 3
+    assert full["by_temperature"]["0.0"]["records"] == 5 and full["by_source"]["stdlib"]["records"] == 10
+    records = read_corpus(tmp_path / "full")
+    assert len(records) == 10 and all(r["prompt_ids"] and r["output_ids"] for r in records)
+    assert full["output_tokens"] == sum(len(r["output_ids"]) for r in records)
+    # a build killed after shard 0: shard 1 written but not yet in the manifest, shard 2 never started
+    part = tmp_path / "part"
+    builder = _build(saved_models, part, rows)
+    builder.build(progress=False)
+    manifest = json.loads((part / "manifest.json").read_text())
+    for k in ("00001", "00002"):
+        del manifest["shards"][k]
+    (part / "manifest.json").write_text(json.dumps(manifest))
+    (part / "shard-00002.jsonl").unlink()
+    (part / ".shard-00002.jsonl.tmp-999").write_text("half a line")  # a killed write leaves only a hidden temp
+    resumed = _build(saved_models, part, rows).build(progress=False)
+    assert read_corpus(part) == records and resumed["complete"] and len(resumed["shards"]) == 3
+
+
+def test_another_config_is_refused_not_mixed(saved_models, tmp_path):
+    _build(saved_models, tmp_path / "c", _rows(2)).build(progress=False)
+    with pytest.raises(RetrospecError, match="another config"):
+        _build(saved_models, tmp_path / "c", _rows(2), seed=7).build(progress=False)
+    (tmp_path / "c" / "manifest.json").write_text("{oops")
+    with pytest.raises(RetrospecError, match="corrupt"):
+        _build(saved_models, tmp_path / "c", _rows(2)).build(progress=False)
+
+
+@pytest.mark.parametrize("spec,fragment", [("wiki=x", "unknown prompt source"), ("mbpp", "needs a file"),
+                                           ("self-instruct", "needs a count"), ("stdlib=0", "count"), ("", "no prompt")])
+def test_bad_sources(spec, fragment):
+    with pytest.raises(RetrospecError, match=fragment):
+        parse_sources(spec)
+
+
+def test_cli_generate_and_info(cli, saved_models, tmp_path):
+    mbpp = tmp_path / "mbpp.jsonl"
+    mbpp.write_text("".join(json.dumps({"prompt": f"def add{i}(a, b):\n"}) + "\n" for i in range(3)))
+    run = cli("corpus", "generate", "--target", saved_models.target, "--sources", f"mbpp={mbpp}",
+              "--temperatures", "0", "--max-new-tokens", "4", "--out", tmp_path / "corpus")
+    assert run.rc == 0, run.err
+    assert "3 replies" in run.out
+    info = cli("corpus", "info", tmp_path / "corpus")
+    assert info.rc == 0 and json.loads(info.out)["by_source"]["mbpp"]["records"] == 3
+    bad = cli("corpus", "generate", "--target", saved_models.target, "--sources", "mbpp=/nonexistent.jsonl",
+              "--out", tmp_path / "x")
+    assert bad.rc == 2 and "does not exist" in bad.err and bad.err.count("\n") == 1
+
+
+def test_self_instruct_starts_from_the_user_turn_of_the_template():
+    from conftest import chatml_tokenizer
+    from retrospec.generations.build import self_instruct_prefix
+
+    tok = chatml_tokenizer()
+    prefix = tok.decode(self_instruct_prefix(tok))
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered.startswith(prefix) and rendered[len(prefix):].startswith("hello")
