@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     g.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy (default 0,0.7)")
     g.add_argument("--top-p", type=float, default=0.95, help="for sampled temperatures (default 0.95)")
     g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--batch-size", type=int, default=16, help="sequences decoded together (default 16)")
+    g.add_argument("--batch-size", type=int, default=32, help="sequences decoded together (default 32)")
+    g.add_argument("--limit-per-source", type=int, default=None, metavar="N", help="use the first N rows of each source")
     g.add_argument("--shard-size", type=int, default=128, help="items per shard file (default 128)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
@@ -43,7 +44,9 @@ def run_generate(args) -> int:
     cfg = CorpusConfig(sources=args.sources, temperatures=temps, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
                        max_prompt_tokens=args.max_prompt_tokens)
-    rows = load_rows(sources)
+    if args.limit_per_source is not None and args.limit_per_source < 1:
+        raise RetrospecError("--limit-per-source must be >= 1")
+    rows = load_rows(sources, args.limit_per_source)
     target = load_model(default_target() if args.target is None else args.target, role="target")
     manifest = CorpusBuilder(target, rows, args.out, cfg).build()
     print(f"{args.out}: {sum(s['records'] for s in manifest['shards'].values()):,} replies, "

@@ -47,7 +47,7 @@ class CorpusConfig:
     temperatures: tuple[float, ...] = (0.0, 0.7)
     top_p: float = 0.95  # sampled temperatures only
     max_new_tokens: int = 256
-    batch_size: int = 16
+    batch_size: int = 32
     shard_size: int = 128
     seed: int = 0
     max_prompt_tokens: int = 1024  # longer prompts are skipped (counted in the manifest)

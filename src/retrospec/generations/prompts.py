@@ -91,12 +91,13 @@ def stdlib_openings(limit: int) -> list[str]:
     return candidates[::step][:limit]
 
 
-def load_rows(sources: list[tuple[str, str | None]]) -> list[PromptRow]:
-    """Every prompt row of the sources, in order."""
+def load_rows(sources: list[tuple[str, str | None]], limit: int | None = None) -> list[PromptRow]:
+    """Every prompt row of the sources, in order; at most ``limit`` per source when given."""
     from ..rag.data import split_of
 
     rows: list[PromptRow] = []
     for name, arg in sources:
+        before = len(rows)
         if name == "mbpp":
             got = [r.get("prompt") for r in _jsonl(arg, "mbpp")]
             rows += [PromptRow("mbpp", t, False) for t in got if isinstance(t, str) and t.strip()]
@@ -109,6 +110,8 @@ def load_rows(sources: list[tuple[str, str | None]]) -> list[PromptRow]:
             rows += [PromptRow("stdlib", t, False) for t in stdlib_openings(int(arg or STDLIB_DEFAULT))]
         else:
             rows += [PromptRow("self-instruct", "", True)] * int(arg)
+        if limit is not None:
+            del rows[before + limit:]
     if not rows:
         raise RetrospecError("the prompt sources hold no usable prompts")
     return rows
