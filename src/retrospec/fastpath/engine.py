@@ -34,7 +34,8 @@ from .linear import PackedLinear, head_logits, pack_weight
 from .plan import Plan, forced_plan, linear_layers, load_or_measure, mode
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})  # logits = lm_head(last_hidden_state)
-_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, EngineModel]]" = weakref.WeakKeyDictionary()
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[tuple, EngineModel]]]" = \
+    weakref.WeakKeyDictionary()  # model -> attention -> (fingerprint, engine)
 
 
 def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -56,9 +57,11 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
 class EngineModel:
     """One model as the engine runs it: ``forward`` -> (logits [T, V], last hidden states [T, H] or None)."""
 
-    def __init__(self, model: torch.nn.Module, how: str = "auto", remeasure: bool = False):
+    def __init__(self, model: torch.nn.Module, how: str = "auto", remeasure: bool = False,
+                 attention: str = "prefix_block"):
         self.source = model
         self.mode = how
+        self.attention = attention
         self.plan: Plan | None = None
         self.module = model  # what is called: the private copy, or the caller's model when nothing applies
         self.decoder: torch.nn.Module | None = None  # set when the head is applied here (plain-head families)
@@ -74,7 +77,7 @@ class EngineModel:
         with torch.inference_mode(False), torch.no_grad():
             memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
             clone = copy.deepcopy(model, memo)  # new modules and config, the same weight tensors
-            if not prefix_block.switch(clone, prefix_block.ATTN_NAME):
+            if attention == "prefix_block" and not prefix_block.switch(clone, prefix_block.ATTN_NAME):
                 self.mode = "off"
                 return
             decoder, head = clone.get_decoder(), _plain_head(clone)
@@ -102,7 +105,12 @@ class EngineModel:
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 cache, *, want_hidden: bool = False, last_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids/position_ids [1, T]; logits [T, V] (or [1, V] with ``last_only``); hidden [T, H] when asked."""
+        """ids/position_ids [1, T]; logits [T, V] (or [1, V] with ``last_only``); hidden [T, H] when asked.
+        One unpadded sequence only: prefix + block attention never sees a padding mask (padded batches call
+        ``module`` of an engine built with ``attention="sdpa"``, see ``batched``)."""
+        if ids.shape[0] != 1:
+            raise ValueError("EngineModel.forward runs one sequence; use engine_for(model, attention='sdpa').module "
+                             "for padded batches")
         kwargs = dict(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache,
                       use_cache=True, output_hidden_states=want_hidden)
         if self.decoder is None:
@@ -124,14 +132,17 @@ class EngineModel:
         return d
 
 
-def engine_for(model: torch.nn.Module, how: str | None = None, remeasure: bool = False) -> EngineModel:
+def engine_for(model: torch.nn.Module, how: str | None = None, remeasure: bool = False,
+               attention: str = "prefix_block") -> EngineModel:
     """The cached ``EngineModel`` of ``model`` (built on first use; rebuilt when its weights change).
-    ``how`` defaults to ``RETROSPEC_FASTPATH`` (see ``fastpath.plan``)."""
+    ``how`` defaults to ``RETROSPEC_FASTPATH`` (see ``fastpath.plan``). ``attention="sdpa"`` keeps transformers'
+    attention (padding masks respected: batched generation); the default is the decode loop's prefix + block."""
     how = how or mode()
     fp = (how, _fingerprint(model))
-    hit = _ENGINES.get(model)
+    slot = _ENGINES.setdefault(model, {})
+    hit = slot.get(attention)
     if hit is not None and hit[0] == fp and not remeasure:
         return hit[1]
-    engine = EngineModel(model, how, remeasure=remeasure)
-    _ENGINES[model] = (fp, engine)
+    engine = EngineModel(model, how, remeasure=remeasure, attention=attention)
+    slot[attention] = (fp, engine)
     return engine
