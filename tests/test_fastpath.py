@@ -146,3 +146,31 @@ def test_a_misspelt_mode_is_a_user_error(monkeypatch):
     with pytest.raises(RetrospecError, match="RETROSPEC_FASTPATH"):
         engine_for(tiny_llama())
 
+
+
+def test_padded_batches_use_the_sdpa_copy_and_the_decode_copy_refuses_them(target):
+    from transformers import DynamicCache
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    copy = engine_for(target, "packed", attention="sdpa")
+    assert copy.module is not target and copy.module.config._attn_implementation == "sdpa"
+    with torch.inference_mode():
+        ref = target(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache()).logits
+        got = copy.module(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache()).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="one sequence"):
+        engine_for(target, "packed").forward(ids, pos, None, DynamicCache())
+
+
+def test_a_request_through_the_api_leaves_the_loaded_model_as_it_was(saved_models):
+    from retrospec.api import generate
+    from retrospec.models import load_model
+
+    model = load_model(saved_models.target).model  # the cached model later requests share
+    before = _snapshot(model)
+    for method in ("ar", "pld", "sd"):
+        generate("def dedent(text):\n    ", target=saved_models.target, draft=saved_models.draft, method=method,
+                 max_new_tokens=8)
+    assert _snapshot(model) == before and model.config._attn_implementation == "sdpa"
