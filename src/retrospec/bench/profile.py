@@ -251,7 +251,7 @@ def render_table(profile: dict) -> str:
             lines.append(f"| {ctx} | transformers | " + " | ".join(
                 f"{plain[t]:.1f} ms" + ("" if t == toks[0] else f" ({plain[t] / p1:.2f}x)") for t in toks) + " |")
     fl = profile["floors"]
-    lines.append(f"| - | linear layers alone | " + " | ".join(f"{fl['linear_ms'][t]:.1f} ms" for t in toks) + " |")
+    lines.append("| - | linear layers alone | " + " | ".join(f"{fl['linear_ms'][t]:.1f} ms" for t in toks) + " |")
     lines.append("")
     lines.append(f"Weights {fl['weights_bytes'] / 1e6:.0f} MB at {fl['bandwidth_gbs']:.1f} GB/s: "
                  f"floor {fl['bandwidth_floor_ms']:.1f} ms per forward.")

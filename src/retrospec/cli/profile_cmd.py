@@ -39,8 +39,7 @@ def add_parser(sub) -> None:
 
 def save_for_gate(model, prof: dict) -> None:
     """Keep the profile where the gate of later processes starts from it (``gating.saved_verify_costs``)."""
-    import os
-
+    from ..atomic import write_text_atomic
     from ..gating import saved_profile_path
 
     path = saved_profile_path(model)
@@ -48,14 +47,13 @@ def save_for_gate(model, prof: dict) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(prof))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(prof))
     except OSError:
         pass  # a read-only cache: the gate learns its costs as before
 
 
 def run(args) -> int:
+    from ..atomic import write_text_atomic
     from ..bench.profile import render_plot, render_table, run_profile
     from ..fastpath import engine_for
     from ..models import check_same_vocab, default_target, load_model
@@ -87,9 +85,7 @@ def run(args) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "profile.json.tmp"
-        tmp.write_text(json.dumps(prof, indent=1) + "\n")
-        tmp.replace(out / "profile.json")
+        write_text_atomic(out / "profile.json", json.dumps(prof, indent=1) + "\n")
         (out / "profile.md").write_text(render_table(prof))
         render_plot(prof, out / "profile.png")
     if args.plot:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..atomic import write_text_atomic
 from .linear import HEAD_LAYOUTS, head_logits, onednn_available, pack_weight, packed_matmul
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a forward of r rows uses the bucket >= r
@@ -159,7 +160,7 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
                 lambda: [packed_matmul(xs[m.in_features], p) for m, p in zip(sample, packed)])
             if lin["packed"][r] < lin["plain"][r]:
                 packed_rows.append(r)
-    del packed
+    packed = None  # free the sampled packed copies before the head's
     head: dict[int, str] = {}
     head_ms: dict[str, dict[int, float]] = {}
     if head_weight is not None:
@@ -191,9 +192,7 @@ def load_or_measure(decoder_linears: list[torch.nn.Linear], head_weight: torch.T
     plan = measure_plan(decoder_linears, head_weight, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(plan.to_json(), indent=1))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(plan.to_json(), indent=1))
     except OSError:
         pass  # a read-only home: the plan is kept for this process only
     return plan

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..atomic import write_text_atomic
 from ..batched import generate_batch
 from ..chat import build_chat_prompt, end_of_turn_ids, render
 from ..config import SamplingConfig
@@ -54,12 +54,6 @@ class CorpusConfig:
 
     def key(self) -> str:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def target_identity(target) -> dict:
@@ -180,7 +174,7 @@ class CorpusBuilder:
         for k in todo:
             t0 = time.perf_counter()
             records = self.run_shard(k, shards[k])
-            _atomic_write(self.out / f"shard-{k:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+            write_text_atomic(self.out / f"shard-{k:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
             out_tokens = sum(len(r["output_ids"]) for r in records)
             manifest["shards"][f"{k:05d}"] = {"items": len(shards[k]), "records": len(records),
                                               "output_tokens": out_tokens,
@@ -195,12 +189,12 @@ class CorpusBuilder:
                     slot["records"] += 1
                     slot["output_tokens"] += len(r["output_ids"])
             manifest["complete"] = len(manifest["shards"]) == len(shards)
-            _atomic_write(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            write_text_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
             bar.update(len(shards[k]))
             bar.set_postfix_str(f"{manifest['output_tokens']:,} tokens")
         bar.close()
         if not todo and not (self.out / MANIFEST).is_file():
-            _atomic_write(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            write_text_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         return manifest
 
 
