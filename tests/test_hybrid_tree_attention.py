@@ -213,12 +213,15 @@ def test_triton_kernel_equals_reference_tree_part(tmp_path):
     assert torch.all(lse2[1, :, 4] == float("-inf")) and torch.all(out2[1, :, 4] == 0)
 
 
-def test_prefix_block_verifies_trees_with_the_hybrid_split(monkeypatch):
-    """With ``prefix_block`` on (long contexts, method longspec), a tree's explicit 4D mask goes through the hybrid
-    split (prefix unmasked + masked tree block) and the verifier's logits equal sdpa's; chains keep the block path."""
-    calls = []
-    real = hybrid_tree._hybrid_forward
-    monkeypatch.setattr(hybrid_tree, "_hybrid_forward", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+def test_prefix_block_verifies_trees_with_its_block_path(monkeypatch):
+    """With ``prefix_block`` (the engine's attention), a tree's explicit 4D mask takes the chain's single-softmax
+    block path with the tree's ancestor block (not the two-softmax hybrid split), and the verifier's logits equal
+    sdpa's."""
+    hybrid_calls, block_masks = [], []
+    real_hybrid, real_block = hybrid_tree._hybrid_forward, prefix_block._block_attention
+    monkeypatch.setattr(hybrid_tree, "_hybrid_forward", lambda *a: hybrid_calls.append(1) or real_hybrid(*a))
+    monkeypatch.setattr(prefix_block, "_block_attention",
+                        lambda *a: block_masks.append(a[5] if len(a) > 5 else None) or real_block(*a))
     model = sharpen(tiny_llama(seed=1, max_pos=512), 4.0)
     ids = torch.randint(0, 90, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     tree = merge_sequences([[1, 2, 3], [1, 4], [5, 6]])  # 6 nodes
@@ -234,4 +237,22 @@ def test_prefix_block_verifies_trees_with_the_hybrid_split(monkeypatch):
     prefix_block.disable(model)
     for a, b in zip(*outs.values()):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
-    assert calls == [7] * 2  # the tree in both layers; the chain took prefix_block's own path
+    assert not hybrid_calls
+    assert [m is None for m in block_masks] == [False] * 2 + [True] * 2  # the tree (a block mask), then the chain
+    assert block_masks[0].shape == (1, 1, 7, 7)
+
+
+def test_prefix_block_with_a_hidden_prefix_column_falls_back_to_sdpa():
+    gen = torch.Generator().manual_seed(3)
+    h, kvh, q, length, d = 4, 2, 5, 20, 8
+    query, key, value = qkv(1, h, kvh, q, length, d, gen)
+    mask = torch.zeros(1, 1, q, length)
+    mask[..., length - q:] = torch.zeros(q, q).masked_fill_(torch.ones(q, q, dtype=torch.bool).triu_(1), -1e30)
+    mask[0, 0, 2, 3] = -1e30  # one prefix column hidden from one query: not a plain prefix + block
+    out, _ = prefix_block.prefix_block_attention(fake_module(h, kvh), query, key, value, mask, scaling=0.1)
+    ref, _ = sdpa_attention_forward(fake_module(h, kvh), query, key, value, mask, scaling=0.1)
+    assert torch.equal(out, ref)
+    mask[0, 0, 2, 3] = 0.0  # all visible again: the block path, equal within float tolerance
+    out, _ = prefix_block.prefix_block_attention(fake_module(h, kvh), query, key, value, mask, scaling=0.1)
+    torch.testing.assert_close(out, ref.new_tensor(sdpa_attention_forward(fake_module(h, kvh), query, key, value,
+                                                                          mask, scaling=0.1)[0]), rtol=1e-5, atol=1e-5)
