@@ -137,12 +137,12 @@ def profile_for(target) -> GateProfile:
 
 
 def saved_profile_path(target):
-    """Where ``retrospec profile`` keeps its measurements for ``target``'s shapes on this machine (None: the engine
-    runs the model as it is, or its plan was forced, so there is no machine-specific key)."""
-    from .fastpath import cache_home, engine_for
+    """Where ``retrospec profile`` keeps its measurements for ``target``'s shapes on this machine (the engine plan's
+    key: machine, torch, threads, dtype, shapes), or None for a model without decoder/head accessors."""
+    from .fastpath.plan import model_plan_key
+    from .paths import cache_home
 
-    engine = engine_for(target)
-    key = engine.plan.key if engine.plan is not None else ""
+    key = model_plan_key(target)
     return cache_home() / "profiles" / f"{key}.json" if key else None
 
 

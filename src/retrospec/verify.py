@@ -6,7 +6,7 @@ explicit 4D additive mask (each node sees the cached prefix, the root and its ow
 ``position_ids`` (prefix length + depth), through the public ``attention_mask`` / ``position_ids`` arguments.
 
 Speed (``fastpath``): the forward runs on the engine's private copy of the target (``fastpath.engine_for``):
-prefix + block attention (no mask for chains, the hybrid split for trees), decoder linears prepacked and the head
+prefix + block attention (no mask for chains, the ancestor block for trees), decoder linears prepacked and the head
 laid out as measured on this machine. The caller's model is never changed; logits equal the plain forward's
 within float tolerance (tested) and ``RETROSPEC_FASTPATH=off`` runs the caller's model as it is.
 

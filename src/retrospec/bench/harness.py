@@ -158,7 +158,9 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options,
                   eos_ids=eos_ids, gating=resolve_gating(cfg.gating if gating is None else gating, cfg.sampling))
     stats = SpecStats(method=label)
-    probes = [ForwardProbe(target.model)] + ([ForwardProbe(draft.model)] if draft is not None else [])
+    engine_on = engine_for(target.model).mode != "off"
+    # the engine runs private copies of the models (fastpath): hooks on the caller's modules would see nothing
+    probes = [] if engine_on else [ForwardProbe(target.model)] + ([ForwardProbe(draft.model)] if draft else [])
     for p in probes:
         p.__enter__()
     try:
@@ -170,15 +172,13 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     finally:
         for p in probes:
             p.__exit__()
-    if engine_for(target.model).mode != "off":
-        # the engine runs private copies of the models (fastpath): the probes on the caller's modules see nothing,
-        # so forward time = verification forwards (stats.verify_s) + drafting (stats.draft_s, Python included)
+    if engine_on:  # forward time = verification forwards + drafting (stats.draft_s, Python included)
         forward_s = stats.verify_s + stats.draft_s
     else:
         # the first target forward is the prefill (all prompt tokens but the last), not decoding
         prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
         forward_s = sum(p.seconds for p in probes) - prefill_fwd
-    if method == "longspec" and engine_for(target.model).mode == "off":  # the block is not a model the probes see
+    if method == "longspec" and not engine_on:  # the block is not a model the probes see
         forward_s += stats.draft_s
     return out, stats, forward_s
 

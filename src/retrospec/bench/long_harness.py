@@ -163,14 +163,15 @@ class _Runner:
         options["adaptive"] = spec.adaptive
         req = Request(self.target, drf, spec.method, p.target_prompt_ids, cfg.sampling,
                       DecodeConfig(max_new_tokens=max_new), options, rule=p.rule, info=p.info,
-                      gating=resolve_gating(cfg.gating if spec.gating is None else spec.gating, cfg.sampling))
+                      gating=resolve_gating(cfg.gating if spec.gating is None else spec.gating, cfg.sampling),
+                      fastpath=None if opts.prefix_attention else "off")
         stats = SpecStats(method=spec.label, **p.info)
         memo = memos.setdefault("short" if spec.method == "rag" else "full", PrefillMemo())
         out: list[int] = []
         for chunk in speculative_generate(self.target.model, req.drafter(), req.prompt_ids, sampling=cfg.sampling,
                                           max_new_tokens=max_new, eos_ids=self.target.eos_ids(), stats=stats,
                                           rule=req.rule, prefill_memo=memo, gating=req.gating,
-                                          fastpath=None if opts.prefix_attention else "off"):
+                                          fastpath=req.fastpath):
             out.extend(chunk)
         return out, stats
 

