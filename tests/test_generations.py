@@ -14,6 +14,7 @@ from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate
 from retrospec.errors import RetrospecError
 from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow, parse_sources, read_corpus
+from retrospec.generations.prompts import MBPP_HELDOUT, interleave, load_rows
 from retrospec.models import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -89,7 +90,8 @@ def test_bad_sources(spec, fragment):
 
 def test_cli_generate_and_info(cli, saved_models, tmp_path):
     mbpp = tmp_path / "mbpp.jsonl"
-    mbpp.write_text("".join(json.dumps({"prompt": f"def add{i}(a, b):\n"}) + "\n" for i in range(3)))
+    n = MBPP_HELDOUT + 3  # the first MBPP_HELDOUT rows are the benches' and never generated from
+    mbpp.write_text("".join(json.dumps({"prompt": f"def add{i}(a, b):\n"}) + "\n" for i in range(n)))
     run = cli("corpus", "generate", "--target", saved_models.target, "--sources", f"mbpp={mbpp}",
               "--temperatures", "0", "--max-new-tokens", "4", "--out", tmp_path / "corpus")
     assert run.rc == 0, run.err
@@ -110,3 +112,14 @@ def test_self_instruct_starts_from_the_user_turn_of_the_template():
     rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
                                        add_generation_prompt=True)
     assert rendered.startswith(prefix) and rendered[len(prefix):].startswith("hello")
+
+
+def test_sources_interleave_and_mbpp_bench_rows_stay_out(tmp_path):
+    mbpp = tmp_path / "mbpp.jsonl"
+    mbpp.write_text("".join(json.dumps({"prompt": f"def f{i}():\n"}) + "\n" for i in range(MBPP_HELDOUT + 4)))
+    rows = load_rows(parse_sources(f"mbpp={mbpp},self-instruct=8"))
+    assert [r.text for r in rows if r.source == "mbpp"] == [f"def f{i}():\n" for i in range(MBPP_HELDOUT,
+                                                                                              MBPP_HELDOUT + 4)]
+    order = [r.source for r in rows]
+    assert order[:3] == ["self-instruct", "mbpp", "self-instruct"] and len(order) == 12
+    assert interleave([[1, 2], [3]]) == [1, 3, 2]

@@ -89,7 +89,7 @@ class CorpusBuilder:
         if any(r.chat for r in rows):
             render(tok, [{"role": "user", "content": "x"}], name=f"target {target.path}")  # a chat template exists
         self.target, self.rows, self.cfg, self.out = target, rows, cfg, Path(out)
-        self.items = [(i, t) for t in cfg.temperatures for i in range(len(rows))]  # (row, temperature)
+        self.items = [(i, t) for i in range(len(rows)) for t in cfg.temperatures]  # (row, temperature)
         self.eos = target.eos_ids() | end_of_turn_ids(tok)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 

@@ -2,7 +2,8 @@
 
 Sources (``parse_sources``: a comma-separated list of ``name`` or ``name=ARG``):
 
-- ``mbpp=PATH``: HumanEval-format rows (``prompt`` = signature + docstring), raw code completion;
+- ``mbpp=PATH``: HumanEval-format rows (``prompt`` = signature + docstring), raw code completion; the first
+  ``MBPP_HELDOUT`` rows (the ones ``make bench`` and the held-out benches read) are never generated from;
 - ``nq=PATH``: NQ-open ``questions.jsonl``, **train split only** (``rag.data.split_of``: the eval split the RAG
   bench scores on is never generated from), each question one chat user message;
 - ``stdlib[=N]``: up to N (default 2,000) function openings from the standard library's train split
@@ -11,7 +12,8 @@ Sources (``parse_sources``: a comma-separated list of ``name`` or ``name=ARG``):
 - ``self-instruct=N``: N instructions the target writes itself (Magpie: the chat template up to the user's turn,
   sampled until the end of the turn), each then answered as a chat prompt.
 
-Invariant: rows come out in a deterministic order for the same arguments (the corpus is resumable by shard index).
+Invariant: rows come out in a deterministic order for the same arguments (the corpus is resumable by shard index),
+interleaved round-robin across sources, so a corpus stopped after any shard holds every source in proportion.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..errors import RetrospecError
 
 SOURCES = ("mbpp", "nq", "stdlib", "self-instruct")
 STDLIB_DEFAULT = 2000
+MBPP_HELDOUT = 100  # MBPP rows 0..99 stay out of every corpus (benches read them)
 CONTEXT_LINES = 30
 _DEF = re.compile(r"^\s*(async\s+)?def \w+\(")
 
@@ -77,13 +80,14 @@ def load_rows(sources: list[tuple[str, str | None]], limit: int | None = None) -
     from ..bench.tasks import load_prompts
     from ..rag.data import read_questions, split_of
 
-    rows: list[PromptRow] = []
+    per_source: list[list[PromptRow]] = []
     for name, arg in sources:
-        before = len(rows)
+        rows: list[PromptRow] = []
+        before = 0
         if name in ("mbpp", "nq") and not Path(arg).is_file():
             raise RetrospecError(f"{name} prompt file {arg} does not exist")
         if name == "mbpp":
-            rows += [PromptRow("mbpp", r["prompt"], False) for r in load_prompts(arg)]
+            rows += [PromptRow("mbpp", r["prompt"], False) for r in load_prompts(arg)[MBPP_HELDOUT:]]
         elif name == "nq":
             rows += [PromptRow("nq", q.question.strip(), True) for q in read_questions(arg)
                      if q.question.strip() and split_of(q.id) == "train"]
@@ -93,6 +97,15 @@ def load_rows(sources: list[tuple[str, str | None]], limit: int | None = None) -
             rows += [PromptRow("self-instruct", "", True)] * int(arg)
         if limit is not None:
             del rows[before + limit:]
+        per_source.append(rows)
+    rows = interleave(per_source)
     if not rows:
         raise RetrospecError("the prompt sources hold no usable prompts")
     return rows
+
+
+def interleave(groups: list[list[PromptRow]]) -> list[PromptRow]:
+    """Round-robin over the groups, each spread evenly over the whole order (a group of 100 among 1,000 rows
+    lands every 10th row)."""
+    keyed = [((k + 0.5) / len(g), gi, row) for gi, g in enumerate(groups) for k, row in enumerate(g)]
+    return [row for _, _, row in sorted(keyed, key=lambda t: (t[0], t[1]))]
