@@ -437,3 +437,75 @@ def test_api_and_cli(saved_models, cli, tmp_path):
         ).assert_user_error("no longspec.json")
     cli("generate", "--prompt", "x", "--target", saved_models.target, "--method", "sd", "--tree",
         "2,2").assert_user_error("--tree applies to method longspec")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# draft vocabulary (FR-Spec rows of the shared head): q = 0 outside it, still lossless
+
+
+def test_draft_vocab_logits_are_head_rows(arch, tmp_path):
+    target = make_target(arch)
+    block = randomized(target, window=6)
+    ids, kv = torch.tensor([PROMPT]), random_kv(block, len(PROMPT))
+    with torch.no_grad():
+        full = block(ids, kv)  # [1, L, V]
+        sub = [5, 0, 17, 3, 40, 9]
+        block.set_vocab(sub)
+        part = block(ids, kv)  # [1, L, K]
+        assert part.shape[-1] == len(sub) and block.draft_vocab_size == len(sub)
+        assert torch.allclose(part, full[..., sub], atol=1e-5)
+        assert block.token_ids(torch.tensor([1, 4])).tolist() == [0, 40]
+    out = save_longspec(block, target, tmp_path / "blk")
+    assert json.loads((out / "longspec.json").read_text())["block"]["draft_vocab"] == len(sub)
+    loaded = load_longspec(out, target)
+    assert loaded.vocab.tolist() == sub and torch.equal(loaded(ids, kv), block(ids, kv))
+    (out / "draft_vocab.json").write_text("[1, 2]\n")
+    with pytest.raises(RetrospecError, match="corrupt LongSpec block"):
+        load_longspec(out, target)
+    for bad in ([], [1, 1], [10_000]):
+        with pytest.raises(RetrospecError, match="distinct target ids"):
+            block.set_vocab(bad)
+
+
+@pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 8, 8)}], ids=["chain", "tree"])
+def test_draft_vocab_greedy_equals_oracle(arch, mode):
+    target, block = mimic_pair(arch)
+    want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
+    # half the vocabulary: the target's greedy token is sometimes outside it (never drafted, still committed)
+    block.set_vocab(list(range(0, 96, 2)))
+    drafted: list[int] = []
+
+    class Recording(CheckedDrafter):
+        def propose(self, ctx, budget):
+            tree = super().propose(ctx, budget)
+            drafted.extend(tree.tokens.tolist())
+            return tree
+
+    stats = SpecStats()
+    chunks = list(speculative_generate(target, Recording(block, **mode), PROMPT, sampling=GREEDY,
+                                       max_new_tokens=40, stats=stats))
+    assert [t for c in chunks for t in c] == want
+    assert drafted and all(t % 2 == 0 for t in drafted)  # q = 0 outside the draft vocabulary
+    assert stats.accepted_tokens > 0
+
+
+def test_draft_vocab_sampling_end_to_end(small_world):
+    """Seeded tree runs with a draft vocabulary that misses some tokens: (x1, x2) still ~ p1 * p2."""
+    target, block, prompt, p1, p2, _ = small_world
+    sub = LongSpecDraft.for_target(target, window=4, init="identity")
+    sub.load_state_dict(block.state_dict())
+    sub.set_vocab([0, 2, 3, 5, 7, 8, 11])
+    drafter = REGISTRY["longspec"](block=sub, tree=(3, 4))
+    counts = np.zeros((V, V))
+    runs = 2_000
+    for seed in range(runs):
+        out: list[int] = []
+        steps = speculative_generate(target, drafter, prompt, sampling=SamplingConfig(temperature=1.0, seed=seed),
+                                     max_new_tokens=8)
+        for chunk in steps:
+            out.extend(chunk)
+            if len(out) >= 2:
+                break
+        steps.close()
+        counts[out[0], out[1]] += 1
+    assert chisq_pvalue([(counts, (p1[:, None] * p2).numpy() * runs)]) > ALPHA

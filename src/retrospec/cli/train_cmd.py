@@ -106,6 +106,26 @@ def _add_longspec(tsub) -> None:
     ev.add_argument("--out", help="write the results as JSON to this file")
     ev.set_defaults(func=run_longspec_eval)
 
+    ds = tsub.add_parser("longspec-distill", help="distil a LongSpec block on a corpus of the target's own outputs "
+                                                  "('retrospec corpus generate'), drafting over a frequency-ranked "
+                                                  "vocabulary (FR-Spec)")
+    ds.add_argument("--target", required=True, help="target model directory or name (e.g. smollm2-135m)")
+    ds.add_argument("--corpus", required=True, help="corpus directory written by 'retrospec corpus generate'")
+    ds.add_argument("--out", required=True, help="block directory to create")
+    ds.add_argument("--init", default=None, help="block to start from (directory or bundled name, e.g. "
+                                                 "smollm2-135m-longspec); default a fresh identity block")
+    ds.add_argument("--draft-vocab", type=int, default=16384,
+                    help="draft over the K output tokens the target emits most (default 16384; 0 = full head)")
+    ds.add_argument("--max-len", type=int, default=768, help="tokens per training sequence (default 768)")
+    ds.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch, padding included")
+    ds.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus output tokens")
+    ds.add_argument("--seconds", type=float, default=None, help="stop after this long (wall clock)")
+    ds.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    ds.add_argument("--storage", choices=("int8", "float16", "float32"), default="int8")
+    ds.add_argument("--seed", type=int, default=0)
+    ds.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ds.set_defaults(func=run_longspec_distill)
+
     pk = tsub.add_parser("longspec-pack", help="re-save a LongSpec block with another weight storage (int8: about "
                                                "1/4 of float32, lossy; the drafter stays lossless)")
     pk.add_argument("src", help="block directory to read")
@@ -136,6 +156,20 @@ def run_longspec(args) -> int:
     check_config(cfg)
     _threads(args.threads)
     train_longspec(cfg, log=lambda msg: print(msg, flush=True))
+    return 0
+
+
+def run_longspec_distill(args) -> int:
+    from ..train.longspec_distill import DistillConfig, check_config, describe_curve, distill_longspec
+
+    cfg = DistillConfig(target=args.target, corpus=args.corpus, out=args.out, init=args.init,
+                        draft_vocab=args.draft_vocab, max_len=args.max_len, batch_tokens=args.batch_tokens,
+                        max_tokens=args.max_tokens, seconds=args.seconds, lr=args.lr, storage=args.storage,
+                        seed=args.seed)
+    check_config(cfg)
+    _threads(args.threads)
+    manifest = distill_longspec(cfg, log=lambda msg: print(msg, flush=True))
+    print(describe_curve(manifest))
     return 0
 
 

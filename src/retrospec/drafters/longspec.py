@@ -87,7 +87,7 @@ class LongSpecDrafter:
         if n <= 0:
             return DraftTree.empty()
         try:
-            logits = self.state.speculate([ctx.tokens[-1]], [-1], target_kv)[0]  # [V] after the root
+            logits = self.state.speculate([ctx.tokens[-1]], [-1], target_kv)[0]  # [K] after the root
             if self.gamma is not None:
                 return self._chain(logits, n, target_kv, ctx.eos_ids)
             return self._tree(logits, n, target_kv, ctx.eos_ids)
@@ -97,7 +97,7 @@ class LongSpecDrafter:
     def _chain(self, logits: torch.Tensor, n: int, target_kv, eos_ids) -> DraftTree:
         tokens: list[int] = []
         for i in range(n):
-            tok = int(logits.argmax())
+            tok = int(self.block.token_ids(logits.argmax()))
             tokens.append(tok)
             if tok in eos_ids or i + 1 == n:
                 break
@@ -105,10 +105,11 @@ class LongSpecDrafter:
         return DraftTree.chain(tokens)
 
     def _tree(self, root_logits: torch.Tensor, n: int, target_kv, eos_ids) -> DraftTree:
-        vocab = root_logits.shape[-1]
+        vocab = root_logits.shape[-1]  # K columns (the draft vocabulary, or the target's V)
         eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=root_logits.device)
         k = min(self.tree[0], n, vocab)
-        scores, toks = root_logits.float().log_softmax(-1).topk(k)  # [k] cumulative log-probs, best first
+        scores, cols = root_logits.float().log_softmax(-1).topk(k)  # [k] cumulative log-probs, best first
+        toks = self.block.token_ids(cols)  # target ids (columns differ under a draft vocabulary)
         tokens, parents = toks.tolist(), [-1] * k
         level = list(range(k))  # tree indices of the last level (tentative index = tree index + 1; 0 = root)
         for width in self.tree[1:]:
@@ -123,7 +124,7 @@ class LongSpecDrafter:
             if k == 0:
                 break
             scores, flat = cand.flatten().topk(k)  # global top-k over (node x vocabulary), best first
-            toks = flat % vocab
+            toks = self.block.token_ids(flat % vocab)
             parents.extend(level[j] for j in (flat // vocab).tolist())
             level = list(range(len(tokens), len(tokens) + k))
             tokens.extend(toks.tolist())

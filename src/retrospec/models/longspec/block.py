@@ -11,6 +11,7 @@ eps, MLP size and activation, RoPE), so its memory does not grow with the contex
                                      # the target's LAST-LAYER K/V exactly as cached (post-RoPE), no projection
     x += MLP(norm3(x))
     logits = lm_head(x)              # the target's head; no final norm (as in the paper's code)
+                                     # (or only its rows for a draft vocabulary: ``set_vocab``, below)
 
 Visibility rules (explicit functions, tested):
 - ``self_visible``: a query at absolute position t sees draft keys at positions s with t - window < s <= t (the
@@ -21,6 +22,14 @@ Visibility rules (explicit functions, tested):
   so the root sees the whole cache and deeper tree nodes see it too (nothing newer exists). Training may draw
   shift in [1, 4] (an int, or a tensor broadcastable to the [b, L] query positions).
 A query with no visible key gets a zero attention output (then o_proj), not NaN.
+
+Draft vocabulary (FR-Spec: Zhao et al., "FR-Spec: Accelerating Large-Vocabulary Language Models via
+Frequency-Ranked Speculative Sampling", 2025). On a small target the head dominates a draft token's cost (SmolLM2:
+49,152 x 576 of a block's ~3M other multiply-adds). ``set_vocab(ids)`` restricts the block's logits to the target's
+head rows for ``ids`` [K] (the tokens the target emits most): ``run`` then returns logits [b, L, K] over those ids
+(``token_ids`` maps a column back to a target id) and q = 0 on every other token, which rejection sampling treats
+exactly (a draft only proposes; p is the target's full distribution). The rows are gathered once from the shared
+head (a non-persistent buffer, never saved); the ids are saved beside the weights (``checkpoint``).
 
 Invariants:
 - ``state_dict()`` holds only the block's own weights: the embedding and head are held outside the module tree
@@ -166,6 +175,8 @@ class LongSpecDraft(nn.Module):
         self.norm3 = fam.norm(hidden, eps=eps)
         self.mlp = fam.mlp(config)
         self._shared = (embed_tokens, lm_head)  # a tuple: nn.Module does not register (or save) these
+        self.register_buffer("vocab", None, persistent=False)  # [K] target ids of the draft vocabulary (or None)
+        self.register_buffer("head_rows", None, persistent=False)  # [K, H] rows of the head for ``vocab``
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -209,6 +220,34 @@ class LongSpecDraft(nn.Module):
                 if lin.bias is not None:
                     lin.bias.zero_()
 
+    @torch.no_grad()
+    def set_vocab(self, ids) -> None:
+        """Draft over the target ids ``ids`` (a sequence or [K] tensor of distinct ids) only; None: the full head."""
+        if ids is None:
+            self.vocab, self.head_rows = None, None
+            return
+        weight = self.lm_head.weight  # [V, H]
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(weight.device)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0] or ids.unique().numel() != ids.numel():
+            raise RetrospecError(f"a draft vocabulary holds distinct target ids in [0, {weight.shape[0]}); got "
+                                 f"{ids.numel()} ids")
+        if getattr(self.lm_head, "bias", None) is not None:
+            raise RetrospecError("a draft vocabulary needs a head without bias")
+        self.vocab = ids
+        self.head_rows = weight.detach()[ids].clone()  # [K, H]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0] if self.vocab is None else int(self.vocab.numel())
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [..., K] (K = the draft vocabulary, or the target's V) of block outputs ``x`` [..., H]."""
+        return self.lm_head(x) if self.head_rows is None else x @ self.head_rows.T
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Target token ids of logit columns (identity without a draft vocabulary)."""
+        return columns if self.vocab is None else self.vocab[columns]
+
     def uses(self, target) -> bool:
         """True when this block reads ``target``'s own embedding and head modules."""
         target = as_module(target)
@@ -238,7 +277,8 @@ class LongSpecDraft(nn.Module):
         Self-attention keys: ``past`` (k, v) [b, kv_heads, P, d] of earlier tokens (a ring buffer, tentative
         tokens), visible per ``past_allowed`` [b, L, P], then the new tokens' own, visible per ``own_allowed``
         [b, L, L]. Cross-attention: ``target_kv`` (k, v) [b, kv_heads, T, d], visible per ``cross_allowed``
-        [b, L, T]. Returns (logits [b, L, V], the new tokens' self-attention k and v [b, kv_heads, L, d])."""
+        [b, L, T]. Returns (logits [b, L, K] (K: ``draft_vocab_size``), the new tokens' self-attention k and v
+        [b, kv_heads, L, d])."""
         b, n = ids.shape
         x = self.embed_tokens(ids)  # [b, L, H]
         cos, sin = self.rotary(x, positions)  # [b, L, d]
@@ -261,11 +301,11 @@ class LongSpecDraft(nn.Module):
             attn = h.new_zeros(b, n, self.num_heads * self.head_dim)
         x = x + self.cross_attn.o_proj(attn)
         x = x + self.mlp(self.norm3(x))
-        return self.lm_head(x), k, v
+        return self.head(x), k, v
 
     def forward(self, input_ids: torch.Tensor, target_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 position_ids: torch.Tensor | None = None, shift: int | torch.Tensor = 1) -> torch.Tensor:
-        """Full-sequence forward (training, references): ``input_ids`` [b, L] -> logits [b, L, V].
+        """Full-sequence forward (training, references): ``input_ids`` [b, L] -> logits [b, L, K].
 
         Self-attention: causal by index and ``self_visible`` by position (sliding window). ``target_kv``: the
         target's last-layer (keys, values) [b, kv_heads, T, d] of the same sequence, entry j = token j of

@@ -5,9 +5,9 @@ shared, never saved) and ``longspec.json``::
 
     {"format": "retrospec-longspec", "version": 1,
      "block": {"window", "model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "intermediate_size", "hidden_act", "rms_norm_eps"},
+               "intermediate_size", "hidden_act", "rms_norm_eps", "draft_vocab" (K, when drafting over a subset)},
      "target": {"config_hash", "weights_digest", "fingerprint", "hidden_size", "vocab_size", "path"},
-     "files": {"block.safetensors": size in bytes},
+     "files": {"block.safetensors": size in bytes, "draft_vocab.json": size (with a draft vocabulary)},
      "storage": "float32" | "float16" | "bfloat16" | "int8"}
 
 ``storage`` is how ``block.safetensors`` holds the weights: a float dtype (exact for weights of that dtype), or
@@ -40,6 +40,7 @@ FORMAT = "retrospec-longspec"
 VERSION = 1
 META_FILE = "longspec.json"
 WEIGHTS_FILE = "block.safetensors"
+VOCAB_FILE = "draft_vocab.json"  # present when the block drafts over a vocabulary subset (``set_vocab``)
 MANIFEST_FILE = "manifest.json"  # written by ``train.longspec`` (not read here except to copy it on repack)
 # ``storage`` names -> the dtype a file holds (int8: ``quant.pack_int8``)
 STORAGES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, quant.INT8: torch.int8}
@@ -99,6 +100,10 @@ def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_p
                   metadata={"format": FORMAT} | ({"storage": stored} if stored else {}))
         (tmp / WEIGHTS_FILE).chmod(0o644)  # safetensors may create it owner-only; a block is shipped and shared
         meta["files"] = {WEIGHTS_FILE: (tmp / WEIGHTS_FILE).stat().st_size}
+        if draft.vocab is not None:  # the draft vocabulary's target ids (FR-Spec rows of the shared head)
+            (tmp / VOCAB_FILE).write_text(json.dumps(draft.vocab.tolist()) + "\n")
+            meta["files"][VOCAB_FILE] = (tmp / VOCAB_FILE).stat().st_size
+            meta["block"]["draft_vocab"] = int(draft.vocab.numel())
         if stored:
             meta["storage"] = stored
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -176,6 +181,15 @@ def load_longspec(path: str | Path, target) -> LongSpecDraft:
     except Exception as exc:  # unreadable file, missing / unexpected / misshapen tensors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RetrospecError(f"corrupt LongSpec block {path}: could not load {WEIGHTS_FILE} ({first})") from None
+    if block_cfg.get("draft_vocab") is not None:
+        try:
+            ids = json.loads((path / VOCAB_FILE).read_text())
+            if not isinstance(ids, list) or len(ids) != block_cfg["draft_vocab"] or not all(
+                    isinstance(i, int) for i in ids):
+                raise ValueError("not a list of as many integer ids as recorded")
+            draft.set_vocab(ids)
+        except (OSError, ValueError, RetrospecError) as exc:
+            raise RetrospecError(f"corrupt LongSpec block {path}: {VOCAB_FILE}: {exc}") from None
     return draft.eval()
 
 

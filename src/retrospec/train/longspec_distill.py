@@ -1,0 +1,330 @@
+"""Distilling the LongSpec block on the target's own outputs (``retrospec train longspec-distill``, issue 19).
+
+The bundled block was first trained on code windows the target never wrote; what it meets at inference is text the
+target writes. This trainer reads a corpus of the target's own replies (``retrospec corpus generate``:
+``prompt_ids`` + ``output_ids`` per record) and distils the target's next-token distribution into the block:
+
+- **sequences**: ``prompt_ids + output_ids`` of a record (the last ``max_len`` tokens), right-padded into batches of
+  similar length (at most ``batch_tokens`` tokens per batch, padding included);
+- **the target** runs frozen once per batch (its decoder with a KV cache): its last layer's cached (keys, values)
+  feed the block's cross-attention, its final hidden states [b, L, H] give p over the draft vocabulary;
+- **draft vocabulary** (FR-Spec, Zhao et al. 2025): the ``draft_vocab`` tokens the target emits most in the training
+  records (every EOS / end-of-turn id added); the block's logits are the head's rows for them only
+  (``LongSpecDraft.set_vocab``), so a drafted token costs a fraction of a full-head step and q = 0 elsewhere
+  (lossless: the target verifies). ``draft_vocab=0`` keeps the full head;
+- **loss**: KL(p_V || q) at every non-pad position, p_V = the target's distribution renormalised over the draft
+  vocabulary (the best a draft restricted to V can do for sum_x min(p, q)); a flash-noisy shift in [1, noisy_max]
+  per batch and anchor-offset positions on a share of batches (``train.longspec``) keep the block usable at long
+  contexts;
+- **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text; both temperatures of a prompt fall
+  on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the target's
+  greedy token (over the full vocabulary), per kind (chat / code), at each point of ``curve`` (corpus output tokens
+  seen). One pass over the corpus, so tokens seen = corpus size at that point (the learning rate at an early point
+  is still high: an early point under-states what a smaller corpus trained to the end would reach).
+
+Output: a block directory (``save_longspec``; ``storage`` int8 by default) plus ``manifest.json`` (config, corpus,
+draft-vocabulary coverage, learning curve, seconds), written into a temporary sibling and renamed into place.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..errors import RetrospecError
+from ..kv import KVCache
+from ..models.longspec import LongSpecDraft, save_longspec
+from ..models.longspec.block import as_module
+from .longspec import MANIFEST, _optimizer, draft_logits, lr_at, sample_positions
+
+CHAT_SOURCES = ("self-instruct", "nq")  # the rest (mbpp, stdlib) are code
+
+
+@dataclass
+class DistillConfig:
+    target: str  # model name or directory
+    corpus: str  # a corpus directory (``retrospec corpus generate``)
+    out: str  # block directory to create
+    init: str | None = None  # block to start from (name / directory); None: a fresh identity-initialised block
+    draft_vocab: int = 16384  # 0: the full head
+    max_len: int = 768
+    batch_tokens: int = 4096
+    heldout: float = 0.04
+    max_tokens: int | None = None  # stop after this many corpus output tokens (None: one pass)
+    seconds: float | None = None  # stop after this long (the schedule then runs over elapsed time)
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup: float = 0.05
+    grad_clip: float = 1.0
+    noisy_max: int = 2
+    anchor_share: float = 0.25
+    max_positions: int = 8192
+    curve: tuple[int, ...] = (62_500, 125_000, 250_000, 500_000, 1_000_000, 2_000_000)
+    eval_records: int = 96
+    storage: str | None = "int8"
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+
+
+def is_heldout(record: dict, share: float) -> bool:
+    digest = int(hashlib.sha1(record.get("prompt", "").encode("utf-8")).hexdigest()[:8], 16)
+    return digest / 0xFFFFFFFF < share
+
+
+def kind_of(record: dict) -> str:
+    return "chat" if record.get("source") in CHAT_SOURCES else "code"
+
+
+def frequency_vocab(records: list[dict], k: int, always: set[int], vocab_size: int) -> list[int]:
+    """The ``k`` output tokens most frequent in ``records`` (ties by id), ``always`` first; a list of target ids."""
+    counts = collections.Counter(t for r in records for t in r["output_ids"])
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t not in always]
+    ids = sorted(t for t in always if 0 <= t < vocab_size) + ranked
+    return ids[:k]
+
+
+def coverage(vocab: list[int], records: list[dict]) -> float:
+    """Share of the records' output tokens inside ``vocab``."""
+    inside, total = set(vocab), 0
+    hit = 0
+    for r in records:
+        total += len(r["output_ids"])
+        hit += sum(1 for t in r["output_ids"] if t in inside)
+    return hit / max(1, total)
+
+
+def sequence_of(record: dict, max_len: int) -> tuple[list[int], int]:
+    """(prompt + output ids, the last ``max_len`` of them; index of the first output token in it)."""
+    ids = list(record["prompt_ids"]) + list(record["output_ids"])
+    cut = max(0, len(ids) - max_len)
+    return ids[cut:], max(0, len(record["prompt_ids"]) - cut)
+
+
+def make_batches(records: list[dict], max_len: int, batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Record indices grouped by length (b x longest <= batch_tokens), batches in random order."""
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt_ids"]) + len(records[i]["output_ids"]))
+    batches, cur, longest = [], [], 0
+    for i in order:
+        n = min(max_len, len(records[i]["prompt_ids"]) + len(records[i]["output_ids"]))
+        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def pad_batch(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [b, L] right-padded with ``pad``, mask [b, L]: 1 on real tokens)."""
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), n, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def target_pass(target, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    """The frozen target over ``ids`` [b, L]: (final hidden states [b, L, H] after its last norm, its last layer's
+    cached (keys, values) [b, kv_heads, L, d]). Right padding: real tokens never see a pad."""
+    model = as_module(target)
+    cache = KVCache(model)
+    out = model.get_decoder()(input_ids=ids, position_ids=positions, attention_mask=mask,
+                              past_key_values=cache.cache, use_cache=True)
+    return out.last_hidden_state, cache.layer_tensors()[-1]
+
+
+def distill_loss(block: LongSpecDraft, target, ids, positions, mask, shift: int) -> torch.Tensor:
+    """Mean KL(p_V || q) over the real positions of one batch."""
+    hidden, kv = target_pass(target, ids, positions, mask)
+    log_p = block.head(hidden).float().log_softmax(-1)  # [b, L, K]: p renormalised over the draft vocabulary
+    log_q = draft_logits(block, ids, positions, kv, shift).float().log_softmax(-1)  # [b, L, K]
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [b, L]
+    real = mask.bool()
+    return kl[real].mean()
+
+
+# ------------------------------------------------------------------------------------------------------ evaluation
+
+
+@torch.no_grad()
+def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, pad: int) -> dict:
+    """Teacher-forced top-1 agreement with the target's greedy token on the records' output tokens (shift 1), per
+    kind, plus the draft vocabulary's coverage of those greedy tokens."""
+    model = as_module(target)
+    hits: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    covered = [0, 0]
+    inside = None if block.vocab is None else set(block.vocab.tolist())
+    for r in records:
+        seq, first = sequence_of(r, max_len)
+        if first < 1 or first >= len(seq):
+            continue
+        ids = torch.tensor(seq)[None]
+        pos = torch.arange(len(seq))[None]
+        hidden, kv = target_pass(target, ids, pos, torch.ones_like(ids))
+        greedy = model.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n] the target's next tokens
+        drafted = block.token_ids(draft_logits(block, ids, pos, kv, 1)[0, first - 1:-1].argmax(-1))
+        h = hits[kind_of(r)]
+        h[0] += int((drafted == greedy).sum())
+        h[1] += int(greedy.numel())
+        if inside is not None:
+            covered[0] += sum(1 for t in greedy.tolist() if t in inside)
+            covered[1] += int(greedy.numel())
+    out = {k: round(v[0] / max(1, v[1]), 4) for k, v in sorted(hits.items())}
+    total = [sum(v[0] for v in hits.values()), sum(v[1] for v in hits.values())]
+    out["all"] = round(total[0] / max(1, total[1]), 4)
+    out["tokens"] = total[1]
+    if inside is not None:
+        out["vocab_coverage"] = round(covered[0] / max(1, covered[1]), 4)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------- training
+
+
+def check_config(cfg: DistillConfig) -> None:
+    if not Path(cfg.corpus).is_dir():
+        raise RetrospecError(f"corpus directory not found: {cfg.corpus}")
+    if Path(cfg.out).exists():
+        raise RetrospecError(f"{cfg.out} already exists; choose another --out")
+    if cfg.draft_vocab < 0 or cfg.max_len < 2 or cfg.batch_tokens < cfg.max_len or not 0 < cfg.heldout < 1:
+        raise RetrospecError("need --draft-vocab >= 0, --max-len >= 2, --batch-tokens >= --max-len and a held-out "
+                             "share in (0, 1)")
+    if not cfg.lr > 0 or cfg.noisy_max < 1 or not 0 <= cfg.anchor_share <= 1:
+        raise RetrospecError("need --lr > 0, --noisy-max >= 1 and an anchor share in [0, 1]")
+    if (cfg.max_tokens is not None and cfg.max_tokens < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
+        raise RetrospecError("--max-tokens / --seconds must be positive")
+
+
+def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
+    """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest."""
+    from ..drafters.longspec import load_block
+    from ..generations import read_corpus
+    from ..models.loading import load_model
+
+    check_config(cfg)
+    records = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
+    if not records:
+        raise RetrospecError(f"corpus {cfg.corpus} holds no generated outputs yet")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    target = target if target is not None else load_model(cfg.target)
+    model = as_module(target)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    block = load_block(cfg.init, target) if cfg.init else LongSpecDraft.for_target(target, init="identity")
+    train = [r for r in records if not is_heldout(r, cfg.heldout)]
+    held = [r for r in records if is_heldout(r, cfg.heldout)]
+    rng.shuffle(held)
+    held = held[:cfg.eval_records]
+    eos = set(getattr(target, "eos_ids", lambda: set())())
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if cfg.draft_vocab:
+        block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size))
+    else:
+        block.set_vocab(None)
+    pad = eos and min(eos) or 0
+    total_out = sum(len(r["output_ids"]) for r in train)
+    budget = min(total_out, cfg.max_tokens or total_out)
+    log(f"corpus {cfg.corpus}: {len(train)} training records ({total_out} output tokens), {len(held)} held out; "
+        f"draft vocabulary {block.draft_vocab_size}" + (f", held-out coverage {coverage(block.vocab.tolist(), held):.4f}"
+                                                      if block.vocab is not None else ""))
+    block.train()
+    for p in block.parameters():
+        p.requires_grad_(True)
+
+    class _Cfg:  # the optimizer helper reads these three fields
+        weight_decay, lr, betas = cfg.weight_decay, cfg.lr, cfg.betas
+
+    opt = _optimizer(block, _Cfg)
+    curve = [{**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": 0}]
+    block.train()
+    log(f"before: agreement {curve[0]}")
+    points = [c for c in cfg.curve if c < budget] + [budget]
+    started, seen, losses, step = time.perf_counter(), 0, [], 0
+    bar = tqdm(total=budget, unit="tok", desc="distill", mininterval=5.0)
+    for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
+        progress = seen / budget if cfg.seconds is None else (time.perf_counter() - started) / cfg.seconds
+        if seen >= budget or progress >= 1:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(progress, cfg.lr, cfg.warmup)
+        seqs = [sequence_of(train[i], cfg.max_len)[0] for i in batch]
+        ids, mask = pad_batch(seqs, pad)
+        anchored = rng.random() < cfg.anchor_share
+        positions = sample_positions(ids.shape[0], ids.shape[1], cfg.max_positions, rng, anchor_offset=anchored)
+        shift = rng.randint(1, cfg.noisy_max)
+        loss = distill_loss(block, target, ids, positions, mask, shift)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        n_out = sum(len(train[i]["output_ids"]) for i in batch)
+        seen += n_out
+        bar.update(n_out)
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if points and seen >= points[0]:
+            while points and seen >= points[0]:
+                points.pop(0)
+            row = {**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": seen, "step": step,
+                   "loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+                   "seconds": round(time.perf_counter() - started, 1)}
+            block.train()
+            curve.append(row)
+            log(f"after {seen} tokens: {row}")
+    bar.close()
+    block.eval()
+    for p in block.parameters():
+        p.requires_grad_(False)
+    if curve[-1]["tokens"] != seen:
+        curve.append({**agreement(block, target, held, cfg.max_len, pad), "tokens": seen, "step": step,
+                      "seconds": round(time.perf_counter() - started, 1)})
+    manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
+                "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
+                "corpus": {"path": cfg.corpus, "records": len(records), "train_records": len(train),
+                           "train_output_tokens": total_out, "heldout_records": len(held)},
+                "draft_vocab": block.draft_vocab_size,
+                "heldout_coverage": None if block.vocab is None else round(coverage(block.vocab.tolist(), held), 4),
+                "steps": step, "tokens_seen": seen, "seconds": round(time.perf_counter() - started, 1),
+                "curve": curve}
+    save_distilled(block, target, manifest, Path(cfg.out), cfg.storage)
+    return manifest
+
+
+def save_distilled(block: LongSpecDraft, target, manifest: dict, out: Path, storage: str | None) -> Path:
+    from ..models.longspec.checkpoint import META_FILE
+    from ..retrieval.store import atomic_build  # lazy: the shared atomic directory writer
+
+    with atomic_build(out, required=META_FILE) as tmp:
+        save_longspec(block, target, tmp, target_path=getattr(target, "path", None), overwrite=True, storage=storage)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return out
+
+
+def describe_curve(manifest: dict) -> str:
+    rows = ["| corpus tokens | chat | code | all | KL |", "| ---: | ---: | ---: | ---: | ---: |"]
+    for c in manifest["curve"]:
+        rows.append(f"| {c['tokens']:,} | {c.get('chat', math.nan):.3f} | {c.get('code', math.nan):.3f} | "
+                    f"{c['all']:.3f} | {c.get('loss', '')} |")
+    return "\n".join(rows)

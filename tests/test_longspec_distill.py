@@ -1,0 +1,73 @@
+"""Distilling the LongSpec block on a corpus of the target's own outputs (``train.longspec_distill``): the pieces
+(draft vocabulary, held-out split, batches), a whole run on a tiny corpus whose block loads and stays lossless."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from retrospec.config import SamplingConfig
+from retrospec.decode import autoregressive_generate, speculative_generate
+from retrospec.drafters import REGISTRY
+from retrospec.errors import RetrospecError
+from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
+from retrospec.models import load_model
+from retrospec.models.longspec import load_longspec
+from retrospec.train.longspec_distill import (DistillConfig, check_config, coverage, distill_longspec,
+                                              frequency_vocab, is_heldout, make_batches, sequence_of)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _record(prompt, out, source="stdlib"):
+    return {"source": source, "prompt": f"p{prompt}", "prompt_ids": list(prompt), "output_ids": list(out)}
+
+
+def test_vocabulary_split_and_batches():
+    recs = [_record([1, 2], [5, 5, 5, 7]), _record([3], [7, 8, 9, 5])]
+    assert frequency_vocab(recs, 3, {0}, 100) == [0, 5, 7]  # EOS-like ids first, then by frequency
+    assert coverage([5, 7], recs) == pytest.approx(6 / 8)
+    assert sequence_of(_record([1, 2, 3], [4, 5]), 4) == ([2, 3, 4, 5], 2)
+    assert sequence_of(_record([1, 2, 3], [4, 5, 6, 7, 8]), 4) == ([5, 6, 7, 8], 0)
+    many = [_record([i], list(range(i % 7 + 1))) for i in range(40)]
+    batches = make_batches(many, 16, 24, random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(40))
+    assert all(len(b) * max(len(many[i]["prompt_ids"]) + len(many[i]["output_ids"]) for i in b) <= 24
+               for b in batches)
+    rec = _record([1], [2])
+    assert is_heldout(rec, 0.5) == is_heldout(dict(rec, temperature=0.7), 0.5)  # by prompt, not by item
+
+
+def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path):
+    target = load_model(saved_models.target)
+    rows = [PromptRow("stdlib", f"def f{i}(x):\n    return x * {i}\n\ndef g{i}(y", False) for i in range(12)]
+    cfg = CorpusConfig(sources="test", temperatures=(0.0, 0.8), max_new_tokens=12, batch_size=6, shard_size=12)
+    CorpusBuilder(target, rows, tmp_path / "corpus", cfg).build(progress=False)
+    out = tmp_path / "block"
+    dc = DistillConfig(target=str(saved_models.target), corpus=str(tmp_path / "corpus"), out=str(out),
+                       draft_vocab=24, max_len=48, batch_tokens=96, heldout=0.3, eval_records=4, curve=(40,),
+                       max_positions=256, storage=None)
+    manifest = distill_longspec(dc, log=lambda *_: None, target=target)
+    assert manifest["steps"] >= 1 and manifest["curve"][0]["tokens"] == 0 and len(manifest["curve"]) >= 2
+    assert all(0 <= c["all"] <= 1 for c in manifest["curve"])
+    assert json.loads((out / "manifest.json").read_text())["draft_vocab"] == 24
+    block = load_longspec(out, target)
+    assert block.draft_vocab_size == 24
+    prompt = target.tokenizer.encode("def h(x):\n    return")
+    greedy = SamplingConfig()
+    want = autoregressive_generate(target.model, prompt, sampling=greedy, max_new_tokens=16)
+    got = [t for c in speculative_generate(target.model, REGISTRY["longspec"](block=block, gamma=3), prompt,
+                                           sampling=greedy, max_new_tokens=16) for t in c]
+    assert got == want
+    with pytest.raises(RetrospecError, match="already exists"):
+        check_config(dc)
+
+
+def test_cli_refuses_bad_input(cli, saved_models, tmp_path):
+    run = cli("train", "longspec-distill", "--target", saved_models.target, "--corpus", tmp_path / "none",
+              "--out", tmp_path / "b")
+    assert run.rc == 2 and "corpus directory not found" in run.err and "\n" not in run.err.strip()
+    assert not (tmp_path / "b").exists()
