@@ -64,3 +64,18 @@ def test_a_saved_profile_seeds_the_gate_of_a_new_process(cli, saved_models, tmp_
     assert sorted((c, n) for c, n, _ in costs) == [(20, 0), (20, 2)]
     gate_profile = profile_for(fresh)
     assert gate_profile.verify_cost(20, 0) == pytest.approx(costs[0][2] if costs[0][1] == 0 else costs[1][2])
+
+
+def test_a_longspec_block_is_profiled_as_a_draft(cli, saved_models, tmp_path):
+    from retrospec.models import load_model
+    from retrospec.models.longspec import LongSpecDraft, save_longspec
+
+    target = load_model(saved_models.target).model
+    block = LongSpecDraft.for_target(target, window=8)
+    block.set_vocab(list(range(0, 64)))
+    save_longspec(block, target, tmp_path / "blk")
+    run = cli("profile", "--target", saved_models.target, "--draft", tmp_path / "blk", "--contexts", "20",
+              "--tokens", "1,2", "--reps", "1", "--no-plain", "--no-trees", "--json")
+    assert run.rc == 0, run.err
+    prof = json.loads(run.out)
+    assert prof["draft"]["model"] == str(tmp_path / "blk") and prof["draft"]["ms_per_token"] > 0

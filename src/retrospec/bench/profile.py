@@ -130,6 +130,27 @@ def draft_step_ms(draft, context: int, reps: int) -> float:
     return median_ms(step, reps)
 
 
+@torch.inference_mode()
+def block_step_ms(block, target_model, context: int, reps: int) -> float:
+    """Median ms of one token drafted by a LongSpec block (``DraftState.speculate`` of one tentative token over a
+    ring of ``context`` committed tokens, cross-attending to the target's last-layer K/V of ``context`` tokens)."""
+    from ..models.longspec import DraftState
+
+    cfg = target_model.config
+    heads = cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    ref = next(target_model.parameters())
+    kv = (torch.randn(1, heads, context, dim, dtype=ref.dtype), torch.randn(1, heads, context, dim, dtype=ref.dtype))
+    state = DraftState(block)
+    state.append(torch.randint(0, cfg.vocab_size, (context,)))
+
+    def step():
+        state.speculate([1], [-1], kv)
+        state.rollback()
+
+    return median_ms(step, reps)
+
+
 def best_gamma(step_ms: dict[int, float], draft_ms: float, alpha: float, max_gamma: int) -> tuple[int, float]:
     """(gamma, expected speedup over plain decoding) maximising expected tokens per ms for a chain of gamma; 0 =
     plain decoding pays best. ``step_ms[t]`` = a forward of t tokens (read linearly between measured t)."""
@@ -195,7 +216,9 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
     draft_ms = None
     if draft is not None:
         say("draft")
-        draft_ms = draft_step_ms(draft.model, contexts[0], reps)
+        block = getattr(draft, "longspec_block", None)
+        draft_ms = (block_step_ms(block, model, contexts[0], reps) if block is not None
+                    else draft_step_ms(draft.model, contexts[0], reps))
         out["draft"] = {"model": str(getattr(draft, "path", "")), "ms_per_token": draft_ms,
                         "share_of_target_step": draft_ms / steps[min(steps)]}
     gam = {"pld (draft cost ~0)": {str(a): best_gamma(steps, 0.0, a, 16) for a in ALPHAS}}

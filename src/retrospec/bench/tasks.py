@@ -7,6 +7,8 @@ fields kept). Presets need no external data:
   packages (never seen in zoo training), for raw code completion;
 - ``chat``: ``presets/chat.jsonl``, short instructions and questions written for this project (explain, summarise,
   list, rewrite, how-to, general knowledge, a few code requests), meant for ``--chat`` (one user message each);
+- ``chat-tasks``: ``presets/chat-tasks.jsonl``, 25 chat prompts of five task kinds (instructions, QA, summarisation,
+  translation, maths; 5 each, interleaved by kind), written for the drafts issue and never used in training;
 - ``lcc`` (long code completion, as in LongSpec's and MagicDec's evaluations): plain continuation of 4K-7K target
   tokens of held-out package source; ``lcc-8k`` / ``lcc-16k`` / ``lcc-32k``: the same at a fixed length (for the
   ``zoo`` target, whose context is 64K). See ``lcc_prompts``.
@@ -23,7 +25,7 @@ from pathlib import Path
 from ..errors import RetrospecError
 from ..train.corpus import HELDOUT_PACKAGES, stdlib_files, stdlib_root
 
-PRESETS = ("heldout", "chat", "lcc", "lcc-8k", "lcc-16k", "lcc-32k")
+PRESETS = ("heldout", "chat", "chat-tasks", "lcc", "lcc-8k", "lcc-16k", "lcc-32k")
 LCC_RANGE = (4096, 7168)  # ``lcc``: prompt lengths in target tokens, spread evenly over the prompts
 LCC_FIXED = {"lcc-8k": 8192, "lcc-16k": 16384, "lcc-32k": 32768}  # fixed-length variants (at most this many)
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -91,8 +93,8 @@ def preset(name: str, n: int, tokenizer=None) -> list[dict]:
     the target's ``tokenizer``."""
     if name == "heldout":
         return heldout_prompts(n)
-    if name == "chat":
-        return load_prompts(PRESET_DIR / "chat.jsonl")[:n]
+    if name in ("chat", "chat-tasks"):
+        return load_prompts(PRESET_DIR / f"{name}.jsonl")[:n]
     if name == "lcc" or name in LCC_FIXED:
         if tokenizer is None:
             raise RetrospecError(f"preset {name} measures prompts in target tokens: it needs the target's tokenizer")

@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
                                        "rows with a 'context' field (retrospec tasks make; several files "
                                        "comma-separated) run the long-context bench: lc,rag,sd,magicdec,rapid")
     src.add_argument("--preset", help="built-in prompt set: heldout (held-out stdlib functions) | chat (short "
-                                      "instructions and questions; use with --chat) | lcc (long code completion: "
+                                      "instructions and questions; use with --chat) | chat-tasks (instructions, QA, "
+                                      "summaries, translation, maths; with --chat) | lcc (long code completion: "
                                       "4K-7K target tokens of held-out package source) | lcc-8k | lcc-16k | lcc-32k "
                                       "(the same at a fixed length)")
     p.add_argument("--longspec-draft", metavar="DIR|NAME",

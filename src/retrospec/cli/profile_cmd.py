@@ -6,8 +6,19 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from ..errors import RetrospecError
+
+
+def is_longspec_block(spec: str) -> bool:
+    from ..models.longspec.checkpoint import META_FILE
+    from ..models.named import longspec_dir
+
+    try:
+        return (longspec_dir(spec) / META_FILE).is_file()
+    except RetrospecError:
+        return False
 
 
 def _ints(text: str, what: str, lo: int) -> tuple[int, ...]:
@@ -23,7 +34,8 @@ def _ints(text: str, what: str, lo: int) -> tuple[int, ...]:
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="what one target forward costs here, by tokens and context (choose a method)")
     p.add_argument("--target", help="target model directory or name (default: the bundled zoo target)")
-    p.add_argument("--draft", help="draft model directory or name: its cost per drafted token")
+    p.add_argument("--draft", help="draft model or LongSpec block (directory or name): its cost per drafted "
+                                        "token")
     p.add_argument("--contexts", default="300,2000", help="cached context lengths (default 300,2000)")
     p.add_argument("--tokens", default="1,2,3,5,8,16", help="tokens per forward, root included (default 1,2,3,5,8,16)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point, median reported (default 7)")
@@ -71,7 +83,11 @@ def run(args) -> int:
         raise RetrospecError(f"context {max(contexts)} + {max(tokens)} tokens exceeds the target's "
                              f"{target.max_positions} positions")
     draft = None
-    if args.draft is not None:
+    if args.draft is not None and is_longspec_block(args.draft):  # a LongSpec block: drafted over the target's KV
+        from ..drafters.longspec import load_block
+
+        draft = SimpleNamespace(path=str(args.draft), longspec_block=load_block(str(args.draft), target.model))
+    elif args.draft is not None:
         draft = load_model(args.draft, role="draft")
         check_same_vocab(target, draft)
     if args.remeasure:
