@@ -29,6 +29,7 @@ def _record(prompt, out, source="stdlib"):
 def test_vocabulary_split_and_batches():
     recs = [_record([1, 2], [5, 5, 5, 7]), _record([3], [7, 8, 9, 5])]
     assert frequency_vocab(recs, 3, {0}, 100) == [0, 5, 7]  # EOS-like ids first, then by frequency
+    assert frequency_vocab(recs, 8, {0}, 100) == [0, 5, 7, 8, 9, 1, 2, 3]  # then prompt tokens, then by id
     assert coverage([5, 7], recs) == pytest.approx(6 / 8)
     assert sequence_of(_record([1, 2, 3], [4, 5]), 4) == ([2, 3, 4, 5], 2)
     assert sequence_of(_record([1, 2, 3], [4, 5, 6, 7, 8]), 4) == ([5, 6, 7, 8], 0)
@@ -64,6 +65,13 @@ def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path)
     assert got == want
     with pytest.raises(RetrospecError, match="already exists"):
         check_config(dc)
+    # following a corpus that stops growing: one pass, then waits for new shards until the seconds run out
+    follow = DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "followed"), "follow": True, "seconds": 4.0,
+                              "curve": ()})
+    m2 = distill_longspec(follow, log=lambda *_: None, target=target)
+    assert m2["steps"] >= 1 and m2["corpus"]["records"] == 24 and load_longspec(tmp_path / "followed", target)
+    with pytest.raises(RetrospecError, match="--seconds"):
+        check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"), "follow": True}))
 
 
 def test_cli_refuses_bad_input(cli, saved_models, tmp_path):

@@ -120,6 +120,9 @@ def _add_longspec(tsub) -> None:
     ds.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch, padding included")
     ds.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus output tokens")
     ds.add_argument("--seconds", type=float, default=None, help="stop after this long (wall clock)")
+    ds.add_argument("--follow", action="store_true", help="keep training on the shards a running 'corpus generate' "
+                                                          "adds, until --seconds")
+    ds.add_argument("--heldout", type=float, default=0.04, help="share of prompts held out (default 0.04)")
     ds.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     ds.add_argument("--storage", choices=("int8", "float16", "float32"), default="int8")
     ds.add_argument("--seed", type=int, default=0)
@@ -165,6 +168,7 @@ def run_longspec_distill(args) -> int:
     cfg = DistillConfig(target=args.target, corpus=args.corpus, out=args.out, init=args.init,
                         draft_vocab=args.draft_vocab, max_len=args.max_len, batch_tokens=args.batch_tokens,
                         max_tokens=args.max_tokens, seconds=args.seconds, lr=args.lr, storage=args.storage,
+                        follow=args.follow, heldout=args.heldout,
                         seed=args.seed)
     check_config(cfg)
     _threads(args.threads)

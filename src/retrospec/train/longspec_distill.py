@@ -16,6 +16,9 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
   vocabulary (the best a draft restricted to V can do for sum_x min(p, q)); a flash-noisy shift in [1, noisy_max]
   per batch and anchor-offset positions on a share of batches (``train.longspec``) keep the block usable at long
   contexts;
+- **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs (the two share the machine's
+  cores), taking each newly written shard after the last; the draft vocabulary and the held-out set come from the
+  records present at the start;
 - **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text; both temperatures of a prompt fall
   on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the target's
   greedy token (over the full vocabulary), per kind (chat / code), at each point of ``curve`` (corpus output tokens
@@ -74,6 +77,7 @@ class DistillConfig:
     eval_records: int = 96
     storage: str | None = "int8"
     seed: int = 0
+    follow: bool = False  # keep training on shards a running ``corpus generate`` adds (needs ``seconds``)
 
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -89,11 +93,14 @@ def kind_of(record: dict) -> str:
 
 
 def frequency_vocab(records: list[dict], k: int, always: set[int], vocab_size: int) -> list[int]:
-    """The ``k`` output tokens most frequent in ``records`` (ties by id), ``always`` first; a list of target ids."""
-    counts = collections.Counter(t for r in records for t in r["output_ids"])
-    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t not in always]
-    ids = sorted(t for t in always if 0 <= t < vocab_size) + ranked
-    return ids[:k]
+    """``k`` target ids: ``always`` first, then by frequency among the records' output tokens, then among their
+    prompt tokens, then by id (BPE ids rise roughly as merges get rarer); ties by id."""
+    out_counts = collections.Counter(t for r in records for t in r["output_ids"])
+    in_counts = collections.Counter(t for r in records for t in r["prompt_ids"])
+    ids = sorted(t for t in always if 0 <= t < vocab_size)
+    rest = sorted((t for t in range(vocab_size) if t not in always),
+                  key=lambda t: (-out_counts.get(t, 0), -in_counts.get(t, 0), t))
+    return (ids + rest)[:k]
 
 
 def coverage(vocab: list[int], records: list[dict]) -> float:
@@ -200,6 +207,22 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
 # -------------------------------------------------------------------------------------------------------- training
 
 
+def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng: random.Random, progress: float,
+               pad: int) -> float:
+    """One optimizer step on ``records``; returns the batch's KL."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(progress, cfg.lr, cfg.warmup)
+    ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in records], pad)
+    anchored = rng.random() < cfg.anchor_share
+    positions = sample_positions(ids.shape[0], ids.shape[1], cfg.max_positions, rng, anchor_offset=anchored)
+    loss = distill_loss(block, target, ids, positions, mask, rng.randint(1, cfg.noisy_max))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
+    opt.step()
+    return float(loss.detach())
+
+
 def check_config(cfg: DistillConfig) -> None:
     if not Path(cfg.corpus).is_dir():
         raise RetrospecError(f"corpus directory not found: {cfg.corpus}")
@@ -210,6 +233,8 @@ def check_config(cfg: DistillConfig) -> None:
                              "share in (0, 1)")
     if not cfg.lr > 0 or cfg.noisy_max < 1 or not 0 <= cfg.anchor_share <= 1:
         raise RetrospecError("need --lr > 0, --noisy-max >= 1 and an anchor share in [0, 1]")
+    if cfg.follow and cfg.seconds is None:
+        raise RetrospecError("--follow trains until --seconds run out: give --seconds")
     if (cfg.max_tokens is not None and cfg.max_tokens < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
         raise RetrospecError("--max-tokens / --seconds must be positive")
 
@@ -244,7 +269,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
         block.set_vocab(None)
     pad = eos and min(eos) or 0
     total_out = sum(len(r["output_ids"]) for r in train)
-    budget = min(total_out, cfg.max_tokens or total_out)
+    budget = cfg.max_tokens or (10**12 if cfg.follow else total_out)
     log(f"corpus {cfg.corpus}: {len(train)} training records ({total_out} output tokens), {len(held)} held out; "
         f"draft vocabulary {block.draft_vocab_size}" + (f", held-out coverage {coverage(block.vocab.tolist(), held):.4f}"
                                                       if block.vocab is not None else ""))
@@ -259,40 +284,44 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     curve = [{**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": 0}]
     block.train()
     log(f"before: agreement {curve[0]}")
-    points = [c for c in cfg.curve if c < budget] + [budget]
+    points = [c for c in cfg.curve if c < budget] + ([] if cfg.follow else [budget])
     started, seen, losses, step = time.perf_counter(), 0, [], 0
-    bar = tqdm(total=budget, unit="tok", desc="distill", mininterval=5.0)
-    for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
-        progress = seen / budget if cfg.seconds is None else (time.perf_counter() - started) / cfg.seconds
-        if seen >= budget or progress >= 1:
+    bar = tqdm(total=None if cfg.follow else budget, unit="tok", desc="distill", mininterval=5.0)
+    read = len(records)  # corpus records consumed into ``train`` / ``held`` so far
+    while True:
+        done = False
+        for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
+            progress = seen / budget if cfg.seconds is None else (time.perf_counter() - started) / cfg.seconds
+            if seen >= budget or progress >= 1:
+                done = True
+                break
+            step, loss = step + 1, train_step(block, target, opt, [train[i] for i in batch], cfg, rng, progress, pad)
+            losses.append(loss)
+            n_out = sum(len(train[i]["output_ids"]) for i in batch)
+            seen += n_out
+            bar.update(n_out)
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            if points and seen >= points[0]:
+                while points and seen >= points[0]:
+                    points.pop(0)
+                row = {**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": seen, "step": step,
+                       "loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+                       "seconds": round(time.perf_counter() - started, 1)}
+                block.train()
+                curve.append(row)
+                log(f"after {seen} tokens: {row}")
+        if done or not cfg.follow:
             break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(progress, cfg.lr, cfg.warmup)
-        seqs = [sequence_of(train[i], cfg.max_len)[0] for i in batch]
-        ids, mask = pad_batch(seqs, pad)
-        anchored = rng.random() < cfg.anchor_share
-        positions = sample_positions(ids.shape[0], ids.shape[1], cfg.max_positions, rng, anchor_offset=anchored)
-        shift = rng.randint(1, cfg.noisy_max)
-        loss = distill_loss(block, target, ids, positions, mask, shift)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
-        losses.append(float(loss.detach()))
-        n_out = sum(len(train[i]["output_ids"]) for i in batch)
-        seen += n_out
-        bar.update(n_out)
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-        if points and seen >= points[0]:
-            while points and seen >= points[0]:
-                points.pop(0)
-            row = {**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": seen, "step": step,
-                   "loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
-                   "seconds": round(time.perf_counter() - started, 1)}
-            block.train()
-            curve.append(row)
-            log(f"after {seen} tokens: {row}")
+        fresh = []  # follow a corpus still being generated: train on the shards written since
+        while not fresh and time.perf_counter() - started < cfg.seconds:
+            latest = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
+            fresh, read = latest[read:], len(latest)
+            if not fresh:
+                time.sleep(15)
+        if not fresh:
+            break
+        train = [r for r in fresh if not is_heldout(r, cfg.heldout)]
+        log(f"followed the corpus: {len(train)} new training records")
     bar.close()
     block.eval()
     for p in block.parameters():
@@ -302,8 +331,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
                       "seconds": round(time.perf_counter() - started, 1)})
     manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
                 "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
-                "corpus": {"path": cfg.corpus, "records": len(records), "train_records": len(train),
-                           "train_output_tokens": total_out, "heldout_records": len(held)},
+                "corpus": {"path": cfg.corpus, "records": read, "heldout_records": len(held)},
                 "draft_vocab": block.draft_vocab_size,
                 "heldout_coverage": None if block.vocab is None else round(coverage(block.vocab.tolist(), held), 4),
                 "steps": step, "tokens_seen": seen, "seconds": round(time.perf_counter() - started, 1),
