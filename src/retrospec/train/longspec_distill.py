@@ -17,8 +17,9 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
   per batch and anchor-offset positions on a share of batches (``train.longspec``) keep the block usable at long
   contexts;
 - **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs (the two share the machine's
-  cores), taking each newly written shard after the last; the draft vocabulary and the held-out set come from the
-  records present at the start;
+  cores), taking the shards written since the last pass; when too few are new, it makes another pass over every
+  training record so far (``tokens`` in the curve counts tokens trained on, ``corpus_tokens`` the distinct corpus
+  tokens behind them); the draft vocabulary and the held-out set come from the records present at the start;
 - **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text; both temperatures of a prompt fall
   on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the target's
   greedy token (over the full vocabulary), per kind (chat / code), at each point of ``curve`` (corpus output tokens
@@ -288,6 +289,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     started, seen, losses, step = time.perf_counter(), 0, [], 0
     bar = tqdm(total=None if cfg.follow else budget, unit="tok", desc="distill", mininterval=5.0)
     read = len(records)  # corpus records consumed into ``train`` / ``held`` so far
+    pool, unique = list(train), total_out  # every training record so far; their output tokens
     while True:
         done = False
         for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
@@ -304,7 +306,8 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
             if points and seen >= points[0]:
                 while points and seen >= points[0]:
                     points.pop(0)
-                row = {**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": seen, "step": step,
+                row = {**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": seen,
+                       "corpus_tokens": unique, "step": step,
                        "loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
                        "seconds": round(time.perf_counter() - started, 1)}
                 block.train()
@@ -312,22 +315,21 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
                 log(f"after {seen} tokens: {row}")
         if done or not cfg.follow:
             break
-        fresh = []  # follow a corpus still being generated: train on the shards written since
-        while not fresh and time.perf_counter() - started < cfg.seconds:
-            latest = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
-            fresh, read = latest[read:], len(latest)
-            if not fresh:
-                time.sleep(15)
-        if not fresh:
-            break
-        train = [r for r in fresh if not is_heldout(r, cfg.heldout)]
-        log(f"followed the corpus: {len(train)} new training records")
+        # follow a corpus still being generated: train on the shards written since; with none new yet, another
+        # pass over every training record so far (the corpus then counts each token once, ``seen`` every pass)
+        latest = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
+        fresh, read = [r for r in latest[read:] if not is_heldout(r, cfg.heldout)], len(latest)
+        pool += fresh
+        unique += sum(len(r["output_ids"]) for r in fresh)
+        train = fresh if sum(len(r["output_ids"]) for r in fresh) >= 4 * cfg.batch_tokens else pool
+        log(f"followed the corpus: {len(fresh)} new training records; next pass over {len(train)} records")
     bar.close()
     block.eval()
     for p in block.parameters():
         p.requires_grad_(False)
     if curve[-1]["tokens"] != seen:
-        curve.append({**agreement(block, target, held, cfg.max_len, pad), "tokens": seen, "step": step,
+        curve.append({**agreement(block, target, held, cfg.max_len, pad), "tokens": seen, "corpus_tokens": unique,
+                      "step": step,
                       "seconds": round(time.perf_counter() - started, 1)})
     manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
                 "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
@@ -351,8 +353,9 @@ def save_distilled(block: LongSpecDraft, target, manifest: dict, out: Path, stor
 
 
 def describe_curve(manifest: dict) -> str:
-    rows = ["| corpus tokens | chat | code | all | KL |", "| ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| tokens trained | corpus tokens | chat | code | all | KL |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in manifest["curve"]:
-        rows.append(f"| {c['tokens']:,} | {c.get('chat', math.nan):.3f} | {c.get('code', math.nan):.3f} | "
+        rows.append(f"| {c['tokens']:,} | {c.get('corpus_tokens', c['tokens']):,} | {c.get('chat', math.nan):.3f} | "
+                    f"{c.get('code', math.nan):.3f} | "
                     f"{c['all']:.3f} | {c.get('loss', '')} |")
     return "\n".join(rows)
