@@ -98,6 +98,12 @@ def test_cli_generate_and_info(cli, saved_models, tmp_path):
     assert "3 replies" in run.out
     info = cli("corpus", "info", tmp_path / "corpus")
     assert info.rc == 0 and json.loads(info.out)["by_source"]["mbpp"]["records"] == 3
+    export = cli("corpus", "export", tmp_path / "corpus", "--target", saved_models.target, "--out", tmp_path / "c.jsonl")
+    assert export.rc == 0, export.err
+    texts = [json.loads(line)["text"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert len(texts) == 3 and all(t.startswith(f"def add{MBPP_HELDOUT + i}(a, b):\n") for i, t in enumerate(texts))
+    again = cli("corpus", "export", tmp_path / "corpus", "--target", saved_models.target, "--out", tmp_path / "c.jsonl")
+    assert again.rc == 2 and "already exists" in again.err
     bad = cli("corpus", "generate", "--target", saved_models.target, "--sources", "mbpp=/nonexistent.jsonl",
               "--out", tmp_path / "x")
     assert bad.rc == 2 and "does not exist" in bad.err and bad.err.count("\n") == 1

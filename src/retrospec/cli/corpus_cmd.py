@@ -1,5 +1,5 @@
 """``retrospec corpus generate``: the target's own outputs to many prompts, batched, sharded and resumable
-(``generations``); ``corpus info`` prints a corpus's manifest."""
+(``generations``); ``corpus info`` prints a corpus's manifest; ``corpus export`` writes it as text for datastores."""
 
 from __future__ import annotations
 
@@ -27,6 +27,15 @@ def add_parser(sub) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     g.add_argument("--out", required=True, help="corpus directory (rerun the same command to resume)")
     g.set_defaults(func=run_generate)
+    e = verbs.add_parser("export", help="write a corpus as a text .jsonl ('text' = prompt + reply, chat template "
+                                        "included) for 'datastore build --corpus' (in-domain REST / DReSD stores)")
+    e.add_argument("path", help="corpus directory")
+    e.add_argument("--out", required=True, help=".jsonl file to create")
+    e.add_argument("--target", help="the corpus's target (its tokenizer decodes the ids; default: the bundled zoo "
+                                    "target)")
+    e.add_argument("--skip-heldout", type=float, default=0.0, metavar="SHARE",
+                   help="leave out the prompts 'train longspec-distill --heldout SHARE' holds out (default 0: none)")
+    e.set_defaults(func=run_export)
     i = verbs.add_parser("info", help="print a corpus's manifest")
     i.add_argument("path")
     i.set_defaults(func=run_info)
@@ -66,4 +75,28 @@ def run_info(args) -> int:
     except ValueError:
         raise RetrospecError(f"{path} is corrupt") from None
     print(json.dumps({k: v for k, v in m.items() if k != "shards"}, indent=1))
+    return 0
+
+
+def run_export(args) -> int:
+    from pathlib import Path
+
+    from ..atomic import write_text_atomic
+    from ..generations import read_corpus
+    from ..models import default_target, load_model
+    from ..train.longspec_distill import is_heldout
+
+    out = Path(args.out)
+    if out.exists():
+        raise RetrospecError(f"{out} already exists; choose another --out")
+    if not 0 <= args.skip_heldout < 1:
+        raise RetrospecError(f"--skip-heldout must be in [0, 1), got {args.skip_heldout}")
+    records = read_corpus(args.path)
+    tok = load_model(default_target() if args.target is None else args.target, role="target").tokenizer
+    if tok is None:
+        raise RetrospecError("the target has no tokenizer to decode the corpus with")
+    kept = [r for r in records if r.get("output_ids") and not (args.skip_heldout and is_heldout(r, args.skip_heldout))]
+    lines = [json.dumps({"text": tok.decode(list(r["prompt_ids"]) + list(r["output_ids"]))}) for r in kept]
+    write_text_atomic(out, "".join(line + "\n" for line in lines))
+    print(f"{out}: {len(kept):,} of {len(records):,} records")
     return 0
