@@ -41,15 +41,15 @@ from tqdm.auto import tqdm
 
 from ..chat import build_chat_prompt
 from ..config import DecodeConfig, SamplingConfig
-from ..decode import speculative_generate
-from ..drafters import REGISTRY
 from ..drafters.longspec import parse_tree
+from ..drafters.registry import SPECS, methods as registry_methods
 from ..errors import RetrospecError
+from ..fastpath import engine_for
 from ..gating import resolve as resolve_gating
 from ..models import LoadedModel
-from ..request import DEFAULT_GAMMA, Request
+from ..request import Request
+from ..run import Run
 from ..types import SpecStats
-from ..fastpath import engine_for
 from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 
 
@@ -59,7 +59,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     gamma: int | None = None
-    pld_k: int = DEFAULT_GAMMA["pld"]
+    pld_k: int = SPECS["pld"].default_gamma
     pld_ngram: int = 3
     warmup: bool = True
     method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per method label
@@ -87,6 +87,7 @@ def parse_label(label: str) -> MethodLabel:
     ``@`` (``sd@gamma=3@gating=0``); each at most once. Lets one run compare variants of a method."""
     name, *opts = label.split("@")
     seen: dict[str, object] = {}
+    spec = SPECS.get(name)
     ours = name not in HF_METHODS and name != "ar"
     for opt in opts:
         key, eq, value = opt.partition("=")
@@ -103,12 +104,13 @@ def parse_label(label: str) -> MethodLabel:
         elif key == "gamma":
             if not (value.isdigit() and int(value) >= 1):
                 raise RetrospecError(f"bad method option {opt!r} in {label!r}: gamma takes an integer >= 1")
-            if not ours or name in ("rest", "dresd"):
-                raise RetrospecError(f"{label!r}: gamma applies to chain drafters (sd, pld, magicdec, longspec), "
-                                     f"not to {name}" + (" (use --draft-len)" if name in ("rest", "dresd") else ""))
+            if not ours or spec is None or spec.knob("gamma") is None:
+                chains = ", ".join(m for m, s in SPECS.items() if s.knob("gamma") and s.context != "required")
+                raise RetrospecError(f"{label!r}: gamma applies to chain drafters ({chains}), not to {name}"
+                                     + (" (use --draft-len)" if spec is not None and spec.knob("draft_len") else ""))
             seen[key] = int(value)
         else:
-            if name != "longspec":
+            if spec is None or spec.knob("tree") is None:
                 raise RetrospecError(f"{label!r}: tree applies to longspec only")
             try:
                 seen[key] = parse_tree(value.split("x"))  # longspec's own check of the widths
@@ -120,32 +122,32 @@ def parse_label(label: str) -> MethodLabel:
     return MethodLabel(name, **seen)
 
 
-CONTEXT_ONLY = ("lc", "rag", "rapid")  # methods of the long-context bench (rows with a context), not of this one
-
-
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
-    known = set(REGISTRY) | set(HF_METHODS)
+    known = set(SPECS) | set(HF_METHODS)
+    short = set(registry_methods(context=False)) | set(HF_METHODS)
     for label in methods:
         m = parse_label(label).method
         if m not in known:
-            raise RetrospecError(f"unknown method {m!r}; available: {', '.join(sorted(known - set(CONTEXT_ONLY)))}")
-        if m in CONTEXT_ONLY:
+            raise RetrospecError(f"unknown method {m!r}; available: {', '.join(sorted(short))}")
+        if m not in short:
             raise RetrospecError(f"method '{m}' needs long-context rows: a --prompts file whose rows have a "
                                  "'context' field (retrospec tasks make)")
-        if (m == "sd" or m.startswith("hf-assisted")) and not has_draft:
+        if (m in SPECS and SPECS[m].draft == "lm" or m.startswith("hf-assisted")) and not has_draft:
             raise RetrospecError(f"method '{m}' needs a draft model (--draft DIR)")
     return (["ar"] if "ar" not in methods else []) + list(dict.fromkeys(methods))
 
 
 def label_options(label: MethodLabel, cfg: BenchConfig) -> dict:
     """Factory options of one label: the chain length (or longspec's tree) from the label, else the run's."""
-    m = label.method
-    if m == "longspec":  # a tree unless a chain length is given (by the label, else by --gamma); tree wins
+    spec = SPECS[label.method]
+    if spec.knob("gamma") is None:
+        return {}
+    if spec.knob("tree") is not None:  # a tree unless a chain length is given (by the label, else by --gamma)
         gamma = label.gamma if label.gamma is not None else (cfg.gamma if label.tree is None else None)
         return {"gamma": gamma, "tree": label.tree}
-    if m == "pld":
+    if spec.knob("max_ngram") is not None:  # pld: --pld-k / --pld-ngram
         return {"gamma": label.gamma or cfg.pld_k, "max_ngram": cfg.pld_ngram}
-    return {"gamma": label.gamma or cfg.gamma or DEFAULT_GAMMA.get(m, 5), "max_ngram": cfg.pld_ngram}
+    return {"gamma": label.gamma or cfg.gamma or spec.default_gamma}
 
 
 def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
@@ -155,8 +157,9 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     method, gating = parsed.method, parsed.gating
     options = label_options(parsed, cfg)
     options.update(cfg.method_options.get(label, {}))
-    req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options,
-                  eos_ids=eos_ids, gating=resolve_gating(cfg.gating if gating is None else gating, cfg.sampling))
+    req = Request(target, draft if SPECS[method].draft == "lm" else None, method, prompt_ids, cfg.sampling,
+                  DecodeConfig(max_new_tokens=max_new), options, eos_ids=eos_ids,
+                  gating=resolve_gating(cfg.gating if gating is None else gating, cfg.sampling))
     stats = SpecStats(method=label)
     engine_on = engine_for(target.model).mode != "off"
     # the engine runs private copies of the models (fastpath): hooks on the caller's modules would see nothing
@@ -164,11 +167,7 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     for p in probes:
         p.__enter__()
     try:
-        out: list[int] = []
-        for chunk in speculative_generate(target.model, req.drafter(), prompt_ids, sampling=cfg.sampling,
-                                          max_new_tokens=max_new, eos_ids=req.stop_ids(), stats=stats,
-                                          gating=req.gating):
-            out.extend(chunk)
+        out = Run(req, stats, text=False).run()
     finally:
         for p in probes:
             p.__exit__()
@@ -178,7 +177,7 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
         # the first target forward is the prefill (all prompt tokens but the last), not decoding
         prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
         forward_s = sum(p.seconds for p in probes) - prefill_fwd
-    if method == "longspec" and not engine_on:  # the block is not a model the probes see
+    if SPECS[method].draft == "block" and not engine_on:  # the block is not a model the probes see
         forward_s += stats.draft_s
     return out, stats, forward_s
 
@@ -210,7 +209,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         if method in HF_METHODS:
             hf_draft = full_vocab_draft(draft, target.vocab_size) if draft is not None else None
             return run_hf(method, target.model, hf_draft, ids, sampling=cfg.sampling,
-                          max_new_tokens=max_new, eos_ids=eos, pad_id=pad, gamma=cfg.gamma or DEFAULT_GAMMA["sd"],
+                          max_new_tokens=max_new, eos_ids=eos, pad_id=pad,
+                          gamma=cfg.gamma or SPECS["sd"].default_gamma,
                           pld_k=cfg.pld_k, pld_ngram=cfg.pld_ngram)
         return _run_ours(method, target, draft, ids, cfg, max_new, eos)
 
@@ -295,7 +295,7 @@ def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         "top_p": cfg.sampling.top_p,
         "top_k": cfg.sampling.top_k,
         "seed": cfg.sampling.seed,
-        "gamma": cfg.gamma or DEFAULT_GAMMA["sd"],
+        "gamma": cfg.gamma or SPECS["sd"].default_gamma,
         "pld_k": cfg.pld_k,
         "pld_max_ngram": cfg.pld_ngram,
         "gating": cfg.gating,

@@ -42,12 +42,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import DecodeConfig, SamplingConfig
-from ..decode import speculative_generate
+from ..drafters.registry import SPECS, methods as registry_methods
 from ..errors import RetrospecError
 from ..gating import resolve as resolve_gating
-from ..long_requests import LONG_METHODS, USES_DRAFT_LM, LongContextOptions, default_gamma, plan, retrieve
+from ..long_requests import LongContextOptions, plan, retrieve
 from ..models import LoadedModel
 from ..request import Request
+from ..run import Run
 from ..types import DraftTree, SpecStats
 from ..verify import PrefillMemo, Verifier
 from .long_tasks import score
@@ -66,8 +67,9 @@ class MethodSpec:
 
 def parse_method(spec: str) -> MethodSpec:
     name, *parts = spec.split("@")
-    if name not in LONG_METHODS:
-        raise RetrospecError(f"unknown long-context method {name!r}; available: {', '.join(LONG_METHODS)}")
+    long_methods = registry_methods(context=True)
+    if name not in long_methods:
+        raise RetrospecError(f"unknown long-context method {name!r}; available: {', '.join(long_methods)}")
     fields = set(LongContextOptions.__dataclass_fields__)
     self_draft, gamma, adaptive, over, gating = False, None, False, {}, None
     for part in parts:
@@ -88,11 +90,13 @@ def parse_method(spec: str) -> MethodSpec:
         else:
             raise RetrospecError(f"bad method option {part!r} in {spec!r} (draft=self|default, gamma=N >= 1, "
                                  f"adaptive=0|1, gating=0|1, or one of: {', '.join(sorted(fields))})")
-    if self_draft and name not in USES_DRAFT_LM:
-        raise RetrospecError(f"{spec!r}: draft=self applies to sd and rapid only")
-    if (adaptive or gamma or gating is not None) and name in ("lc", "rag"):
-        raise RetrospecError(f"{spec!r}: gamma, adaptive and gating apply to methods that draft (sd, magicdec, "
-                             "rapid)")
+    drafting = [m for m in long_methods if SPECS[m].knob("gamma")]
+    if self_draft and SPECS[name].draft != "lm":
+        users = " and ".join(m for m in long_methods if SPECS[m].draft == "lm")
+        raise RetrospecError(f"{spec!r}: draft=self applies to {users} only")
+    if (adaptive or gamma or gating is not None) and name not in drafting:
+        raise RetrospecError(f"{spec!r}: gamma, adaptive and gating apply to methods that draft "
+                             f"({', '.join(drafting)})")
     return MethodSpec(spec, name, self_draft, gamma, adaptive, over, gating)
 
 
@@ -151,29 +155,25 @@ class _Runner:
     def run(self, spec: MethodSpec, row: dict, retrieved, memos: dict, max_new: int) -> tuple[list[int], SpecStats]:
         cfg = self.cfg
         opts = replace(cfg.options, **spec.overrides) if spec.overrides else cfg.options
-        if spec.method != "rapid" and opts.eta:  # --eta is RAPID's knob; the baselines keep their exact rules
+        if SPECS[spec.method].knob("eta") is None and opts.eta:  # --eta is RAPID's; baselines keep exact rules
             opts = replace(opts, eta=0.0)
         reuse = retrieved if not spec.overrides or opts.retrieval == cfg.options.retrieval else None
         p = plan(spec.method, row["context"], row["prompt"], self.target.tokenizer, cfg.sampling, opts, reuse)
-        drf = None
-        if spec.method in USES_DRAFT_LM:
+        drf, method = None, SPECS[spec.method]
+        if method.draft == "lm":
             drf = self.target if (spec.self_draft or self.draft is None) else self.draft
         options = dict(p.drafter_options)
-        options["gamma"] = spec.gamma or cfg.gamma or default_gamma(spec.method)
-        options["adaptive"] = spec.adaptive
+        if method.knob("gamma") is not None:
+            options["gamma"] = spec.gamma or cfg.gamma or method.context_gamma
+            options["adaptive"] = spec.adaptive
         req = Request(self.target, drf, spec.method, p.target_prompt_ids, cfg.sampling,
                       DecodeConfig(max_new_tokens=max_new), options, rule=p.rule, info=p.info,
                       gating=resolve_gating(cfg.gating if spec.gating is None else spec.gating, cfg.sampling),
                       fastpath=None if opts.prefix_attention else "off")
         stats = SpecStats(method=spec.label, **p.info)
-        memo = memos.setdefault("short" if spec.method == "rag" else "full", PrefillMemo())
-        out: list[int] = []
-        for chunk in speculative_generate(self.target.model, req.drafter(), req.prompt_ids, sampling=cfg.sampling,
-                                          max_new_tokens=max_new, eos_ids=self.target.eos_ids(), stats=stats,
-                                          rule=req.rule, prefill_memo=memo, gating=req.gating,
-                                          fastpath=req.fastpath):
-            out.extend(chunk)
-        return out, stats
+        short = method.retrieval and method.draft == "none"  # rag: the target reads the retrieved context
+        memo = memos.setdefault("short" if short else "full", PrefillMemo())
+        return Run(req, stats, memo=memo, text=False).run(), stats
 
 
 def run_long_bench(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], cfg: LongBenchConfig,
@@ -187,7 +187,7 @@ def run_long_bench(target: LoadedModel, draft: LoadedModel | None, rows: list[di
     runner = _Runner(target, draft, cfg)
     tok = target.tokenizer
     torch.manual_seed(0)
-    needs_retrieval = any(m.method in ("rag", "rapid") for m in methods)
+    needs_retrieval = any(SPECS[m.method].retrieval for m in methods)
     if cfg.warmup and rows:
         first = min(rows, key=lambda r: len(r["context"]))
         got = retrieve("rapid", first["context"], first["prompt"], tok, cfg.options) if needs_retrieval else None
@@ -286,7 +286,7 @@ def describe(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], c
         "lengths": sorted({int(r.get("length") or 0) for r in rows}),
         "methods": [m.label for m in methods], "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.sampling.temperature, "seed": cfg.sampling.seed,
-        "gamma": cfg.gamma or default_gamma("rapid"),
+        "gamma": cfg.gamma or SPECS["rapid"].context_gamma,
         "gating": cfg.gating,
         "eta": o.eta, "chunk_tokens": o.chunk_tokens, "retrieval_tokens": o.retrieval_tokens,
         "min_retrieval_tokens": o.min_retrieval_tokens, "max_retrieval_fraction": o.max_retrieval_fraction,

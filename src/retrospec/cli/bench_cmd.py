@@ -31,12 +31,11 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-warmup", action="store_true")
     add_sampling_args(p)
+    from .generate_cmd import add_knob_args
     from .long_args import add_long_context_args
 
+    add_knob_args(p, multiple_datastores=True, skip=("tree", "max_ngram", "neighbours", "adaptive_gamma"))
     add_long_context_args(p, context_file=False)  # rows with a 'context' field: lc, rag, sd, magicdec, rapid
-    from .datastore_cmd import add_retrieval_args
-
-    add_retrieval_args(p, multiple=True)  # rest / dresd: --datastore (one per kind), --num-drafts, --draft-len
     p.set_defaults(func=run, default_methods=p.get_default("methods"))
 
 

@@ -1,7 +1,6 @@
 """``retrospec datastore build|info|eval``: retrieval datastores for ``rest`` (suffix) and ``dresd`` (dense).
 
-Also home of the ``--datastore / --num-drafts / --draft-len`` options that ``generate`` and ``bench`` share
-(``add_retrieval_args``, ``retrieval_options``, ``bench_method_options``).
+Also home of ``bench_method_options``: the bench's per-label datastore options (``--datastore``, one per kind).
 """
 
 from __future__ import annotations
@@ -10,8 +9,6 @@ import json
 from pathlib import Path
 
 from ..errors import RetrospecError
-
-RETRIEVAL_METHODS = {"rest": "suffix", "dresd": "dense"}
 
 
 def add_parser(sub) -> None:
@@ -67,42 +64,16 @@ def add_parser(sub) -> None:
 # shared with generate / bench
 
 
-def add_retrieval_args(p, multiple: bool = False) -> None:
-    if multiple:
-        p.add_argument("--datastore", action="append", default=[], metavar="DIR",
-                       help="retrieval store for rest (suffix) / dresd (dense); repeat to give both")
-    else:
-        p.add_argument("--datastore", metavar="DIR", help="rest: suffix store; dresd: dense store")
-    p.add_argument("--num-drafts", type=int, default=None,
-                   help="rest/dresd: drafts per step (default 3 greedy, 10 sampling)")
-    p.add_argument("--draft-len", type=int, default=None,
-                   help="rest/dresd: tokens per draft (default 20 greedy, 10 sampling)")
+def bench_method_options(args, methods: list[str], target=None) -> dict[str, dict]:
+    """``bench``: per-method options; each rest/dresd method gets the given store of its kind (checked against
+    the target up front, so a mismatch fails before any run)."""
+    from ..drafters.registry import SPECS
+    from ..retrieval import load_meta, open_store
 
-
-def _check_shape(args) -> None:
     for name in ("num_drafts", "draft_len"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-
-
-def retrieval_options(args) -> dict:
-    """``generate``: the API options for rest / dresd (empty for other methods)."""
-    _check_shape(args)
-    if args.method not in RETRIEVAL_METHODS:
-        return {}
-    if not args.datastore:
-        raise RetrospecError(f"method '{args.method}' needs --datastore DIR (a {RETRIEVAL_METHODS[args.method]} "
-                             f"store; see 'retrospec datastore build')")
-    return {"datastore": args.datastore, "num_drafts": args.num_drafts, "draft_len": args.draft_len}
-
-
-def bench_method_options(args, methods: list[str], target=None) -> dict[str, dict]:
-    """``bench``: per-method options; each rest/dresd method gets the given store of its kind (checked against
-    the target up front, so a mismatch fails before any run)."""
-    from ..retrieval import load_meta, open_store
-
-    _check_shape(args)
     by_kind: dict[str, str] = {}
     for path in args.datastore:
         kind = load_meta(path)["kind"]
@@ -114,8 +85,8 @@ def bench_method_options(args, methods: list[str], target=None) -> dict[str, dic
     options = {}
     for label in methods:
         m = parse_label(label).method
-        if m in RETRIEVAL_METHODS:
-            kind = RETRIEVAL_METHODS[m]
+        kind = SPECS[m].store if m in SPECS else None
+        if kind:
             if kind not in by_kind:
                 raise RetrospecError(f"method '{m}' needs a {kind} datastore (--datastore DIR)")
             if target is not None:

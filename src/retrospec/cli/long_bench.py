@@ -51,7 +51,7 @@ def run_long(args, rows: list[dict]) -> int:
     DecodeConfig(max_new_tokens=args.max_new_tokens)  # validates
     spec = args.methods if args.methods != args.default_methods else DEFAULT_LONG_METHODS
     methods = [parse_method(m.strip()) for m in spec.split(",") if m.strip()]
-    options = LongContextOptions.pop_from(long_context_kwargs(args))
+    options = LongContextOptions.pop_from(long_context_kwargs(args, knobs=True))
     target = load_model(args.target or default_long_target(), role="target")
     draft = load_model(args.draft, role="draft") if args.draft else None
     if draft is not None:
