@@ -31,10 +31,11 @@ from .acceptance_rapid import make_rapid_rule
 from .config import SamplingConfig
 from .drafters import spec_of
 from .drafters.magicdec import DEFAULT_SINK
-from .drafters.registry import all_knobs, methods
+from .drafters.registry import methods
 from .errors import RetrospecError
 from .models import check_same_vocab, load_model
 from .request import Request
+from .text import check_encodable, encode
 from .retrieval.context_retrieval import LongContextRetriever, RetrievalConfig, Retrieved
 
 DEFAULT_TEMPLATE = "{context}\n\n{query}"
@@ -99,8 +100,10 @@ class LongContextOptions:
         return cls(**{k: v for k, v in given.items() if v is not None})
 
 
-# the long-context options every context method takes (the rest of LongContextOptions are method knobs: eta, ...)
-CONTEXT_OPTIONS = tuple(n for n in LongContextOptions.__dataclass_fields__ if n not in all_knobs())
+# the options every request with a context takes: all of LongContextOptions (the retrieval knobs, the template;
+# also eta, sink and window, which only rapid / magicdec use: a run may set them for all its methods, and ``plan``
+# refuses eta > 0 for any method but rapid, as its rule changes the output)
+CONTEXT_OPTIONS = tuple(LongContextOptions.__dataclass_fields__)
 
 
 @dataclass
@@ -110,10 +113,6 @@ class LongContextPlan:
     rule: AcceptanceRule | None  # None = the engine's default (exact) rule
     retrieved: Retrieved | None
     info: dict  # goes into SpecStats: retrieval_s, retrieved_tokens
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def retrieve(method: str, context: str, query: str, tokenizer, options: LongContextOptions) -> Retrieved | None:
@@ -165,8 +164,8 @@ def prepare_long_request(query, context: str, *, target, draft, method: str, sam
     """``api.prepare`` for a request with a long context: load models, retrieve, build prompts and the rule."""
     if not isinstance(query, str) or not query.strip():
         raise RetrospecError("a long-context request needs the query as non-empty text")
-    if not isinstance(context, str):
-        raise RetrospecError("the long context must be text")
+    check_encodable(query, "the query")
+    check_encodable(context, "the long context")
     spec = spec_of(method)
     options = spec.check(options, extra=CONTEXT_OPTIONS, context=True)  # this method's knobs + context options
     long_opts = LongContextOptions.pop_from(options)

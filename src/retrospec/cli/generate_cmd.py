@@ -52,14 +52,18 @@ def add_knob_args(p, multiple_datastores: bool = False, skip: tuple[str, ...] = 
         g.add_argument(knob.flag, **kw)
 
 
-def knob_kwargs(args, method: str) -> dict:
-    """The knob flags given on the command line, checked against ``method``'s spec (flag names in errors)."""
+def knob_kwargs(args, method: str, extra: tuple[str, ...] = ()) -> dict:
+    """The knob flags given on the command line, checked against ``method``'s spec (flag names in errors);
+    ``extra``: knob names accepted whatever the method (with a context: the long-context options)."""
     from ..drafters.registry import SPECS, all_knobs, spec_of
 
     spec, out = spec_of(method), {}
     for name, knob in all_knobs().items():
         value = getattr(args, name, None)
         if value is None or value is False:
+            continue
+        if spec.knob(name) is None and name in extra:
+            out[name] = value
             continue
         if spec.knob(name) is None:
             users = [m for m, s in SPECS.items() if s.knob(name) is not None]
@@ -114,6 +118,7 @@ LONG_STATS = ("rule", "lossless", "prompt_tokens", "retrieval_s", "retrieved_tok
 
 def run(args) -> int:
     from ..api import stream
+    from ..long_requests import CONTEXT_OPTIONS
     from .long_args import long_context_kwargs, read_context
 
     context = read_context(getattr(args, "context_file", None))
@@ -124,7 +129,7 @@ def run(args) -> int:
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                seed=args.seed, stop=args.stop, gating=False if args.no_gating else None,
                **({"context": context} | long_kwargs if context is not None else {}),
-               **knob_kwargs(args, args.method))
+               **knob_kwargs(args, args.method, CONTEXT_OPTIONS if context is not None else ()))
     if args.json:
         for _ in s.token_chunks():
             pass

@@ -39,11 +39,12 @@ def add_long_context_args(p, context_file: bool = True) -> None:
 def long_context_kwargs(args, knobs: bool = False) -> dict:
     """The long-context keyword arguments for ``api.prepare`` (unset flags omitted); with ``knobs``, also the
     method knobs kept in ``LongContextOptions`` (eta, sink, window: the bench sets them for the whole run)."""
+    from ..drafters.registry import all_knobs
     from ..long_requests import CONTEXT_OPTIONS, ContextTemplate, DEFAULT_TEMPLATE
 
-    names = [n for n in CONTEXT_OPTIONS if n not in ("template", "prefix_attention")]
-    out = {name: getattr(args, name) for name in names + (["eta", "sink", "window"] if knobs else [])
-           if getattr(args, name, None) is not None}
+    names = [n for n in CONTEXT_OPTIONS if n not in ("template", "prefix_attention")
+             and (knobs or n not in all_knobs())]
+    out = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if args.embedder is not None and not Path(args.embedder).is_dir():
         raise RetrospecError(f"embedder directory not found: {args.embedder}")
     if args.no_prefix_attention:
