@@ -1,10 +1,16 @@
-"""``retrospec bench``: methods x prompts, results.json + report.md + speedup.png, table on the console."""
+"""``retrospec bench``: methods x rows, results.json + report.md + a chart, table on the console. Rows with a
+``context`` field (``retrospec tasks make``) are long-context rows (labels lc, rag, sd, magicdec, rapid by
+default; baseline lc); other rows are prompts (baseline ar)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from ..drafters.registry import SPECS
 from ..errors import RetrospecError
+
+DEFAULT_CONTEXT_METHODS = "lc,rag,sd,magicdec,rapid"  # the default --methods for rows with a context
 
 
 def add_parser(sub) -> None:
@@ -40,8 +46,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..bench.harness import BenchConfig, run_bench, validate_methods, write_outputs
-    from ..bench.report import print_table
+    from ..bench.harness import BenchConfig, run_bench, validate_methods
+    from ..bench.labels import parse_label
     from ..bench.tasks import load_prompts, preset, preset_max_tokens
     from ..config import DecodeConfig, SamplingConfig
     from ..models import check_same_vocab, default_target, load_model, paired_draft
@@ -51,27 +57,24 @@ def run(args) -> int:
         raise RetrospecError(f"--limit must be > 0, got {args.limit}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise RetrospecError(f"--out must be a directory, but {args.out} is a file")
-    if args.prompts:  # long-context rows (retrospec tasks make): a separate harness
-        from .long_bench import load_long_rows, run_long
-
-        rows = load_long_rows(args.prompts)
-        if rows is not None:
-            if args.chat:
-                raise RetrospecError("--chat applies to prompt rows; long-context rows already use the chat "
-                                     "template when the model has one (--no-chat-template turns it off)")
-            return run_long(args, rows)
     if args.gamma is not None and args.gamma < 1:
         raise RetrospecError(f"--gamma must be >= 1, got {args.gamma}")
-    if args.pld_k < 1 or args.pld_ngram < 1:
-        raise RetrospecError("--pld-k and --pld-ngram must be >= 1")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     DecodeConfig(max_new_tokens=args.max_new_tokens)  # validates
+    rows = load_context_rows(args.prompts) if args.prompts else None
+    if rows is not None:  # rows with a context: long-context labels, lc the baseline
+        if args.chat:
+            raise RetrospecError("--chat applies to prompt rows; long-context rows already use the chat "
+                                 "template when the model has one (--no-chat-template turns it off)")
+        return _finish(args, *_context_run(args, rows, sampling))
+    if args.pld_k < 1 or args.pld_ngram < 1:
+        raise RetrospecError("--pld-k and --pld-ngram must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     target = load_model(default_target() if args.target is None else args.target, role="target")
     draft_src = args.draft
-    from ..bench.harness import parse_label
-
-    if draft_src is None and any(parse_label(m).method == "sd" or m.startswith("hf-assisted") for m in methods):
+    needs_draft = any(m in SPECS and SPECS[m].draft == "lm" or m.startswith("hf-assisted")
+                      for m in (parse_label(label).method for label in methods))
+    if draft_src is None and needs_draft:
         draft_src = paired_draft(args.target)  # default/named target: its paired draft
     draft = load_model(draft_src, role="draft") if draft_src is not None else None
     if draft is not None:
@@ -99,22 +102,79 @@ def run(args) -> int:
                       pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup,
                       method_options=options, chat=args.chat, gating=False if args.no_gating else None,
                       longspec_draft=longspec_src)
-    result = run_bench(target, draft, prompts, cfg)
+    return _finish(args, run_bench(target, draft, prompts, cfg), "speedup.png")
+
+
+def _context_run(args, rows: list[dict], sampling) -> tuple[dict, str]:
+    from ..bench.harness import BenchConfig, run_bench
+    from ..bench.labels import parse_label
+    from ..long_requests import LongContextOptions, default_long_target
+    from ..models import check_same_vocab, load_model
+    from .long_args import long_context_kwargs
+
+    spec = args.methods if args.methods != args.default_methods else DEFAULT_CONTEXT_METHODS
+    methods = [m.strip() for m in spec.split(",") if m.strip()]
+    for m in methods:
+        parse_label(m, context=True)  # a bad label fails before any model loads
+    options = LongContextOptions.pop_from(long_context_kwargs(args, knobs=True))
+    target = load_model(args.target or default_long_target(), role="target")
+    draft = load_model(args.draft, role="draft") if args.draft else None
+    if draft is not None:
+        check_same_vocab(target, draft)
+    if args.limit:
+        rows = rows[: args.limit]
+    cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
+                      options=options, warmup=not args.no_warmup, gating=False if args.no_gating else None)
+    return run_bench(target, draft, rows, cfg), "long_context.png"
+
+
+def _finish(args, result: dict, chart: str) -> int:
+    from ..bench.report import print_table, write_outputs
+
     out = Path(args.out)
     write_outputs(result, out)
     print_table(result["summary"])
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'speedup.png'}")
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / chart}")
     return 0
+
+
+def load_context_rows(spec: str) -> list[dict] | None:
+    """Rows of one or more comma-separated jsonl files when they carry a ``context`` field; None otherwise."""
+    paths = [Path(p) for p in spec.split(",") if p.strip()]
+    if not all(p.is_file() for p in paths):
+        if len(paths) > 1:
+            missing = next(p for p in paths if not p.is_file())
+            raise RetrospecError(f"prompts file not found: {missing}")
+        return None
+    try:
+        with paths[0].open(encoding="utf-8") as fh:
+            first = next((ln for ln in fh if ln.strip()), "")
+        head = json.loads(first or "{}")
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None  # not long-context rows; load_prompts reports what is wrong with the file
+    if not isinstance(head, dict) or "context" not in head:
+        if len(paths) > 1:
+            raise RetrospecError("several --prompts files are only supported for long-context rows")
+        return None
+    from ..bench.tasks import load_prompts
+
+    rows = []
+    for path in paths:
+        for n, row in enumerate(load_prompts(path), 1):
+            if not isinstance(row.get("context"), str) or not row["context"].strip():
+                raise RetrospecError(f"{path}:{n}: long-context rows need a non-empty string field 'context'")
+            rows.append(row)
+    return rows
 
 
 def _longspec_options(args, methods: list[str], target, options: dict[str, dict]) -> str | None:
     """Load longspec's block once (``--longspec-draft``, else the named target's bundled block) and hand it to
     every longspec label in ``options``; returns where it came from (None when no label runs longspec)."""
-    from ..bench.harness import parse_label
+    from ..bench.labels import parse_label
     from ..drafters.longspec import load_block
     from ..models import paired_longspec
 
-    labels = [m for m in methods if parse_label(m).method == "longspec"]
+    labels = [m for m in methods if parse_label(m).method in SPECS and SPECS[parse_label(m).method].draft == "block"]
     if not labels:
         return None
     src = args.longspec_draft
@@ -134,11 +194,12 @@ def _longspec_options(args, methods: list[str], target, options: dict[str, dict]
 
 def _magicdec_options(args, methods: list[str], options: dict[str, dict]) -> None:
     """magicdec labels: --sink / --window when given (else the drafter's defaults: 4 sinks, ``default_window``)."""
-    from ..bench.harness import parse_label
+    from ..bench.labels import parse_label
 
     given = {k: getattr(args, k, None) for k in ("sink", "window") if getattr(args, k, None) is not None}
     if any(v < (0 if k == "sink" else 1) for k, v in given.items()):
         raise RetrospecError("--sink must be >= 0 and --window >= 1")
     for label in methods:
-        if given and parse_label(label).method == "magicdec":
+        method = parse_label(label).method
+        if given and method in SPECS and SPECS[method].knob("sink") is not None:
             options.setdefault(label, {}).update(given)

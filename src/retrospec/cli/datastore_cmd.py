@@ -80,7 +80,7 @@ def bench_method_options(args, methods: list[str], target=None) -> dict[str, dic
         if kind in by_kind:
             raise RetrospecError(f"two {kind} datastores given ({by_kind[kind]}, {path}); give one per kind")
         by_kind[kind] = path
-    from ..bench.harness import parse_label
+    from ..bench.labels import parse_label
 
     options = {}
     for label in methods:
