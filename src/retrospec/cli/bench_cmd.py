@@ -51,7 +51,6 @@ def run(args) -> int:
     from ..bench.tasks import load_prompts, preset, preset_max_tokens
     from ..config import DecodeConfig, SamplingConfig
     from ..models import check_same_vocab, default_target, load_model, paired_draft
-    from .datastore_cmd import bench_method_options
 
     if args.limit is not None and args.limit <= 0:
         raise RetrospecError(f"--limit must be > 0, got {args.limit}")
@@ -91,9 +90,8 @@ def run(args) -> int:
             raise RetrospecError(f"--preset {args.preset} makes prompts of up to {longest} tokens; with "
                                  f"--max-new-tokens {args.max_new_tokens} they need {longest + args.max_new_tokens} "
                                  f"positions, but target {target.path} supports {limit}")
-    options = bench_method_options(args, methods, target)
+    options = _label_options(args, methods, target)
     longspec_src = _longspec_options(args, methods, target, options)
-    _magicdec_options(args, methods, options)
     prompts = (load_prompts(args.prompts) if args.prompts
                else preset(args.preset, args.limit or 20, tokenizer=target.tokenizer))
     if args.limit:
@@ -192,14 +190,32 @@ def _longspec_options(args, methods: list[str], target, options: dict[str, dict]
     return str(src)
 
 
-def _magicdec_options(args, methods: list[str], options: dict[str, dict]) -> None:
-    """magicdec labels: --sink / --window when given (else the drafter's defaults: 4 sinks, ``default_window``)."""
+def _label_options(args, methods: list[str], target) -> dict[str, dict]:
+    """Factory options per label: the knob flags its method declares (``--sink``, ``--num-drafts``, ...; checked
+    by the knob) and the datastore of its kind (one ``--datastore`` per kind, checked against the target up front,
+    so a mismatch fails before any run). A label's own gamma comes from ``harness.label_options``."""
     from ..bench.labels import parse_label
+    from ..retrieval import load_meta, open_store
 
-    given = {k: getattr(args, k, None) for k in ("sink", "window") if getattr(args, k, None) is not None}
-    if any(v < (0 if k == "sink" else 1) for k, v in given.items()):
-        raise RetrospecError("--sink must be >= 0 and --window >= 1")
+    by_kind: dict[str, str] = {}
+    for path in args.datastore:
+        kind = load_meta(path)["kind"]
+        if kind in by_kind:
+            raise RetrospecError(f"two {kind} datastores given ({by_kind[kind]}, {path}); give one per kind")
+        by_kind[kind] = path
+    options: dict[str, dict] = {}
     for label in methods:
-        method = parse_label(label).method
-        if given and method in SPECS and SPECS[method].knob("sink") is not None:
-            options.setdefault(label, {}).update(given)
+        spec = SPECS.get(parse_label(label).method)
+        for knob in spec.knobs if spec is not None else ():
+            value = getattr(args, knob.name, None) if knob.name not in ("gamma", "datastore") else None
+            if value is not None:
+                try:
+                    options.setdefault(label, {})[knob.arg or knob.name] = knob.check(value)
+                except RetrospecError as exc:
+                    raise RetrospecError(str(exc).replace(knob.name, knob.flag, 1)) from None
+        if spec is not None and spec.store:
+            if spec.store not in by_kind:
+                raise RetrospecError(f"method '{spec.name}' needs a {spec.store} datastore (--datastore DIR)")
+            open_store(by_kind[spec.store], spec.store, target=target)
+            options.setdefault(label, {})["datastore"] = by_kind[spec.store]
+    return options

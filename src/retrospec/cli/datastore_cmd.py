@@ -1,6 +1,4 @@
 """``retrospec datastore build|info|eval``: retrieval datastores for ``rest`` (suffix) and ``dresd`` (dense).
-
-Also home of ``bench_method_options``: the bench's per-label datastore options (``--datastore``, one per kind).
 """
 
 from __future__ import annotations
@@ -58,41 +56,6 @@ def add_parser(sub) -> None:
     e.add_argument("--threads", type=int, default=0, help="torch threads for the forward passes (0 = default)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=run_eval)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# shared with generate / bench
-
-
-def bench_method_options(args, methods: list[str], target=None) -> dict[str, dict]:
-    """``bench``: per-method options; each rest/dresd method gets the given store of its kind (checked against
-    the target up front, so a mismatch fails before any run)."""
-    from ..drafters.registry import SPECS
-    from ..retrieval import load_meta, open_store
-
-    for name in ("num_drafts", "draft_len"):
-        v = getattr(args, name, None)
-        if v is not None and v < 1:
-            raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    by_kind: dict[str, str] = {}
-    for path in args.datastore:
-        kind = load_meta(path)["kind"]
-        if kind in by_kind:
-            raise RetrospecError(f"two {kind} datastores given ({by_kind[kind]}, {path}); give one per kind")
-        by_kind[kind] = path
-    from ..bench.labels import parse_label
-
-    options = {}
-    for label in methods:
-        m = parse_label(label).method
-        kind = SPECS[m].store if m in SPECS else None
-        if kind:
-            if kind not in by_kind:
-                raise RetrospecError(f"method '{m}' needs a {kind} datastore (--datastore DIR)")
-            if target is not None:
-                open_store(by_kind[kind], kind, target=target)
-            options[label] = {"datastore": by_kind[kind], "num_drafts": args.num_drafts, "draft_len": args.draft_len}
-    return options
 
 
 # ---------------------------------------------------------------------------------------------------------------------
