@@ -162,6 +162,10 @@ def test_api_and_server_cut_before_the_stop_string(saved_models):
     assert res.text == streamed == want
     assert len(res.token_ids) < 24  # generation ended at the stop string
     with BackgroundServer(create_app(target, method="ar")) as srv:
+        (info,) = json.load(urllib.request.urlopen(f"{srv.url}/v1/models", timeout=60))["data"]
+        served = info["retrospec"]
+        assert served["knobs"]["pld"] == ["gamma", "max_ngram", "gating"]  # from the registry
+        assert "rapid" in served["unavailable"] and "sd" in served["unavailable"]  # a long context / no draft
         body = json.dumps({"prompt": "def f(x):", "max_tokens": 24, "stop": stop}).encode()
         req = urllib.request.Request(f"{srv.url}/v1/completions", body, {"Content-Type": "application/json"})
         choice = json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]

@@ -33,7 +33,7 @@ from .drafters import spec_of
 from .drafters.magicdec import DEFAULT_SINK
 from .drafters.registry import methods
 from .errors import RetrospecError
-from .models import check_same_vocab, load_model
+from .models import check_same_vocab, default_target, load_model
 from .request import Request
 from .text import check_encodable, encode
 from .retrieval.context_retrieval import LongContextRetriever, RetrievalConfig, Retrieved
@@ -152,13 +152,6 @@ def plan(method: str, context: str, query: str, tokenizer, sampling: SamplingCon
                            drafter_options=drafter_options, rule=rule, retrieved=retrieved, info=info)
 
 
-def default_long_target():
-    """The bundled zoo target (``zoo``: ``zoo/target-long``, trained for long contexts)."""
-    from .models import default_target
-
-    return default_target()
-
-
 def prepare_long_request(query, context: str, *, target, draft, method: str, sampling: SamplingConfig, decode,
                          tokenizer=None, gating: bool = True, **options):
     """``api.prepare`` for a request with a long context: load models, retrieve, build prompts and the rule."""
@@ -169,7 +162,7 @@ def prepare_long_request(query, context: str, *, target, draft, method: str, sam
     spec = spec_of(method)
     options = spec.check(options, extra=CONTEXT_OPTIONS, context=True)  # this method's knobs + context options
     long_opts = LongContextOptions.pop_from(options)
-    tgt = load_model(default_long_target() if target is None else target, role="target", tokenizer=tokenizer)
+    tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer)
     if tgt.tokenizer is None:
         raise RetrospecError(f"target {tgt.path} has no tokenizer; long-context methods work on text")
     drf = None

@@ -69,6 +69,7 @@ class BenchConfig:
 def has_context(rows: list[dict]) -> bool:
     return any("context" in r for r in rows)
 
+
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
     known = set(SPECS) | set(HF_METHODS)
     short = set(registry_methods(context=False)) | set(HF_METHODS)

@@ -130,9 +130,8 @@ def _engine_line(e: dict) -> str:
 
 # --- context rows -----------------------------------------------------------------------------------------------
 
-CONTEXT_COLUMNS = ("length", "method", "tok/s", "speedup", "forward", "tau", "accept", "no-draft", "verify/lc", "accuracy",
-           "same as lc",
-           "prefill s", "retrieval ms", "retrieved", "rule")
+CONTEXT_COLUMNS = ("length", "method", "tok/s", "speedup", "forward", "tau", "accept", "no-draft", "verify/lc",
+                   "accuracy", "same as lc", "prefill s", "retrieval ms", "retrieved", "rule")
 
 
 def _f(x, fmt: str, none: str = "-") -> str:

@@ -106,8 +106,8 @@ def run(args) -> int:
 def _context_run(args, rows: list[dict], sampling) -> tuple[dict, str]:
     from ..bench.harness import BenchConfig, run_bench
     from ..bench.labels import parse_label
-    from ..long_requests import LongContextOptions, default_long_target
-    from ..models import check_same_vocab, load_model
+    from ..long_requests import LongContextOptions
+    from ..models import check_same_vocab, default_target, load_model
     from .long_args import long_context_kwargs
 
     spec = args.methods if args.methods != args.default_methods else DEFAULT_CONTEXT_METHODS
@@ -115,7 +115,7 @@ def _context_run(args, rows: list[dict], sampling) -> tuple[dict, str]:
     for m in methods:
         parse_label(m, context=True)  # a bad label fails before any model loads
     options = LongContextOptions.pop_from(long_context_kwargs(args, knobs=True))
-    target = load_model(args.target or default_long_target(), role="target")
+    target = load_model(args.target or default_target(), role="target")
     draft = load_model(args.draft, role="draft") if args.draft else None
     if draft is not None:
         check_same_vocab(target, draft)

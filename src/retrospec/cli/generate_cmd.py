@@ -78,12 +78,13 @@ def knob_kwargs(args, method: str, extra: tuple[str, ...] = ()) -> dict:
 
 
 def add_parser(sub) -> None:
+    from ..drafters.registry import methods
+
     p = sub.add_parser("generate", help="generate a continuation of one prompt")
     p.add_argument("--method", default="sd",
-                   help="ar | sd | pld | magicdec | rest | dresd (these two with --datastore) | longspec (--draft: "
-                        "a LongSpec block directory or name; default the target's bundled block, e.g. smollm2-135m "
-                        "-> smollm2-135m-longspec); with --context-file: lc | rag | sd | magicdec | rapid "
-                        "(default: sd)")
+                   help=f"{' | '.join(methods(context=False))}; with --context-file: {' | '.join(methods(True))} "
+                        "(default: sd). rest / dresd need --datastore; longspec's --draft is a LongSpec block "
+                        "(default: the target's bundled one)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")

@@ -231,6 +231,7 @@ class Backend:
         return {"target": self.target.path, "draft": self.draft.path if self.draft else None,
                 "longspec_draft": self.longspec_src,
                 "methods": list(self.caps.methods), "default_method": self.caps.default_method,
+                "knobs": {m: [*SPECS[m].knob_names, "gating"] for m in self.caps.methods},  # from the registry
                 "unavailable": dict(sorted(self.caps.why_not.items())),  # method -> why this server cannot run it
                 "datastores": {kind: list(s) for kind, s in self.stores.items()}}
 
