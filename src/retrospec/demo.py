@@ -75,8 +75,8 @@ def _run(args) -> int:
     from rich.markup import escape
 
     from .api import stream
-    from .bench.harness import BenchConfig, run_bench, write_outputs
-    from .bench.report import print_table
+    from .bench.harness import BenchConfig, run_bench
+    from .bench.report import print_table, write_outputs
     from .bench.tasks import heldout_prompts, preset
     from .errors import RetrospecError
     from .models import check_same_vocab, load_model, lookup, paired_draft

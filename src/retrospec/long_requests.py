@@ -29,16 +29,15 @@ from dataclasses import dataclass, field
 from .acceptance import AcceptanceRule
 from .acceptance_rapid import make_rapid_rule
 from .config import SamplingConfig
+from .drafters import spec_of
 from .drafters.magicdec import DEFAULT_SINK
-from .drafters.rapid import DEFAULT_GAMMA as RAPID_GAMMA
+from .drafters.registry import methods
 from .errors import RetrospecError
-from .models import check_same_vocab, load_model
+from .models import check_same_vocab, default_target, load_model
 from .request import Request
+from .text import check_encodable, encode
 from .retrieval.context_retrieval import LongContextRetriever, RetrievalConfig, Retrieved
 
-LONG_METHODS = ("lc", "rag", "sd", "magicdec", "rapid")
-USES_RETRIEVAL = ("rag", "rapid")
-USES_DRAFT_LM = ("sd", "rapid")
 DEFAULT_TEMPLATE = "{context}\n\n{query}"
 
 
@@ -101,6 +100,12 @@ class LongContextOptions:
         return cls(**{k: v for k, v in given.items() if v is not None})
 
 
+# the options every request with a context takes: all of LongContextOptions (the retrieval knobs, the template;
+# also eta, sink and window, which only rapid / magicdec use: a run may set them for all its methods, and ``plan``
+# refuses eta > 0 for any method but rapid, as its rule changes the output)
+CONTEXT_OPTIONS = tuple(LongContextOptions.__dataclass_fields__)
+
+
 @dataclass
 class LongContextPlan:
     target_prompt_ids: list[int]
@@ -110,13 +115,9 @@ class LongContextPlan:
     info: dict  # goes into SpecStats: retrieval_s, retrieved_tokens
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def retrieve(method: str, context: str, query: str, tokenizer, options: LongContextOptions) -> Retrieved | None:
     """Run retrieval when ``method`` needs it (rag, rapid); None otherwise."""
-    if method not in USES_RETRIEVAL:
+    if not spec_of(method).retrieval:
         return None
     return LongContextRetriever(tokenizer, options.embedder, options.retrieval).retrieve(context, query)
 
@@ -125,68 +126,58 @@ def plan(method: str, context: str, query: str, tokenizer, sampling: SamplingCon
          options: LongContextOptions | None = None, retrieved: Retrieved | None = None) -> LongContextPlan:
     """Build the prompts, drafter options and rule of one long-context request. Pass ``retrieved`` to reuse one
     retrieval for several methods over the same (context, query) (its time is then reported by each)."""
-    if method not in LONG_METHODS:
-        raise RetrospecError(f"method {method!r} does not take a long context; use one of {', '.join(LONG_METHODS)}")
+    spec = spec_of(method)
+    if spec.context == "never":
+        raise RetrospecError(f"method {method!r} does not take a long context; use one of "
+                             f"{', '.join(methods(context=True))}")
     if tokenizer is None:
         raise RetrospecError("long-context methods need the target's tokenizer")
     if not context.strip():
         raise RetrospecError("the long context is empty")
     options = options or LongContextOptions()
-    if options.eta > 0 and method != "rapid":
+    if options.eta > 0 and spec.knob("eta") is None:
         raise RetrospecError(f"eta applies to method 'rapid' only (got method {method!r})")
-    if method in USES_RETRIEVAL and retrieved is None:
+    if spec.retrieval and retrieved is None:
         retrieved = retrieve(method, context, query, tokenizer, options)
     tmpl = options.template
     full_ids = encode(tokenizer, tmpl.render(context, query, tokenizer))
     short_ids = encode(tokenizer, tmpl.render(retrieved.text, query, tokenizer)) if retrieved is not None else None
-    drafter_options: dict = {"prefill_prompt": True}
-    if method == "rapid":
-        drafter_options.update(draft_prompt_ids=short_ids, eta=options.eta)
-    if method == "magicdec":
-        drafter_options.update(sink=options.sink, window=options.window)
+    drafter_options: dict = {"prefill_prompt": True} if spec.draft == "lm" else {}
+    if spec.draft == "lm" and spec.retrieval:  # rapid: the draft reads the retrieved context
+        drafter_options["draft_prompt_ids"] = short_ids
+    drafter_options.update({k: getattr(options, k) for k in ("eta", "sink", "window") if spec.knob(k)})
     info = {"retrieval_s": retrieved.seconds, "retrieved_tokens": retrieved.tokens} if retrieved is not None else {}
-    rule = make_rapid_rule(options.eta, sampling) if method == "rapid" and options.eta > 0 else None
-    return LongContextPlan(target_prompt_ids=short_ids if method == "rag" else full_ids,
+    rule = make_rapid_rule(options.eta, sampling) if options.eta > 0 else None
+    return LongContextPlan(target_prompt_ids=short_ids if spec.retrieval and spec.draft == "none" else full_ids,
                            drafter_options=drafter_options, rule=rule, retrieved=retrieved, info=info)
 
 
-def default_gamma(method: str) -> int:
-    return RAPID_GAMMA
-
-
-def default_long_target():
-    """The bundled zoo target (``zoo``: ``zoo/target-long``, trained for long contexts)."""
-    from .models import default_target
-
-    return default_target()
-
-
 def prepare_long_request(query, context: str, *, target, draft, method: str, sampling: SamplingConfig, decode,
-                         gamma: int | None, adaptive_gamma: bool, tokenizer=None, gating: bool = True,
-                         **options):
+                         tokenizer=None, gating: bool = True, **options):
     """``api.prepare`` for a request with a long context: load models, retrieve, build prompts and the rule."""
     if not isinstance(query, str) or not query.strip():
         raise RetrospecError("a long-context request needs the query as non-empty text")
-    if not isinstance(context, str):
-        raise RetrospecError("the long context must be text")
+    check_encodable(query, "the query")
+    check_encodable(context, "the long context")
+    spec = spec_of(method)
+    options = spec.check(options, extra=CONTEXT_OPTIONS, context=True)  # this method's knobs + context options
     long_opts = LongContextOptions.pop_from(options)
-    tgt = load_model(default_long_target() if target is None else target, role="target", tokenizer=tokenizer)
+    tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer)
     if tgt.tokenizer is None:
         raise RetrospecError(f"target {tgt.path} has no tokenizer; long-context methods work on text")
     drf = None
-    if method in USES_DRAFT_LM:
+    if spec.draft == "lm":
         drf = tgt if draft is None else load_model(draft, role="draft")  # default: self-speculation
         check_same_vocab(tgt, drf)
     elif draft is not None:
-        raise RetrospecError(f"method '{method}' takes no draft model (--draft applies to sd and rapid)")
+        users = [m for m in methods(context=True) if spec_of(m).draft == "lm"]
+        raise RetrospecError(f"method '{method}' takes no draft model (--draft applies to {' and '.join(users)})")
     p = plan(method, context, query, tgt.tokenizer, sampling, long_opts)
     for name, model, ids in (("target", tgt, p.target_prompt_ids),
                              ("draft", drf, p.drafter_options.get("draft_prompt_ids"))):
         if model is not None and ids is not None and model.max_positions and len(ids) >= model.max_positions:
             raise RetrospecError(f"the {name} prompt has {len(ids)} tokens but the {name} model supports at most "
                                  f"{model.max_positions} positions")
-    opts = dict(options) | p.drafter_options
-    opts["gamma"] = gamma or default_gamma(method)
-    opts["adaptive"] = adaptive_gamma
+    opts = options | p.drafter_options
     return Request(tgt, drf, method, p.target_prompt_ids, sampling, decode, opts, rule=p.rule, info=p.info,
                    gating=gating, fastpath=None if long_opts.prefix_attention else "off")

@@ -5,7 +5,8 @@
 the dependency runs one way: api -> long_requests -> request (-> drafters, models, config).
 
 Contract: a ``Request`` holds loaded models, prompt token ids and validated configs only; nothing here reads text,
-applies templates or touches files. ``drafter()`` builds a fresh drafter from the registry for each run.
+applies templates or touches files. ``drafter()`` builds a fresh drafter from the method's spec (``drafters.registry``) for each run; ``options`` are
+the factory's keyword arguments, already checked against the spec by the preparer.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import DecodeConfig, SamplingConfig
-from .drafters import REGISTRY
+from .drafters import spec_of
 from .models import LoadedModel
-
-DEFAULT_GAMMA = {"sd": 5, "pld": 10}  # draft length per method when none is given
 
 
 @dataclass
@@ -43,4 +42,4 @@ class Request:
         ``draft`` (a ``LoadedModel`` or None) and ``draft_model`` (the draft's torch module, or None)."""
         opts = dict(self.options)
         opts.update(target=self.target, draft=self.draft, draft_model=self.draft.model if self.draft else None)
-        return REGISTRY[self.method](**opts)
+        return spec_of(self.method).build(**opts)

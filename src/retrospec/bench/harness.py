@@ -1,151 +1,108 @@
-"""``retrospec bench``: every method on every prompt, side by side, in one process and one run.
+"""``retrospec bench``: every method on every row, side by side, in one process and one run.
 
-Methods run interleaved per prompt (prompt 0: ar, sd, pld, hf-...; prompt 1: ...) after one untimed warm-up each,
-so slow drift of the machine affects all methods alike.
+A row with a ``context`` field is a long-context row (``retrospec tasks make``: ``context``, ``prompt`` = the query,
+``answers``, ``task``, ``length``); a file's rows are all of one kind. Prompt rows compare against ``ar``, context
+rows against ``lc`` (each always runs). Per row, every label runs in turn after one untimed warm-up each
+(interleaved, so slow drift of the machine affects all alike). Every label of ours runs through the one run path
+(``run.Run``) and verifies on the engine's fast copy of the target (``fastpath``); the caller's model is left as it
+was. Labels follow ``bench.labels`` (one grammar); what each reported quantity means is defined once in
+``bench.summary``.
 
-Summary per method (token-weighted over prompts):
-- tokens_per_s = sum(new tokens) / sum(decode seconds) (decode phase: after the prompt forward);
-- speedup = tokens_per_s / ar's tokens_per_s from the same run;
-- ideal_speedup = ar's seconds per token / (seconds inside target + draft forwards per token): the speedup with
-  zero engine overhead, so speedup / ideal_speedup is the share of decode time spent in model forwards (our
-  verifier's forwards are timed as ``verify_s``; when the engine runs its private fast copies (``fastpath``),
-  drafting time counts whole as draft forwards);
-- mean_accepted_tokens (tau) = new tokens / target forward calls; acceptance_rate = accepted / drafted;
-- lossless = every output token-identical to ar's (greedy only; null when sampling);
-- gated_share = steps the gate ran without a draft / target forwards (``gating``; labels ``m@gating=0|1``);
-- draft_state_bytes = the most the drafter held in its own per-request state at the end of a run, over prompts
-  (``Drafter.state_bytes``: longspec's ring buffer, magicdec's window cache, sd's draft KV cache; 0 for drafters
-  that hold none, null for the hf-* rows); target_kv_bytes = the largest target KV cache at the end of a run.
+Prompt rows: with ``chat`` each row's text becomes one user message under the target's chat template and the
+template's end-of-turn id joins the EOS ids; every label, ours and the HF peers (``hf-*``), gets the same prompt ids
+and EOS ids, so lossless comparisons stay exact. ``longspec`` gets its block, loaded once, in
+``method_options[label]["block"]``; forward time (``forward_s``) is the verification forwards plus drafting when the
+engine runs its private copies, else what forward hooks on the caller's modules measure.
 
-Method labels (``parse_label``): ``m`` or ``m@opt@opt...`` with options ``gating=0|1``, ``gamma=N`` (a chain of N:
-sd, pld, magicdec, and longspec, which drafts a tree by default) and ``tree=4x16x16`` (longspec's widths per
-depth; ``x``-separated so commas still separate methods). ``longspec`` gets its block, loaded once, in
-``method_options[label]["block"]``. Every method of ours verifies through the engine's fast copy of the target
-(``fastpath``: prefix + block attention, measured matmul paths); the caller's model is left as it was.
-
-With ``chat`` each prompt row's text becomes one user message under the target's chat template
-(``chat.build_chat_prompt``), and the template's end-of-turn id joins the EOS ids. Every method, ours and the HF
-peers, gets the same prompt ids and the same EOS ids, so lossless comparisons stay exact.
+Context rows: retrieval runs once per row (rag and rapid share it) and is timed (``retrieval_s``); the long
+prompt's prefill runs once per row and prompt (``verify.PrefillMemo``) and is timed separately (``prefill_full_s``;
+``prefill_short_s`` for rag's retrieved prompt), so each label's own ``prefill_s`` holds only what it adds.
+``hybrid_timing.verify_cost`` probes one verification forward against one decode token per context length.
 """
 
 from __future__ import annotations
 
-import json
 import platform
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
 
 from ..chat import build_chat_prompt
 from ..config import DecodeConfig, SamplingConfig
-from ..decode import speculative_generate
-from ..drafters import REGISTRY
-from ..drafters.longspec import parse_tree
+from ..drafters.registry import SPECS, methods as registry_methods
 from ..errors import RetrospecError
-from ..gating import resolve as resolve_gating
-from ..models import LoadedModel
-from ..request import DEFAULT_GAMMA, Request
-from ..types import SpecStats
 from ..fastpath import engine_for
+from ..gating import resolve as resolve_gating
+from ..long_requests import LongContextOptions, plan, retrieve
+from ..models import LoadedModel
+from ..request import Request
+from ..run import Run
+from ..text import encode
+from ..types import SpecStats
+from ..verify import PrefillMemo
 from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
+from .hybrid_timing import verify_cost
+from .labels import MethodLabel, parse_label
+from .summary import summarize_prompts, summarize_rows
+from .long_tasks import score
 
 
 @dataclass
 class BenchConfig:
-    methods: list[str]
+    methods: list[str]  # labels (``bench.labels``)
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     gamma: int | None = None
-    pld_k: int = DEFAULT_GAMMA["pld"]
+    pld_k: int = SPECS["pld"].default_gamma
     pld_ngram: int = 3
     warmup: bool = True
-    method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per method label
+    method_options: dict[str, dict] = field(default_factory=dict)  # extra factory options per label (prompt rows)
     chat: bool = False  # each prompt = one user message under the target's chat template
     gating: bool | None = None  # our methods' default (None = ``gating.resolve``); ``m@gating=0|1`` overrides it
     longspec_draft: str | None = None  # where longspec's block came from (reported; the block is in method_options)
+    options: LongContextOptions = field(default_factory=LongContextOptions)  # context rows
+    verify_probe_gamma: int = 10  # context rows: ``verify_cost`` per length (0 = no probe)
 
 
-@dataclass(frozen=True)
-class MethodLabel:
-    """A parsed bench label: the method and the options the label sets (None = the run's default)."""
-
-    method: str
-    gating: bool | None = None
-    gamma: int | None = None
-    tree: tuple[int, ...] | None = None
-
-
-LABEL_OPTIONS = "gating=0|1, gamma=N, tree=WxWx... (longspec)"
-
-
-def parse_label(label: str) -> MethodLabel:
-    """A bench method label -> ``MethodLabel``: ``'rest@gating=0'`` -> gating False; ``'longspec@gamma=4'`` -> a
-    chain of 4; ``'longspec@tree=4x8x8'`` -> tree (4, 8, 8); ``'sd'`` -> the run's defaults. Options join with
-    ``@`` (``sd@gamma=3@gating=0``); each at most once. Lets one run compare variants of a method."""
-    name, *opts = label.split("@")
-    seen: dict[str, object] = {}
-    ours = name not in HF_METHODS and name != "ar"
-    for opt in opts:
-        key, eq, value = opt.partition("=")
-        if not eq or key not in ("gating", "gamma", "tree"):
-            raise RetrospecError(f"bad method option {opt!r} in {label!r}: options are {LABEL_OPTIONS}")
-        if key in seen:
-            raise RetrospecError(f"{label!r} sets {key} twice")
-        if key == "gating":
-            if value not in ("0", "1"):
-                raise RetrospecError(f"bad method option {opt!r} in {label!r}: gating takes 0 or 1")
-            if not ours:
-                raise RetrospecError(f"{label!r}: gating applies to our drafting methods, not to {name}")
-            seen[key] = value == "1"
-        elif key == "gamma":
-            if not (value.isdigit() and int(value) >= 1):
-                raise RetrospecError(f"bad method option {opt!r} in {label!r}: gamma takes an integer >= 1")
-            if not ours or name in ("rest", "dresd"):
-                raise RetrospecError(f"{label!r}: gamma applies to chain drafters (sd, pld, magicdec, longspec), "
-                                     f"not to {name}" + (" (use --draft-len)" if name in ("rest", "dresd") else ""))
-            seen[key] = int(value)
-        else:
-            if name != "longspec":
-                raise RetrospecError(f"{label!r}: tree applies to longspec only")
-            try:
-                seen[key] = parse_tree(value.split("x"))  # longspec's own check of the widths
-            except RetrospecError:
-                raise RetrospecError(f"bad method option {opt!r} in {label!r}: tree takes widths >= 1 per depth "
-                                     "joined by x, e.g. tree=4x16x16") from None
-    if "gamma" in seen and "tree" in seen:
-        raise RetrospecError(f"{label!r}: longspec drafts a chain (gamma) or a tree (tree), not both")
-    return MethodLabel(name, **seen)
-
-
-CONTEXT_ONLY = ("lc", "rag", "rapid")  # methods of the long-context bench (rows with a context), not of this one
+def has_context(rows: list[dict]) -> bool:
+    return any("context" in r for r in rows)
 
 
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
-    known = set(REGISTRY) | set(HF_METHODS)
+    known = set(SPECS) | set(HF_METHODS)
+    short = set(registry_methods(context=False)) | set(HF_METHODS)
     for label in methods:
         m = parse_label(label).method
         if m not in known:
-            raise RetrospecError(f"unknown method {m!r}; available: {', '.join(sorted(known - set(CONTEXT_ONLY)))}")
-        if m in CONTEXT_ONLY:
+            raise RetrospecError(f"unknown method {m!r}; available: {', '.join(sorted(short))}")
+        if m not in short:
             raise RetrospecError(f"method '{m}' needs long-context rows: a --prompts file whose rows have a "
                                  "'context' field (retrospec tasks make)")
-        if (m == "sd" or m.startswith("hf-assisted")) and not has_draft:
+        if (m in SPECS and SPECS[m].draft == "lm" or m.startswith("hf-assisted")) and not has_draft:
             raise RetrospecError(f"method '{m}' needs a draft model (--draft DIR)")
-    return (["ar"] if "ar" not in methods else []) + list(dict.fromkeys(methods))
+    return with_baseline(list(dict.fromkeys(methods)), "ar")
+
+
+def with_baseline(labels: list[str], base: str) -> list[str]:
+    """The labels with the baseline first (added when missing); each label at most once."""
+    if len(set(labels)) != len(labels):
+        raise RetrospecError("each method label may appear once")
+    return ([base] if base not in labels else []) + list(labels)
 
 
 def label_options(label: MethodLabel, cfg: BenchConfig) -> dict:
     """Factory options of one label: the chain length (or longspec's tree) from the label, else the run's."""
-    m = label.method
-    if m == "longspec":  # a tree unless a chain length is given (by the label, else by --gamma); tree wins
+    spec = SPECS[label.method]
+    if spec.knob("gamma") is None:
+        return {}
+    if spec.knob("tree") is not None:  # a tree unless a chain length is given (by the label, else by --gamma)
         gamma = label.gamma if label.gamma is not None else (cfg.gamma if label.tree is None else None)
         return {"gamma": gamma, "tree": label.tree}
-    if m == "pld":
+    if spec.knob("max_ngram") is not None:  # pld: --pld-k / --pld-ngram
         return {"gamma": label.gamma or cfg.pld_k, "max_ngram": cfg.pld_ngram}
-    return {"gamma": label.gamma or cfg.gamma or DEFAULT_GAMMA.get(m, 5), "max_ngram": cfg.pld_ngram}
+    return {"gamma": label.gamma or cfg.gamma or spec.default_gamma}
 
 
 def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
@@ -155,8 +112,9 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     method, gating = parsed.method, parsed.gating
     options = label_options(parsed, cfg)
     options.update(cfg.method_options.get(label, {}))
-    req = Request(target, draft, method, prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new), options,
-                  eos_ids=eos_ids, gating=resolve_gating(cfg.gating if gating is None else gating, cfg.sampling))
+    req = Request(target, draft if SPECS[method].draft == "lm" else None, method, prompt_ids, cfg.sampling,
+                  DecodeConfig(max_new_tokens=max_new), options, eos_ids=eos_ids,
+                  gating=resolve_gating(cfg.gating if gating is None else gating, cfg.sampling))
     stats = SpecStats(method=label)
     engine_on = engine_for(target.model).mode != "off"
     # the engine runs private copies of the models (fastpath): hooks on the caller's modules would see nothing
@@ -164,11 +122,7 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
     for p in probes:
         p.__enter__()
     try:
-        out: list[int] = []
-        for chunk in speculative_generate(target.model, req.drafter(), prompt_ids, sampling=cfg.sampling,
-                                          max_new_tokens=max_new, eos_ids=req.stop_ids(), stats=stats,
-                                          gating=req.gating):
-            out.extend(chunk)
+        out = Run(req, stats, text=False).run()
     finally:
         for p in probes:
             p.__exit__()
@@ -178,7 +132,7 @@ def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, promp
         # the first target forward is the prefill (all prompt tokens but the last), not decoding
         prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
         forward_s = sum(p.seconds for p in probes) - prefill_fwd
-    if method == "longspec" and not engine_on:  # the block is not a model the probes see
+    if SPECS[method].draft == "block" and not engine_on:  # the block is not a model the probes see
         forward_s += stats.draft_s
     return out, stats, forward_s
 
@@ -187,14 +141,22 @@ def encode_prompts(target: LoadedModel, prompts: list[dict], chat: bool) -> tupl
     """Prompt ids of every row and the EOS ids of the run (the target's, plus the end-of-turn id with ``chat``)."""
     tok = target.tokenizer
     if not chat:
-        return [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts], target.eos_ids()
+        return [encode(tok, p["prompt"], f"prompt {i}") for i, p in enumerate(prompts)], target.eos_ids()
     built = [build_chat_prompt(tok, [{"role": "user", "content": p["prompt"]}], name=f"target {target.path}")
              for p in prompts]
     return [b.prompt_ids for b in built], target.eos_ids().union(*(b.end_of_turn_ids for b in built))
 
 
-def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig,
+def run_bench(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], cfg: BenchConfig,
               progress: bool = True) -> dict:
+    """Run every label on every row (see the module docstring); returns config, runs and summary."""
+    if target.tokenizer is None:
+        raise RetrospecError(f"target {target.path} has no tokenizer files")
+    return (_run_context_rows if has_context(rows) else _run_prompt_rows)(target, draft, rows, cfg, progress)
+
+
+def _run_prompt_rows(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig,
+                     progress: bool) -> dict:
     tok = target.tokenizer
     encoded, eos = encode_prompts(target, prompts, cfg.chat)
     if any(not ids for ids in encoded):
@@ -210,7 +172,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         if method in HF_METHODS:
             hf_draft = full_vocab_draft(draft, target.vocab_size) if draft is not None else None
             return run_hf(method, target.model, hf_draft, ids, sampling=cfg.sampling,
-                          max_new_tokens=max_new, eos_ids=eos, pad_id=pad, gamma=cfg.gamma or DEFAULT_GAMMA["sd"],
+                          max_new_tokens=max_new, eos_ids=eos, pad_id=pad,
+                          gamma=cfg.gamma or SPECS["sd"].default_gamma,
                           pld_k=cfg.pld_k, pld_ngram=cfg.pld_ngram)
         return _run_ours(method, target, draft, ids, cfg, max_new, eos)
 
@@ -228,51 +191,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
                          "stats": stats.to_dict() | {"forward_s": forward_s}})
             bar.update()
     bar.close()
-    return {"config": _describe(target, draft, prompts, cfg) | {"eos_ids": sorted(eos)}, "runs": runs, "summary": summarize(runs, cfg)}
-
-
-def summarize(runs: list[dict], cfg: BenchConfig) -> list[dict]:
-    by_method: dict[str, list[dict]] = {}
-    for r in runs:
-        by_method.setdefault(r["method"], []).append(r)
-    ar_runs = {r["prompt_index"]: r for r in by_method.get("ar", [])}
-
-    def agg(rs, key):
-        return sum(r["stats"][key] for r in rs)
-
-    ar_tokens, ar_decode = agg(by_method["ar"], "new_tokens"), agg(by_method["ar"], "decode_s")
-    ar_tps = ar_tokens / ar_decode if ar_decode else 0.0
-    summary = []
-    for m, rs in by_method.items():
-        new, dec = agg(rs, "new_tokens"), agg(rs, "decode_s")
-        calls, drafted, accepted = agg(rs, "target_calls"), agg(rs, "drafted_tokens"), agg(rs, "accepted_tokens")
-        fwd = agg(rs, "forward_s")
-        tps = new / dec if dec else 0.0
-        lossless = None
-        if cfg.sampling.greedy:
-            lossless = all(r["token_ids"] == ar_runs[r["prompt_index"]]["token_ids"] for r in rs)
-        summary.append({
-            "method": m,
-            "tokens_per_s": tps,
-            "speedup": tps / ar_tps if ar_tps else 0.0,
-            "ideal_speedup": (ar_decode / ar_tokens) / (fwd / new) if new and fwd > 0 and ar_tokens else 0.0,
-            "mean_accepted_tokens": new / calls if calls else 0.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "lossless": lossless,
-            "gating": any(r["stats"].get("gating") for r in rs),
-            "gated_share": sum(r["stats"].get("gated_steps", 0) for r in rs) / calls if calls else 0.0,
-            "draft_state_bytes": _max_of(rs, "draft_state_bytes"),
-            "target_kv_bytes": _max_of(rs, "target_kv_bytes"),
-            "new_tokens": new,
-            "decode_s": dec,
-        })
-    return summary
-
-
-def _max_of(runs: list[dict], key: str) -> int | None:
-    """The largest ``stats[key]`` over runs; None when no run measured it (hf-* rows)."""
-    values = [r["stats"].get(key) for r in runs if r["stats"].get(key) is not None]
-    return max(values) if values else None
+    return {"config": _describe_prompts(target, draft, prompts, cfg) | {"eos_ids": sorted(eos)}, "runs": runs, "summary": summarize_prompts(runs, cfg.sampling.greedy)}
 
 
 def _option_value(v):
@@ -283,7 +202,7 @@ def _option_value(v):
     return str(v)
 
 
-def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig) -> dict:
+def _describe_prompts(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig) -> dict:
     return {
         "target": target.path,
         "draft": draft.path if draft else None,
@@ -295,7 +214,7 @@ def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
         "top_p": cfg.sampling.top_p,
         "top_k": cfg.sampling.top_k,
         "seed": cfg.sampling.seed,
-        "gamma": cfg.gamma or DEFAULT_GAMMA["sd"],
+        "gamma": cfg.gamma or SPECS["sd"].default_gamma,
         "pld_k": cfg.pld_k,
         "pld_max_ngram": cfg.pld_ngram,
         "gating": cfg.gating,
@@ -312,13 +231,95 @@ def _describe(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict
     }
 
 
-def write_outputs(result: dict, out_dir: Path) -> None:
-    from .report import render_markdown, render_plot
+class _ContextRunner:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, cfg: BenchConfig):
+        self.target, self.draft, self.cfg = target, draft, cfg
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "results.json.tmp"
-    tmp.write_text(json.dumps({"config": result["config"], "runs": result["runs"], "summary": result["summary"]},
-                              indent=1) + "\n")
-    tmp.replace(out_dir / "results.json")
-    (out_dir / "report.md").write_text(render_markdown(result))
-    render_plot(result["summary"], out_dir / "speedup.png")
+    def run(self, spec: MethodLabel, row: dict, retrieved, memos: dict, max_new: int) -> tuple[list[int], SpecStats]:
+        cfg = self.cfg
+        opts = replace(cfg.options, **spec.overrides) if spec.overrides else cfg.options
+        if SPECS[spec.method].knob("eta") is None and opts.eta:  # --eta is RAPID's; baselines keep exact rules
+            opts = replace(opts, eta=0.0)
+        reuse = retrieved if not spec.overrides or opts.retrieval == cfg.options.retrieval else None
+        p = plan(spec.method, row["context"], row["prompt"], self.target.tokenizer, cfg.sampling, opts, reuse)
+        drf, method = None, SPECS[spec.method]
+        if method.draft == "lm":
+            drf = self.target if (spec.self_draft or self.draft is None) else self.draft
+        options = dict(p.drafter_options)
+        if method.knob("gamma") is not None:
+            options["gamma"] = spec.gamma or cfg.gamma or method.context_gamma
+            options["adaptive"] = spec.adaptive
+        req = Request(self.target, drf, spec.method, p.target_prompt_ids, cfg.sampling,
+                      DecodeConfig(max_new_tokens=max_new), options, rule=p.rule, info=p.info,
+                      gating=resolve_gating(cfg.gating if spec.gating is None else spec.gating, cfg.sampling),
+                      fastpath=None if opts.prefix_attention else "off")
+        stats = SpecStats(method=spec.label, **p.info)
+        short = method.retrieval and method.draft == "none"  # rag: the target reads the retrieved context
+        memo = memos.setdefault("short" if short else "full", PrefillMemo())
+        return Run(req, stats, memo=memo, text=False).run(), stats
+
+
+def _run_context_rows(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], cfg: BenchConfig,
+                      progress: bool) -> dict:
+    for i, row in enumerate(rows):
+        if not isinstance(row.get("context"), str) or not isinstance(row.get("prompt"), str):
+            raise RetrospecError(f"row {i} needs string fields 'context' and 'prompt'")
+    methods = [parse_label(m, context=True) for m in with_baseline(cfg.methods, "lc")]
+    runner = _ContextRunner(target, draft, cfg)
+    tok = target.tokenizer
+    torch.manual_seed(0)
+    needs_retrieval = any(SPECS[m.method].retrieval for m in methods)
+    if cfg.warmup and rows:
+        first = min(rows, key=lambda r: len(r["context"]))
+        got = retrieve("rapid", first["context"], first["prompt"], tok, cfg.options) if needs_retrieval else None
+        warm_memos: dict = {}
+        for m in methods:
+            runner.run(m, first, got, warm_memos, min(4, cfg.max_new_tokens))
+    runs, probes = [], []
+    bar = tqdm(total=len(rows) * len(methods), desc="bench", unit="run", disable=not progress,
+               dynamic_ncols=True)
+    probed: set[int] = set()
+    for i, row in enumerate(rows):
+        got = retrieve("rapid", row["context"], row["prompt"], tok, cfg.options) if needs_retrieval else None
+        memos: dict = {}
+        length = int(row.get("length") or 0)
+        for m in methods:
+            bar.set_postfix_str(f"{row.get('task', '?')}@{length} {m.label}")
+            out, stats = runner.run(m, row, got, memos, cfg.max_new_tokens)
+            text = tok.decode(out, skip_special_tokens=True)
+            runs.append({"method": m.label, "row": i, "task": row.get("task", "?"), "length": length,
+                         "context_tokens": row.get("context_tokens"), "token_ids": out, "text": text,
+                         "correct": score(row, text), "stats": stats.to_dict(),
+                         "prefill_full_s": memos["full"].seconds if "full" in memos else None,
+                         "prefill_short_s": memos["short"].seconds if "short" in memos else None,
+                         "retrieval_total_s": got.seconds if got is not None else None})
+            bar.update()
+        if cfg.verify_probe_gamma and length not in probed and "full" in memos:
+            probed.add(length)
+            ids = plan("lc", row["context"], row["prompt"], tok, cfg.sampling, cfg.options).target_prompt_ids
+            probe = verify_cost(target.model, ids, cfg.verify_probe_gamma, memo=memos["full"])
+            probes.append(probe | {"length": length})
+    bar.close()
+    return {"config": _describe_rows(target, draft, rows, cfg, methods), "runs": runs, "summary": summarize_rows(runs),
+            "verify_probes": probes}
+
+
+def _describe_rows(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], cfg: BenchConfig,
+                   methods: list[MethodLabel]) -> dict:
+    o = cfg.options
+    return {
+        "target": target.path, "draft": draft.path if draft else "(target itself)", "rows": len(rows),
+        "tasks": sorted({r.get("task", "?") for r in rows}),
+        "lengths": sorted({int(r.get("length") or 0) for r in rows}),
+        "methods": [m.label for m in methods], "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.sampling.temperature, "seed": cfg.sampling.seed,
+        "gamma": cfg.gamma or SPECS["rapid"].context_gamma,
+        "gating": cfg.gating,
+        "eta": o.eta, "chunk_tokens": o.chunk_tokens, "retrieval_tokens": o.retrieval_tokens,
+        "min_retrieval_tokens": o.min_retrieval_tokens, "max_retrieval_fraction": o.max_retrieval_fraction,
+        "similarity_floor": o.similarity_floor, "piece_tokens": o.piece_tokens, "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),
+        "sink": o.sink, "window": o.window, "attention": target.model.config._attn_implementation,
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from ..types import DraftTree
+from ..verify import PrefillMemo, Verifier
+
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # heads, key/value heads, head dim
 
 
@@ -171,3 +174,32 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+@torch.inference_mode()
+def verify_cost(target: torch.nn.Module, prompt_ids: list[int], gamma: int = 10, reps: int = 15,
+                memo: PrefillMemo | None = None) -> dict:
+    """Median seconds of one verification forward of ``gamma`` chain tokens vs one decode token after
+    ``prompt_ids`` (cache rolled back after each call, so every call sees the same cache length), with the target
+    as it is (transformers' ``sdpa``) and through the engine's fast copy (``fastpath``: ``attention.prefix_block``
+    and the measured matmul paths). The caller's model is not changed."""
+    root = prompt_ids[-1]
+    chain = DraftTree.chain(prompt_ids[-gamma - 1:-1] if len(prompt_ids) > gamma else [root] * gamma)
+    out = {"cache_tokens": len(prompt_ids), "gamma": gamma}
+    for key, how in (("sdpa", "off"), ("prefix_block", None)):
+        ver = Verifier(target, fastpath=how)
+        if how is None and ver.engine.mode == "off":
+            continue
+        ver.prefill(prompt_ids[:-1], memo)  # the decode loop's invariant: the cache holds all but the root
+        times: dict[int, list[float]] = {0: [], gamma: []}
+        for _ in range(reps):
+            for n, tree in ((0, DraftTree.empty()), (gamma, chain)):
+                t = time.perf_counter()
+                ver.score(root, tree)
+                times[n].append(time.perf_counter() - t)
+                ver.commit([])
+                ver.kv.crop(len(prompt_ids))
+        t1, tg = statistics.median(times[0]), statistics.median(times[gamma])
+        out[key] = {"attention": ver.engine.describe()["attention"], "decode_s": t1, "verify_s": tg,
+                    "ratio": tg / t1}
+    return out

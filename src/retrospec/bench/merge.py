@@ -2,7 +2,7 @@
 
 ``python -m retrospec.bench.merge runs/a runs/b --out runs/ab``: the parts must agree on target, draft, methods,
 sampling and lengths (``config``); their per-prompt runs are concatenated (prompt indices offset) and the summary
-is recomputed by ``harness.summarize``, so every figure stays token-weighted over all prompts. Each part has its
+is recomputed by ``summary.summarize_prompts``, so every figure stays token-weighted over all prompts. Each part has its
 own ``ar`` runs on its own prompts, so speedups compare like with like; the machine should be the same. Models are
 compared by directory name (the same bundled draft may sit in another checkout).
 """
@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import SamplingConfig
 from ..errors import RetrospecError
-from .harness import BenchConfig, summarize, write_outputs
+from .report import write_outputs
+from .summary import summarize_prompts
 
 MUST_AGREE = ("target", "draft", "chat", "methods", "max_new_tokens", "temperature", "top_p", "top_k", "gamma",
               "pld_k", "pld_max_ngram")
@@ -38,10 +38,8 @@ def merge(parts: list[dict]) -> dict:
         n = p["config"]["prompts"]
         runs += [r | {"prompt_index": r["prompt_index"] + offset} for r in p["runs"]]
         offset += n
-    cfg = BenchConfig(methods=first["methods"], sampling=SamplingConfig(temperature=first["temperature"],
-                                                                        top_p=first["top_p"], top_k=first["top_k"]))
     config = first | {"prompts": offset, "merged_from": [p["config"].get("date") for p in parts]}
-    return {"config": config, "runs": runs, "summary": summarize(runs, cfg)}
+    return {"config": config, "runs": runs, "summary": summarize_prompts(runs, greedy=first["temperature"] == 0)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,14 @@
-"""Bench reports: a markdown table, a console table (rich) and a speedup bar chart (matplotlib)."""
+"""Bench reports, one module for both kinds of rows: a markdown report, a console table (rich) and a chart
+(matplotlib). Prompt rows: one row per label, a speedup bar chart (``speedup.png``). Context rows: per context
+length and per task, speedup and accuracy against context length (``long_context.png``). The quantities are
+defined in ``bench.summary``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-COLUMNS = ("method", "tokens/s", "speedup", "ideal", "tau", "acceptance", "no-draft", "draft state", "target KV",
+COLUMNS = ("method", "tokens/s", "speedup", "no-overhead", "tau", "acceptance", "no-draft", "draft state", "target KV",
            "lossless")
 MEMORY_COLUMNS = ("draft state", "target KV")  # left out of the console table below WIDE columns (report.md has them)
 WIDE = 110
@@ -25,7 +29,7 @@ def format_bytes(n: int | None) -> str:
 
 def _row(s: dict) -> list[str]:
     lossless = {True: "yes", False: "NO", None: "n/a"}[s["lossless"]]
-    return [s["method"], f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['ideal_speedup']:.2f}x",
+    return [s["method"], f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['overhead_free_speedup']:.2f}x",
             f"{s['mean_accepted_tokens']:.2f}", f"{s['acceptance_rate']:.2f}",
             f"{s['gated_share']:.0%}" if s.get("gating") else "—", format_bytes(s.get("draft_state_bytes")),
             format_bytes(s.get("target_kv_bytes")), lossless]
@@ -40,6 +44,8 @@ def _span(rows: list[dict] | None) -> str:
 
 
 def render_markdown(result: dict) -> str:
+    if "verify_probes" in result:
+        return _context_markdown(result)
     c = result["config"]
     lines = [
         "# retrospec bench",
@@ -61,7 +67,7 @@ def render_markdown(result: dict) -> str:
     lines += [
         "",
         "tokens/s: decode phase (after the prompt forward), token-weighted over prompts. speedup: tokens/s over "
-        "`ar` in this run. ideal: speedup with zero engine overhead (model-forward time only). tau: new tokens per "
+        "`ar` in this run. no-overhead: speedup with zero engine overhead (model-forward time only). tau: new tokens per "
         "target forward. acceptance: accepted / drafted tokens. no-draft: share of steps the gate ran without "
         "a draft (— = not gated: ar, hf-* and m@gating=0 rows, or --no-gating). draft state: the most the drafter "
         "held in its own per-request state at the end of a run (longspec: its ring buffer; magicdec: its sink + "
@@ -75,6 +81,8 @@ def render_markdown(result: dict) -> str:
 
 
 def print_table(summary: list[dict]) -> None:
+    if summary and "length" in summary[0]:
+        return _context_table(summary)
     from rich.console import Console
     from rich.table import Table
 
@@ -101,7 +109,7 @@ def render_plot(summary: list[dict], path: Path) -> None:
     x = range(len(names))
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(names)), 3.6))
     ax.bar([i - 0.2 for i in x], [s["speedup"] for s in summary], width=0.4, label="measured")
-    ax.bar([i + 0.2 for i in x], [s["ideal_speedup"] for s in summary], width=0.4, label="ideal (no overhead)",
+    ax.bar([i + 0.2 for i in x], [s["overhead_free_speedup"] for s in summary], width=0.4, label="no-overhead bound",
            alpha=0.6)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(list(x), names, rotation=20)
@@ -118,3 +126,131 @@ def _engine_line(e: dict) -> str:
         return "off (the target as it is)"
     return (f"{e.get('mode')}, attention `{e.get('attention')}`, oneDNN-prepacked linears for "
             f"{e.get('packed_rows') or 'no'} rows, head layouts {e.get('head')} (plan: {e.get('plan')})")
+
+
+# --- context rows -----------------------------------------------------------------------------------------------
+
+CONTEXT_COLUMNS = ("length", "method", "tok/s", "speedup", "forward", "tau", "accept", "no-draft", "verify/lc",
+                   "accuracy", "same as lc", "prefill s", "retrieval ms", "retrieved", "rule")
+
+
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _context_row(s: dict) -> list[str]:
+    rule = s["rule"] if s["lossless"] else f"**LOSSY** {s['rule']}"
+    return [str(s["length"]), s["method"], f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
+            f"{s['forward_speedup']:.2f}x" if s["forward_speedup"] else "-", f"{s['mean_accepted_tokens']:.2f}",
+            f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] else "-",
+            f"{s['gated_share']:.0%}" if s.get("gating") else "-",
+            f"{s['verify_ratio']:.2f}" if s["method"] != "lc" else "1.00",
+            f"{s['accuracy']:.2f}", _f(s["same_as_lc"], ".2f"), _f(s["prefill_full_s"], ".2f"),
+            _f(None if s["retrieval_s"] is None else 1000 * s["retrieval_s"], ".0f"),
+            _f(s["retrieved_tokens"], ".0f"), rule]
+
+
+def _table(rows: list[dict], with_task: bool = False) -> list[str]:
+    cols = (("task",) if with_task else ()) + CONTEXT_COLUMNS
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(([s["task"]] if with_task else []) + _context_row(s)) + " |" for s in rows]
+
+
+def _context_markdown(result: dict) -> str:
+    c = result["config"]
+    summary = result["summary"]
+    lossy = sorted({s["method"] for s in summary if not s["lossless"]})
+    lines = [
+        "# retrospec long-context bench (RAPID and baselines)",
+        "",
+        f"- target: `{c['target']}`; drafter for sd / rapid: `{c['draft']}`",
+        f"- {c['rows']} rows, tasks {', '.join(c['tasks'])}, lengths {', '.join(map(str, c['lengths']))}; "
+        f"{c['max_new_tokens']} new tokens max, temperature {c['temperature']}, gamma {c['gamma']}",
+        f"- retrieval: {c['embedder']}, chunks of {c['chunk_tokens']} tokens scored by their best "
+        f"{c.get('piece_tokens')}-token piece, floor {c['similarity_floor']}, budget "
+        + (f"{c['retrieval_tokens']} tokens" if c["retrieval_tokens"] else
+           f"max({c['min_retrieval_tokens']}, {c['max_retrieval_fraction']:.4g} x context)")
+        + f"; magicdec sink {c['sink']}, window {c['window'] or 'default (same budget as retrieval)'}; eta {c['eta']}",
+        f"- target attention: `{c.get('attention', 'sdpa')}`",
+        f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}",
+    ]
+    if lossy:
+        lines += ["", f"**LOSSY methods in this report: {', '.join(lossy)}** (RAPID with eta > 0: the output "
+                      "distribution is not the target's; see acceptance_rapid.py)."]
+    lines += ["", "## All tasks", ""] + _table([s for s in summary if s["task"] == "all"])
+    lines += ["", "## Per task", ""] + _table([s for s in summary if s["task"] != "all"], with_task=True)
+    probes = result.get("verify_probes") or []
+    if probes:
+        lines += ["", "## Verification cost (gamma draft tokens vs one decode token, same cache, median)", "",
+                  "| cache tokens | gamma | attention | decode ms | verify ms | ratio |", "|---|---|---|---|---|---|"]
+        for p in probes:
+            for key in ("sdpa", "prefix_block"):
+                if key in p:
+                    a = p[key]
+                    lines.append(f"| {p['cache_tokens']} | {p['gamma']} | {a['attention']} | "
+                                 f"{1000 * a['decode_s']:.1f} | {1000 * a['verify_s']:.1f} | {a['ratio']:.2f} |")
+    lines += [
+        "",
+        "tok/s: decode phase (after the prompt forward), token-weighted over rows. speedup: tok/s over `lc` at the "
+        "same length in this run. forward: tau x t_lc / ((draft + verify seconds) per step), from forward times of "
+        "this run. no-draft: share of steps the gate ran without a draft (- = not gated). verify/lc: seconds per "
+        "verification forward over seconds per lc decode forward. accuracy: "
+        "containment (kv, passkey, facts) or first-line exact match (repo). same as lc: share of outputs "
+        "token-identical to lc. prefill s: the long prompt's forward, run once per row and shared. retrieval: "
+        "chunk + embed + select, once per row.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _context_table(summary: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="retrospec long-context bench")
+    for col in CONTEXT_COLUMNS:
+        table.add_column(col, justify="left" if col in ("method", "rule") else "right")
+    for s in summary:
+        if s["task"] == "all":
+            table.add_row(*(_context_row(s)[:-1] + [s["rule"] if s["lossless"] else f"LOSSY {s['rule']}"]))
+    Console().print(table)
+
+
+def _context_plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [s for s in summary if s["task"] == "all"]
+    methods = list(dict.fromkeys(s["method"] for s in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for m in methods:
+        pts = sorted((s["length"], s["speedup"], s["accuracy"], s["lossless"]) for s in rows if s["method"] == m)
+        xs = [p[0] for p in pts]
+        label = m if all(p[3] for p in pts) else f"{m} (lossy)"
+        ax1.plot(xs, [p[1] for p in pts], marker="o", label=label)
+        ax2.plot(xs, [p[2] for p in pts], marker="o", label=label)
+    for ax, name in ((ax1, "speedup over lc (decode tok/s)"), (ax2, "accuracy")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(name)
+    ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: dict, out_dir: Path) -> None:
+    """results.json, report.md and the chart (speedup.png; long_context.png for context rows), atomically per file."""
+    context = "verify_probes" in result
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "results.json.tmp"
+    tmp.write_text(json.dumps(result if context else {k: result[k] for k in ("config", "runs", "summary")},
+                              indent=1) + "\n")
+    tmp.replace(out_dir / "results.json")
+    (out_dir / "report.md").write_text(render_markdown(result))
+    (_context_plot if context else render_plot)(result["summary"], out_dir / ("long_context.png" if context
+                                                                              else "speedup.png"))

@@ -19,7 +19,8 @@ import warnings
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse would print a usage block first)
-        raise SystemExit(_fail(f"{self.prog}: {message}"))
+        where = self.prog.removeprefix("retrospec").strip()  # the subcommand, if any: the name is said once
+        raise SystemExit(_fail(f"{where}: {message}" if where else message))
 
 
 def _fail(message: str) -> int:

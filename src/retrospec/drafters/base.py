@@ -1,4 +1,4 @@
-"""The ``Drafter`` protocol and the registry of drafting methods.
+"""The ``Drafter`` protocol, the plain-decoding drafter ``NoDraft`` and helpers shared by drafters.
 
 A drafter proposes a ``DraftTree`` below the last committed token. It declares what it needs from the target in
 ``needs`` (e.g. ``{"hidden_states"}``); the decode loop hands it read-only views through ``DecodeContext``.
@@ -105,15 +105,3 @@ class NoDraft:
 
     def observe(self, accepted: int, drafted: int) -> None:
         pass
-
-
-# name -> factory(**options) -> Drafter. Factories receive the method's options (draft model, gamma, ...).
-REGISTRY: dict[str, Callable[..., Drafter]] = {"ar": lambda **_: NoDraft()}
-
-
-def register(name: str):
-    def deco(factory):
-        REGISTRY[name] = factory
-        return factory
-
-    return deco

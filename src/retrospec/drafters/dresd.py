@@ -19,8 +19,9 @@ import numpy as np
 from ..errors import RetrospecError
 from ..tree import merge_sequences
 from ..types import DraftTree
-from .base import DecodeContext, register
-from .rest import DEFAULTS, check_shape
+from .base import DecodeContext
+from .registry import Knob, MethodSpec, register
+from .rest import DATASTORE, DEFAULTS, DRAFT_LEN, NUM_DRAFTS, check_shape
 
 
 class DresdDrafter:
@@ -71,9 +72,8 @@ class DresdDrafter:
         pass
 
 
-@register("dresd")
 def _make_dresd(*, datastore=None, num_drafts: int | None = None, draft_len: int | None = None,
-                neighbours: int | None = None, target=None, **_) -> DresdDrafter:
+                neighbours: int | None = None, target=None) -> DresdDrafter:
     from ..retrieval import open_store
 
     if datastore is None:
@@ -81,3 +81,10 @@ def _make_dresd(*, datastore=None, num_drafts: int | None = None, draft_len: int
                              "'retrospec datastore build --kind dense')")
     store = open_store(datastore, "dense", target=target)
     return DresdDrafter(store, num_drafts=num_drafts, draft_len=draft_len, neighbours=neighbours)
+
+
+SPEC = register(MethodSpec(
+    "dresd", _make_dresd, "ANN search over target hidden states, next-N tokens",
+    knobs=(DATASTORE, NUM_DRAFTS, DRAFT_LEN,
+           Knob("neighbours", "int", None, "neighbours searched (default max(128, 20 x num_drafts))", min=1)),
+    store="dense", needs=frozenset({"hidden_states"})))

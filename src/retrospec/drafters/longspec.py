@@ -35,7 +35,8 @@ import torch
 from ..errors import RetrospecError
 from ..models.longspec import DraftState, LongSpecDraft, load_longspec
 from ..types import DraftTree
-from .base import DecodeContext, as_module, register
+from .base import DecodeContext, as_module
+from .registry import Knob, MethodSpec, register
 
 DEFAULT_TREE = (4, 16, 16, 16, 16)
 
@@ -168,8 +169,14 @@ def longspec_options(draft, target, gamma: int | None, tree) -> dict:
     return {"block": load_block(draft, target), "gamma": gamma, "tree": None if tree is None else parse_tree(tree)}
 
 
-@register("longspec")
-def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=None, **_) -> LongSpecDrafter:
+def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=None) -> LongSpecDrafter:
     if not isinstance(block, LongSpecDraft):
         block = load_block(block, target)
     return LongSpecDrafter(block, gamma=gamma, tree=tree)
+
+
+SPEC = register(MethodSpec(
+    "longspec", _make_longspec, "one draft block over the target's KV cache, beam tree",
+    knobs=(Knob("gamma", "int", None, "draft a chain of N tokens instead of the tree", min=1),
+           Knob("tree", "widths", None, "beam tree widths per depth (default 4,16,16,16,16)", parse=parse_tree)),
+    draft="block", needs=frozenset({"target_kv"})))

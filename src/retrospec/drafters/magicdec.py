@@ -23,7 +23,9 @@ import torch
 from ..fastpath import engine_for
 from ..kv.streaming import SinkWindowCache
 from ..types import DraftTree
-from .base import DecodeContext, as_module, draft_chain, register
+from ..errors import RetrospecError
+from .base import DecodeContext, as_module, draft_chain
+from .registry import ADAPTIVE, Knob, MethodSpec, gamma_knob, register
 
 DEFAULT_SINK = 4
 
@@ -91,10 +93,16 @@ class MagicDecDrafter:
         return self.cache.nbytes() if self.cache is not None else 0
 
 
-@register("magicdec")
 def _make_magicdec(*, target=None, gamma: int = 10, sink: int = DEFAULT_SINK, window: int | None = None,
-                   adaptive: bool = False, **_) -> MagicDecDrafter:
+                   adaptive: bool = False) -> MagicDecDrafter:
     model = as_module(target)
     if model is None:
-        raise ValueError("method 'magicdec' needs the target model")
+        raise RetrospecError("method 'magicdec' needs the target model")
     return MagicDecDrafter(model, gamma=gamma, sink=sink, window=window, adaptive=adaptive)
+
+
+SPEC = register(MethodSpec(
+    "magicdec", _make_magicdec, "the target itself over a StreamingLLM (sink + window) KV cache",
+    knobs=(gamma_knob(5), ADAPTIVE, Knob("sink", "int", DEFAULT_SINK, "attention-sink tokens kept", min=0),
+           Knob("window", "int", None, "recent tokens kept (default: max(1024, context / 24))", min=1)),
+    default_gamma=5, context_gamma=10, context="optional", needs=frozenset({"target_kv"})))

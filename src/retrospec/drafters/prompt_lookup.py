@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import DraftTree
-from .base import DecodeContext, register
+from .base import DecodeContext
+from .registry import Knob, MethodSpec, gamma_knob, register
 
 
 def lookup(tokens: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -78,6 +79,10 @@ class PromptLookupDrafter:
         pass
 
 
-@register("pld")
-def _make_pld(*, gamma: int = 10, max_ngram: int = 3, **_) -> PromptLookupDrafter:
+def _make_pld(*, gamma: int = 10, max_ngram: int = 3) -> PromptLookupDrafter:
     return PromptLookupDrafter(k=gamma, max_ngram=max_ngram)
+
+
+SPEC = register(MethodSpec("pld", _make_pld, "n-gram match in the prompt and output",
+                           knobs=(gamma_knob(10), Knob("max_ngram", "int", 3, "longest n-gram matched", min=1)),
+                           default_gamma=10))

@@ -16,7 +16,8 @@ from __future__ import annotations
 from ..errors import RetrospecError
 from ..tree import frequency_trie
 from ..types import DraftTree
-from .base import DecodeContext, register
+from .base import DecodeContext
+from .registry import Knob, MethodSpec, register
 
 DEFAULTS = {True: (3, 20), False: (10, 10)}  # greedy -> (num_drafts, draft_len); sampling -> ...
 
@@ -58,9 +59,8 @@ class RestDrafter:
         pass
 
 
-@register("rest")
-def _make_rest(*, datastore=None, num_drafts: int | None = None, draft_len: int | None = None, target=None,
-               **_) -> RestDrafter:
+def _make_rest(*, datastore=None, num_drafts: int | None = None, draft_len: int | None = None,
+               target=None) -> RestDrafter:
     from ..retrieval import open_store
 
     if datastore is None:
@@ -68,3 +68,11 @@ def _make_rest(*, datastore=None, num_drafts: int | None = None, draft_len: int 
                              "'retrospec datastore build --kind suffix')")
     store = open_store(datastore, "suffix", target=target)
     return RestDrafter(store, num_drafts=num_drafts, draft_len=draft_len)
+
+
+DATASTORE = Knob("datastore", "path", None, "the method's datastore: a directory (retrospec datastore build) or an "
+                 "opened store")
+NUM_DRAFTS = Knob("num_drafts", "int", None, "drafts per step (default 3 greedy, 10 sampling)", min=1)
+DRAFT_LEN = Knob("draft_len", "int", None, "tokens per draft (default 20 greedy, 10 sampling)", min=1)
+SPEC = register(MethodSpec("rest", _make_rest, "suffix-array datastore, trie of continuations",
+                           knobs=(DATASTORE, NUM_DRAFTS, DRAFT_LEN), store="suffix"))

@@ -24,7 +24,9 @@ import torch
 from ..fastpath import engine_for
 from ..kv import KVCache
 from ..types import DraftTree
-from .base import DecodeContext, draft_chain, register
+from ..errors import RetrospecError
+from .base import DecodeContext, draft_chain
+from .registry import ADAPTIVE, MethodSpec, gamma_knob, register
 
 
 class SmallLMDrafter:
@@ -48,7 +50,7 @@ class SmallLMDrafter:
         self.to_draft: torch.Tensor | None = None  # [V] draft row read for each target id
         if vocab_map is not None:
             if target_vocab is None:
-                raise ValueError("a draft vocabulary map needs the target's vocabulary size")
+                raise RetrospecError("a draft vocabulary map needs the target's vocabulary size")
             self.vocab_map = vocab_map.to(self.device)
             to_draft = torch.full((target_vocab,), -1, dtype=torch.long)
             to_draft[vocab_map] = torch.arange(len(vocab_map))
@@ -108,13 +110,16 @@ class SmallLMDrafter:
             self.gamma = max(1, self.gamma - 1)
 
 
-@register("sd")
 def _make_sd(*, draft_model=None, draft=None, target=None, gamma: int = 5, adaptive: bool = False,
-             prefill_prompt: bool = False, **_) -> SmallLMDrafter:
+             prefill_prompt: bool = False) -> SmallLMDrafter:
     if draft_model is None:
-        raise ValueError("method 'sd' needs a draft model")
+        raise RetrospecError("method 'sd' needs a draft model (--draft DIR / draft=...)")
     return SmallLMDrafter(draft_model, gamma=gamma, adaptive=adaptive, prefill_prompt=prefill_prompt,
                           **vocab_map_options(draft, target))
+
+
+SPEC = register(MethodSpec("sd", _make_sd, "a small draft LM, chain, with q", knobs=(gamma_knob(5), ADAPTIVE),
+                           default_gamma=5, context_gamma=10, draft="lm", context="optional"))
 
 
 def vocab_map_options(draft, target) -> dict:

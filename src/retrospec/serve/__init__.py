@@ -3,7 +3,7 @@
 Layout: ``protocol`` (request validation, response shapes), ``engine`` (loaded models and the single generation
 worker), ``metrics`` (Prometheus text), ``app`` (routes, auth, streaming), ``server`` (binding, background runs),
 ``loadtest`` (a small load generator). The package adds no engine logic: every request goes through
-``retrospec.api.prepare`` and ``GenerationStream`` like any library call.
+``retrospec.api.prepare`` and ``retrospec.run.Run`` like any library call.
 """
 
 from .app import build_app, create_app

@@ -30,14 +30,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..api import GenerationStream, prepare
-from ..drafters import REGISTRY
+from ..api import prepare
+from ..drafters.registry import SPECS, methods as all_methods
 from ..errors import RetrospecError
 from ..models import (DEFAULT_TARGET, LoadedModel, check_same_vocab, default_target, load_model, lookup, paired_draft,
                       paired_longspec)
 from ..types import SpecStats
 from .metrics import Metrics
-from .protocol import METHOD_KNOBS, STORE_KIND, Capabilities, Params, ProtocolError, TextAssembler
+from ..run import Run
+from .protocol import Capabilities, Params, ProtocolError
 
 log = logging.getLogger("retrospec.serve")
 
@@ -140,17 +141,18 @@ class Backend:
         return by_kind
 
     def _capabilities(self, method: str, name: str) -> Capabilities:
-        why = {m: "it needs a long context, which the server does not take" for m in REGISTRY if m not in METHOD_KNOBS}
-        if self.draft is None:
-            why["sd"] = "no draft model: start the server with --draft"
-        if self._no_longspec:
-            why["longspec"] = self._no_longspec
-        for m, kind in STORE_KIND.items():
-            if kind not in self.stores:
-                why[m] = f"no {kind} datastore: start the server with --datastore DIR"
-        methods = tuple(m for m in METHOD_KNOBS if m in REGISTRY and m not in why)
-        if method not in REGISTRY:
-            raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(REGISTRY))}")
+        why = {m: "it needs a long context, which the server does not take" for m in all_methods()
+               if m not in all_methods(context=False)}
+        for m, spec in SPECS.items():
+            if spec.draft == "lm" and self.draft is None and m not in why:
+                why[m] = "no draft model: start the server with --draft"
+            if spec.draft == "block" and self._no_longspec:
+                why[m] = self._no_longspec
+            if spec.store and spec.store not in self.stores:
+                why[m] = f"no {spec.store} datastore: start the server with --datastore DIR"
+        methods = tuple(m for m in all_methods(context=False) if m not in why)
+        if method not in SPECS:
+            raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(SPECS))}")
         if method not in methods:
             raise RetrospecError(f"method '{method}' cannot be served: {why[method]}")
         return Capabilities(name, methods, method, self.stores, why)
@@ -191,7 +193,7 @@ class Backend:
     def _generate(self, job: Job) -> None:
         p = job.params
         kwargs = dict(p.kwargs)
-        draft = {"sd": self.draft, "longspec": self.longspec_block}.get(kwargs["method"])
+        draft = {"lm": self.draft, "block": self.longspec_block}.get(SPECS[kwargs["method"]].draft)
         try:
             req = prepare(p.prompt, messages=p.messages, target=self.target, draft=draft, **kwargs)
         except RetrospecError as exc:
@@ -201,27 +203,21 @@ class Backend:
             raise
         job.emit("start", len(req.prompt_ids))
         t0 = time.perf_counter()
-        s = GenerationStream(req)
-        tok = self.target.tokenizer
-        text = TextAssembler(req.decode.stop_strings)
-        chunks = s.token_chunks()
+        run = Run(req)
+        steps = iter(run)
         try:
-            for _ in chunks:
+            for _, delta in steps:
                 if job.cancelled:
                     break
-                delta = text.feed(tok.decode(s.token_ids, skip_special_tokens=True))
                 if delta:
                     job.emit("text", delta)
         finally:
-            chunks.close()  # stops the decode loop (and fills s.result) whether it ran out, stopped or was cancelled
-            self.metrics.record_generation(s.stats, time.perf_counter() - t0, cancelled=job.cancelled)
-        delta = text.finish(s.text)
-        if delta:
-            job.emit("text", delta)
-        ids = s.token_ids
-        stopped = text.stopped or bool(ids) and ids[-1] in req.stop_ids()
-        finish = "length" if not stopped and len(ids) >= req.decode.max_new_tokens else "stop"
-        job.emit("done", Outcome(text.sent, list(ids), s.stats, finish, len(req.prompt_ids), job.cancelled))
+            steps.close()  # stops the decode loop (and finishes the text) whether it ran out, stopped or was cancelled
+            self.metrics.record_generation(run.stats, time.perf_counter() - t0, cancelled=job.cancelled)
+        if run.last_delta:
+            job.emit("text", run.last_delta)
+        job.emit("done", Outcome(run.text, list(run.token_ids), run.stats, run.finish_reason(), len(req.prompt_ids),
+                                 job.cancelled))
 
     def close(self) -> None:
         """Cancel whatever is queued or running and let the worker go (server shutdown)."""
@@ -235,6 +231,7 @@ class Backend:
         return {"target": self.target.path, "draft": self.draft.path if self.draft else None,
                 "longspec_draft": self.longspec_src,
                 "methods": list(self.caps.methods), "default_method": self.caps.default_method,
+                "knobs": {m: [*SPECS[m].knob_names, "gating"] for m in self.caps.methods},  # from the registry
                 "unavailable": dict(sorted(self.caps.why_not.items())),  # method -> why this server cannot run it
                 "datastores": {kind: list(s) for kind, s in self.stores.items()}}
 

@@ -10,10 +10,9 @@ Contract:
   ``prepare`` already makes (temperature >= 0, top_p in (0, 1], gamma >= 1, ...) are left to it.
 - Defaults: ``max_tokens`` 16 for completions (as OpenAI), 128 for chat; ``temperature`` 0 (greedy, retrospec's
   default; OpenAI's is 1). Knobs absent from the body are not passed on, so ``prepare``'s defaults apply.
-- ``TextAssembler`` turns the cumulative decoded text into deltas that never change afterwards: it holds back a
-  trailing U+FFFD (a partial UTF-8 character) and any tail that may begin a stop string, and cuts the text where a
-  stop string starts (OpenAI semantics: the stop sequence itself is not returned). Streamed deltas concatenate to
-  exactly the non-streamed text.
+- Method knobs and their JSON types come from the method registry (``drafters.registry``): a knob applies to the
+  methods that declare it, and ``gating`` to all. Stop strings are applied by the run path (``run.Run``,
+  ``text.TextStream``: OpenAI semantics, the stop sequence itself is not returned).
 - ``completion_body`` / ``chat_body`` / ``*_chunk`` shape responses and stream chunks; ``error_body`` the
   ``{"error": {"message", "type", "param", "code"}}`` object of every failure.
 """
@@ -22,21 +21,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..drafters.longspec import parse_tree
+from ..drafters.registry import SPECS, all_knobs
 from ..errors import RetrospecError
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")
-METHOD_KNOBS = {  # method -> the extra body fields that apply to it (``gating`` applies to all)
-    "ar": (),
-    "sd": ("gamma", "adaptive_gamma"),
-    "pld": ("gamma",),
-    "magicdec": ("gamma", "adaptive_gamma"),
-    "rest": ("datastore", "num_drafts", "draft_len"),
-    "dresd": ("datastore", "num_drafts", "draft_len"),
-    "longspec": ("gamma", "tree"),  # gamma = a chain of gamma tokens; tree = "4,16,16" (the default: 4,16,16,16,16)
+KNOBS = all_knobs(context=False)  # every method knob a short-prompt request can carry (``drafters.registry``)
+ALL_KNOBS = ("method", "gating", *KNOBS)
+JSON_KIND = {  # knob kind -> (check of the JSON value, what it must be)
+    "int": (lambda v: _is_int(v), "an integer"),
+    "float": (lambda v: _is_number(v), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "path": (lambda v: isinstance(v, str), "a string (a datastore this server loaded)"),
+    "widths": (lambda v: isinstance(v, str), 'a string of widths per depth, e.g. "4,16,16"'),
 }
-ALL_KNOBS = ("method", "gating", "gamma", "adaptive_gamma", "datastore", "num_drafts", "draft_len", "tree")
-STORE_KIND = {"rest": "suffix", "dresd": "dense"}
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
 # standard fields accepted only at their neutral value: field -> (allowed values, what the server lacks)
 NEUTRAL = {
@@ -194,30 +192,23 @@ def _method(body: dict, caps: Capabilities) -> dict:
         raise ProtocolError(f"method {method!r} is not served here" + (f" ({why})" if why else "")
                             + f"; served: {', '.join(caps.methods)}", param="method")
     out: dict = {"method": method}
-    for name in ("gating", "adaptive_gamma"):
-        _check(body, name, lambda v: isinstance(v, bool), "true or false")
-    for name in ("gamma", "num_drafts", "draft_len"):
-        _check(body, name, _is_int, "an integer")
-    _check(body, "datastore", lambda v: isinstance(v, str), "a string (a datastore this server loaded)")
-    _check(body, "tree", lambda v: isinstance(v, str), 'a string of widths per depth, e.g. "4,16,16"')
-    given = [k for k in ALL_KNOBS if k != "method" and body.get(k) is not None]
-    for name in given:
-        if name != "gating" and name not in METHOD_KNOBS[method]:
-            knobs = ", ".join((*METHOD_KNOBS[method], "gating"))
+    _check(body, "gating", lambda v: isinstance(v, bool), "true or false")
+    for name, knob in KNOBS.items():
+        _check(body, name, *JSON_KIND[knob.kind])
+    spec = SPECS[method]
+    for name in (k for k in ALL_KNOBS if k != "method" and body.get(k) is not None):
+        if name != "gating" and spec.knob(name) is None:
+            knobs = ", ".join((*spec.knob_names, "gating"))
             raise ProtocolError(f"'{name}' does not apply to method {method!r} (its knobs: {knobs})", param=name)
         out[name] = body[name]
-    for name in ("num_drafts", "draft_len"):
-        if name in out and out[name] < 1:
-            raise ProtocolError(f"'{name}' must be an integer >= 1, got {out[name]}", param=name)
-    if method in STORE_KIND:
-        out["datastore"] = _store(caps, STORE_KIND[method], out.get("datastore"))
-    if "tree" in out:
-        if "gamma" in out:
-            raise ProtocolError("longspec drafts a chain (gamma) or a tree (tree), not both", param="tree")
-        try:
-            out["tree"] = parse_tree(out["tree"])
-        except RetrospecError as exc:
-            raise ProtocolError(str(exc), param="tree") from None
+    try:
+        spec.check({k: v for k, v in out.items() if k not in ("method", "gating", "datastore")})  # types, ranges
+    except RetrospecError as exc:
+        raise ProtocolError(str(exc), param=param_of(str(exc))) from None
+    if spec.store:
+        out["datastore"] = _store(caps, spec.store, out.get("datastore"))
+    if "tree" in out and "gamma" in out:
+        raise ProtocolError("longspec drafts a chain (gamma) or a tree (tree), not both", param="tree")
     return out
 
 
@@ -270,45 +261,6 @@ def _messages(body: dict) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# text assembly
-
-class TextAssembler:
-    """Final text deltas from the cumulative decoded text (see the module docstring)."""
-
-    def __init__(self, stops: list[str] | tuple[str, ...] = ()):
-        self.stops = tuple(stops)
-        self.sent = ""
-        self.stopped = False  # a stop string was found; the text ends where it starts
-
-    def _cut(self, text: str) -> str:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            return text[: min(hits)]
-        return text
-
-    def feed(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        text = self._cut(text)
-        if not self.stopped:
-            text = text.rstrip("\ufffd")
-            hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[: len(text) - hold]
-        return self._emit(text)
-
-    def finish(self, text: str) -> str:
-        """The last delta, given the whole decoded text; afterwards ``sent`` is the final text."""
-        return "" if self.stopped else self._emit(self._cut(text))
-
-    def _emit(self, text: str) -> str:
-        if len(text) > len(self.sent) and text.startswith(self.sent):
-            delta, self.sent = text[len(self.sent):], text
-            return delta
-        return ""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # responses
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -342,9 +294,8 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | No
 def param_of(message: str) -> str | None:
     """The request field a ``RetrospecError`` from ``prepare`` is about, when its message names one."""
     names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-             "gamma": "gamma", "gating": "gating", "num_drafts": "num_drafts", "draft_len": "draft_len",
-             "tree": "tree",
-             "stop strings": "stop", "prompt": "prompt", "messages": "messages"}
+             "gating": "gating", **{k: k for k in KNOBS}, "stop strings": "stop", "prompt": "prompt",
+             "messages": "messages", "the prompt": "prompt", "the messages": "messages"}
     for key, param in names.items():
         if message.startswith(key):
             return param

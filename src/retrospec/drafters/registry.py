@@ -1,0 +1,186 @@
+"""The method registry: one ``MethodSpec`` per decoding method, declared next to its drafter (one file each).
+
+A spec says everything the layers above need to know about a method: its factory, what it needs (a draft LM or a
+LongSpec block, a datastore kind, a long context, target KV / hidden-state views), its knobs (types, ranges,
+defaults, help), its default draft length, and whether it is lossless. The API's keyword checks, the CLI's flags,
+the server's validation and ``/v1/models``, the bench's labels and the docs' method table derive from ``SPECS``.
+
+Invariants:
+- ``SPECS`` holds every method name a user can pass; ``REGISTRY`` (name -> ``spec.build``) is derived from it.
+- A knob not declared by a method is refused everywhere with a ``RetrospecError`` that names the method's knobs
+  (``MethodSpec.check``); ``build`` refuses options its factory does not take the same way. Factories take their
+  options as keyword arguments and nothing else (no ``**_``), plus whichever of the request's models
+  (``target``, ``draft``, ``draft_model``) their signature names.
+- This module imports nothing above ``errors``: specs are plain data.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import RetrospecError
+
+MODEL_ARGS = ("target", "draft", "draft_model")  # what a request hands a factory besides the method's options
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One user-facing option of a method. ``kind``: int | float | bool | str | "path" (a datastore: a directory
+    or an opened store) | "widths" (comma-separated ints, parsed by ``parse``)."""
+
+    name: str
+    kind: str
+    default: object = None  # None = the drafter decides (e.g. from the sampling mode)
+    help: str = ""
+    min: float | None = None
+    arg: str | None = None  # the factory's parameter name when it differs from ``name``
+    parse: Callable | None = None  # text or a sequence -> value; raises RetrospecError
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value):
+        """The validated value (None stays None = the default)."""
+        if value is None:
+            return None
+        if self.parse is not None:
+            return self.parse(value)
+        ok = {"int": _is_int, "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(self.kind)
+        if ok is not None and not ok(value):
+            want = {"int": "an integer", "bool": "true or false", "str": "a string", "float": "a number"}[self.kind]
+            raise RetrospecError(f"{self.name} must be {want}, got {value!r}")
+        if self.min is not None and value < self.min:
+            raise RetrospecError(f"{self.name} must be >= {self.min:g}, got {value}")
+        return float(value) if self.kind == "float" else value
+
+
+GAMMA_HELP = "draft length (tokens drafted per step)"
+
+
+def gamma_knob(default: int | None, help: str = GAMMA_HELP) -> Knob:
+    return Knob("gamma", "int", default, help, min=1)
+
+
+ADAPTIVE = Knob("adaptive_gamma", "bool", False, "grow gamma on full acceptance, shrink on rejection",
+                arg="adaptive")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    factory: Callable
+    summary: str
+    knobs: tuple[Knob, ...] = ()
+    default_gamma: int | None = None  # draft length when none is given (a short prompt)
+    context_gamma: int | None = None  # ... over a long context
+    draft: str = "none"  # "none" | "lm": a draft LM (required without a context; the target itself with one)
+    #                      | "block": a LongSpec draft block (default: the named target's bundled one)
+    store: str | None = None  # datastore kind it drafts from: "suffix" | "dense"
+    context: str = "never"  # "never" | "optional" | "required": whether it reads a long context
+    retrieval: bool = False  # with a context, retrieves chunks of it (rag: for the target; rapid: for the draft)
+    needs: frozenset[str] = frozenset()  # views the decode loop hands the drafter ("target_kv", "hidden_states")
+    lossless: bool = True
+    lossy_when: str = ""  # the knob setting that makes it lossy (rapid: "eta > 0")
+
+    def knob(self, name: str) -> Knob | None:
+        return next((k for k in self.knobs if k.name == name), None)
+
+    @property
+    def knob_names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.knobs)
+
+    def check(self, options: dict, extra: tuple[str, ...] = (), context: bool = False) -> dict:
+        """Validate user options (knob name -> value) and return the factory's keyword arguments, with this
+        method's default gamma (``context``: over a long context) when none is given. A name that is no knob of
+        this method is refused, unless it is in ``extra`` (names the caller handles: the long-context options,
+        passed through unchecked) or its value is None (a knob of another method left unset)."""
+        out = {}
+        for name, value in options.items():
+            knob = self.knob(name)
+            if knob is None:
+                if name in extra:
+                    out[name] = value
+                elif value is not None or name not in all_knobs():
+                    raise RetrospecError(f"'{name}' does not apply to method {self.name!r} "
+                                         f"(its options: {', '.join(self.knob_names) or 'none'})")
+                continue
+            value = knob.check(value)
+            if value is not None:
+                out[knob.arg or knob.name] = value
+        gamma = self.context_gamma if context else self.default_gamma
+        if self.knob("gamma") is not None and "gamma" not in out and gamma is not None:
+            out["gamma"] = gamma
+        return out
+
+    def build(self, **options):
+        """A fresh drafter: ``options`` are the factory's keyword arguments plus the request's models, of which
+        only those the factory takes are passed on."""
+        params = inspect.signature(self.factory).parameters
+        unknown = sorted(set(options) - set(params) - set(MODEL_ARGS))
+        if unknown:
+            raise RetrospecError(f"'{unknown[0]}' does not apply to method {self.name!r} "
+                                 f"(its options: {', '.join(self.knob_names) or 'none'})")
+        return self.factory(**{k: v for k, v in options.items() if k in params})
+
+    @property
+    def lossless_label(self) -> str:
+        return "yes" if self.lossless and not self.lossy_when else f"no when {self.lossy_when}" if self.lossless \
+            else "no"
+
+
+SPECS: dict[str, MethodSpec] = {}
+REGISTRY: dict[str, Callable] = {}  # name -> spec.build (a factory that checks its options)
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    if spec.name in SPECS:
+        raise ValueError(f"method {spec.name!r} is declared twice")
+    SPECS[spec.name] = spec
+    REGISTRY[spec.name] = spec.build
+    return spec
+
+
+def spec_of(method) -> MethodSpec:
+    """The spec of a method name; an unknown name is a ``RetrospecError`` listing the methods."""
+    spec = SPECS.get(method) if isinstance(method, str) else None
+    if spec is None:
+        raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(SPECS))}")
+    return spec
+
+
+def methods(context: bool | None = None) -> tuple[str, ...]:
+    """Method names in declaration order: all, those that run on a short prompt (``context=False``), or those that
+    take a long context (``True``)."""
+    if context is None:
+        return tuple(SPECS)
+    return tuple(m for m, s in SPECS.items() if (s.context != "never" if context else s.context != "required"))
+
+
+def all_knobs(context: bool | None = None) -> dict[str, Knob]:
+    """Every knob name of the given methods -> its declaration (the first; shared names are declared alike)."""
+    out: dict[str, Knob] = {}
+    for m in methods(context):
+        for k in SPECS[m].knobs:
+            out.setdefault(k.name, k)
+    return out
+
+
+def method_table() -> str:
+    """The docs' method table (markdown), from the specs."""
+    rows = ["| method | drafts with | needs | knobs | default gamma | lossless |", "|---|---|---|---|---|---|"]
+    for s in SPECS.values():
+        needs = [{"lm": "draft LM", "block": "LongSpec block"}.get(s.draft, "")] + [
+            f"{s.store} datastore" if s.store else "", {"required": "long context", "optional": ""}[s.context]
+            if s.context != "never" else ""] + sorted(s.needs)
+        gamma = "/".join(str(g) for g in (s.default_gamma, s.context_gamma) if g is not None) or "-"
+        rows.append(f"| {s.name} | {s.summary} | {', '.join(n for n in needs if n) or '-'} | "
+                    f"{', '.join(s.knob_names) or '-'} | {gamma} | {s.lossless_label} |")
+    return "\n".join(rows)
