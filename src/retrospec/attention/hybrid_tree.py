@@ -57,31 +57,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import prefix_block
+from .common import hybrid_mask_block, restore, switch
 
 ATTN_NAME = "retrospec_hybrid_tree"
 _EXTRAS = ("position_bias", "softcap", "s_aux", "sinks", "cache")  # handled (or refused) by sdpa: never hybrid
-
-
-def hybrid_mask_block(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """The mask's tree block [mb, mh, q, q] when the hybrid split applies (see the module docstring), else None.
-
-    attention_mask [mb, mh, q, L] (mb in {1, b}, mh in {1, h}); query [b, h, q, d]; key [b, kvh, L, d].
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 4:
-        return None
-    b, h, q = query.shape[:3]
-    kvh, length = key.shape[1], key.shape[2]
-    mb, mh, mq, ml = attention_mask.shape
-    if not (1 < q < length) or h % kvh or mq != q or ml != length or mb not in (1, b) or mh not in (1, h):
-        return None
-    prefix = attention_mask[..., : length - q]  # [mb, mh, q, L - q] view
-    if attention_mask.dtype == torch.bool:
-        visible = bool(prefix.all())
-    elif attention_mask.is_floating_point():
-        visible = not bool(prefix.any())  # additive: exactly 0 everywhere (NaN and -0.0 handled: NaN is "any")
-    else:
-        return None
-    return attention_mask[..., length - q:] if visible else None  # [mb, mh, q, q] view
 
 
 def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -178,9 +157,9 @@ def enable(model: torch.nn.Module) -> bool:
     Accepted from ``sdpa`` or ``prefix_block`` (both compute the same attention); any other implementation is left
     alone, since the fallback is ``sdpa``.
     """
-    return prefix_block.switch(model, ATTN_NAME, accept=("sdpa", prefix_block.ATTN_NAME))
+    return switch(model, ATTN_NAME, accept=("sdpa", prefix_block.ATTN_NAME))
 
 
 def disable(model: torch.nn.Module) -> None:
     """Back to ``sdpa`` if hybrid tree attention is on; otherwise nothing changes."""
-    prefix_block.restore(model, ATTN_NAME)
+    restore(model, ATTN_NAME)

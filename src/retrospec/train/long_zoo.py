@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from ..bench.long_tasks import make_tasks, score
 from ..long_requests import DEFAULT_TEMPLATE
-from .corpus import read_texts, stdlib_files
+from ..stdlib_corpus import read_texts, stdlib_files
 from .lm import TrainConfig, _lr_at
 
 TRAIN_TASKS = ("kv", "passkey", "facts")

@@ -53,11 +53,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_build
 from ..errors import RetrospecError
 from ..kv import KVCache
 from ..models.longspec import LongSpecDraft, cross_visible, save_longspec, self_visible
 from ..models.longspec.block import as_module
-from .corpus import HELDOUT_PACKAGES, read_texts, stdlib_files
+from ..models.longspec.checkpoint import META_FILE
+from ..stdlib_corpus import HELDOUT_PACKAGES, read_texts, stdlib_files
 
 MANIFEST = "manifest.json"
 MAX_ANCHOR = 4
@@ -399,10 +401,7 @@ def _record(step: int, losses: list[float], started: float, lr: float) -> dict:
 
 def save_block(block: LongSpecDraft, target, manifest: dict, out: Path) -> Path:
     """``save_longspec`` plus ``manifest.json``, written into a temporary sibling and renamed into place
-    (``retrieval.store.atomic_build``: nothing at ``out`` on failure)."""
-    from ..models.longspec.checkpoint import META_FILE
-    from ..retrieval.store import atomic_build  # lazy: the shared atomic directory writer
-
+    (``atomic.atomic_build``: nothing at ``out`` on failure)."""
     if out.exists():
         raise RetrospecError(f"{out} already exists; choose another --out")
     with atomic_build(out, required=META_FILE) as tmp:

@@ -134,7 +134,7 @@ def target_generations(model, tok, prompts: list[list[int]], max_new: int, eos: 
 
 def build_streams(cfg: RealDraftConfig, target, tok, log=print) -> dict[str, np.ndarray]:
     """The training mixture as 1-D token streams (documents joined by the target's EOS)."""
-    from .corpus import read_texts, stdlib_files
+    from ..stdlib_corpus import read_texts, stdlib_files
 
     rng = random.Random(cfg.seed)
     eos = tok.eos_token_id

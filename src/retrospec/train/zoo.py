@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .corpus import HELDOUT_PACKAGES, read_texts, stdlib_files, stdlib_root
+from ..stdlib_corpus import HELDOUT_PACKAGES, read_texts, stdlib_files, stdlib_root
 from .lm import TrainConfig, eval_loss, train_lm
 from .tokenizer import train_bpe
 
