@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..models.vocab import VocabMap
+
 # chat prompts the draft is trained on (the target answers them); the bench's and demo's prompts are not here
 _TRAIN_INSTRUCTIONS = [
     "Explain what a {x} is in two sentences.", "Give three tips for {y}.", "Write a short poem about {x}.",
@@ -240,18 +242,6 @@ def init_from_target(target, layers: tuple[int, ...], vocab_ids: list[int]):
     return draft
 
 
-class VocabMapper:
-    """Target ids <-> draft rows. ``to_draft[t]`` is the draft row of target id t (``unk_row`` if absent)."""
-
-    def __init__(self, vocab_ids: list[int], target_vocab: int, unk_target_id: int = 0):
-        self.ids = torch.tensor(vocab_ids, dtype=torch.long)  # [Vd] target id of each draft row
-        self.to_draft = torch.full((target_vocab,), -1, dtype=torch.long)  # [V]
-        self.to_draft[self.ids] = torch.arange(len(vocab_ids))
-        unk = int(self.to_draft[unk_target_id]) if self.to_draft[unk_target_id] >= 0 else 0
-        self.covered = self.to_draft >= 0  # [V] bool
-        self.to_draft[~self.covered] = unk
-
-
 # ------------------------------------------------------------------------------------------------------- training
 
 
@@ -282,7 +272,7 @@ def teacher_logits(target, ids: torch.Tensor, head_rows: torch.Tensor) -> tuple[
     return full.log_softmax(-1), full[..., head_rows]
 
 
-def distill_loss(draft, ids: torch.Tensor, mapper: VocabMapper, target_sub_logits: torch.Tensor) -> torch.Tensor:
+def distill_loss(draft, ids: torch.Tensor, mapper: VocabMap, target_sub_logits: torch.Tensor) -> torch.Tensor:
     """KL(p_V || q) averaged over positions; p_V = target softmax over the draft vocabulary."""
     logits = draft(input_ids=mapper.to_draft[ids]).logits  # [B, L, Vd]
     log_q = logits.float().log_softmax(-1)
@@ -291,7 +281,7 @@ def distill_loss(draft, ids: torch.Tensor, mapper: VocabMapper, target_sub_logit
 
 
 @torch.no_grad()
-def evaluate(draft, target, mapper: VocabMapper, batches: list[torch.Tensor]) -> dict:
+def evaluate(draft, target, mapper: VocabMap, batches: list[torch.Tensor]) -> dict:
     """Acceptance proxies on held-out windows: sum_x min(p, q) (sampling) and argmax agreement (greedy), with p the
     target's full distribution and q the draft's scattered into the target vocabulary; plus vocabulary coverage of
     the target's own argmax."""
@@ -348,7 +338,7 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     specials = [i for i in (tok.all_special_ids or []) if i is not None]
     vocab_ids = select_vocab(streams, cfg.mix, cfg.vocab, always=[0] + specials + [tok.eos_token_id])
     V = loaded.vocab_size
-    mapper = VocabMapper(vocab_ids, V)
+    mapper = VocabMap(vocab_ids, V)
     draft = init_from_target(target, tuple(cfg.layers), vocab_ids)
     held = {k: v[-max(len(v) // 20, cfg.seq_len + 2):] for k, v in streams.items()}  # last 5% of each stream
     train = {k: v[: len(v) - len(held[k])] for k, v in streams.items()}
