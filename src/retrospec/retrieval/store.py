@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import META_FILE, atomic_build  # noqa: F401 (re-exported: the builders' one directory writer)
+from ..atomic import META_FILE
 from ..errors import RetrospecError
 from ..identity import model_identity, tokenizer_fingerprint
 

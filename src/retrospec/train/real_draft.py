@@ -28,19 +28,19 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_build
 from ..models.vocab import VocabMap
+from ..rag.data import read_passages, read_questions
+from .common import adamw, warmup_cosine
 
 # chat prompts the draft is trained on (the target answers them); the bench's and demo's prompts are not here
 _TRAIN_INSTRUCTIONS = [
@@ -93,8 +93,7 @@ def _encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
 
 
 def chat_prompts(n: int, seed: int, questions: list[str]) -> list[str]:
@@ -156,16 +155,16 @@ def build_streams(cfg: RealDraftConfig, target, tok, log=print) -> dict[str, np.
     streams["code"] = join([_encode(tok, t) for t in texts])
     passages, questions = [], []
     if cfg.nq_dir is not None:
-        passages = [p["title"] + "\n" + p["text"] for p in _jsonl(Path(cfg.nq_dir) / "passages.jsonl")[cfg.nq_skip:]]
-        questions = [q["question"] for q in _jsonl(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]]
+        passages = [p.title + "\n" + p.text for p in read_passages(Path(cfg.nq_dir) / "passages.jsonl")[cfg.nq_skip:]]
+        questions = [q.question for q in read_questions(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]]
         streams["prose"] = join([_encode(tok, t) for t in passages + questions])
     if questions and getattr(tok, "chat_template", None):
         # chat-formatted turns without generating: a corpus question, its passage as the answer (the target's soft
         # labels on it are what the draft learns; the template's tokens are what it must learn to read)
-        qa = _jsonl(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]
-        by_id = {p["id"]: p["text"] for p in _jsonl(Path(cfg.nq_dir) / "passages.jsonl")}
-        turns = [[{"role": "user", "content": q["question"]}, {"role": "assistant", "content": by_id[q["gold_passage"]]}]
-                 for q in qa if q.get("gold_passage") in by_id]
+        qa = read_questions(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]
+        by_id = {p.id: p.text for p in read_passages(Path(cfg.nq_dir) / "passages.jsonl")}
+        turns = [[{"role": "user", "content": q.question}, {"role": "assistant", "content": by_id[q.gold_passage]}]
+                 for q in qa if q.gold_passage in by_id]
         streams["chatqa"] = join([_encode(tok, tok.apply_chat_template(t, tokenize=False)) for t in turns])
     eos_ids = sorted({eos} | ({tok.convert_tokens_to_ids("<|im_end|>")} if "<|im_end|>" in tok.get_vocab() else set()))
     if cfg.chat_answers > 0 and getattr(tok, "chat_template", None):
@@ -245,11 +244,7 @@ def init_from_target(target, layers: tuple[int, ...], vocab_ids: list[int]):
 # ------------------------------------------------------------------------------------------------------- training
 
 
-def _lr(step_frac: float, step: int, cfg: RealDraftConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, step_frac)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
 
 
 def _windows(streams: dict[str, np.ndarray], mix: dict[str, float], rng: np.random.Generator, n: int,
@@ -351,8 +346,7 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     ids_all, hid_all = cache_teacher(target, train, cfg.mix, rng, cfg.teacher_seconds, cfg.batch_size, cfg.seq_len)
     head = target.get_output_embeddings().weight[mapper.ids].detach()  # [Vd, H]: p_V's logits = hidden @ head.T
     log(f"cached target hidden states for {ids_all.numel():,} tokens")
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    opt = adamw(draft.parameters(), cfg.lr)
     draft.train()
     t0, step, losses, running = time.time(), 0, [], None
     order = torch.randperm(len(ids_all), generator=torch.Generator().manual_seed(cfg.seed))
@@ -361,7 +355,7 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     while time.time() - t0 < cfg.seconds:
         frac = (time.time() - t0) / cfg.seconds
         for g in opt.param_groups:
-            g["lr"] = _lr(frac, step, cfg)
+            g["lr"] = warmup_cosine(step, 0, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, progress=frac)
         if pos + cfg.batch_size > len(order):
             order, pos = torch.randperm(len(ids_all), generator=torch.Generator().manual_seed(cfg.seed + step)), 0
         rows = order[pos : pos + cfg.batch_size]
@@ -406,18 +400,9 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
 def save_draft(draft, vocab_ids: list[int], target_vocab: int, manifest: dict, out: Path) -> None:
     """Write the draft atomically: fp16 safetensors, draft_vocab.json, real_draft.json (no tokenizer: see above)."""
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with atomic_build(out, overwrite=True, required="real_draft.json") as tmp:
         draft.to(torch.float16).save_pretrained(tmp)
         draft.to(torch.float32)
         (tmp / "draft_vocab.json").write_text(json.dumps({"target_vocab_size": target_vocab,
                                                           "token_ids": list(map(int, vocab_ids))}) + "\n")
         (tmp / "real_draft.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
