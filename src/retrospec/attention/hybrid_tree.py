@@ -45,18 +45,21 @@ transformers builds the mask itself: ``ATTN_NAME`` is also registered in the pub
 ``sdpa`` path would get, padding included. A chain is then a tree whose block is causal.
 
 Enabling it (``enable``) sets the model's attention implementation through the public ``set_attn_implementation``;
-``disable`` restores ``sdpa``. The Triton kernel for the tree part is ``hybrid_tree_triton.tree_attention_triton``
-(same contract as ``tree_attention`` here); this reference needs no Triton.
+``disable`` restores ``sdpa``. On CUDA with Triton installed, the tree part runs the Triton kernel
+``hybrid_tree_triton.tree_attention_triton`` (same contract as ``tree_attention`` here) whenever the block is a plain
+visible / hidden mask (``tree_part``); otherwise, and everywhere without Triton, the PyTorch ``tree_attention``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import prefix_block
+from . import hybrid_tree_triton, prefix_block
 from .common import hybrid_mask_block, restore, switch
 
 ATTN_NAME = "retrospec_hybrid_tree"
@@ -120,13 +123,48 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     return torch.lerp(out_b, out_a, w)  # out_b + w * (out_a - out_b) = w * out_a + (1 - w) * out_b
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    return hybrid_tree_triton.available()
+
+
+def use_triton(query: torch.Tensor) -> bool:
+    """Whether the tree part runs the Triton kernel: on CUDA tensors, when Triton is installed."""
+    return query.is_cuda and _triton_importable()
+
+
+def binary_block(block: torch.Tensor) -> torch.Tensor | None:
+    """The tree block [mb, 1, q, q] as the kernel's bool mask [mb, q, q] (True = visible), or None when the block
+    is not a plain visible / hidden mask (an additive bias: the PyTorch path keeps it exact). A float entry counts as
+    hidden at or below half the dtype's minimum (its softmax weight is exactly 0), as visible at exactly 0."""
+    if block.shape[1] != 1:
+        return None
+    if block.dtype == torch.bool:
+        return block[:, 0]
+    hidden = block <= torch.finfo(block.dtype).min / 2
+    if not bool((hidden | (block == 0)).all()):
+        return None
+    return ~hidden[:, 0]
+
+
+def tree_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block: torch.Tensor,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tree_attention``, dispatched to the Triton kernel (``hybrid_tree_triton``, same contract) when
+    ``use_triton`` holds and the block is a plain mask; out [b, h, q, dv] float32, lse [b, h, q]."""
+    mask = binary_block(block) if use_triton(query) else None  # [mb, q, q] bool or None
+    if mask is None:
+        return tree_attention(query, key, value, block, scaling)
+    out, lse = hybrid_tree_triton.tree_attention_triton(query, key, value, mask, scaling)
+    return out.float(), lse
+
+
 def _hybrid_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block: torch.Tensor,
                     scaling: float) -> torch.Tensor:
     """query [b, h, q, d]; key/value [b, kvh, L, d|dv]; block [mb, mh, q, q] -> [b, q, h, dv] in query's dtype."""
     q, length = query.shape[2], key.shape[2]
     cut = length - q
     out_p, lse_p = prefix_attention(query, key[:, :, :cut], value[:, :, :cut], scaling)  # [b, h, q, dv], [b, h, q]
-    out_t, lse_t = tree_attention(query, key[:, :, cut:], value[:, :, cut:], block, scaling)  # same shapes
+    out_t, lse_t = tree_part(query, key[:, :, cut:], value[:, :, cut:], block, scaling)  # same shapes
     out = merge_attention(out_p, lse_p, out_t, lse_t)  # [b, h, q, dv] float32
     return out.to(query.dtype).transpose(1, 2).contiguous()  # [b, q, h, dv], what attention interfaces return
 

@@ -69,6 +69,11 @@ class LoadedModel:
         return frozenset(ids)
 
 
+def as_module(model) -> torch.nn.Module:
+    """The module behind a ``LoadedModel``; a transformers model as is."""
+    return model.model if isinstance(model, LoadedModel) else model
+
+
 _CACHE: dict[tuple[str, str, str], LoadedModel] = {}
 
 

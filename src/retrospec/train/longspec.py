@@ -57,7 +57,7 @@ from ..atomic import atomic_build
 from ..errors import RetrospecError
 from ..kv import KVCache
 from ..models.longspec import LongSpecDraft, cross_visible, save_longspec, self_visible
-from ..models.longspec.block import as_module
+from ..models.loading import as_module
 from ..models.longspec.checkpoint import META_FILE
 from ..stdlib_corpus import HELDOUT_PACKAGES, read_texts, stdlib_files
 from .common import adamw, resolve_device, warmup_cosine

@@ -38,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_build
+from ..batched import generate_batch
 from ..models.vocab import VocabMap
 from ..rag.data import read_passages, read_questions
 from .common import adamw, warmup_cosine
@@ -110,26 +111,16 @@ def chat_prompts(n: int, seed: int, questions: list[str]) -> list[str]:
     return out
 
 
-@torch.inference_mode()
 def target_generations(model, tok, prompts: list[list[int]], max_new: int, eos: list[int], batch: int = 16,
                        desc: str = "target generations") -> list[list[int]]:
-    """Greedy continuations of each prompt (left-padded batches), returned as prompt + continuation ids."""
+    """Greedy continuations of each prompt (``batched.generate_batch``, ``batch`` at a time), returned as prompt +
+    continuation ids (the stopping EOS included)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     out: list[list[int]] = []
     for i in tqdm(range(0, len(prompts), batch), desc=desc, unit="batch", dynamic_ncols=True):
         rows = prompts[i : i + batch]
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [b, width]
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=eos, pad_token_id=pad)
-        for r, g in zip(rows, gen[:, width:].tolist()):
-            cont = []
-            for t in g:
-                cont.append(t)
-                if t in eos:
-                    break
-            out.append(r + cont)
+        res = generate_batch(model, rows, max_new_tokens=max_new, eos_ids=frozenset(eos), pad_id=pad)
+        out += [r + t for r, t in zip(rows, res.tokens)]
     return out
 
 

@@ -36,7 +36,8 @@ from ...atomic import atomic_build
 from ...errors import RetrospecError
 from ...identity import model_identity
 from .. import quant
-from .block import LongSpecDraft, as_module
+from ..loading import as_module
+from .block import LongSpecDraft
 
 FORMAT = "retrospec-longspec"
 VERSION = 1
