@@ -115,7 +115,7 @@ def speculative_generate(
             t_draft = clock()
             logits = verifier.score(ctx.tokens[-1], tree)  # [1 + N, V]
             t_verify = clock()
-            step = rule.accept(tree, pick(logits), gen)  # one host sync (the rule reads its decision back)
+            step = rule.accept(tree, pick(logits), gen)  # reads its decision back: one sync (greedy, chains)
             verifier.commit(step.accepted_nodes)
             gate.update(given, len(tree), step.accepted_nodes, t_draft - t, clock() - t_draft,
                         len(ctx.tokens))
