@@ -450,3 +450,33 @@ def test_seeded_determinism(world):
     a, b, c = _decisions(7, P, Q), _decisions(7, P, Q), _decisions(8, P, Q)
     assert a == b
     assert a != c
+
+
+def test_vectorised_chain_equals_the_per_node_walk_on_the_same_draws():
+    """``RejectionSampling`` decides a chain in one batch (one host sync); the same chain walked node by node (the
+    tree path, forced with ``is_chain=False``) must give the identical step on the same random draws: drafts with
+    q and one-hot drafts, tokens drawn from q or anywhere (some with q(x) = 0 or p(x) = 0), residuals with no mass
+    (q == p), and every chain length from 0 to 6."""
+    rule = RejectionSampling()
+    seen = set()  # (chain length, accepted length): rejections at every depth and full acceptances both occur
+    for seed in range(300):
+        g = torch.Generator().manual_seed(1000 + seed)
+        n = seed % 7
+        p = dirichlet_rows(n + 1, seed=2 * seed, zeros=seed % 3)  # [n + 1, V]
+        q = None if seed % 4 == 0 else dirichlet_rows(max(n, 1), seed=2 * seed + 1, zeros=seed % 2)[:n]  # [n, V]
+        if q is not None and seed % 5 == 0 and n:
+            q[0] = p[0]  # an empty residual at position 0
+        if q is not None and seed % 2:
+            toks = torch.multinomial(q, 1, generator=g)[:, 0] if n else torch.zeros(0, dtype=torch.long)
+        else:
+            toks = torch.randint(0, V, (n,), generator=g)
+        parents = torch.arange(-1, n - 1)
+        chain = DraftTree(toks, parents, None if q is None else q.clone())
+        walked = DraftTree(toks, parents, None if q is None else q.clone(), is_chain=False)
+        assert chain.is_chain
+        for draw in range(5):
+            a = rule.accept(chain, p, torch.Generator().manual_seed(seed * 10 + draw))
+            b = rule.accept(walked, p, torch.Generator().manual_seed(seed * 10 + draw))
+            assert (a.accepted_nodes, a.next_token, a.bonus) == (b.accepted_nodes, b.next_token, b.bonus), (seed, draw)
+            seen.add((n, len(a.accepted_nodes)))
+    assert {(6, k) for k in range(7)} <= seen and {(n, n) for n in range(7)} <= seen

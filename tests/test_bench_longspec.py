@@ -17,7 +17,7 @@ from retrospec.bench.labels import MethodLabel, parse_label
 from retrospec.bench.tasks import LCC_RANGE, preset
 from retrospec.errors import RetrospecError
 from retrospec.models.longspec import save_longspec
-from retrospec.train.corpus import stdlib_root
+from retrospec.stdlib_corpus import stdlib_root
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

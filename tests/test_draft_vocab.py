@@ -10,7 +10,8 @@ import torch
 
 from retrospec.drafters import REGISTRY
 from retrospec.drafters.small_lm import SmallLMDrafter
-from retrospec.train.real_draft import VocabMapper, init_from_target, select_vocab
+from retrospec.models.vocab import VocabMap
+from retrospec.train.real_draft import init_from_target, select_vocab
 
 
 def reduced_draft(target, vocab_ids, layers=(0,), scale: float | None = None):
@@ -35,9 +36,12 @@ def test_init_from_target_copies_rows_and_blocks():
 
 
 def test_vocab_mapper_and_selection():
-    m = VocabMapper([0, 4, 7], target_vocab=10)
+    m = VocabMap([0, 4, 7], target_vocab=10)
     assert m.to_draft.tolist() == [0, 0, 0, 0, 1, 0, 0, 2, 0, 0]  # outside the subset: the row of target id 0
     assert m.covered.tolist() == [True, False, False, False, True, False, False, True, False, False]
+    full = m.scatter(torch.tensor([[1.0, 2.0, 3.0]]))  # [1, Vd] -> [1, V]
+    assert full[0, [0, 4, 7]].tolist() == [1.0, 2.0, 3.0] and torch.isinf(full[0, m.ids.new_tensor([1, 2, 9])]).all()
+    assert VocabMap([3, 5], target_vocab=6).to_draft.tolist() == [0, 0, 0, 0, 0, 1]  # id 0 not covered: row 0
     streams = {"a": np.array([1, 1, 1, 2, 2, 3]), "b": np.array([5, 5, 6])}
     assert select_vocab(streams, {"a": 1.0, "b": 1.0}, 3, always=[0]) == [0, 1, 5]
     assert select_vocab(streams, {"a": 1.0, "b": 0.0}, 3, always=[9]) == [1, 2, 9]
@@ -54,7 +58,7 @@ def test_greedy_reduced_vocab_equals_oracle(target, arch):
     draft = reduced_draft(target, vocab_ids, layers=(0, 1))
     drafter = REGISTRY["sd"](draft_model=draft, gamma=4,
                              **{"draft": _Loaded(torch.tensor(vocab_ids)), "target": _Loaded(None, 96)})
-    assert isinstance(drafter, SmallLMDrafter) and drafter.vocab_map is not None
+    assert isinstance(drafter, SmallLMDrafter) and drafter.vmap is not None
     proposed: list[int] = []
     original = drafter.propose
 
@@ -74,8 +78,8 @@ def test_greedy_reduced_vocab_equals_oracle(target, arch):
 class _Loaded:
     """Stands in for a ``LoadedModel`` (the factory reads ``vocab_map`` and ``vocab_size`` only)."""
 
-    def __init__(self, vocab_map, vocab_size=None):
-        self.vocab_map, self.vocab_size = vocab_map, vocab_size
+    def __init__(self, vocab_map, vocab_size=None, model=None):
+        self.vocab_map, self.vocab_size, self.model = vocab_map, vocab_size, model
 
 
 def test_sampling_reduced_vocab_follows_target_law():
@@ -109,12 +113,35 @@ class _ScatteredDraft(torch.nn.Module):
     def __init__(self, draft, vocab_ids, v):
         super().__init__()
         self.draft, self.ids, self.v = draft, vocab_ids, v
-        self.to_draft = torch.zeros(v, dtype=torch.long)
-        self.to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+        self.vmap = VocabMap(vocab_ids, v)
 
     def forward(self, input_ids):
-        logits = self.draft(input_ids=self.to_draft[input_ids]).logits  # [B, L, Vd]
-        full = logits.new_full((*logits.shape[:-1], self.v), float("-inf"))
-        full[..., self.ids] = logits
-        return type("Out", (), {"logits": full})()
+        logits = self.draft(input_ids=self.vmap.to_draft[input_ids]).logits  # [B, L, Vd]
+        return type("Out", (), {"logits": self.vmap.scatter(logits)})()  # [B, L, V], -inf off the subset
 
+
+
+def test_full_vocab_draft_for_hf_matches_the_drafter_and_is_cached_weakly():
+    """``bench.hf_peers.full_vocab_draft`` (transformers' view of a reduced draft) reads what our drafter reads and
+    puts the draft's logits at their target ids; it is built once per draft module, and freed with it."""
+    import gc
+
+    from conftest import tiny_llama
+
+    from retrospec.bench import hf_peers
+
+    target = tiny_llama(seed=3, layers=2)
+    vocab_ids = [0, 5, 9, 17, 40, 95]
+    draft = reduced_draft(target, vocab_ids)
+    full = hf_peers.full_vocab_draft(_Loaded(torch.tensor(vocab_ids), model=draft), 96)
+    assert hf_peers.full_vocab_draft(_Loaded(torch.tensor(vocab_ids), model=draft), 96) is full
+    vmap = VocabMap(vocab_ids, 96)
+    ids = torch.tensor([[5, 3, 40, 95, 9]])  # 3 is off the subset: read as the row of target id 0
+    with torch.no_grad():
+        want = vmap.scatter(draft(input_ids=vmap.to_draft[ids]).logits, fill=0.0)  # [1, 5, 96]
+        torch.testing.assert_close(full(input_ids=ids).logits, want)
+    assert len(hf_peers._FULL_VOCAB) >= 1
+    n = len(hf_peers._FULL_VOCAB)
+    del draft
+    gc.collect()
+    assert len(hf_peers._FULL_VOCAB) == n - 1

@@ -279,3 +279,20 @@ def test_draft_chain_stops_after_eos(target, method):
     assert out == want and out[-1] == eos
     assert stats.target_calls == 1 and stats.drafted_tokens == 4  # long[0..3], not gamma = 8 tokens
     check_stats(stats, out, chunks, truncated_by_eos=True)
+
+
+def test_step_timings_wait_for_the_device(monkeypatch):
+    """``decode.device_clock``: on CUDA every reading first synchronises the device (so ``verify_s`` and the gate's
+    costs measure kernels, not launches); on CPU it is the plain clock and never touches CUDA."""
+    import time
+
+    import torch
+
+    from retrospec.decode import device_clock
+
+    assert device_clock(torch.device("cpu")) is time.perf_counter
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    clock = device_clock(torch.device("cuda", 0))
+    first, second = clock(), clock()
+    assert second >= first and synced == [torch.device("cuda", 0)] * 2

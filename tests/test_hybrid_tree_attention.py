@@ -256,3 +256,38 @@ def test_prefix_block_with_a_hidden_prefix_column_falls_back_to_sdpa():
     out, _ = prefix_block.prefix_block_attention(fake_module(h, kvh), query, key, value, mask, scaling=0.1)
     torch.testing.assert_close(out, ref.new_tensor(sdpa_attention_forward(fake_module(h, kvh), query, key, value,
                                                                           mask, scaling=0.1)[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_tree_part_dispatches_plain_masks_to_the_triton_kernel(monkeypatch):
+    """Where ``use_triton`` holds (CUDA + Triton), the hybrid path hands the tree part to the kernel with its bool
+    mask, for the engine's additive float mask and for a bool mask alike; a block carrying a bias stays on the PyTorch
+    reference. The kernel is stood in for by its reference here (the kernel itself: the test above)."""
+    calls = []
+
+    def kernel(q, k, v, mask, scaling):  # the kernel's contract: bool [mb, q, q], out in query's dtype
+        assert mask.dtype == torch.bool and mask.ndim == 3
+        calls.append(mask.clone())
+        out, lse = hybrid_tree.tree_attention(q, k, v, mask, scaling)
+        return out.to(q.dtype), lse
+
+    monkeypatch.setattr(hybrid_tree, "use_triton", lambda query: True)
+    monkeypatch.setattr(hybrid_tree_triton, "tree_attention_triton", kernel)
+    gen = torch.Generator().manual_seed(5)
+    block = tree_block(random_parents(9, gen))  # [q, q] bool
+    q, prefix, h, kvh = 10, 23, 4, 2
+    query, key, value = qkv(1, h, kvh, q, prefix + q, 32, gen)
+    for kind in ("float", "bool"):
+        mask = full_mask(block, prefix, kind)  # [1, 1, q, L]
+        out, _ = hybrid_tree.hybrid_tree_attention(fake_module(h, kvh), query, key, value, mask, scaling=0.2)
+        want = sdpa_attention_forward(fake_module(h, kvh), query, key, value, mask, scaling=0.2)[0]
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+        assert torch.equal(calls[-1][0], block)
+    biased = full_mask(block, prefix, "float")
+    biased[..., prefix:] += 0.5 * block  # a bias on visible tree keys: not a plain mask
+    out, _ = hybrid_tree.hybrid_tree_attention(fake_module(h, kvh), query, key, value, biased, scaling=0.2)
+    want = sdpa_attention_forward(fake_module(h, kvh), query, key, value, biased, scaling=0.2)[0]
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    assert len(calls) == 2
+    assert hybrid_tree.use_triton(query) is True  # (patched); unpatched, CPU tensors never take the kernel:
+    monkeypatch.undo()
+    assert hybrid_tree.use_triton(query) is False

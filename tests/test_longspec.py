@@ -509,3 +509,24 @@ def test_draft_vocab_sampling_end_to_end(small_world):
         steps.close()
         counts[out[0], out[1]] += 1
     assert chisq_pvalue([(counts, (p1[:, None] * p2).numpy() * runs)]) > ALPHA
+
+
+def test_bundled_block_found_for_a_loaded_target(tmp_path):
+    """The README's load-once pattern: ``generate(target=load_model("zoo"), method="longspec")`` takes zoo's bundled
+    block as ``target="zoo"`` does (matched by directory); a copy of the same weights loaded from elsewhere, or the
+    bare transformers model, finds it by identity (``models.paired_longspec``). An unrelated model finds none."""
+    import shutil
+
+    import retrospec
+    from retrospec.models import ZOO_DIR, load_model, paired_longspec
+
+    zoo = load_model("zoo")
+    assert paired_longspec(zoo) == paired_longspec("zoo") == paired_longspec(ZOO_DIR / "target-long")
+    prompt = zoo.tokenizer("def wrap(text, width):", add_special_tokens=False)["input_ids"]
+    want = retrospec.generate(prompt, target="zoo", method="longspec", max_new_tokens=10, gating=False).token_ids
+    assert retrospec.generate(prompt, target=zoo, method="longspec", max_new_tokens=10, gating=False).token_ids == want
+    copy = load_model(shutil.copytree(ZOO_DIR / "target-long", tmp_path / "zoo-copy"))
+    assert paired_longspec(copy) == paired_longspec(copy.model) == paired_longspec("zoo")
+    assert retrospec.generate(prompt, target=copy.model, method="longspec", max_new_tokens=10,
+                              gating=False).token_ids == want
+    assert paired_longspec(make_target("llama")) is None and paired_longspec(tmp_path) is None

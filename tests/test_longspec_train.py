@@ -22,9 +22,11 @@ import pytest
 import torch
 from conftest import tiny_llama
 
+from retrospec.errors import RetrospecError
 from retrospec.models.longspec import LongSpecDraft, load_longspec
+from retrospec.train.common import adamw, resolve_device, warmup_cosine
 from retrospec.train.longspec import (LongSpecTrainConfig, anchor_offset_positions, draft_logits, draft_token_losses,
-                                      evaluate_position_buckets, lr_at, sample_positions, sample_shift, target_logits,
+                                      evaluate_position_buckets, sample_positions, sample_shift, target_logits,
                                       target_last_kv, target_loss_under_offset, train_longspec)
 
 torch.set_num_threads(1)
@@ -93,9 +95,34 @@ def test_sample_shift_range():
 
 
 def test_lr_schedule_warmup_then_cosine():
+    """The trainers' one schedule (``train.common.warmup_cosine``) in LongSpec's continuous form (ramp 0)."""
+    def lr_at(progress, peak):
+        return warmup_cosine(progress, 1.0, peak, 0.1, ramp=0)
+
     assert lr_at(0.0, 1.0) == 0.0 and lr_at(0.05, 1.0) == pytest.approx(0.5)
     assert lr_at(0.1, 1.0) == pytest.approx(1.0) and lr_at(1.0, 1.0) == pytest.approx(0.0, abs=1e-12)
     assert lr_at(0.55, 1.0) == pytest.approx(0.5)
+    # step form (ramp 1): step 0 already trains; the cosine ends at min_ratio x peak; a time budget's progress
+    assert warmup_cosine(0, 100, 2.0, 10) == pytest.approx(0.2) and warmup_cosine(9, 100, 2.0, 10) == 2.0
+    assert warmup_cosine(10, 100, 2.0, 10, 0.1) == 2.0 and warmup_cosine(100, 100, 2.0, 10, 0.1) == pytest.approx(0.2)
+    assert warmup_cosine(50, 0, 2.0, 10, progress=0.5) == pytest.approx(1.0)
+
+
+def test_train_common_device_and_optimizer():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    for bad in ("gpu", "cuda:x", "mps"):
+        with pytest.raises(RetrospecError, match="--device must be"):
+            resolve_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(RetrospecError, match="no CUDA device"):
+            resolve_device("cuda:0")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    model[1].weight.requires_grad_(False)  # frozen: not optimised
+    opt = adamw(model.parameters(), 1e-3, weight_decay=0.1)
+    decayed, plain = opt.param_groups
+    assert [p.shape for p in decayed["params"]] == [(4, 3)] and decayed["weight_decay"] == 0.1
+    assert [p.shape for p in plain["params"]] == [(4,), (4,)] and plain["weight_decay"] == 0.0
 
 
 # -------------------------------------------------------------------------------------------- target and block

@@ -191,7 +191,8 @@ def test_corrupt_index_refused(built, tmp_path, how, fragment):
 
 def test_wrong_kind_messages(built, tmp_path):
     from retrospec.retrieval import open_store
-    from retrospec.retrieval.store import atomic_build, write_meta
+    from retrospec.atomic import atomic_build
+    from retrospec.retrieval.store import write_meta
 
     _, out = built
     with pytest.raises(RetrospecError, match="is a RAG passage index; method 'dresd' needs a dense store"):

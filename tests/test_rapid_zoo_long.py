@@ -171,7 +171,7 @@ def test_zoo_info_shows_both_manifests(capsys):
 def test_zoo_stream_round_trip(tmp_path, capsys):
     """``zoo stream`` writes the stdlib training split as a .npy stream that ``zoo long --stream-file`` reads."""
     from retrospec.cli import main
-    from retrospec.train.corpus import read_texts, stdlib_files
+    from retrospec.stdlib_corpus import read_texts, stdlib_files
 
     out = tmp_path / "s.npy"
     assert main(["zoo", "stream", "--out", str(out)]) == 0

@@ -14,7 +14,9 @@ residual r (initially p): accept c_i with probability min(1, r(x_i) / q_i(x_i));
 r <- norm(max(r - q_i, 0)) and try the next child; when all are rejected, draw the recovered token from r.
 A child without probabilities counts as one-hot q, so accepting it has probability r(x_i) and rejecting it zeroes
 r(x_i). Lossless when the children of a node are distinct one-hot drafts or independent draws from their q_i:
-the committed tokens are distributed exactly as samples from p (tested statistically).
+the committed tokens are distributed exactly as samples from p (tested statistically). The recovered or bonus token
+is drawn by the exponential race (``_race``), which needs no normalisation and no host sync; a chain is decided
+with one host sync per step (``RejectionSampling``).
 """
 
 from __future__ import annotations
@@ -76,19 +78,60 @@ def _residual(r: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tens
     return res / total
 
 
+def _race(r: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """One draw from each row of ``r`` [..., V] (unnormalised) by the exponential race, argmax r / e with
+    e [V] ~ Exp(1): exact (the first arrival of independent Poisson clocks of rates r), and free of host syncs."""
+    return (r / e).argmax(-1)
+
+
 class RejectionSampling:
-    """Exact speculative sampling over a chain or tree; one-hot q for deterministic drafts. Lossless."""
+    """Exact speculative sampling over a chain or tree; one-hot q for deterministic drafts. Lossless.
+
+    Random draws, per step: ``u`` [N] (one uniform per node, for its acceptance test) and ``e`` [V] (the
+    exponentials of the race that draws the recovered or bonus token), in that order from ``generator``.
+    A chain (``tree.is_chain``) is decided in one batch of tensor operations with one host sync: all N acceptance
+    tests at once, the residual of every position, one race per row with the same ``e``, and (accepted length,
+    token) read back together. A tree walks its nodes (``_walk``). Both give the same result on the same draws
+    (tested), so the chain path is the tree rule, vectorised.
+    """
 
     lossless = True
     name = "rejection-sampling"
 
     def accept(self, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None) -> StepResult:
+        n_nodes = len(tree)
+        u = torch.rand(max(1, n_nodes), generator=generator)  # [N] on the generator's device
+        e = torch.empty(p.shape[-1]).exponential_(generator=generator).clamp_min_(1e-30)  # [V], never 0
+        if tree.is_chain:
+            return self._chain(tree, p, u.to(p.device), e.to(p.device))
+        return self._walk(tree, p, u.tolist(), e.to(p.device))
+
+    @staticmethod
+    def _chain(tree: DraftTree, p: torch.Tensor, u: torch.Tensor, e: torch.Tensor) -> StepResult:
+        n = len(tree)
+        x = tree.tokens.to(p.device)  # [N]
+        rows = torch.arange(n, device=p.device)  # [N]
+        px = p[rows, x]  # [N] p(x_i) at the position of node i (row i: after node i - 1)
+        q = tree.draft_probs
+        if q is None:  # one-hot q: accept with probability p(x); the residual is p with x removed
+            qx = torch.ones_like(px)
+            res = p[:n].clone().index_put_((rows, x), torch.zeros_like(px))  # [N, V]
+        else:
+            q = q.to(p.device)
+            qx = q[rows, x]  # [N]
+            res = (p[:n] - q).clamp_min_(0.0)  # [N, V] unnormalised max(p - q, 0)
+        res = torch.where(res.sum(-1, keepdim=True) > 0, res, p[:n])  # an empty residual (round-off) keeps p
+        tokens = _race(torch.cat([res, p[n:n + 1]]), e)  # [N + 1]: recovered at each position, bonus at N
+        ok = (qx > 0) & (u[:n] * qx < px)  # [N] u < min(1, p(x)/q(x)), without dividing
+        accepted = ok.long().cumprod(0).sum()  # [] length of the accepted prefix
+        k, token = torch.stack([accepted, tokens[accepted]]).tolist()  # the one host sync of the step
+        return StepResult(list(range(k)), token, bonus=k == n)
+
+    @staticmethod
+    def _walk(tree: DraftTree, p: torch.Tensor, u: list[float], e: torch.Tensor) -> StepResult:
         kids = children_lists(tree.parents)
         toks = tree.tokens.tolist()
         q_all = tree.draft_probs
-        n_nodes = len(toks)
-        # one uniform per node, drawn up front: a single RNG call per step
-        u = torch.rand(max(1, n_nodes), generator=generator).tolist()
         path: list[int] = []
         node = -1
         while True:
@@ -104,7 +147,6 @@ class RejectionSampling:
                     break
                 r = _residual(r, q, x)
             if chosen is None:
-                bonus = not kids[node + 1]
-                return StepResult(path, int(torch.multinomial(r, 1, generator=generator)), bonus=bonus)
+                return StepResult(path, int(_race(r, e)), bonus=not kids[node + 1])
             path.append(chosen)
             node = chosen

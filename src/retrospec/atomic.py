@@ -1,14 +1,25 @@
-"""Atomic file writes, shared by every layer (bottom rank: imports nothing from retrospec).
+"""Atomic file and directory writes, shared by every layer (bottom rank: imports only ``errors``).
 
 ``write_text_atomic`` writes a hidden temporary file next to the destination and renames it over the destination
 (``os.replace``), so a reader sees the old file or the new one, never half of one, and a killed writer leaves only
-the hidden temporary file. Directories that appear whole use ``retrieval.store.atomic_build``.
+the hidden temporary file.
+
+``atomic_build`` does the same for a directory (datastores, LongSpec blocks, adapters, zoo models): the build writes
+into ``.<name>.tmp-<pid>`` next to the destination and the directory is renamed into place only after the block
+completes and wrote its marker file (``meta.json`` by default, written last); an interrupted build never leaves a
+directory at the destination, and the next build of the same destination removes a dead process's leftovers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from pathlib import Path
+
+from .errors import RetrospecError
+
+META_FILE = "meta.json"
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -16,3 +27,51 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def atomic_build(dest: str | Path, overwrite: bool = False, required: str = META_FILE):
+    """Yield a fresh temporary directory next to ``dest``; rename it to ``dest`` when the block completes (and
+    wrote ``required``, the file that marks a finished directory: ``meta.json`` for datastores).
+
+    On any exception the temporary directory is removed and ``dest`` is untouched. A process killed mid-build
+    leaves only a hidden ``.<name>.tmp-<pid>`` directory, which the next build of the same destination removes.
+    """
+    dest = Path(dest)
+    if dest.exists() and not overwrite:
+        if not dest.is_dir() or any(dest.iterdir()):
+            raise RetrospecError(f"{dest} already exists; choose another --out or pass --overwrite")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}.tmp-*"):  # leftovers of killed builds
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not (tmp / required).is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"build of {dest} finished without writing {required}")
+    if dest.exists():
+        trash = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        dest.rename(trash)
+        tmp.rename(dest)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        tmp.rename(dest)

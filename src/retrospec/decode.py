@@ -8,6 +8,10 @@ Loop invariant: the target's KV cache holds every committed token except the las
 next draft tree. One step = draft (drafter.propose) -> one target forward over [root, *tree] (Verifier.score) ->
 acceptance rule -> commit the accepted path to the cache -> feedback (drafter.observe, and the gate).
 
+Timing: ``prefill_s``, ``draft_s``, ``verify_s`` and ``decode_s`` are read with ``device_clock``, which waits for the
+device on CUDA (without it, asynchronous launches would be timed, and the gate's step costs and ``ideal_speedup``
+would be wrong there); on CPU it is a plain clock.
+
 Gating (``gating.Gate``; the entry points turn it on by default, for every drafter but plain decoding): before
 each step the gate picks the node budget handed to the drafter (0 = a plain decoding step) from the measured step
 costs and acceptance. It changes what is drafted, never what is accepted, so every output guarantee above holds
@@ -29,6 +33,20 @@ from .sampling import make_generator, probs_from_logits
 from .tree import depths
 from .types import SpecStats
 from .verify import PrefillMemo, Verifier
+
+
+def device_clock(device: torch.device):
+    """A clock for timed regions on ``device``: on CUDA it first waits for the queued kernels
+    (``torch.cuda.synchronize``), so a region measures the work and not its launches; elsewhere a plain
+    ``perf_counter``."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
 
 
 def default_rule(sampling: SamplingConfig) -> AcceptanceRule:
@@ -68,7 +86,8 @@ def speculative_generate(
     def pick(p_rows: torch.Tensor) -> torch.Tensor:  # logits -> what the rule consumes
         return p_rows if sampling.greedy else probs_from_logits(p_rows, sampling)
 
-    t0 = time.perf_counter()
+    clock = device_clock(next(target.parameters()).device)  # the step costs feed the gate: measured, not launched
+    t0 = clock()
     # Prefill all but the last prompt token: the last one is the root of the first step, so the first target call
     # both finishes the prompt and verifies a draft (one target forward fewer than prefill-then-decode).
     if len(prompt_ids) > 1:
@@ -80,8 +99,8 @@ def speculative_generate(
     if "target_kv" in drafter.needs:  # read-only view (MagicDec copies slices of it)
         ctx.extras["target_kv"] = verifier.kv
     drafter.prefill(ctx)
-    stats.prefill_s = time.perf_counter() - t0
-    t_start = time.perf_counter()
+    stats.prefill_s = clock() - t0
+    t_start = clock()
     try:
         done = False
         while not done:
@@ -89,16 +108,16 @@ def speculative_generate(
                 break
             # draft room: new tokens still allowed (minus the recovered/bonus one) and positions in the model
             budget = min(max_new_tokens - stats.new_tokens - 1, max_pos - len(ctx.tokens) - 1)
-            t = time.perf_counter()
+            t = clock()
             room = max(0, budget)
             given = gate.choose(room, len(ctx.tokens))
             tree = drafter.propose(ctx, given)
-            t_draft = time.perf_counter()
+            t_draft = clock()
             logits = verifier.score(ctx.tokens[-1], tree)  # [1 + N, V]
-            t_verify = time.perf_counter()
-            step = rule.accept(tree, pick(logits), gen)  # reads the logits: on CUDA the step is synchronised here
+            t_verify = clock()
+            step = rule.accept(tree, pick(logits), gen)  # reads its decision back: one sync (greedy, chains)
             verifier.commit(step.accepted_nodes)
-            gate.update(given, len(tree), step.accepted_nodes, t_draft - t, time.perf_counter() - t_draft,
+            gate.update(given, len(tree), step.accepted_nodes, t_draft - t, clock() - t_draft,
                         len(ctx.tokens))
             if gate.enabled:
                 stats.record_shape(given, gated=given == 0 and room > 0)
@@ -119,7 +138,7 @@ def speculative_generate(
             stats.new_tokens += len(toks)
             yield toks
     finally:
-        stats.decode_s = time.perf_counter() - t_start
+        stats.decode_s = clock() - t_start
         stats.draft_state_bytes, stats.target_kv_bytes = state_bytes(drafter), verifier.kv.nbytes()
         gate.finish()
 

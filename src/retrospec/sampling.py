@@ -1,10 +1,11 @@
-"""Turning logits into the distribution that decoding samples from, and sampling it.
+"""Turning logits into the distribution that decoding samples from, and the seeded generator it samples with.
 
 ``probs_from_logits`` applies temperature, then top-k, then top-p (nucleus), in that order, as Hugging Face's
 default logits processors do. Speculative decoding is lossless with respect to *this processed* distribution:
 the target's p and the draft's q are both processed with the same knobs before any acceptance test.
 
-Invariant: every random draw goes through the ``torch.Generator`` passed in, so a seed fixes the output.
+Invariant: every random draw goes through the ``torch.Generator`` made here (``make_generator``), so a seed fixes the
+output. The draws themselves are made where they are used (``acceptance``: uniforms and an exponential race).
 """
 
 from __future__ import annotations
@@ -33,11 +34,6 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a [V] distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -45,43 +45,25 @@ transformers builds the mask itself: ``ATTN_NAME`` is also registered in the pub
 ``sdpa`` path would get, padding included. A chain is then a tree whose block is causal.
 
 Enabling it (``enable``) sets the model's attention implementation through the public ``set_attn_implementation``;
-``disable`` restores ``sdpa``. The Triton kernel for the tree part is ``hybrid_tree_triton.tree_attention_triton``
-(same contract as ``tree_attention`` here); this reference needs no Triton.
+``disable`` restores ``sdpa``. On CUDA with Triton installed, the tree part runs the Triton kernel
+``hybrid_tree_triton.tree_attention_triton`` (same contract as ``tree_attention`` here) whenever the block is a plain
+visible / hidden mask (``tree_part``); otherwise, and everywhere without Triton, the PyTorch ``tree_attention``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import prefix_block
+from . import hybrid_tree_triton, prefix_block
+from .common import hybrid_mask_block, restore, switch
 
 ATTN_NAME = "retrospec_hybrid_tree"
 _EXTRAS = ("position_bias", "softcap", "s_aux", "sinks", "cache")  # handled (or refused) by sdpa: never hybrid
-
-
-def hybrid_mask_block(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """The mask's tree block [mb, mh, q, q] when the hybrid split applies (see the module docstring), else None.
-
-    attention_mask [mb, mh, q, L] (mb in {1, b}, mh in {1, h}); query [b, h, q, d]; key [b, kvh, L, d].
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 4:
-        return None
-    b, h, q = query.shape[:3]
-    kvh, length = key.shape[1], key.shape[2]
-    mb, mh, mq, ml = attention_mask.shape
-    if not (1 < q < length) or h % kvh or mq != q or ml != length or mb not in (1, b) or mh not in (1, h):
-        return None
-    prefix = attention_mask[..., : length - q]  # [mb, mh, q, L - q] view
-    if attention_mask.dtype == torch.bool:
-        visible = bool(prefix.all())
-    elif attention_mask.is_floating_point():
-        visible = not bool(prefix.any())  # additive: exactly 0 everywhere (NaN and -0.0 handled: NaN is "any")
-    else:
-        return None
-    return attention_mask[..., length - q:] if visible else None  # [mb, mh, q, q] view
 
 
 def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -141,13 +123,48 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     return torch.lerp(out_b, out_a, w)  # out_b + w * (out_a - out_b) = w * out_a + (1 - w) * out_b
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    return hybrid_tree_triton.available()
+
+
+def use_triton(query: torch.Tensor) -> bool:
+    """Whether the tree part runs the Triton kernel: on CUDA tensors, when Triton is installed."""
+    return query.is_cuda and _triton_importable()
+
+
+def binary_block(block: torch.Tensor) -> torch.Tensor | None:
+    """The tree block [mb, 1, q, q] as the kernel's bool mask [mb, q, q] (True = visible), or None when the block
+    is not a plain visible / hidden mask (an additive bias: the PyTorch path keeps it exact). A float entry counts as
+    hidden at or below half the dtype's minimum (its softmax weight is exactly 0), as visible at exactly 0."""
+    if block.shape[1] != 1:
+        return None
+    if block.dtype == torch.bool:
+        return block[:, 0]
+    hidden = block <= torch.finfo(block.dtype).min / 2
+    if not bool((hidden | (block == 0)).all()):
+        return None
+    return ~hidden[:, 0]
+
+
+def tree_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block: torch.Tensor,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tree_attention``, dispatched to the Triton kernel (``hybrid_tree_triton``, same contract) when
+    ``use_triton`` holds and the block is a plain mask; out [b, h, q, dv] float32, lse [b, h, q]."""
+    mask = binary_block(block) if use_triton(query) else None  # [mb, q, q] bool or None
+    if mask is None:
+        return tree_attention(query, key, value, block, scaling)
+    out, lse = hybrid_tree_triton.tree_attention_triton(query, key, value, mask, scaling)
+    return out.float(), lse
+
+
 def _hybrid_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block: torch.Tensor,
                     scaling: float) -> torch.Tensor:
     """query [b, h, q, d]; key/value [b, kvh, L, d|dv]; block [mb, mh, q, q] -> [b, q, h, dv] in query's dtype."""
     q, length = query.shape[2], key.shape[2]
     cut = length - q
     out_p, lse_p = prefix_attention(query, key[:, :, :cut], value[:, :, :cut], scaling)  # [b, h, q, dv], [b, h, q]
-    out_t, lse_t = tree_attention(query, key[:, :, cut:], value[:, :, cut:], block, scaling)  # same shapes
+    out_t, lse_t = tree_part(query, key[:, :, cut:], value[:, :, cut:], block, scaling)  # same shapes
     out = merge_attention(out_p, lse_p, out_t, lse_t)  # [b, h, q, dv] float32
     return out.to(query.dtype).transpose(1, 2).contiguous()  # [b, q, h, dv], what attention interfaces return
 
@@ -178,9 +195,9 @@ def enable(model: torch.nn.Module) -> bool:
     Accepted from ``sdpa`` or ``prefix_block`` (both compute the same attention); any other implementation is left
     alone, since the fallback is ``sdpa``.
     """
-    return prefix_block.switch(model, ATTN_NAME, accept=("sdpa", prefix_block.ATTN_NAME))
+    return switch(model, ATTN_NAME, accept=("sdpa", prefix_block.ATTN_NAME))
 
 
 def disable(model: torch.nn.Module) -> None:
     """Back to ``sdpa`` if hybrid tree attention is on; otherwise nothing changes."""
-    prefix_block.restore(model, ATTN_NAME)
+    restore(model, ATTN_NAME)

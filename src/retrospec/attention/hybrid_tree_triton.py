@@ -13,9 +13,10 @@ purpose: a key is visible iff it is in bounds AND the tree mask allows it (the s
 lets masked-out keys through), and K and V each get their own strides (the seed passed K's strides for V and the
 reverse, which only works when both tensors share a layout).
 
-Triton is optional: it is imported lazily, ``available()`` says whether it can be, and nothing else in the library
-needs it. On CPU the kernel runs under ``TRITON_INTERPRET=1`` (set before the first call: the kernel is built then);
-that is how the tests check it.
+Triton is optional: it is imported lazily and ``available()`` says whether it can be; ``hybrid_tree.tree_part``
+dispatches the tree part here on CUDA tensors when it can, and to the PyTorch reference otherwise. On CPU the
+kernel runs under ``TRITON_INTERPRET=1`` (set before the first call: the kernel is built then); that is how the
+tests check it.
 """
 
 from __future__ import annotations

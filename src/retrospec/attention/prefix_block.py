@@ -30,6 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+from .common import hybrid_mask_block, restore, switch
+
 ATTN_NAME = "retrospec_prefix_block"
 
 
@@ -61,13 +63,11 @@ def prefix_block_attention(module, query, key, value, attention_mask, dropout: f
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return _block_attention(module, query, key, value, scale), None
     if torch.is_tensor(attention_mask) and attention_mask.dim() == 4 and 1 < q < length:
-        from . import hybrid_tree  # lazy: hybrid_tree imports this module
-
         # an explicit 4D mask (a draft tree): when every prefix column is visible, the same single-softmax block
         # attention as a chain with the tree's block mask in place of the causal one; else sdpa
         block = None
         if not dropout and not module.training and attention_mask.shape[:2] == (1, 1) and query.shape[0] == 1:
-            block = hybrid_tree.hybrid_mask_block(attention_mask, query, key)  # [1, 1, q, q] or None
+            block = hybrid_mask_block(attention_mask, query, key)  # [1, 1, q, q] or None
         if block is not None:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return _block_attention(module, query, key, value, scale, block), None
@@ -82,27 +82,6 @@ def prefix_block_attention(module, query, key, value, attention_mask, dropout: f
 
 
 AttentionInterface.register(ATTN_NAME, prefix_block_attention)
-
-
-def switch(model: torch.nn.Module, name: str, accept: tuple[str, ...] = ("sdpa",)) -> bool:
-    """Set ``model``'s attention implementation to the registered ``name`` (public ``set_attn_implementation``)
-    when its current one is in ``accept`` (or already ``name``); False, and nothing changed, otherwise."""
-    current = getattr(model.config, "_attn_implementation", None)
-    if current == name:
-        return True
-    if current not in accept or not hasattr(model, "set_attn_implementation"):
-        return False
-    try:
-        model.set_attn_implementation(name)
-    except (ValueError, ImportError, AttributeError):
-        return False
-    return getattr(model.config, "_attn_implementation", None) == name
-
-
-def restore(model: torch.nn.Module, name: str) -> None:
-    """Back to ``sdpa`` if ``name`` is the model's attention implementation; otherwise nothing changes."""
-    if getattr(model.config, "_attn_implementation", None) == name:
-        model.set_attn_implementation("sdpa")
 
 
 def enable(model: torch.nn.Module) -> bool:

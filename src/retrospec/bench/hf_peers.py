@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from contextlib import contextmanager
 
 import torch
 
 from ..config import SamplingConfig
+from ..models.vocab import VocabMap
 from ..types import SpecStats
 
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-assisted-default", "hf-pld")
@@ -137,35 +139,33 @@ def run_hf(method: str, target, draft, prompt_ids: list[int], *, sampling: Sampl
     return new, stats, forward_s
 
 
-_FULL_VOCAB: dict[int, torch.nn.Module] = {}
+# per draft module (weak: a freed draft leaves no entry, and a new module at a reused address is not mistaken for it)
+_FULL_VOCAB: "weakref.WeakKeyDictionary[torch.nn.Module, dict[int, torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
 
 def full_vocab_draft(draft, target_vocab: int) -> torch.nn.Module:
-    """The transformers model to give HF's assisted generation for ``draft`` (a ``LoadedModel``); built once."""
-    vmap = getattr(draft, "vocab_map", None)
-    if vmap is None:
+    """The transformers model to give HF's assisted generation for ``draft`` (a ``LoadedModel``); built once per
+    draft module and target vocabulary."""
+    if getattr(draft, "vocab_map", None) is None:
         return draft.model
-    key = id(draft.model)
-    if key not in _FULL_VOCAB:
+    built = _FULL_VOCAB.setdefault(draft.model, {})
+    if target_vocab not in built:
         from transformers import AutoModelForCausalLM
 
+        vmap = VocabMap(draft.vocab_map.cpu(), target_vocab)
         cfg = copy.deepcopy(draft.model.config)
         cfg.vocab_size, cfg.tie_word_embeddings = target_vocab, False
         full = AutoModelForCausalLM.from_config(cfg, dtype=next(draft.model.parameters()).dtype)
-        to_draft = torch.full((target_vocab,), -1, dtype=torch.long)
-        to_draft[vmap] = torch.arange(len(vmap))
-        unk = int(to_draft[0]) if int(to_draft[0]) >= 0 else 0
-        to_draft = to_draft.masked_fill(to_draft < 0, unk)
         state = {k: v for k, v in draft.model.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
         full.load_state_dict(state, strict=False)
         with torch.no_grad():
-            full.get_input_embeddings().weight.copy_(draft.model.get_input_embeddings().weight[to_draft])
-            head = full.get_output_embeddings().weight
-            head.zero_()
-            head[vmap] = draft.model.get_output_embeddings().weight
+            rows = vmap.to_draft.to(draft.model.get_input_embeddings().weight.device)  # [V]
+            full.get_input_embeddings().weight.copy_(draft.model.get_input_embeddings().weight[rows])
+            head = draft.model.get_output_embeddings().weight  # [Vd, H]
+            full.get_output_embeddings().weight.copy_(vmap.scatter(head.T.cpu(), fill=0.0).T)  # [V, H], zero rows
         full.generation_config = copy.deepcopy(draft.model.generation_config)
-        _FULL_VOCAB[key] = full.eval()
-    return _FULL_VOCAB[key]
+        built[target_vocab] = full.eval()
+    return built[target_vocab]
 
 
 @contextmanager

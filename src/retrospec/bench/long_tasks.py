@@ -13,7 +13,7 @@ there is one) and ``seed``. The requested size is the size of the whole target p
 - ``facts``: a haystack of synthetic fact documents about invented people (city, job, colour, pet); the query
   asks one attribute of one person.
 - ``repo``: repository-level code completion. The context is files of one held-out standard-library package
-  (``train.corpus.HELDOUT_PACKAGES``, never seen in zoo training), in path order; the query is the in-file prefix
+  (``stdlib_corpus.HELDOUT_PACKAGES``, never seen in zoo training), in path order; the query is the in-file prefix
   of a function from another file of the same package (preceding lines, header and docstring); the answer is the
   function body's first line.
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import RetrospecError
-from ..train.corpus import HELDOUT_PACKAGES, stdlib_files, stdlib_root
+from ..stdlib_corpus import HELDOUT_PACKAGES, stdlib_files, stdlib_root
 
 TASKS = ("kv", "passkey", "facts", "repo")
 MARGIN = 16  # tokens left for the template around context and query

@@ -7,7 +7,7 @@ distribution, so copies are not verbatim duplicates (a synthetic corpus: say so 
 contexts from held-out documents (``--queries-from``, default the stdlib held-out split), encoded with the
 tokenizer of ``--target``. Reports build time, peak RSS, and search / lookup latency percentiles (wall and CPU).
 
-The dense (DReSD) side is measured by ``retrospec datastore eval`` (``retrieval.evaluate``), the same
+The dense (DReSD) side is measured by ``retrospec datastore eval`` (``bench.datastore_eval``), the same
 job (it reports the same percentiles); this module covers the suffix side only.
 """
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..models import default_target, load_model
     from ..retrieval import build_suffix_store, load_meta, open_store
     from ..retrieval.corpus import limit_tokens, open_text_corpus, tokenize
-    from ..retrieval.evaluate import eval_suffix
+    from .datastore_eval import eval_suffix
     from ..retrieval.suffix_array import TOKEN_DTYPE, TOKENS_FILE
 
     base_meta = load_meta(args.base, kind="suffix")

@@ -5,7 +5,7 @@ suffix store and ``dresd``'s dense store) are built, so the two methods are comp
 Three parts, each filled up to a budget of target tokens (counted with the target's tokenizer, no special tokens
 added; the datastore builders add one EOS per document on top):
 
-- ``code``: pieces of the standard library's *training* split (``train.corpus.stdlib_files("train")``; the held-out
+- ``code``: pieces of the standard library's *training* split (``stdlib_corpus.stdlib_files("train")``; the held-out
   packages never enter). Files are visited in a seeded order; from each, one piece is taken: whole top-level
   ``def``/``class`` blocks (with their decorators) starting at a seeded random block, until ``piece_chars``
   characters (a single longer block is cut at a line end at twice that). Files without a top-level block are
@@ -97,7 +97,7 @@ def build_store_corpus(tokenizer, *, nq_dir: str | Path = DEFAULT_NQ_DIR, code_t
                        = None) -> list[dict]:
     """The corpus rows (see the module docstring). ``stdlib_texts``: (ref, text) pairs instead of the stdlib's
     training split (tests)."""
-    from ..train.corpus import stdlib_files, stdlib_root
+    from ..stdlib_corpus import stdlib_files, stdlib_root
 
     for name, v in (("code_tokens", code_tokens), ("passage_tokens", passage_tokens), ("chat_tokens", chat_tokens),
                     ("skip", skip)):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RetrospecError
-from ..train.corpus import HELDOUT_PACKAGES, stdlib_files, stdlib_root
+from ..stdlib_corpus import HELDOUT_PACKAGES, stdlib_files, stdlib_root
 
 PRESETS = ("heldout", "chat", "chat-tasks", "lcc", "lcc-8k", "lcc-16k", "lcc-32k")
 LCC_RANGE = (4096, 7168)  # ``lcc``: prompt lengths in target tokens, spread evenly over the prompts

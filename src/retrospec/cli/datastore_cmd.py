@@ -101,7 +101,8 @@ def run_build(args) -> int:
     import itertools
 
     from ..retrieval import build_dense_store, build_suffix_store
-    from ..retrieval.corpus import GENERATIONS_FILE, generation_documents, limit_tokens, save_generations
+    from ..generations.documents import GENERATIONS_FILE, generation_documents, save_generations
+    from ..retrieval.corpus import limit_tokens
     from ..retrieval.store import target_meta, tokenizer_meta
 
     if not args.corpus and not args.from_generations:
@@ -192,7 +193,7 @@ def run_info(args) -> int:
 
 def run_eval(args) -> int:
     from ..retrieval import load_meta, open_store
-    from ..retrieval.evaluate import eval_dense, eval_suffix
+    from ..bench.datastore_eval import eval_dense, eval_suffix
 
     for name in ("max_tokens", "max_queries", "k", "match_len"):
         if getattr(args, name) < 1:

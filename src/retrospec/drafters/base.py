@@ -23,6 +23,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import SamplingConfig
+from ..models.loading import as_module  # noqa: F401 (the drafters import it from here)
 from ..types import DraftTree
 
 
@@ -35,13 +36,6 @@ class DecodeContext:
     target_hidden: torch.Tensor | None = None  # [H] hidden state that produced tokens[-1], if declared in needs
     extras: dict = field(default_factory=dict)
     eos_ids: frozenset[int] = frozenset()  # generation ends at these: a chain drafted past one is wasted work
-
-
-def as_module(model) -> torch.nn.Module | None:
-    """The ``torch.nn.Module`` behind a ``LoadedModel`` (a bare transformers model is returned as is)."""
-    from ..models import LoadedModel
-
-    return model.model if isinstance(model, LoadedModel) else model
 
 
 def draft_chain(logits: torch.Tensor, gamma: int, ctx: DecodeContext, advance: Callable[[int, int], torch.Tensor],

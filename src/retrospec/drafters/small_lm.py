@@ -9,7 +9,7 @@ draft cache; each ``propose`` crops it to the longest prefix still committed, so
 forgotten without any other bookkeeping.
 
 Reduced draft vocabulary (optional): a draft whose output rows stand for a subset of the target's tokens
-(``vocab_map[i]`` = target id of draft row i; see ``train.real_draft``) reads target ids mapped to its rows (ids
+(``vocab_map[i]`` = target id of draft row i; ``models.vocab.VocabMap``) reads target ids mapped to its rows (ids
 outside the subset read as the row of target id 0, or row 0) and its logits are scattered into the target's
 vocabulary with -inf elsewhere, so q = 0 off the subset and both acceptance rules stay exact.
 
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import RetrospecError
 from ..fastpath import engine_for
 from ..kv import KVCache
+from ..models.vocab import VocabMap
 from ..types import DraftTree
-from ..errors import RetrospecError
 from .base import DecodeContext, draft_chain
 from .registry import ADAPTIVE, MethodSpec, gamma_knob, register
 
@@ -46,17 +47,11 @@ class SmallLMDrafter:
         self.engine = engine_for(model)  # the draft runs on the engine's fast copy (fastpath); the model is untouched
         self.kv = KVCache(model)
         self.cached: list[int] = []
-        self.vocab_map: torch.Tensor | None = None  # [Vd] target id of each draft row
-        self.to_draft: torch.Tensor | None = None  # [V] draft row read for each target id
+        self.vmap: VocabMap | None = None  # a reduced draft vocabulary (models.vocab)
         if vocab_map is not None:
             if target_vocab is None:
                 raise RetrospecError("a draft vocabulary map needs the target's vocabulary size")
-            self.vocab_map = vocab_map.to(self.device)
-            to_draft = torch.full((target_vocab,), -1, dtype=torch.long)
-            to_draft[vocab_map] = torch.arange(len(vocab_map))
-            unk = int(to_draft[0]) if int(to_draft[0]) >= 0 else 0
-            self.to_draft = to_draft.masked_fill(to_draft < 0, unk).to(self.device)
-            self.target_vocab = target_vocab
+            self.vmap = VocabMap(vocab_map.cpu(), target_vocab).to(self.device)
 
     def prefill(self, ctx: DecodeContext) -> None:
         self.kv = KVCache(self.model)
@@ -69,15 +64,12 @@ class SmallLMDrafter:
         """Feed ``ids`` after the cached tokens; returns the [V] logits after the last one."""
         start = len(self.cached)
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        if self.to_draft is not None:
-            x = self.to_draft[x]
+        if self.vmap is not None:
+            x = self.vmap.to_draft[x]  # [1, n] draft rows
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
         logits = self.engine.forward(x, pos, None, self.kv.cache, last_only=True)[0][-1]  # [Vd]
         self.cached.extend(ids)
-        if self.vocab_map is None:
-            return logits
-        full = logits.new_full((self.target_vocab,), float("-inf"))  # [V]: q = 0 off the draft's vocabulary
-        return full.index_copy_(0, self.vocab_map, logits)
+        return logits if self.vmap is None else self.vmap.scatter(logits)  # [V]: q = 0 off the draft's vocabulary
 
     def sequence(self, ctx: DecodeContext) -> list[int]:
         """The token sequence this drafter continues: every committed token (RAPID overrides it)."""

@@ -78,7 +78,7 @@ class EngineModel:
         with torch.inference_mode(False), torch.no_grad():
             memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
             clone = copy.deepcopy(model, memo)  # new modules and config, the same weight tensors
-            if attention == "prefix_block" and not prefix_block.switch(clone, prefix_block.ATTN_NAME):
+            if attention == "prefix_block" and not prefix_block.enable(clone):
                 self.mode = "off"
                 return
             decoder, head = clone.get_decoder(), _plain_head(clone)

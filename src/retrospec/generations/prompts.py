@@ -7,7 +7,7 @@ Sources (``parse_sources``: a comma-separated list of ``name`` or ``name=ARG``):
 - ``nq=PATH``: NQ-open ``questions.jsonl``, **train split only** (``rag.data.split_of``: the eval split the RAG
   bench scores on is never generated from), each question one chat user message;
 - ``stdlib[=N]``: up to N (default 2,000) function openings from the standard library's train split
-  (``train.corpus``; the held-out packages the benches use are excluded): the 30 lines before a ``def``, the ``def``
+  (``stdlib_corpus``; the held-out packages the benches use are excluded): the 30 lines before a ``def``, the ``def``
   line, raw continuation;
 - ``self-instruct=N``: N instructions the target writes itself (Magpie: the chat template up to the user's turn,
   sampled until the end of the turn), each then answered as a chat prompt.
@@ -22,7 +22,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bench.tasks import load_prompts
 from ..errors import RetrospecError
+from ..rag.data import read_questions, split_of
+from ..stdlib_corpus import read_texts, stdlib_files
 
 SOURCES = ("mbpp", "nq", "stdlib", "self-instruct")
 STDLIB_DEFAULT = 2000
@@ -62,8 +65,6 @@ def parse_sources(spec: str) -> list[tuple[str, str | None]]:
 
 def stdlib_openings(limit: int) -> list[str]:
     """Function openings from the stdlib's train split: the lines before a ``def`` and the ``def`` line."""
-    from ..train.corpus import read_texts, stdlib_files
-
     texts = read_texts(stdlib_files("train"))
     candidates = []
     for text in texts:
@@ -77,9 +78,6 @@ def stdlib_openings(limit: int) -> list[str]:
 
 def load_rows(sources: list[tuple[str, str | None]], limit: int | None = None) -> list[PromptRow]:
     """Every prompt row of the sources, in order; at most ``limit`` per source when given."""
-    from ..bench.tasks import load_prompts
-    from ..rag.data import read_questions, split_of
-
     per_source: list[list[PromptRow]] = []
     for name, arg in sources:
         rows: list[PromptRow] = []

@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_build
 from ..errors import RetrospecError
+from ..identity import model_identity
 from . import quant
 
 ADAPTER_META = "retrospec_adapter.json"
@@ -43,17 +45,13 @@ def is_adapter_dir(path: Path) -> bool:
 
 
 def write_adapter_meta(directory: Path, base, base_name: str) -> None:
-    from ..retrieval.store import model_identity
-
     meta = {"base": base_name, "base_identity": model_identity(base.model)}
     (directory / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
-    """The adapter at ``path`` merged into a copy of its base; ``load_model`` loads the base (it is cached there)."""
-    from ..retrieval.store import model_identity
-    from .loading import LoadedModel
-
+    """(model, tokenizer): the adapter at ``path`` merged into a copy of its base; ``load_model`` loads the base (it
+    is cached there). The caller (``loading.load_model``) wraps the pair; this module never imports ``loading``."""
     meta_file = path / ADAPTER_META
     try:
         meta = json.loads(meta_file.read_text())
@@ -87,7 +85,7 @@ def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
     except Exception as exc:  # missing or corrupt adapter weights, target modules absent from the base
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RetrospecError(f"could not load adapter {path} onto {base_src}: {first}") from exc
-    return LoadedModel(model.to(dtype).eval(), base.tokenizer, str(path))
+    return model.to(dtype).eval(), base.tokenizer
 
 
 def _peft_from_int8(model, path: Path):
@@ -131,8 +129,6 @@ def pack_adapter(src: str | Path, out: str | Path, storage: str = quant.INT8) ->
     if meta.get("storage") is not None or not (src / PEFT_WEIGHTS).is_file():
         raise RetrospecError(f"adapter {src} is not stored as peft's {PEFT_WEIGHTS} (storage "
                              f"{meta.get('storage')!r}); pack the original adapter")
-    from ..retrieval.store import atomic_build  # lazy: retrieval sits above models
-
     with atomic_build(out, required=ADAPTER_META) as tmp:  # renamed into place when complete
         shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(PEFT_WEIGHTS), dirs_exist_ok=True)
         packed = quant.pack_int8(load_file(str(src / PEFT_WEIGHTS)))

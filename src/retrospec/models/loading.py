@@ -69,6 +69,11 @@ class LoadedModel:
         return frozenset(ids)
 
 
+def as_module(model) -> torch.nn.Module:
+    """The module behind a ``LoadedModel``; a transformers model as is."""
+    return model.model if isinstance(model, LoadedModel) else model
+
+
 _CACHE: dict[tuple[str, str, str], LoadedModel] = {}
 
 
@@ -107,7 +112,8 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
     if key in _CACHE:
         return _CACHE[key]
     if path.is_dir() and is_adapter_dir(path):  # a LoRA adapter: merged into a copy of its base
-        _CACHE[key] = load_adapter(path, dtype=dtype, device=device, load_model=load_model)
+        model, tok = load_adapter(path, dtype=dtype, device=device, load_model=load_model)
+        _CACHE[key] = LoadedModel(model, tok, str(path))
         return _CACHE[key]
     _check_dir(path, role)
     from transformers import AutoModelForCausalLM

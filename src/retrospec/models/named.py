@@ -8,7 +8,8 @@
   into ``model_home()/smollm2-135m``; paired draft ``smollm2-135m-draft``.
 - ``smollm2-135m-draft``: the bundled draft distilled for ``smollm2-135m``, ``zoo/smollm2-135m-draft``.
 - ``smollm2-135m-longspec`` / ``zoo-longspec``: the bundled LongSpec draft blocks (``models/longspec``) of
-  ``smollm2-135m`` and ``zoo``; method ``longspec`` takes them by default for those targets (``paired_longspec``).
+  ``smollm2-135m`` and ``zoo``; method ``longspec`` takes them by default for those targets, given by name, by
+  directory or loaded (``paired_longspec``: by directory, else by the model's identity).
 - ``smollm2-135m-rag-drafter``: the bundled Speculative RAG drafter, a LoRA adapter on ``smollm2-135m``
   (``zoo/smollm2-135m-rag-drafter``; ``models/adapters.py`` merges it into a copy of its base at load).
 
@@ -28,12 +29,14 @@ Contracts:
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RetrospecError
+from ..identity import model_identity
 from ..paths import cache_home
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo"
@@ -179,13 +182,40 @@ def paired_draft(target) -> Path | None:
 
 
 def paired_longspec(target) -> Path | None:
-    """Directory of the LongSpec block bundled for ``target`` (None = the default target, or a model name: ``zoo``
-    -> ``zoo-longspec``, ``smollm2-135m`` -> ``smollm2-135m-longspec``); None for anything else (a path, a loaded
-    model). Resolving may raise (a block that is not built yet)."""
-    if target is not None and (not isinstance(target, str) or Path(target).expanduser().exists()):
+    """Directory of the LongSpec block bundled for ``target``, the one resolution every entry point uses.
+
+    None (the default target) or a model name: its named block (``zoo`` -> ``zoo-longspec``, ``smollm2-135m`` ->
+    ``smollm2-135m-longspec``; resolving may raise: a block that is not built yet). A checkpoint directory or a
+    loaded model (a ``LoadedModel`` or a transformers model): the bundled block of the named model at that
+    directory, else the bundled block whose ``longspec.json`` records this model's identity
+    (``identity.model_identity``: the same weights wherever they were loaded from). Only blocks already on disk are
+    matched that way (nothing converts). None when no bundled block fits."""
+    if target is None or isinstance(target, str) and not Path(target).expanduser().exists():
+        model = lookup(DEFAULT_TARGET if target is None else target)
+        return resolve_name(model.longspec) if model is not None and model.longspec else None
+    if isinstance(target, (str, Path)):
+        where, module = Path(target).expanduser(), None
+    else:
+        module = target if hasattr(target, "named_parameters") else getattr(target, "model", None)
+        where = getattr(target, "path", None) or getattr(module, "name_or_path", None)
+        where = Path(where).expanduser() if where else None
+    pairs = [(m, lookup(m.longspec)) for m in NAMED if m.longspec]
+    if where is not None and where.is_dir():
+        for m, block in pairs:
+            if m.ready() and where.resolve() == m.location().resolve():
+                return resolve_name(block.name)
+    if module is None:
         return None
-    model = lookup(DEFAULT_TARGET if target is None else target)
-    return resolve_name(model.longspec) if model is not None and model.longspec else None
+    want = model_identity(module)["fingerprint"]
+    for _, block in pairs:
+        meta = block.location() / "longspec.json"
+        try:
+            recorded = json.loads(meta.read_text())["target"]["fingerprint"] if meta.is_file() else None
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None
+        if recorded == want:
+            return block.location()
+    return None
 
 
 def longspec_dir(spec) -> Path:

@@ -32,7 +32,8 @@ import numpy as np
 
 from ..errors import RetrospecError
 from ..retrieval.embedder import Embedder, load_embedder
-from ..retrieval.store import META_FILE, atomic_build, load_meta, write_meta
+from ..atomic import META_FILE, atomic_build
+from ..retrieval.store import load_meta, write_meta
 from .data import Passage, read_passages, write_passages
 
 __all__ = ["INDEX_FILE", "PASSAGES_FILE", "PassageIndex", "build_index", "clear_cache", "embedder_identity",

@@ -1,17 +1,14 @@
 """Corpora for datastores: where the text comes from and how it becomes token-id documents.
 
 Sources (``--corpus``):
-- ``stdlib`` (= ``stdlib:train``): the zoo's training split of the standard library (``retrospec.train.corpus``);
+- ``stdlib`` (= ``stdlib:train``): the zoo's training split of the standard library (``retrospec.stdlib_corpus``);
   ``stdlib:heldout``: the held-out packages (for ``datastore eval``);
 - a ``.jsonl`` file: one document per line, from a ``text`` field or ``prompt`` + ``completion``;
 - any other file: UTF-8 text, one document (files over ``CHUNK_CHARS`` are cut into documents at line ends);
 - a directory: every non-hidden file below it in sorted order, each read as above (non-UTF-8 files skipped).
 
-``--from-generations PROMPTS.jsonl`` gives an in-distribution (ID) corpus: the target's own greedy continuations of
-the prompts, decoded in batches (``batched.generate_batch``, the generator of ``retrospec corpus generate``; each
-row equals plain greedy decoding).
-Each such document is prompt + continuation with ``index_from`` at the continuation: dense stores index only the
-keys whose drafts are the target's own tokens (the paper's "response" datastore); suffix stores keep every token.
+``--from-generations PROMPTS.jsonl`` gives an in-distribution (ID) corpus of ``TokenDoc``s built from the target's own
+outputs; that lives above retrieval, in ``generations.documents`` (it decodes with the target).
 
 Invariant: documents come out in a deterministic order, so the same corpus gives the same store.
 """
@@ -27,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import RetrospecError
+from ..stdlib_corpus import read_texts, stdlib_files, stdlib_root
 
 CHUNK_CHARS = 4_000_000
 
@@ -94,8 +92,6 @@ def _read_file(path: Path, skip_bad: bool = False) -> Iterator[str]:
 
 def open_text_corpus(spec: str) -> TextCorpus:
     """Resolve ``--corpus``; raises ``RetrospecError`` for a missing or empty source."""
-    from ..train.corpus import read_texts, stdlib_files, stdlib_root
-
     if spec in ("stdlib", "stdlib:train", "stdlib:heldout"):
         split = "heldout" if spec.endswith("heldout") else "train"
         files = stdlib_files(split)
@@ -156,72 +152,3 @@ def limit_tokens(docs: Iterable[TokenDoc], max_tokens: int | None) -> Iterator[T
             d = TokenDoc(d.ids[:left], min(d.index_from, left))
         left -= len(d.ids)
         yield d
-
-
-GENERATIONS_FILE = "generations.jsonl"
-
-
-def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: int = 128, batch_size: int = 32,
-                         progress: bool = True) -> tuple[list[TokenDoc], list[dict], str]:
-    """The target's own greedy continuations of the prompts in a jsonl file (``prompt`` field per line).
-
-    ``target`` is a ``LoadedModel`` with a tokenizer. Prompts are decoded ``batch_size`` at a time with one KV cache
-    (``batched.generate_batch``: each row equals one-at-a-time greedy decoding), shortest first. Rows that already
-    carry ``prompt_ids`` and ``completion_ids`` from the same target (``target`` fingerprint) and
-    ``max_new_tokens`` - the ``generations.jsonl`` a previous ID build saved in its store - are reused instead of
-    generated again. Returns the documents, the rows to save, and a description."""
-    from ..batched import generate_batch
-    from ..bench.tasks import load_prompts
-    from .store import model_identity
-
-    if target.tokenizer is None:
-        raise RetrospecError(f"--from-generations needs a target with a tokenizer ({target.path} has none)")
-    prompts = load_prompts(prompts_path)
-    fingerprint = model_identity(target.model)["fingerprint"]
-    eos = target.eos_ids()
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    limit = target.max_positions or 1 << 30
-    entries: list[tuple[dict, list[int], list[int] | None]] = []  # (row, prompt ids, completion or None = to do)
-    reused = 0
-    for row in prompts:
-        if (row.get("target") == fingerprint and row.get("max_new_tokens") == max_new_tokens
-                and isinstance(row.get("prompt_ids"), list) and isinstance(row.get("completion_ids"), list)):
-            entries.append((row, [int(i) for i in row["prompt_ids"]], [int(i) for i in row["completion_ids"]]))
-            reused += 1
-            continue
-        ids = target.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        if ids and len(ids) < limit:
-            entries.append((row, list(ids), None))
-    todo = sorted((i for i, e in enumerate(entries) if e[2] is None), key=lambda i: len(entries[i][1]))
-    bar = tqdm(total=len(todo), desc="generate", unit="prompt", disable=not progress, dynamic_ncols=True)
-    for k in range(0, len(todo), batch_size):
-        batch = todo[k:k + batch_size]
-        room = min(max_new_tokens, limit - max(len(entries[i][1]) for i in batch))  # positions left in the model
-        res = generate_batch(target.model, [entries[i][1] for i in batch], max_new_tokens=room, eos_ids=eos,
-                             pad_id=pad)
-        for i, out in zip(batch, res.tokens):
-            if out and out[-1] in eos:
-                out = out[:-1]  # the document separator (EOS) is added by the builders
-            entries[i] = (entries[i][0], entries[i][1], out)
-        bar.update(len(batch))
-    bar.close()
-    docs: list[TokenDoc] = []
-    rows: list[dict] = []
-    generated = 0
-    for row, ids, out in entries:
-        generated += len(out)
-        docs.append(TokenDoc(np.asarray(ids + out, dtype=np.int32), index_from=len(ids)))
-        rows.append({"prompt": row["prompt"], "prompt_ids": ids, "completion_ids": out, "target": fingerprint,
-                     "max_new_tokens": max_new_tokens})
-    if not docs:
-        raise RetrospecError(f"no usable prompts in {prompts_path}")
-    desc = (f"greedy generations of {target.path} on {len(docs)} prompts from {prompts_path} "
-            f"(max {max_new_tokens} new tokens, batched {batch_size}, {generated} generated tokens"
-            + (f", {reused} reused from the file" if reused else "") + ")")
-    return docs, rows, desc
-
-
-def save_generations(rows: list[dict], path: Path) -> None:
-    with path.open("w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")

@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 
 from ..errors import RetrospecError
 from .corpus import TokenDoc
-from .store import atomic_build, load_meta, write_meta
+from ..atomic import atomic_build
+from .store import load_meta, write_meta
 
 VALUES_FILE = "values.npy"
 INDEX_FILE = "index.faiss"

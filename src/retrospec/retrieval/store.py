@@ -9,9 +9,9 @@ A datastore is one directory. ``meta.json`` says what it is and what it was buil
      "files": {name: size in bytes}, "build": {"seconds", "peak_rss_mb", "created"}}
 
 Invariants:
-- A build writes into ``.<name>.tmp-<pid>`` next to the destination and renames it into place only after every
-  file and, last of all, ``meta.json`` are complete; an interrupted build therefore never leaves a directory at the
-  destination (and never one with a ``meta.json`` whose files are missing).
+- A build goes through ``atomic.atomic_build`` and writes ``meta.json`` last: an interrupted build never leaves a
+  directory at the destination (and never one with a ``meta.json`` whose files are missing). Identities
+  (``identity.model_identity``, ``identity.tokenizer_fingerprint``) are the shared bottom-rank ones.
 - ``load_meta`` refuses a directory whose ``meta.json`` is missing or unreadable, whose format/version/kind is not
   what the caller expects, or whose data files are missing or have another size than recorded.
 - ``check_compatible`` refuses a store built for another tokenizer (vocabulary fingerprint or size) and, for dense
@@ -21,21 +21,18 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import os
 import resource
-import shutil
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..atomic import META_FILE
 from ..errors import RetrospecError
+from ..identity import model_identity, tokenizer_fingerprint
 
 FORMAT = "retrospec-datastore"
 VERSION = 1
@@ -45,42 +42,6 @@ _KIND_NAMES = {"suffix": "suffix store", "dense": "dense store", "rag": "RAG pas
 _KIND_NEEDS = {"suffix": "method 'rest' needs a suffix store (retrospec datastore build --kind suffix)",
                "dense": "method 'dresd' needs a dense store (retrospec datastore build --kind dense)",
                "rag": "a RAG passage index is needed (retrospec rag index)"}
-META_FILE = "meta.json"
-
-# config keys that do not change what the model computes
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
-                         "_commit_hash", "_attn_implementation_autoset", "_attn_implementation"}
-
-
-def _sha(data: str) -> str:
-    return hashlib.sha256(data.encode()).hexdigest()[:16]
-
-
-def tokenizer_fingerprint(tokenizer) -> str | None:
-    """A hash of the vocabulary (token string -> id); None when there is no tokenizer."""
-    if tokenizer is None:
-        return None
-    vocab = tokenizer.get_vocab()
-    return _sha(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False))
-
-
-_MODEL_IDS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def model_identity(model: torch.nn.Module) -> dict:
-    """``config_hash`` (config without volatile keys) and ``weights_digest`` (per-tensor RMS, 4 significant digits,
-    so the same checkpoint loaded in float32 or float16 gets the same digest). Cached per model object."""
-    if model in _MODEL_IDS:
-        return _MODEL_IDS[model]
-    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    config_hash = _sha(json.dumps(cfg, sort_keys=True, default=str))
-    with torch.no_grad():
-        stats = [f"{name}:{tuple(p.shape)}:{p.detach().double().pow(2).mean().sqrt().item():.4g}"
-                 for name, p in sorted(model.named_parameters())]
-    weights = _sha("|".join(stats))
-    ident = {"config_hash": config_hash, "weights_digest": weights, "fingerprint": _sha(config_hash + weights)}
-    _MODEL_IDS[model] = ident
-    return ident
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -94,58 +55,6 @@ def tokenizer_meta(tokenizer, vocab_size: int, eos_id: int, source: str = "") ->
 
 def target_meta(model: torch.nn.Module, path: str, layer: int = -1) -> dict:
     return model_identity(model) | {"path": path, "layer": layer, "hidden_size": int(model.config.hidden_size)}
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# atomic builds
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def atomic_build(dest: str | Path, overwrite: bool = False, required: str = META_FILE):
-    """Yield a fresh temporary directory next to ``dest``; rename it to ``dest`` when the block completes (and
-    wrote ``required``, the file that marks a finished directory: ``meta.json`` for datastores).
-
-    On any exception the temporary directory is removed and ``dest`` is untouched. A process killed mid-build
-    leaves only a hidden ``.<name>.tmp-<pid>`` directory, which the next build of the same destination removes.
-    """
-    dest = Path(dest)
-    if dest.exists() and not overwrite:
-        if not dest.is_dir() or any(dest.iterdir()):
-            raise RetrospecError(f"{dest} already exists; choose another --out or pass --overwrite")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for stale in dest.parent.glob(f".{dest.name}.tmp-*"):  # leftovers of killed builds
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if not (tmp / required).is_file():
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"build of {dest} finished without writing {required}")
-    if dest.exists():
-        trash = dest.parent / f".{dest.name}.old-{os.getpid()}"
-        dest.rename(trash)
-        tmp.rename(dest)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        tmp.rename(dest)
 
 
 def peak_rss_mb() -> float:

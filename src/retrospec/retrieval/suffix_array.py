@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from ..errors import RetrospecError
 from .corpus import TokenDoc
-from .store import atomic_build, load_meta, write_meta
+from ..atomic import atomic_build
+from .store import load_meta, write_meta
 
 TOKENS_FILE = "tokens.bin"
 SA_FILE = "sa.npy"

@@ -12,7 +12,6 @@ only on the token budget, so a build is reproducible given the seed (up to float
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from .common import adamw, warmup_cosine
 
 
 @dataclass
@@ -44,14 +45,6 @@ class TrainResult:
     seconds: float
     final_loss: float
     losses: list[float] = field(default_factory=list)
-
-
-def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
 Streams = np.ndarray | list[tuple[np.ndarray, float]]
@@ -90,13 +83,7 @@ def train_lm(
     streams, weights = _as_mixture(stream, cfg.seq_len)
     torch.manual_seed(cfg.seed)
     gen = np.random.default_rng(cfg.seed)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = adamw(model.parameters(), cfg.lr, cfg.weight_decay)
     total_steps = max(1, cfg.tokens // (cfg.batch_size * cfg.seq_len))
     model.train()
     if teacher is not None:
@@ -107,7 +94,7 @@ def train_lm(
     running = None
     for step in bar:
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, total_steps, cfg)
+            group["lr"] = warmup_cosine(step, total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
         rows = _batch(streams, weights, gen, cfg)
         inputs, targets = rows[:, :-1], rows[:, 1:]
         logits = model(input_ids=inputs).logits  # [batch, seq, vocab]

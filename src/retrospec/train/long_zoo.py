@@ -33,7 +33,7 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 
 from ..bench.long_tasks import make_tasks, score
 from ..long_requests import DEFAULT_TEMPLATE
-from .corpus import read_texts, stdlib_files
-from .lm import TrainConfig, _lr_at
+from ..stdlib_corpus import read_texts, stdlib_files
+from .common import adamw, resolve_device, warmup_cosine
 
 TRAIN_TASKS = ("kv", "passkey", "facts")
 BUNDLE_LIMIT_BYTES = 48 * 2**20  # all bundled weights (the zoo pair and smollm2-135m-draft)
@@ -203,19 +203,6 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / total if total > 0 else values.sum() * 0.0
 
 
-def _optimizer(model, lr: float):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooConfig, teacher=None,
               desc: str = "target-long", seconds: float = 0.0) -> dict:
     """Continue training ``model`` on the mix; with a ``teacher``, distil (forward KL) instead of fitting labels.
@@ -225,23 +212,18 @@ def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooCon
     device = next(model.parameters()).device
     amp = device.type == "cuda"
     torch.manual_seed(cfg.seed)
-    opt = _optimizer(model, lr)
+    opt = adamw(model.parameters(), lr, weight_decay=0.1)
     timed = seconds > 0
     warmup = 50 if timed else min(50, max(1, steps // 10))
-    sched = TrainConfig(tokens=1, lr=lr, warmup_steps=warmup)
-    cosine = TrainConfig(tokens=1, lr=lr, warmup_steps=0)  # timed runs: the cosine over elapsed / budget
     model.train()
     losses, running, t0 = [], None, time.perf_counter()
     task_running = None  # the completion loss alone (label training), for the log
     bar = tqdm(total=None if timed else steps, desc=desc, unit="step", dynamic_ncols=True)
     step = 0
     while (time.perf_counter() - t0 < seconds) if timed else step < steps:
-        if timed and step < warmup:
-            lr_now = lr * (step + 1) / warmup
-        elif timed:
-            lr_now = _lr_at(int(1e6 * (time.perf_counter() - t0) / seconds), int(1e6), cosine)
-        else:
-            lr_now = _lr_at(step, steps, sched)
+        # timed runs: the cosine over elapsed / budget, after the same warm-up steps
+        progress = (time.perf_counter() - t0) / seconds if timed else None
+        lr_now = warmup_cosine(step, steps, lr, warmup, 0.1, progress=progress)
         for group in opt.param_groups:
             group["lr"] = lr_now
         b = sampler.next()

@@ -53,11 +53,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_build
 from ..errors import RetrospecError
 from ..kv import KVCache
 from ..models.longspec import LongSpecDraft, cross_visible, save_longspec, self_visible
-from ..models.longspec.block import as_module
-from .corpus import HELDOUT_PACKAGES, read_texts, stdlib_files
+from ..models.loading import as_module
+from ..models.longspec.checkpoint import META_FILE
+from ..stdlib_corpus import HELDOUT_PACKAGES, read_texts, stdlib_files
+from .common import adamw, resolve_device, warmup_cosine
 
 MANIFEST = "manifest.json"
 MAX_ANCHOR = 4
@@ -244,29 +247,6 @@ def long_documents(stream: np.ndarray, n: int, length: int) -> list[torch.Tensor
 # -------------------------------------------------------------------------------------------------------- training
 
 
-def lr_at(progress: float, peak: float, warmup: float = 0.1) -> float:
-    """Linear warm-up over the first ``warmup`` of the schedule, then cosine from ``peak`` to 0; progress in [0, 1]."""
-    progress = min(1.0, max(0.0, progress))
-    if warmup > 0 and progress < warmup:
-        return peak * progress / warmup
-    return 0.5 * peak * (1 + math.cos(math.pi * (progress - warmup) / max(1e-12, 1 - warmup)))
-
-
-def _optimizer(block: LongSpecDraft, cfg: LongSpecTrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in block.parameters() if p.dim() >= 2]
-    plain = [p for p in block.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": plain, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name not in ("cpu", "cuda"):
-        raise RetrospecError(f"--device must be cpu or cuda, got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RetrospecError("--device cuda: no CUDA device is available")
-    return torch.device(name)
-
-
 def check_config(cfg: LongSpecTrainConfig) -> None:
     """Refuse bad knobs (one ``RetrospecError`` line) before anything is loaded."""
     if (cfg.steps is None) == (cfg.seconds is None):
@@ -317,7 +297,7 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
 
     block = LongSpecDraft.for_target(model, window=cfg.window, init=cfg.init,
                                      intermediate_size=cfg.intermediate_size).train()
-    opt = _optimizer(block, cfg)
+    opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
     rng = np.random.default_rng(cfg.seed)
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
@@ -337,7 +317,7 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
             else:
                 pace = elapsed / step if step else 0.0
                 progress = max((elapsed + 0.5 * pace) / cfg.seconds, 0.01 * cfg.warmup)
-            lr = lr_at(progress, cfg.lr, cfg.warmup)
+            lr = warmup_cosine(min(1.0, max(0.0, progress)), 1.0, cfg.lr, cfg.warmup, ramp=0)
             for group in opt.param_groups:
                 group["lr"] = lr
             ids = random_windows(stream, cfg.batch, cfg.seq_len, rng).to(device)  # [b, L]
@@ -399,10 +379,7 @@ def _record(step: int, losses: list[float], started: float, lr: float) -> dict:
 
 def save_block(block: LongSpecDraft, target, manifest: dict, out: Path) -> Path:
     """``save_longspec`` plus ``manifest.json``, written into a temporary sibling and renamed into place
-    (``retrieval.store.atomic_build``: nothing at ``out`` on failure)."""
-    from ..models.longspec.checkpoint import META_FILE
-    from ..retrieval.store import atomic_build  # lazy: the shared atomic directory writer
-
+    (``atomic.atomic_build``: nothing at ``out`` on failure)."""
     if out.exists():
         raise RetrospecError(f"{out} already exists; choose another --out")
     with atomic_build(out, required=META_FILE) as tmp:

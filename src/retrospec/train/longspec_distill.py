@@ -45,11 +45,16 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_build
+from ..drafters.longspec import load_block
 from ..errors import RetrospecError
+from ..generations import read_corpus
 from ..kv import KVCache
+from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft, save_longspec
-from ..models.longspec.block import as_module
-from .longspec import MANIFEST, _optimizer, draft_logits, lr_at, sample_positions
+from ..models.longspec.checkpoint import META_FILE
+from .common import adamw, warmup_cosine
+from .longspec import MANIFEST, draft_logits, sample_positions
 
 CHAT_SOURCES = ("self-instruct", "nq")  # the rest (mbpp, stdlib) are code
 
@@ -212,7 +217,7 @@ def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng:
                pad: int) -> float:
     """One optimizer step on ``records``; returns the batch's KL."""
     for g in opt.param_groups:
-        g["lr"] = lr_at(progress, cfg.lr, cfg.warmup)
+        g["lr"] = warmup_cosine(min(1.0, max(0.0, progress)), 1.0, cfg.lr, cfg.warmup, ramp=0)
     ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in records], pad)
     anchored = rng.random() < cfg.anchor_share
     positions = sample_positions(ids.shape[0], ids.shape[1], cfg.max_positions, rng, anchor_offset=anchored)
@@ -242,10 +247,6 @@ def check_config(cfg: DistillConfig) -> None:
 
 def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest."""
-    from ..drafters.longspec import load_block
-    from ..generations import read_corpus
-    from ..models.loading import load_model
-
     check_config(cfg)
     records = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
     if not records:
@@ -278,10 +279,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     for p in block.parameters():
         p.requires_grad_(True)
 
-    class _Cfg:  # the optimizer helper reads these three fields
-        weight_decay, lr, betas = cfg.weight_decay, cfg.lr, cfg.betas
-
-    opt = _optimizer(block, _Cfg)
+    opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
     curve = [{**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": 0}]
     block.train()
     log(f"before: agreement {curve[0]}")
@@ -343,9 +341,6 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
 
 
 def save_distilled(block: LongSpecDraft, target, manifest: dict, out: Path, storage: str | None) -> Path:
-    from ..models.longspec.checkpoint import META_FILE
-    from ..retrieval.store import atomic_build  # lazy: the shared atomic directory writer
-
     with atomic_build(out, required=META_FILE) as tmp:
         save_longspec(block, target, tmp, target_path=getattr(target, "path", None), overwrite=True, storage=storage)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

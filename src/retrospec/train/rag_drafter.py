@@ -20,11 +20,9 @@ nothing at ``out``); it holds peft's ``adapter_config.json`` + ``adapter_model.s
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,12 +31,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_build
 from ..chat import end_of_turn_ids, has_chat_template
 from ..errors import RetrospecError
 from ..models.adapters import ADAPTER_META, write_adapter_meta
 from ..models.loading import load_model
 from ..rag.data import Passage, Question, read_passages, read_questions, select
 from ..rag.prompts import draft_spans, drafter_prompt
+from .common import adamw, warmup_cosine
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
@@ -126,11 +126,7 @@ def build_examples(tokenizer, questions: list[Question], passages: list[Passage]
                       "examples": len(examples)}
 
 
-def _lr(step: int, total: int, cfg: RagDrafterConfig) -> float:
-    warm = max(1, int(cfg.warmup * total))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    return 0.5 * cfg.lr * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
 
 
 def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
@@ -166,7 +162,7 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
                       task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = adamw(params, cfg.lr)
     autocast = cfg.dtype == "bfloat16"
     total = cfg.steps or max(1, int(cfg.seconds / 6))  # schedule length for --seconds: a guess, refined below
     rng = random.Random(cfg.seed)
@@ -180,7 +176,7 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
         if (cfg.steps is not None and step >= cfg.steps) or (cfg.seconds is not None and elapsed >= cfg.seconds):
             break
         for group in opt.param_groups:
-            group["lr"] = _lr(step, total, cfg)
+            group["lr"] = warmup_cosine(step, total, cfg.lr, max(1, int(cfg.warmup * total)))
         opt.zero_grad(set_to_none=True)
         batch_loss = 0.0
         for _ in range(cfg.accum):
@@ -229,10 +225,7 @@ def save_adapter(peft_model, base, base_name: str, manifest: dict, out: Path) ->
     """peft files (weights in float16) + ``retrospec_adapter.json`` + ``manifest.json``, renamed into place."""
     from safetensors.torch import load_file, save_file
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with atomic_build(out, required=ADAPTER_META) as tmp:  # renamed into place when complete
         peft_model.save_pretrained(tmp)
         weights = tmp / "adapter_model.safetensors"
         save_file({k: v.to(torch.float16).contiguous() for k, v in load_file(weights).items()}, weights)
@@ -242,8 +235,3 @@ def save_adapter(peft_model, base, base_name: str, manifest: dict, out: Path) ->
         cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
         write_adapter_meta(tmp, base, base_name)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        assert (tmp / ADAPTER_META).is_file()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -28,17 +28,20 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from ..atomic import atomic_build
+from ..batched import generate_batch
+from ..models.vocab import VocabMap
+from ..rag.data import read_passages, read_questions
+from .common import adamw, warmup_cosine
 
 # chat prompts the draft is trained on (the target answers them); the bench's and demo's prompts are not here
 _TRAIN_INSTRUCTIONS = [
@@ -91,8 +94,7 @@ def _encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
 
 
 def chat_prompts(n: int, seed: int, questions: list[str]) -> list[str]:
@@ -109,32 +111,22 @@ def chat_prompts(n: int, seed: int, questions: list[str]) -> list[str]:
     return out
 
 
-@torch.inference_mode()
 def target_generations(model, tok, prompts: list[list[int]], max_new: int, eos: list[int], batch: int = 16,
                        desc: str = "target generations") -> list[list[int]]:
-    """Greedy continuations of each prompt (left-padded batches), returned as prompt + continuation ids."""
+    """Greedy continuations of each prompt (``batched.generate_batch``, ``batch`` at a time), returned as prompt +
+    continuation ids (the stopping EOS included)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     out: list[list[int]] = []
     for i in tqdm(range(0, len(prompts), batch), desc=desc, unit="batch", dynamic_ncols=True):
         rows = prompts[i : i + batch]
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [b, width]
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=eos, pad_token_id=pad)
-        for r, g in zip(rows, gen[:, width:].tolist()):
-            cont = []
-            for t in g:
-                cont.append(t)
-                if t in eos:
-                    break
-            out.append(r + cont)
+        res = generate_batch(model, rows, max_new_tokens=max_new, eos_ids=frozenset(eos), pad_id=pad)
+        out += [r + t for r, t in zip(rows, res.tokens)]
     return out
 
 
 def build_streams(cfg: RealDraftConfig, target, tok, log=print) -> dict[str, np.ndarray]:
     """The training mixture as 1-D token streams (documents joined by the target's EOS)."""
-    from .corpus import read_texts, stdlib_files
+    from ..stdlib_corpus import read_texts, stdlib_files
 
     rng = random.Random(cfg.seed)
     eos = tok.eos_token_id
@@ -154,16 +146,16 @@ def build_streams(cfg: RealDraftConfig, target, tok, log=print) -> dict[str, np.
     streams["code"] = join([_encode(tok, t) for t in texts])
     passages, questions = [], []
     if cfg.nq_dir is not None:
-        passages = [p["title"] + "\n" + p["text"] for p in _jsonl(Path(cfg.nq_dir) / "passages.jsonl")[cfg.nq_skip:]]
-        questions = [q["question"] for q in _jsonl(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]]
+        passages = [p.title + "\n" + p.text for p in read_passages(Path(cfg.nq_dir) / "passages.jsonl")[cfg.nq_skip:]]
+        questions = [q.question for q in read_questions(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]]
         streams["prose"] = join([_encode(tok, t) for t in passages + questions])
     if questions and getattr(tok, "chat_template", None):
         # chat-formatted turns without generating: a corpus question, its passage as the answer (the target's soft
         # labels on it are what the draft learns; the template's tokens are what it must learn to read)
-        qa = _jsonl(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]
-        by_id = {p["id"]: p["text"] for p in _jsonl(Path(cfg.nq_dir) / "passages.jsonl")}
-        turns = [[{"role": "user", "content": q["question"]}, {"role": "assistant", "content": by_id[q["gold_passage"]]}]
-                 for q in qa if q.get("gold_passage") in by_id]
+        qa = read_questions(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]
+        by_id = {p.id: p.text for p in read_passages(Path(cfg.nq_dir) / "passages.jsonl")}
+        turns = [[{"role": "user", "content": q.question}, {"role": "assistant", "content": by_id[q.gold_passage]}]
+                 for q in qa if q.gold_passage in by_id]
         streams["chatqa"] = join([_encode(tok, tok.apply_chat_template(t, tokenize=False)) for t in turns])
     eos_ids = sorted({eos} | ({tok.convert_tokens_to_ids("<|im_end|>")} if "<|im_end|>" in tok.get_vocab() else set()))
     if cfg.chat_answers > 0 and getattr(tok, "chat_template", None):
@@ -240,26 +232,10 @@ def init_from_target(target, layers: tuple[int, ...], vocab_ids: list[int]):
     return draft
 
 
-class VocabMapper:
-    """Target ids <-> draft rows. ``to_draft[t]`` is the draft row of target id t (``unk_row`` if absent)."""
-
-    def __init__(self, vocab_ids: list[int], target_vocab: int, unk_target_id: int = 0):
-        self.ids = torch.tensor(vocab_ids, dtype=torch.long)  # [Vd] target id of each draft row
-        self.to_draft = torch.full((target_vocab,), -1, dtype=torch.long)  # [V]
-        self.to_draft[self.ids] = torch.arange(len(vocab_ids))
-        unk = int(self.to_draft[unk_target_id]) if self.to_draft[unk_target_id] >= 0 else 0
-        self.covered = self.to_draft >= 0  # [V] bool
-        self.to_draft[~self.covered] = unk
-
-
 # ------------------------------------------------------------------------------------------------------- training
 
 
-def _lr(step_frac: float, step: int, cfg: RealDraftConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, step_frac)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
 
 
 def _windows(streams: dict[str, np.ndarray], mix: dict[str, float], rng: np.random.Generator, n: int,
@@ -282,7 +258,7 @@ def teacher_logits(target, ids: torch.Tensor, head_rows: torch.Tensor) -> tuple[
     return full.log_softmax(-1), full[..., head_rows]
 
 
-def distill_loss(draft, ids: torch.Tensor, mapper: VocabMapper, target_sub_logits: torch.Tensor) -> torch.Tensor:
+def distill_loss(draft, ids: torch.Tensor, mapper: VocabMap, target_sub_logits: torch.Tensor) -> torch.Tensor:
     """KL(p_V || q) averaged over positions; p_V = target softmax over the draft vocabulary."""
     logits = draft(input_ids=mapper.to_draft[ids]).logits  # [B, L, Vd]
     log_q = logits.float().log_softmax(-1)
@@ -291,7 +267,7 @@ def distill_loss(draft, ids: torch.Tensor, mapper: VocabMapper, target_sub_logit
 
 
 @torch.no_grad()
-def evaluate(draft, target, mapper: VocabMapper, batches: list[torch.Tensor]) -> dict:
+def evaluate(draft, target, mapper: VocabMap, batches: list[torch.Tensor]) -> dict:
     """Acceptance proxies on held-out windows: sum_x min(p, q) (sampling) and argmax agreement (greedy), with p the
     target's full distribution and q the draft's scattered into the target vocabulary; plus vocabulary coverage of
     the target's own argmax."""
@@ -348,7 +324,7 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     specials = [i for i in (tok.all_special_ids or []) if i is not None]
     vocab_ids = select_vocab(streams, cfg.mix, cfg.vocab, always=[0] + specials + [tok.eos_token_id])
     V = loaded.vocab_size
-    mapper = VocabMapper(vocab_ids, V)
+    mapper = VocabMap(vocab_ids, V)
     draft = init_from_target(target, tuple(cfg.layers), vocab_ids)
     held = {k: v[-max(len(v) // 20, cfg.seq_len + 2):] for k, v in streams.items()}  # last 5% of each stream
     train = {k: v[: len(v) - len(held[k])] for k, v in streams.items()}
@@ -361,8 +337,7 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     ids_all, hid_all = cache_teacher(target, train, cfg.mix, rng, cfg.teacher_seconds, cfg.batch_size, cfg.seq_len)
     head = target.get_output_embeddings().weight[mapper.ids].detach()  # [Vd, H]: p_V's logits = hidden @ head.T
     log(f"cached target hidden states for {ids_all.numel():,} tokens")
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    opt = adamw(draft.parameters(), cfg.lr)
     draft.train()
     t0, step, losses, running = time.time(), 0, [], None
     order = torch.randperm(len(ids_all), generator=torch.Generator().manual_seed(cfg.seed))
@@ -371,7 +346,7 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     while time.time() - t0 < cfg.seconds:
         frac = (time.time() - t0) / cfg.seconds
         for g in opt.param_groups:
-            g["lr"] = _lr(frac, step, cfg)
+            g["lr"] = warmup_cosine(step, 0, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, progress=frac)
         if pos + cfg.batch_size > len(order):
             order, pos = torch.randperm(len(ids_all), generator=torch.Generator().manual_seed(cfg.seed + step)), 0
         rows = order[pos : pos + cfg.batch_size]
@@ -416,18 +391,9 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
 def save_draft(draft, vocab_ids: list[int], target_vocab: int, manifest: dict, out: Path) -> None:
     """Write the draft atomically: fp16 safetensors, draft_vocab.json, real_draft.json (no tokenizer: see above)."""
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with atomic_build(out, overwrite=True, required="real_draft.json") as tmp:
         draft.to(torch.float16).save_pretrained(tmp)
         draft.to(torch.float32)
         (tmp / "draft_vocab.json").write_text(json.dumps({"target_vocab_size": target_vocab,
                                                           "token_ids": list(map(int, vocab_ids))}) + "\n")
         (tmp / "real_draft.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

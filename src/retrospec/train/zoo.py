@@ -8,13 +8,12 @@ retrospec always loads them back as float32.
 Steps: (1) byte-level BPE on the training split; (2) the Llama target, language modelling; (3) the draft,
 distilled from the target's soft labels (acceptance = 1 - TV(p, q), so agreeing with p is the objective).
 
-Invariant: the build is atomic. Everything is written to ``out.tmp-<pid>`` and renamed into place at the end.
+Invariant: the build is atomic (``atomic.atomic_build``): written next to ``out``, renamed into place at the end.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
 import time
@@ -24,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .corpus import HELDOUT_PACKAGES, read_texts, stdlib_files, stdlib_root
+from ..atomic import atomic_build
+from ..stdlib_corpus import HELDOUT_PACKAGES, read_texts, stdlib_files, stdlib_root
 from .lm import TrainConfig, eval_loss, train_lm
 from .tokenizer import train_bpe
 
@@ -94,16 +94,17 @@ def _save_model(model, tokenizer, path: Path) -> None:
 
 
 def build_zoo(cfg: ZooBuildConfig, log=print) -> dict:
-    """Train tokenizer, target and draft; write them atomically to ``cfg.out``. Returns the manifest."""
-    from transformers import LlamaForCausalLM
-
+    """Train tokenizer, target and draft; write them atomically to ``cfg.out`` (``atomic.atomic_build``: the old
+    directory, if any, is replaced only when ``zoo.json`` is written). Returns the manifest."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    with atomic_build(cfg.out, overwrite=True, required="zoo.json") as tmp:
+        return _build_into(tmp, cfg, Path(cfg.out), log)
+
+
+def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
+    from transformers import LlamaForCausalLM
+
     started = time.perf_counter()
 
     train_texts = read_texts(stdlib_files("train"))
@@ -187,9 +188,6 @@ def build_zoo(cfg: ZooBuildConfig, log=print) -> dict:
         "machine": platform.machine(),
     }
     (tmp / "zoo.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return manifest
 
 

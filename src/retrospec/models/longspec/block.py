@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ...errors import RetrospecError
+from ..loading import as_module
 
 DEFAULT_WINDOW = 512
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type> (Llama-style decoder layers)
@@ -83,13 +84,6 @@ def attention_bias(config) -> tuple[bool, bool]:
         return True, False
     bias = bool(getattr(config, "attention_bias", False))
     return bias, bias
-
-
-def as_module(model) -> nn.Module:
-    """The module behind a ``LoadedModel``; a transformers model as is."""
-    from ..loading import LoadedModel
-
-    return model.model if isinstance(model, LoadedModel) else model
 
 
 def self_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ Invariants:
   files are complete, so an interrupted save never leaves a directory at the destination.
 - ``load_longspec`` refuses (one ``RetrospecError`` line each) a missing or incomplete directory, an unknown format,
   version or storage, tensors that do not match the recorded storage, and a block built for another target: other
-  hidden or vocabulary size, or another identity (``retrieval.store.model_identity``: config hash + weights
+  hidden or vocabulary size, or another identity (``identity.model_identity``: config hash + weights
   digest). The block's queries were trained against that target's keys and its embedding / head.
 """
 
@@ -32,9 +32,12 @@ from pathlib import Path
 
 import torch
 
+from ...atomic import atomic_build
 from ...errors import RetrospecError
+from ...identity import model_identity
 from .. import quant
-from .block import LongSpecDraft, as_module
+from ..loading import as_module
+from .block import LongSpecDraft
 
 FORMAT = "retrospec-longspec"
 VERSION = 1
@@ -49,7 +52,6 @@ _ARCH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "inte
 
 
 def _target_meta(target, path: str | None) -> dict:
-    from ...retrieval.store import model_identity  # lazy: retrieval sits above models
 
     model = as_module(target)
     path = path or getattr(target, "path", None) or getattr(model, "name_or_path", "") or "<in-memory model>"
@@ -92,7 +94,6 @@ def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_p
             "block": {"window": draft.window, "model_type": cfg.model_type, "head_dim": draft.head_dim}
             | {k: getattr(cfg, k) for k in _ARCH_KEYS},
             "target": _target_meta(target, target_path)}
-    from ...retrieval.store import atomic_build  # lazy: retrieval sits above models
 
     with atomic_build(dest, overwrite=True, required=META_FILE) as tmp:  # refusal of an existing dest: above
         state, stored = _stored_state(draft, storage)
@@ -198,7 +199,6 @@ def repack_longspec(src: str | Path, target, out: str | Path, storage: str) -> d
     ``manifest.json`` next to ``src``'s weights is copied with a ``"packed": {"from", "storage"}`` entry. Returns
     {"bytes_before", "bytes_after" (of ``block.safetensors``), "storage_before", "storage_after",
     "max_abs_error" (largest weight difference between the two blocks as loaded, in the target's dtype)}."""
-    from ...retrieval.store import atomic_build  # lazy: retrieval sits above models
 
     src, out = Path(src), Path(out)
     if storage not in STORAGES:

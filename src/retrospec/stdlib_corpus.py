@@ -1,4 +1,4 @@
-"""The zoo's training corpus: the Python standard library of the running interpreter.
+"""The zoo's training corpus: the standard library of the running interpreter (bottom rank: no retrospec imports).
 
 Every machine that runs retrospec has this corpus, so the bundled models can be rebuilt anywhere, offline.
 

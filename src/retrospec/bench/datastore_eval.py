@@ -23,7 +23,12 @@ import time
 import numpy as np
 import torch
 
-from .corpus import TokenDoc
+from ..config import SamplingConfig
+from ..drafters.base import DecodeContext
+from ..drafters.dresd import DresdDrafter
+from ..retrieval.corpus import TokenDoc
+from ..retrieval.dense_index import _encode, _key_range
+from ..tree import frequency_trie, merge_sequences
 
 
 def _tree_prefix(tree, truth: list[int]) -> int:
@@ -82,7 +87,6 @@ class Timer:
 
 
 def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0) -> dict:
-    from ..tree import frequency_trie
 
     num_drafts, draft_len = 3, 20
     queries = _sample_positions(docs, max_queries, seed, min_ctx=2)
@@ -117,11 +121,6 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
 
 def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queries: int = 1000, k: int = 10,
                match_len: int = 4, seed: int = 0, batch_tokens: int = 8192, progress: bool = True) -> dict:
-    from ..config import SamplingConfig
-    from ..drafters.base import DecodeContext
-    from ..drafters.dresd import DresdDrafter
-    from ..tree import merge_sequences
-    from .dense_index import _encode, _key_range
 
     params = store.meta["params"]
     queries = _sample_positions(docs, max_queries, seed, min_ctx=1)
