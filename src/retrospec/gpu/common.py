@@ -119,6 +119,8 @@ class StepResult:
 
 def start(step: str, dry_run: bool) -> tuple[StepResult, torch.device, Budget]:
     device = pick_device(dry_run)
+    if dry_run:  # tiny models gain nothing from threads, and on a busy CPU OpenMP threads spin-wait for each other
+        torch.set_num_threads(1)
     return StepResult(step, dry_run, str(device), environment(device)), device, Budget(0)
 
 

@@ -142,9 +142,9 @@ def build_plan(root: Path, tree: int | None = None) -> list[Call]:
     tree = travelling_bytes(root) if tree is None else tree
     parts = read_parts(root)
     if parts is None:
-        size = max(part_bytes(root, tree), 1)
-        gguf = GGUF_BYTES
-        parts = [f"{CARRY_DIR}/p{k + 1:02d}" for k in range(math.ceil(gguf / size))]
+        size = part_bytes(root, tree)  # < 1 MiB: no room; one part of the whole file, which check_plan refuses
+        count = math.ceil(GGUF_BYTES / size) if size >= MIB else 1
+        parts = [f"{CARRY_DIR}/p{k + 1:02d}" for k in range(count)]
     queue = list(parts)
     steps: list[tuple[str, tuple[str, ...]]] = []
     for name in RIDERS:
@@ -156,8 +156,9 @@ def build_plan(root: Path, tree: int | None = None) -> list[Call]:
     calls = []
     for i, (name, carry) in enumerate(steps, 1):
         spec = SPECS[name]
-        size = sum(carry_size(root, c) if not c.startswith(f"{CARRY_DIR}/p") or (root / c).exists()
-                   else min(part_bytes(root, tree), GGUF_BYTES) for c in carry)
+        projected = min(max(part_bytes(root, tree), MIB), GGUF_BYTES) if len(parts) > 1 else GGUF_BYTES
+        size = sum(carry_size(root, c) if not c.startswith(f"{CARRY_DIR}/p") or (root / c).exists() else projected
+                   for c in carry)
         calls.append(Call(i, name, command(name), carry, spec.timeout_s, spec.minutes, spec.returns, size))
     return calls
 

@@ -160,6 +160,9 @@ def run_costmodel(out: Path, dry_run: bool, budget_s: float) -> int:
         model = res.part(f"{name}/build", random_model, arch, tiny if dry_run else shape, device, dtype)
         if model is None:
             continue
+        # one untimed pass over every size first: the first forward of each new shape pays one-off costs (seen on the
+        # CPU: 15x at T=4) that would otherwise land in the first context's medians
+        res.part(f"{name}/warmup", forward_ms, model, contexts[0], tokens, device, 1, 0.1)
         entry = {"shape": "tiny stand-in" if dry_run else shape, "arch": arch,
                  "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "ms": {}}
         for ctx in contexts:
