@@ -39,6 +39,7 @@ def add_parser(sub) -> None:
     q.add_argument("--dry-run", action="store_true", help="CPU, tiny models, seconds: the rehearsal")
     q.add_argument("--budget-s", type=float, default=None, help="the step's own time budget (default: the plan's)")
     q.add_argument("--ref", default=".gpu/ref", help="the carried reference folder")
+    q.add_argument("--cpu", action="store_true", help="the real step on this CPU (a slow local rehearsal)")
     q.set_defaults(func=run_step)
     q = g.add_parser("report", help="markdown tables from the steps' JSON files")
     q.add_argument("paths", nargs="+", help="directories holding <step>.json, or the files")
@@ -74,6 +75,10 @@ def run_step(args) -> int:
         budget = 60.0
     if budget <= 0:
         raise RetrospecError(f"--budget-s must be > 0, got {budget}")
+    if args.cpu:
+        import os
+
+        os.environ["RETROSPEC_GPU_DEVICE"] = "cpu"
     out, ref = Path(args.out), Path(args.ref)
     if out.exists() and not out.is_dir():
         raise RetrospecError(f"--out must be a directory, but {out} is a file")

@@ -2,7 +2,7 @@
 
 Contracts:
 
-- ``pick_device(dry_run)``: CPU for a dry run; CUDA otherwise, and a ``RetrospecError`` (one line, exit 2) when no
+- ``pick_device(dry_run)``: CPU for a dry run (or ``step --cpu``); CUDA otherwise, and a ``RetrospecError`` (one line, exit 2) when no
   CUDA device is present: a real step never silently measures a CPU.
 - ``time_ms(fn, device)``: median milliseconds of ``fn()`` with a device synchronize before each clock read (CUDA
   work is asynchronous), after warm-up calls; never asserted anywhere, only reported.
@@ -34,7 +34,9 @@ def stage_root() -> Path:
 
 
 def pick_device(dry_run: bool) -> torch.device:
-    if dry_run:
+    """CPU for a dry run, or when ``$RETROSPEC_GPU_DEVICE`` is ``cpu`` (``step --cpu``: a real step, real model, on
+    this machine's CPU: a slow local rehearsal); else CUDA, which must be there."""
+    if dry_run or os.environ.get("RETROSPEC_GPU_DEVICE") == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RetrospecError("no CUDA device here: run the step with --dry-run (CPU, tiny models) or on a GPU "

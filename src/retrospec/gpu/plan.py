@@ -109,7 +109,7 @@ def path_bytes(path: Path) -> int:
 
 def estimated_bytes(rel: str) -> int:
     """A carry's size before ``make gpu`` made it (the plan is printable on a fresh clone)."""
-    return {WHEEL_DIR: 2 * MIB, REF_DIR: 3 * MIB}.get(rel, 0)
+    return {WHEEL_DIR: 3 * MIB, REF_DIR: 2 * MIB}.get(rel, 0)
 
 
 def carry_size(root: Path, rel: str) -> int:
