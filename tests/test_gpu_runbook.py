@@ -30,7 +30,7 @@ def _git_root(tmp_path: Path, tracked_bytes: int = 1000) -> Path:
 
 def test_the_plan_of_this_repository_fits_every_device_limit():
     tree = plan.travelling_bytes(ROOT)
-    calls = plan.build_plan(ROOT, tree)
+    calls = plan.build_plan(ROOT, tree, prepared=False)  # as a fresh 'make gpu' cuts the parts
     assert plan.check_plan(calls, tree) == []
     for c in calls:
         assert len(c.command) <= plan.COMMAND_MAX and len(c.carry) <= plan.CARRY_MAX

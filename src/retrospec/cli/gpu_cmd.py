@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
     q = g.add_parser("prepare", help="make .gpu/ (model parts, CPU reference logits, prompts); list missing wheels")
     q.add_argument("--root", default=".")
     q.add_argument("--download-wheels", action="store_true", help="fetch the missing wheels into .whl/ with pip")
+    q.add_argument("--keep-ref", action="store_true", help="keep .gpu/ref/ref.pt if present (cut the parts again)")
     q.set_defaults(func=run_prepare)
     q = g.add_parser("step", help="run one step of the plan")
     q.add_argument("name", choices=STEP_NAMES)
@@ -62,7 +63,7 @@ def run_plan(args) -> int:
 def run_prepare(args) -> int:
     from ..gpu.prepare import prepare
 
-    got = prepare(Path(args.root).resolve(), wheels=args.download_wheels)
+    got = prepare(Path(args.root).resolve(), wheels=args.download_wheels, remake_ref=not args.keep_ref)
     print(json.dumps(got))
     return 0
 

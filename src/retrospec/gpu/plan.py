@@ -138,9 +138,10 @@ def command(step: str, extra: str = "") -> str:
             f"|tee $OUT/{step}.log")
 
 
-def build_plan(root: Path, tree: int | None = None) -> list[Call]:
+def build_plan(root: Path, tree: int | None = None, prepared: bool = True) -> list[Call]:
+    """The calls in order; ``prepared=False`` projects the parts as a fresh ``make gpu`` would cut them."""
     tree = travelling_bytes(root) if tree is None else tree
-    parts = read_parts(root)
+    parts = read_parts(root) if prepared else None
     if parts is None:
         size = part_bytes(root, tree)  # < 1 MiB: no room; one part of the whole file, which check_plan refuses
         count = math.ceil(GGUF_BYTES / size) if size >= MIB else 1
@@ -157,8 +158,8 @@ def build_plan(root: Path, tree: int | None = None) -> list[Call]:
     for i, (name, carry) in enumerate(steps, 1):
         spec = SPECS[name]
         projected = min(max(part_bytes(root, tree), MIB), GGUF_BYTES) if len(parts) > 1 else GGUF_BYTES
-        size = sum(carry_size(root, c) if not c.startswith(f"{CARRY_DIR}/p") or (root / c).exists() else projected
-                   for c in carry)
+        size = sum(carry_size(root, c) if not c.startswith(f"{CARRY_DIR}/p") or (prepared and (root / c).exists())
+                   else projected for c in carry)
         calls.append(Call(i, name, command(name), carry, spec.timeout_s, spec.minutes, spec.returns, size))
     return calls
 

@@ -136,9 +136,10 @@ def check_ignored(root: Path) -> list[str]:
 
 
 def prepare(root: Path, gguf: Path | None = None, target="smollm2-135m", wheels: bool = False,
-            shared: Path = SHARED, log=print) -> dict:
+            shared: Path = SHARED, log=print, remake_ref: bool = True) -> dict:
     """Make ``.gpu/`` (and ``.whl/`` when ``wheels``); returns a summary. ``gguf``/``target`` default to the real
-    model (tests pass a small file and a tiny model directory)."""
+    model (tests pass a small file and a tiny model directory). ``remake_ref=False`` keeps an existing
+    ``ref.pt`` (the parts are always cut again: the tree's size may have changed)."""
     if bad := check_ignored(root):
         raise RetrospecError(f"{', '.join(bad)} must be git-ignored (add '/{bad[0]}/' to .gitignore)")
     if gguf is None:
@@ -149,8 +150,9 @@ def prepare(root: Path, gguf: Path | None = None, target="smollm2-135m", wheels:
     if missing and wheels:
         download_wheels(root, missing)
         missing = missing_wheels(root)
-    log(f"reference logits of {target} on the CPU -> {plan.REF_DIR}/ref.pt")
-    make_ref(root, target, shared)
+    if remake_ref or not (root / plan.REF_DIR / "ref.pt").is_file():
+        log(f"reference logits of {target} on the CPU -> {plan.REF_DIR}/ref.pt")
+        make_ref(root, target, shared)
     tree = plan.travelling_bytes(root)
     size = plan.part_bytes(root, tree)
     if size < 4 * plan.MIB:
