@@ -110,9 +110,10 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
                                                               "by_source", "by_temperature", "complete")} | {
             "sources": sources, "dtype": str(gen_dtype).replace("torch.", ""), "shards": len(manifest["shards"]),
             "tokens_per_s": manifest["output_tokens"] / manifest["seconds"] if manifest["seconds"] else None}
+    tokenizer = target.tokenizer
     del target
     text = work / "corpus.jsonl"
-    records = res.part("corpus_text", corpus_text, corpus, load_model(name).tokenizer, text) if manifest else None
+    records = res.part("corpus_text", corpus_text, corpus, tokenizer, text) if manifest else None
     block_dir = work / "block"
     eval_s = 4 if dry_run else 45
     train_s = budget.left() - eval_s - (1 if dry_run else 20)
