@@ -165,7 +165,7 @@ def pytest_part(dry_run: bool, out: Path, seconds: float) -> dict:
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-k", "cuda or triton"]
     if dry_run:
         cmd.append("--collect-only")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(seconds, 60))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600 if dry_run else max(seconds, 60))  # a starved CPU: collection alone took > 60 s
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     return {"returncode": proc.returncode, "summary": tail[0][:300], "collect_only": dry_run}
 
