@@ -165,7 +165,8 @@ def pytest_part(dry_run: bool, out: Path, seconds: float) -> dict:
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-k", "cuda or triton"]
     if dry_run:
         cmd.append("--collect-only")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600 if dry_run else max(seconds, 60))  # a starved CPU: collection alone took > 60 s
+    limit = 600 if dry_run else max(seconds, 60)  # on a CPU starved by other jobs collection alone took > 60 s
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     return {"returncode": proc.returncode, "summary": tail[0][:300], "collect_only": dry_run}
 
