@@ -2,7 +2,8 @@
 
 Contracts:
 
-- ``pick_device(dry_run)``: CPU for a dry run (or ``step --cpu``); CUDA otherwise, and a ``RetrospecError`` (one line, exit 2) when no
+- ``pick_device(dry_run)``: CPU for a dry run (or ``step --cpu``); CUDA otherwise, and a ``RetrospecError`` (one
+  line, exit 2) when no
   CUDA device is present: a real step never silently measures a CPU.
 - ``time_ms(fn, device)``: median milliseconds of ``fn()`` with a device synchronize before each clock read (CUDA
   work is asynchronous), after warm-up calls; never asserted anywhere, only reported.
