@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean gpu gpu-dry-run
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,23 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/retrospec bench --prompts ../shared/data/mbpp_sanitized.jsonl --limit 20 --max-new-tokens 128 \
 		--methods ar,hf-ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld --out runs/bench-mbpp
+
+# The GPU runbook (docs/gpu.md). `make gpu`: the carry folders (.gpu/: the real model's GGUF in parts that fit a device
+# call beside the tree, the CPU's reference logits, bench prompts; .whl/: wheels the GPU image lacks, listed with the
+# pip command if missing) and the device calls a GPU session makes, in order. `make gpu-dry-run`: every step on the
+# CPU with tiny models (the rehearsal tests/test_gpu_runbook.py also runs), then the report of the dry run.
+GPU_DRY := runs/gpu-dry
+GPU_STEPS := tests kernels costmodel stage model bench train
+
+gpu: $(STAMP)
+	$(PY) -m retrospec.gpu prepare
+	$(PY) -m retrospec.gpu plan
+
+gpu-dry-run: $(STAMP)
+	rm -rf $(GPU_DRY)
+	for s in $(GPU_STEPS); do RETROSPEC_GPU_STAGE=$(GPU_DRY)/stage $(PY) -m retrospec.gpu step $$s --dry-run \
+		--out $(GPU_DRY)/$$s || exit 1; done
+	$(PY) -m retrospec.gpu report $(GPU_DRY) > $(GPU_DRY)/report.md && echo "wrote $(GPU_DRY)/report.md"
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

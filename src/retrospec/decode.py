@@ -156,8 +156,10 @@ def autoregressive_generate(
     gen = make_generator(sampling.seed)
     ids = list(prompt_ids)
     out: list[int] = []
+    device = next(model.parameters()).device
     for _ in range(max_new_tokens):
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]  # [V]
+        # [V], back on the CPU: the oracle decides there whatever the model's device (a CPU model: no copy)
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].cpu()
         tok = int(logits.argmax()) if sampling.greedy else int(
             torch.multinomial(probs_from_logits(logits, sampling), 1, generator=gen))
         ids.append(tok)

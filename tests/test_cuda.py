@@ -1,0 +1,62 @@
+"""CUDA tests: skipped without a GPU; the GPU runbook's ``tests`` step runs them on the device (``-k cuda``).
+
+Each compares a CUDA result with the CPU's or with a reference path: greedy output of every lossless method equal to
+the oracle, token for token, in float32; hybrid tree attention (PyTorch and Triton) equal to masked SDPA; a tiny
+model's logits on CUDA equal to the CPU's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retrospec.gpu import common
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_logits_of_a_tiny_model_equal_the_cpu():
+    model = common.tiny_causal_lm("qwen2", seed=1)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.inference_mode():
+        cpu = model(ids).logits
+        gpu = model.to("cuda")(ids.to("cuda")).logits.cpu()
+    assert torch.allclose(cpu, gpu, atol=1e-4, rtol=1e-4)
+
+
+@cuda
+def test_cuda_greedy_identity_with_the_oracle(tmp_path):
+    from retrospec.bench.tasks import preset
+    from retrospec.gpu import steps_bench
+    from retrospec.models import load_model
+
+    res = common.StepResult("tests", False, "cuda", {})
+    stores = steps_bench.build_stores("zoo", tmp_path, 30_000)
+    methods, _ = steps_bench.runnable(steps_bench.METHODS, stores, True)
+    got = steps_bench.oracle_identity(res, load_model("zoo", device="cuda"),
+                                      load_model("zoo-draft", role="draft", device="cuda"), preset("heldout", 2),
+                                      methods, steps_bench.bench_args("zoo", stores, methods), 24)
+    assert not res.errors, res.errors
+    assert got and all(got.values()), got
+
+
+@cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_cuda_hybrid_tree_attention_equals_masked_sdpa(dtype, tol):
+    from retrospec.bench.hybrid_timing import measure, tree_parents
+
+    row = measure("llama8b", 4096, tree_parents([4, 8]), torch.device("cuda"), dtype, 2, 1.0, chain=False)
+    assert row["max_diff"] < tol
+
+
+@cuda
+def test_cuda_triton_hybrid_equals_masked_sdpa():
+    from retrospec.attention import hybrid_tree_triton
+    from retrospec.bench.hybrid_timing import tree_parents
+    from retrospec.gpu.steps_kernels import triton_row
+
+    if not hybrid_tree_triton.available():
+        pytest.skip("triton is not installed")
+    row = triton_row("smollm2", 2048, tree_parents([4, 8]), torch.device("cuda"), torch.float32, 2, 1.0)
+    assert row["triton_max_diff"] < 5e-3  # Triton's float32 dot runs in tf32 by default

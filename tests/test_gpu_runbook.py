@@ -1,0 +1,147 @@
+"""The GPU runbook (``retrospec.gpu``): the plan fits the device limits, the model's parts reassemble byte for byte,
+and every step's dry run (CPU, tiny models) runs through the same code as on CUDA and reports, so the runbook
+never rots before a GPU session launches it. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from retrospec.cli import main
+from retrospec.errors import RetrospecError
+from retrospec.gpu import plan, prepare, report, steps_model
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _git_root(tmp_path: Path, tracked_bytes: int = 1000) -> Path:
+    root = tmp_path / "repo"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    (root / ".gitignore").write_text("/.gpu/\n/.whl/\n")
+    (root / "tracked.bin").write_bytes(os.urandom(tracked_bytes))
+    return root
+
+
+def test_the_plan_of_this_repository_fits_every_device_limit():
+    tree = plan.travelling_bytes(ROOT)
+    calls = plan.build_plan(ROOT, tree, prepared=False)  # as a fresh 'make gpu' cuts the parts
+    assert plan.check_plan(calls, tree) == []
+    for c in calls:
+        assert len(c.command) <= plan.COMMAND_MAX and len(c.carry) <= plan.CARRY_MAX
+        assert tree + c.carry_bytes <= plan.TRAVEL_MAX and c.timeout_s <= plan.CALL_MAX_S
+        assert f"step {c.step} " in c.command and "--out $OUT" in c.command
+        assert len(c.returns.split(",")) <= plan.FILES_BACK
+    parts = [p for c in calls for p in c.carry if p.startswith(".gpu/p")]
+    assert parts == sorted(parts) and len(parts) == len(set(parts))  # each part once, in order
+    steps = [c.step for c in calls]
+    with_parts = [i for i, c in enumerate(calls) if any(p.startswith(".gpu/p") for p in c.carry)]
+    assert with_parts[-1] == steps.index("model")  # the model step takes the last part: all are staged by then
+    assert steps[-2:] == ["bench", "train"] and sum(c.minutes for c in calls) <= plan.SESSION_S / 60
+
+
+def test_carry_folders_are_ignored_by_git():
+    for rel in (plan.CARRY_DIR, plan.WHEEL_DIR):
+        assert subprocess.run(["git", "check-ignore", "-q", f"{rel}/x"], cwd=ROOT).returncode == 0
+
+
+def test_a_tree_too_big_for_a_part_is_reported(tmp_path):
+    calls = plan.build_plan(_git_root(tmp_path), tree=plan.TRAVEL_MAX - plan.MIB)
+    assert any("64 MiB" in line for line in plan.check_plan(calls, plan.TRAVEL_MAX - plan.MIB))
+
+
+def test_parts_reassemble_byte_for_byte_and_a_lost_part_is_named(tmp_path, monkeypatch):
+    root = _git_root(tmp_path)
+    src = tmp_path / "model.gguf"
+    src.write_bytes(os.urandom(10_000))
+    manifest = prepare.split_file(src, root, 3000)
+    assert [p["bytes"] for p in manifest["parts"]] == [3000, 3000, 3000, 1000]
+    assert plan.read_parts(root) == [".gpu/p01", ".gpu/p02", ".gpu/p03", ".gpu/p04"]
+    stage = tmp_path / "stage"
+    (stage / "g").mkdir(parents=True)
+    for p in manifest["parts"]:  # what the prelude's cp does with each carried part
+        for f in (root / ".gpu" / p["dir"]).iterdir():
+            (stage / "g" / f.name).write_bytes(f.read_bytes())
+    assert steps_model.assemble(stage, tmp_path / "out").read_bytes() == src.read_bytes()
+    (stage / "g" / manifest["parts"][2]["file"]).unlink()
+    assert steps_model.staged(stage)["missing"] == ["p03"]
+    with pytest.raises(RetrospecError, match="p03"):
+        steps_model.assemble(stage, tmp_path / "out2")
+    calls = plan.build_plan(root)
+    assert [p for c in calls for p in c.carry if "/p" in p] == plan.read_parts(root)
+
+
+def test_prepare_makes_the_reference_and_parts_that_fit(tmp_path):
+    root = _git_root(tmp_path)
+    shared = tmp_path / "shared"
+    (shared / "nq_open").mkdir(parents=True)
+    (shared / "mbpp_sanitized.jsonl").write_text('{"prompt": "def f():"}\n')
+    (shared / "nq_open" / "questions.jsonl").write_text('{"id": "1", "question": "q?", "answers": ["a"]}\n')
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(os.urandom(5000))
+    got = prepare.prepare(root, gguf=gguf, target="zoo", shared=shared, log=lambda _m: None)
+    assert got["parts"] == 1 and got["missing_wheels"] == list(prepare.WHEELS)
+    ref = root / ".gpu" / "ref"
+    assert (ref / "ref.pt").is_file() and (ref / "nq_open" / "questions.jsonl").is_file()
+    assert plan.check_plan(plan.build_plan(root), plan.travelling_bytes(root)) == []
+
+
+def test_every_step_dry_runs_and_reports(tmp_path, monkeypatch, capsys):
+    """The rehearsal: each step of the plan on CPU with tiny models, then the report of all of them."""
+    monkeypatch.setenv("RETROSPEC_GPU_STAGE", str(tmp_path / "stage"))
+    out = tmp_path / "out"
+    for step in ("tests", "kernels", "costmodel", "stage", "model", "bench", "train"):
+        code = main(["gpu", "step", step, "--dry-run", "--out", str(out / step), "--budget-s", "120"])
+        result = json.loads((out / step / f"{step}.json").read_text())
+        assert code == 0 and result["errors"] == {}, (step, result["errors"])
+        assert result["dry_run"] and result["device"] == "cpu"
+    figures = {s: json.loads((out / s / f"{s}.json").read_text())["figures"] for s in ("tests", "model", "bench")}
+    assert figures["tests"]["identity_fp32"] and all(figures["tests"]["identity_fp32"].values())
+    assert figures["model"]["logits_match"] is True
+    cells = figures["bench"]["cells"]
+    assert {"code/float32", "long/float32", "code/bfloat16"} <= set(cells)
+    assert all(s["lossless"] for s in cells["code/float32"]["summary"])
+    returned = json.loads((out / "train" / "train.json").read_text())["figures"]["returned"]
+    assert set(returned) == {"block.safetensors", "longspec.json", "manifest.json"}
+    assert max(returned.values()) <= plan.FILE_BACK_MAX
+    capsys.readouterr()
+    assert main(["gpu", "report", str(out)]) == 0
+    md = capsys.readouterr().out
+    assert md.count("DRY RUN") >= 6 and "PROJECTION" in md and "| sd |" in md
+
+
+def test_a_real_step_without_cuda_is_one_line_and_exit_2(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["gpu", "step", "kernels", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA device" in err[0]
+
+
+def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["gpu", "step", "stage", "--dry-run", "--out", str(f)]) == 2
+    assert main(["gpu", "step", "nope", "--out", str(tmp_path)]) == 2
+    assert main(["gpu", "report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("retrospec: error:") for line in err)
+
+
+def test_report_refuses_a_folder_without_results(tmp_path):
+    with pytest.raises(RetrospecError, match="no step results"):
+        report.load([str(tmp_path)])
+
+
+def test_plan_command_prints_every_call(capsys):
+    assert main(["gpu", "plan", "--json", "--root", str(ROOT)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [c["index"] for c in got["calls"]] == list(range(1, len(got["calls"]) + 1))
+    assert got["calls"][0]["step"] == "tests" and got["calls"][-1]["step"] == "train"
