@@ -90,12 +90,10 @@ def bench_args(target: str, stores: dict[str, str], methods: list[str], extra: l
 
 
 def method_options(args, methods: list[str], target) -> tuple[dict, str | None]:
-    from ..cli.bench_cmd import _longspec_options, _magicdec_options
-    from ..cli.datastore_cmd import bench_method_options
+    from ..cli.bench_cmd import _label_options, _longspec_options
 
-    options = bench_method_options(args, methods, target)
+    options = _label_options(args, methods, target)
     src = _longspec_options(args, methods, target, options)
-    _magicdec_options(args, methods, options)
     return options, src
 
 

@@ -5,8 +5,9 @@
    openings and self-instruct; greedy and T = 0.7. ``corpus generate`` has no time limit, so the builder is
    grown here in whole shards (rows in multiples of ``shard_size / len(temperatures)``, which keeps every built
    shard valid: the corpus resumes) until ``corpus_share`` of the budget is spent.
-2. LongSpec (``train.longspec.train_longspec``, ``retrospec train longspec --device cuda``) on the corpus text
-   (prompt + reply) for the rest of the budget, less the evaluation's share.
+2. LongSpec (``train.longspec_distill.distill_longspec``, what ``retrospec train longspec-distill`` runs) on the
+   corpus for the rest of the budget, less the evaluation's share: KL distillation of the target's distribution
+   over a 16K-token draft vocabulary, starting from the bundled block, with the held-out agreement learning curve.
 3. Evaluation: the new block against the bundled one, method ``longspec`` on MBPP rows (tau, acceptance rate).
 4. Back: the block re-saved with ``storage="int8"`` (``models.quant``) into ``$OUT/block-int8/`` (<= 16 MiB a
    file, 3 files), plus ``train.json``.
@@ -88,7 +89,7 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     from ..drafters.longspec import load_block
     from ..models import load_model, paired_longspec
     from ..models.longspec.checkpoint import save_longspec
-    from ..train.longspec import LongSpecTrainConfig, train_longspec
+    from ..train.longspec_distill import DistillConfig, distill_longspec
 
     res, device, budget = common.start("train", dry_run)
     budget.seconds = budget_s
@@ -118,13 +119,21 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     eval_s = 4 if dry_run else 45
     train_s = budget.left() - eval_s - (1 if dry_run else 20)
     if records and train_s > (0 if dry_run else 30):
-        cfg = LongSpecTrainConfig(target=name, out=str(block_dir), corpus=str(text), device=device.type,
-                                  seq_len=64 if dry_run else 1024, batch=1 if dry_run else 8,
-                                  steps=2 if dry_run else None, seconds=None if dry_run else train_s)
-        m = res.part("longspec", train_longspec, cfg, print)
+        bundled_init = paired_longspec(name)
+        cfg = DistillConfig(target=name, corpus=str(corpus), out=str(block_dir),
+                            init=None if bundled_init is None else str(bundled_init),
+                            draft_vocab=64 if dry_run else 16384, max_len=64 if dry_run else 768,
+                            batch_tokens=128 if dry_run else 16384, heldout=0.3 if dry_run else 0.04,
+                            eval_records=4 if dry_run else 96, seconds=train_s, curve=(64,) if dry_run else
+                            (250_000, 500_000, 1_000_000, 2_000_000, 4_000_000, 8_000_000, 16_000_000),
+                            max_positions=256 if dry_run else 8192, storage=None)
+        trainee = load_model(name, device=device)  # float32: a block is bound to the float32 weights' identity
+        m = res.part("longspec", distill_longspec, cfg, print, trainee)
+        del trainee
         if m is not None:
-            res.figures["longspec"] = {k: m.get(k) for k in ("steps", "tokens_seen", "seconds", "loss_first",
-                                                             "loss_last", "device")} | {"corpus_records": records}
+            res.figures["longspec"] = {k: m.get(k) for k in ("steps", "tokens_seen", "seconds", "draft_vocab",
+                                                             "heldout_coverage", "curve")} | {
+                "corpus_records": records, "device": device.type}
     else:
         res.notes.append(f"longspec: not trained ({train_s:.0f} s left, {records} corpus records)")
     if (block_dir / "longspec.json").is_file():

@@ -190,11 +190,12 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
         seq, first = sequence_of(r, max_len)
         if first < 1 or first >= len(seq):
             continue
-        ids = torch.tensor(seq)[None]
-        pos = torch.arange(len(seq))[None]
+        dev = block.norm1.weight.device
+        ids = torch.tensor(seq, device=dev)[None]
+        pos = torch.arange(len(seq), device=dev)[None]
         hidden, kv = target_pass(target, ids, pos, torch.ones_like(ids))
         greedy = model.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n] the target's next tokens
-        drafted = block.token_ids(draft_logits(block, ids, pos, kv, 1)[0, first - 1:-1].argmax(-1))
+        drafted = block.token_ids(draft_logits(block, ids, pos, kv, 1)[0, first - 1:-1].argmax(-1))  # [n]
         h = hits[kind_of(r)]
         h[0] += int((drafted == greedy).sum())
         h[1] += int(greedy.numel())
@@ -221,6 +222,8 @@ def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng:
     ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in records], pad)
     anchored = rng.random() < cfg.anchor_share
     positions = sample_positions(ids.shape[0], ids.shape[1], cfg.max_positions, rng, anchor_offset=anchored)
+    dev = block.norm1.weight.device  # the target's device (the block lives beside it)
+    ids, mask, positions = ids.to(dev), mask.to(dev), positions.to(dev)
     loss = distill_loss(block, target, ids, positions, mask, rng.randint(1, cfg.noisy_max))
     opt.zero_grad(set_to_none=True)
     loss.backward()
