@@ -38,7 +38,7 @@ GPU_DRY := runs/gpu-dry
 GPU_STEPS := tests kernels costmodel stage model bench train
 
 gpu: $(STAMP)
-	$(PY) -m retrospec.gpu prepare
+	$(PY) -m retrospec.cli.gpu_cmd prepare
 	$(PY) -m retrospec.gpu plan
 
 gpu-dry-run: $(STAMP)

@@ -107,7 +107,7 @@ def test_every_step_dry_runs_and_reports(tmp_path, monkeypatch, capsys):
     assert {"code/float32", "long/float32", "code/bfloat16"} <= set(cells)
     assert all(s["lossless"] for s in cells["code/float32"]["summary"])
     returned = json.loads((out / "train" / "train.json").read_text())["figures"]["returned"]
-    assert set(returned) == {"block.safetensors", "longspec.json", "manifest.json"}
+    assert set(returned) == {"block.safetensors", "draft_vocab.json", "longspec.json", "manifest.json"}
     assert max(returned.values()) <= plan.FILE_BACK_MAX
     capsys.readouterr()
     assert main(["gpu", "report", str(out)]) == 0

@@ -41,8 +41,9 @@ RANKS: dict[str, int] = {
     "__init__": 11, "bench": 11, "serve": 11,
     "generations": 12,
     "train": 13,
-    "cli": 14,
-    "demo": 15,
+    "gpu": 14,
+    "cli": 15,
+    "demo": 16,
 }
 
 

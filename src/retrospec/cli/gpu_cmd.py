@@ -7,8 +7,8 @@
 - ``step NAME [--dry-run] --out DIR [--budget-s S]``: run one step (on a GPU machine, or on CPU with tiny models).
 - ``report DIR|FILE...``: the steps' JSON files as markdown tables for docs/gpu.md.
 
-``python -m retrospec.gpu ...`` runs the same commands without importing the rest of the CLI (what the device
-calls use: the other commands' imports are not needed there).
+``python -m retrospec.cli.gpu_cmd ...`` runs the same commands without building the rest of the CLI (what the
+device calls use). The ``gpu`` package itself never imports the CLI (it sits below it in the layering).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def run_report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m retrospec.gpu``: this command alone, under the CLI's contract (one error line, exit 2)."""
+    """``python -m retrospec.cli.gpu_cmd``: this command alone, under the CLI's contract (one error line, exit 2)."""
     from . import _Parser, guarded
 
     def call():
@@ -121,3 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
 
     return guarded(call)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -134,7 +134,7 @@ def read_parts(root: Path) -> list[str] | None:
 
 def command(step: str, extra: str = "") -> str:
     spec = SPECS[step]
-    return (f"{PRELUDE}python3 -m retrospec.gpu step {step} --budget-s {spec.budget_s} --out $OUT{extra} 2>&1"
+    return (f"{PRELUDE}python3 -m retrospec.cli.gpu_cmd step {step} --budget-s {spec.budget_s} --out $OUT{extra} 2>&1"
             f"|tee $OUT/{step}.log")
 
 

@@ -44,7 +44,7 @@ def have(module: str) -> bool:
 def store_corpus(path: Path, max_bytes: int) -> Path:
     """A text corpus of stdlib training-split files, about ``max_bytes`` long (tokenizing all of the stdlib takes
     half a minute on a small CPU; the stores only need to be real, not large)."""
-    from ..train.corpus import stdlib_files
+    from ..stdlib_corpus import stdlib_files
 
     parts, size = [], 0
     for f in stdlib_files("train"):
@@ -58,42 +58,63 @@ def store_corpus(path: Path, max_bytes: int) -> Path:
 
 
 def build_stores(target: str, work: Path, max_bytes: int) -> dict[str, str]:
-    """Retrieval stores for rest (suffix) and dresd (dense, only with faiss), built with ``retrospec datastore
-    build`` from ``store_corpus``; returns {kind: dir}."""
-    from ..cli import main
+    """Retrieval stores for rest (suffix) and dresd (dense, only with faiss), built as ``retrospec datastore build
+    --corpus`` builds them, from ``store_corpus``; returns {kind: dir}."""
+    from ..models import load_model
+    from ..retrieval import build_dense_store, build_suffix_store
+    from ..retrieval.corpus import open_text_corpus, tokenize
+    from ..retrieval.store import target_meta, tokenizer_meta
 
     work = work / f"stores-{Path(target).name}-{max_bytes}"  # built once per target and size, reused
     work.mkdir(parents=True, exist_ok=True)
     corpus = work / "store-corpus.txt"
     stores = {}
     kinds = ["suffix"] + (["dense"] if have("faiss") else [])
+    model = None
     for kind in kinds:
         out = work / f"store-{kind}"
         if not (out / "meta.json").is_file():
             if not corpus.is_file():
                 store_corpus(corpus, max_bytes)
-            code = main(["datastore", "build", "--kind", kind, "--out", str(out), "--target", target, "--corpus",
-                         str(corpus)])
-            if code:
-                raise RuntimeError(f"datastore build --kind {kind} exited {code}")
+            model = model or load_model(target, role="target")
+            text = open_text_corpus(str(corpus))
+            docs = tokenize(text, model.tokenizer, total=len(text), progress=False)
+            eos = sorted(model.eos_ids())[0]
+            tok = tokenizer_meta(model.tokenizer, model.vocab_size, eos, source=model.path)
+            info = {"description": text.description, "corpus": str(corpus)}
+            if kind == "suffix":
+                build_suffix_store(docs, out, tokenizer_info=tok, corpus=info, target_info={"path": model.path})
+            else:
+                build_dense_store(model.model, docs, out, tokenizer_info=tok, corpus=info,
+                                  target_info=target_meta(model.model, model.path))
         stores[kind] = str(out)
     return stores
 
 
-def bench_args(target: str, stores: dict[str, str], methods: list[str], extra: list[str] = ()):
-    from ..cli import build_parser
-
-    argv = ["bench", "--preset", "heldout", "--out", "unused", "--target", target, "--methods", ",".join(methods)]
-    for path in stores.values():
-        argv += ["--datastore", path]
-    return build_parser().parse_args(argv + list(extra))
+def bench_args(target: str, stores: dict[str, str], methods: list[str], extra: list[str] = ()) -> dict:
+    """What the bench's method options are built from: the target, the stores by kind (``extra`` unused)."""
+    return {"target": target, "stores": dict(stores)}
 
 
-def method_options(args, methods: list[str], target) -> tuple[dict, str | None]:
-    from ..cli.bench_cmd import _label_options, _longspec_options
+def method_options(args: dict, methods: list[str], target) -> tuple[dict, str | None]:
+    """Per-label factory options as ``retrospec bench`` builds them (``cli.bench_cmd``): the datastore of a
+    retrieval method's kind, and the target's bundled LongSpec block for longspec labels."""
+    from ..bench.labels import parse_label
+    from ..drafters.longspec import load_block
+    from ..drafters.registry import SPECS
+    from ..models import paired_longspec
 
-    options = _label_options(args, methods, target)
-    src = _longspec_options(args, methods, target, options)
+    options: dict[str, dict] = {}
+    src = None
+    for label in methods:
+        spec = SPECS.get(parse_label(label).method)
+        if spec is None:
+            continue
+        if spec.store and spec.store in args["stores"]:
+            options.setdefault(label, {})["datastore"] = args["stores"][spec.store]
+        if spec.draft == "block":
+            src = src or str(paired_longspec(args["target"]))
+            options.setdefault(label, {})["block"] = load_block(src, target)
     return options, src
 
 

@@ -10,7 +10,7 @@
    over a 16K-token draft vocabulary, starting from the bundled block, with the held-out agreement learning curve.
 3. Evaluation: the new block against the bundled one, method ``longspec`` on MBPP rows (tau, acceptance rate).
 4. Back: the block re-saved with ``storage="int8"`` (``models.quant``) into ``$OUT/block-int8/`` (<= 16 MiB a
-   file, 3 files), plus ``train.json``.
+   file, 4 files: weights, ids, meta, manifest), plus ``train.json``.
 
 Gaps (recorded in the JSON): ``retrospec zoo real-draft`` (the SD draft) cannot run on CUDA here —
 ``train.real_draft.build_real_draft`` loads the target with ``load_model(cfg.target)`` on the CPU and takes no
