@@ -39,13 +39,13 @@ GPU_STEPS := tests kernels costmodel stage model bench train
 
 gpu: $(STAMP)
 	$(PY) -m retrospec.cli.gpu_cmd prepare
-	$(PY) -m retrospec.gpu plan
+	$(PY) -m retrospec.cli.gpu_cmd plan
 
 gpu-dry-run: $(STAMP)
 	rm -rf $(GPU_DRY)
-	for s in $(GPU_STEPS); do RETROSPEC_GPU_STAGE=$(GPU_DRY)/stage $(PY) -m retrospec.gpu step $$s --dry-run \
+	for s in $(GPU_STEPS); do RETROSPEC_GPU_STAGE=$(GPU_DRY)/stage $(PY) -m retrospec.cli.gpu_cmd step $$s --dry-run \
 		--out $(GPU_DRY)/$$s || exit 1; done
-	$(PY) -m retrospec.gpu report $(GPU_DRY) > $(GPU_DRY)/report.md && echo "wrote $(GPU_DRY)/report.md"
+	$(PY) -m retrospec.cli.gpu_cmd report $(GPU_DRY) > $(GPU_DRY)/report.md && echo "wrote $(GPU_DRY)/report.md"
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
