@@ -116,8 +116,9 @@ def linear_ms(model, tokens: tuple[int, ...], reps: int) -> dict[int, float]:
 
 @torch.inference_mode()
 def draft_step_ms(draft, context: int, reps: int) -> float:
-    """Median ms of one draft token (a one-token forward of the draft on its own cache of ``context`` tokens)."""
-    engine = engine_for(draft)
+    """Median ms of one draft token (a one-token forward of the draft on its own cache of ``context`` tokens), on
+    the draft's engine as ``sd`` runs it (``engine_for(draft, draft=True)``)."""
+    engine = engine_for(draft, draft=True)
     kv = KVCache(draft)
     ids = torch.randint(0, draft.config.vocab_size, (1, context))
     engine.forward(ids, torch.arange(context)[None], None, kv.cache, last_only=True)
@@ -132,8 +133,10 @@ def draft_step_ms(draft, context: int, reps: int) -> float:
 
 @torch.inference_mode()
 def block_step_ms(block, target_model, context: int, reps: int) -> float:
-    """Median ms of one token drafted by a LongSpec block (``DraftState.speculate`` of one tentative token over a
-    ring of ``context`` committed tokens, cross-attending to the target's last-layer K/V of ``context`` tokens)."""
+    """Median ms of one token drafted by a LongSpec block as ``longspec`` runs it (its fast copy,
+    ``drafters.longspec.fast_block``): ``DraftState.speculate`` of one tentative token over a ring of ``context``
+    committed tokens, cross-attending to the target's last-layer K/V of ``context`` tokens."""
+    from ..drafters.longspec import fast_block
     from ..models.longspec import DraftState
 
     cfg = target_model.config
@@ -141,7 +144,7 @@ def block_step_ms(block, target_model, context: int, reps: int) -> float:
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     ref = next(target_model.parameters())
     kv = (torch.randn(1, heads, context, dim, dtype=ref.dtype), torch.randn(1, heads, context, dim, dtype=ref.dtype))
-    state = DraftState(block)
+    state = DraftState(fast_block(block))
     state.append(torch.randint(0, cfg.vocab_size, (context,)))
 
     def step():

@@ -18,6 +18,10 @@ Modes (both deterministic drafts, ``draft_probs=None`` = one-hot q, so the engin
   Ranking uses the draft's raw log-probs, whatever the sampling temperature; it changes what is drafted only.
   Children of an EOS token are never drafted (nothing after it can be committed).
 
+Speed: the drafter runs the block's private fast copy (``fast_block``: linears and head rows prepacked, in
+bfloat16 where that measured fastest on this machine; ``fastpath.draft``). Drafts are deterministic and verified
+against the target's own p, so the copy's precision changes what is proposed, never the output.
+
 State consistency. The draft's ring holds every committed token but the last, like the target's cache (the last
 committed token is the root of the next tree). ``observe`` only receives counts and runs before the loop extends
 ``ctx.tokens``, so the ring is advanced at the top of ``propose``, from ``ctx.tokens`` itself (the root of last step,
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import RetrospecError
+from ..fastpath.draft import draft_choice, fast_copy, row_product
 from ..models.longspec import DraftState, LongSpecDraft, load_longspec
 from ..types import DraftTree
 from .base import DecodeContext, as_module
@@ -52,6 +57,19 @@ def parse_tree(spec) -> tuple[int, ...]:
     return widths
 
 
+def fast_block(block: LongSpecDraft) -> LongSpecDraft:
+    """The block as drafting runs it: its linears and head rows in the matmul path measured fastest for its shapes
+    on this machine (``fastpath.draft``; possibly bfloat16, which changes what is proposed, never the output), on a
+    private copy sharing the weights. The block itself is left as it is."""
+    rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
+    weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
+    choice = draft_choice([*weights, rows])
+    fast = fast_copy(block, choice, shared=(block.embed_tokens, block.lm_head))
+    if fast is not block and fast.head_fn is None:
+        fast.head_fn = row_product(rows, choice)
+    return fast
+
+
 class LongSpecDrafter:
     name = "longspec"
     needs: frozenset[str] = frozenset({"target_kv"})
@@ -60,12 +78,13 @@ class LongSpecDrafter:
         if gamma is not None and tree is not None:
             raise RetrospecError("longspec drafts a chain (gamma) or a tree (tree), not both")
         self.block = block
+        self.fast = fast_block(block)  # what drafts: the block's fast copy (the same weights)
         self.gamma = gamma
         self.tree = None if gamma is not None else parse_tree(DEFAULT_TREE if tree is None else tree)
         self.state: DraftState | None = None
 
     def prefill(self, ctx: DecodeContext) -> None:
-        self.state = DraftState(self.block)
+        self.state = DraftState(self.fast)
         self.state.append(ctx.tokens[:-1])
 
     def _sync(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor] | None:

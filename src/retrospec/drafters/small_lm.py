@@ -44,7 +44,9 @@ class SmallLMDrafter:
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.device = next(model.parameters()).device
-        self.engine = engine_for(model)  # the draft runs on the engine's fast copy (fastpath); the model is untouched
+        # the draft runs on the engine's fast copy in the draft path measured fastest (fastpath.draft: possibly
+        # bfloat16; q is whatever that copy computes, so the rules stay exact); the caller's model is untouched
+        self.engine = engine_for(model, draft=True)
         self.kv = KVCache(model)
         self.cached: list[int] = []
         self.vmap: VocabMap | None = None  # a reduced draft vocabulary (models.vocab)

@@ -31,11 +31,12 @@ import weakref
 import torch
 
 from ..attention import prefix_block
-from .linear import PackedLinear, head_logits, pack_weight
-from .plan import Plan, forced_plan, linear_layers, load_or_measure, mode
+from .draft import draft_choice, pack_linears
+from .linear import head_logits, pack_weight
+from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, mode
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})  # logits = lm_head(last_hidden_state)
-_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[tuple, EngineModel]]]" = \
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, bool], tuple[tuple, EngineModel]]]" = \
     weakref.WeakKeyDictionary()  # model -> attention -> (fingerprint, engine)
 
 
@@ -59,8 +60,9 @@ class EngineModel:
     """One model as the engine runs it: ``forward`` -> (logits [T, V], last hidden states [T, H] or None)."""
 
     def __init__(self, model: torch.nn.Module, how: str = "auto", remeasure: bool = False,
-                 attention: str = "prefix_block"):
+                 attention: str = "prefix_block", draft: bool = False):
         self.source = model
+        self.draft = draft
         self.mode = how
         self.attention = attention
         self.plan: Plan | None = None
@@ -83,25 +85,23 @@ class EngineModel:
                 return
             decoder, head = clone.get_decoder(), _plain_head(clone)
             linears = linear_layers(decoder)
-            if how == "auto":
+            pack_dtype = None
+            if draft:  # a draft model: every row count in the path measured fastest for drafts (fastpath.draft)
+                choice = draft_choice([*(m.weight for m in linears), head.weight], remeasure=remeasure)
+                fast = choice != "plain"
+                self.plan = Plan(packed_rows=list(ROWS) if fast else [], head={r: "packed" for r in ROWS} if fast
+                                 else {}, source=f"draft:{choice}")
+                pack_dtype = torch.bfloat16 if choice == "packed-bf16" else None
+            elif how == "auto":
                 self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
             else:
                 self.plan = forced_plan(how)
-            if self.plan.packed_rows:
-                self._pack(decoder, max(self.plan.packed_rows))
+            if self.plan.packed_rows:  # the copy's own decoder linears; the caller's modules are untouched
+                pack_linears(decoder, "packed-bf16" if pack_dtype else "packed", max(self.plan.packed_rows))
             self.head_weight = head.weight
             if "packed" in self.plan.head.values():
-                self.head_packed = pack_weight(head.weight)
+                self.head_packed = pack_weight(head.weight, pack_dtype)
         self.module, self.decoder = clone, decoder
-
-    def _pack(self, decoder: torch.nn.Module, max_rows: int) -> None:
-        """Swap the copy's decoder linears for ``PackedLinear`` (the copy's own modules; the caller's are untouched)."""
-        for parent in list(decoder.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is torch.nn.Linear:
-                    packed = pack_weight(child.weight)
-                    if packed is not None:
-                        setattr(parent, name, PackedLinear(child, packed, max_rows))
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 cache, *, want_hidden: bool = False, last_only: bool = False
@@ -134,16 +134,18 @@ class EngineModel:
 
 
 def engine_for(model: torch.nn.Module, how: str | None = None, remeasure: bool = False,
-               attention: str = "prefix_block") -> EngineModel:
+               attention: str = "prefix_block", draft: bool = False) -> EngineModel:
     """The cached ``EngineModel`` of ``model`` (built on first use; rebuilt when its weights change).
     ``how`` defaults to ``RETROSPEC_FASTPATH`` (see ``fastpath.plan``). ``attention="sdpa"`` keeps transformers'
-    attention (padding masks respected: batched generation); the default is the decode loop's prefix + block."""
+    attention (padding masks respected: batched generation); the default is the decode loop's prefix + block.
+    ``draft=True``: the engine of a DRAFT model, its matmuls in the path ``fastpath.draft`` measured fastest for
+    drafts (possibly bfloat16; never use it for a model whose logits are the target's p)."""
     how = how or mode()
     fp = (how, _fingerprint(model))
     slot = _ENGINES.setdefault(model, {})
-    hit = slot.get(attention)
+    hit = slot.get((attention, draft))
     if hit is not None and hit[0] == fp and not remeasure:
         return hit[1]
-    engine = EngineModel(model, how, remeasure=remeasure, attention=attention)
-    slot[attention] = (fp, engine)
+    engine = EngineModel(model, how, remeasure=remeasure, attention=attention, draft=draft)
+    slot[(attention, draft)] = (fp, engine)
     return engine

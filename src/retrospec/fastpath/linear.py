@@ -11,6 +11,9 @@ with more rows than ``max_rows`` (a prompt's prefill) go to plain ``F.linear`` o
 ``head_logits`` computes ``hidden @ W.T`` in one of ``HEAD_LAYOUTS``. All layouts compute the same products; only
 the order of float summation differs (tested within float tolerance, greedy identical).
 
+A packed copy may be in another dtype than the weight (``pack_weight(w, torch.bfloat16)``): drafts only, see
+``fastpath.draft``. Its inputs are cast in and its outputs back, so activations keep the weight's dtype.
+
 Invariant: a ``PackedLinear`` never owns the caller's weight: it keeps a reference (for the fallback and for
 ``weight.dtype`` readers) plus its own packed copy; nothing is written to the original.
 """
@@ -28,18 +31,22 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's prepacked copy of a [out, in] weight, or None where the backend refuses this dtype/device."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """oneDNN's prepacked copy of a [out, in] weight (in ``dtype``, default the weight's), or None where the backend
+    refuses this dtype/device."""
     if weight.device.type != "cpu" or not onednn_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype or weight.dtype), PACK_HINT)
     except (RuntimeError, NotImplementedError):
         return None
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., in] x packed [out, in] -> [..., out]."""
+    """[..., in] x packed [out, in] -> [..., out], in ``x``'s dtype (cast to the packed dtype and back if they
+    differ; ``bias`` must be in the packed dtype)."""
+    if x.dtype != packed.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, bias, "none", [], "").to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -52,15 +59,18 @@ class PackedLinear(torch.nn.Module):
         self.weight = linear.weight  # shared with the caller's module (a Parameter: no copy)
         self.bias = linear.bias
         self.packed = packed  # plain attribute, not a buffer: never saved, never moved by .to()
+        # the bias in the packed dtype (a copy only when the packed dtype differs: a draft's bfloat16 copy)
+        self.packed_bias = None if linear.bias is None else linear.bias.detach().to(packed.dtype)
         self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.numel() > self.max_rows * self.in_features or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        return packed_matmul(x, self.packed, self.bias)
+        return packed_matmul(x, self.packed, self.packed_bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed rows<={self.max_rows}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, packed rows<={self.max_rows}, "
+                f"packed dtype={self.packed.dtype}")
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: str,

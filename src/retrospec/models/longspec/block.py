@@ -171,6 +171,9 @@ class LongSpecDraft(nn.Module):
         self._shared = (embed_tokens, lm_head)  # a tuple: nn.Module does not register (or save) these
         self.register_buffer("vocab", None, persistent=False)  # [K] target ids of the draft vocabulary (or None)
         self.register_buffer("head_rows", None, persistent=False)  # [K, H] rows of the head for ``vocab``
+        # the same logits computed another way (a prepacked product: ``fastpath.draft``, on a drafter's private
+        # copy of the block), or None: ``head`` multiplies by the rows itself
+        self.head_fn = None
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -236,6 +239,8 @@ class LongSpecDraft(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [..., K] (K = the draft vocabulary, or the target's V) of block outputs ``x`` [..., H]."""
+        if self.head_fn is not None:
+            return self.head_fn(x)
         return self.lm_head(x) if self.head_rows is None else x @ self.head_rows.T
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:

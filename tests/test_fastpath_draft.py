@@ -1,0 +1,121 @@
+"""Drafts in the measured fast path (``fastpath.draft``): prepacked and bfloat16 copies of a draft's matmuls.
+
+The caller's block and model are left as they are, the copy shares their weights, its logits are close to the
+plain ones (bfloat16 tolerance), and, the point: whatever precision the draft runs in, the output is the oracle's
+(greedy token-identical for ``longspec`` chains and trees and for ``sd``; sampled ``sd`` follows the target's law,
+chi-square as in ``test_engine_sampling``). The choice is measured once and cached; the overrides are checked.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_longspec import GREEDY, PROMPT, mimic_pair
+
+from retrospec.decode import autoregressive_generate, speculative_generate
+from retrospec.drafters import REGISTRY
+from retrospec.drafters.longspec import LongSpecDrafter, fast_block
+from retrospec.errors import RetrospecError
+from retrospec.fastpath import draft as fdraft
+from retrospec.fastpath import engine_for
+from retrospec.fastpath.linear import PackedLinear, onednn_available, pack_weight
+from retrospec.types import SpecStats
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="oneDNN (mkldnn) is not available in this torch")
+
+
+def test_bf16_packed_linear_casts_in_and_out():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 40, bias=True)
+    fast = PackedLinear(lin, pack_weight(lin.weight, torch.bfloat16), max_rows=8)
+    x = torch.randn(1, 5, 48)
+    got, want = fast(x), lin(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.allclose(got, want, atol=0.05, rtol=0.02) and not torch.equal(got, want)
+    x9 = torch.randn(1, 9, 48)  # more rows than max_rows: the plain product on the shared weight
+    assert torch.equal(fast(x9), lin(x9))
+
+
+def test_fast_copy_shares_weights_and_leaves_the_block(monkeypatch):
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "bfloat16")
+    target, block = mimic_pair("llama")
+    block.set_vocab(list(range(0, 96, 2)))
+    fast = fast_block(block)
+    assert fast is not block and fast_block(block) is fast  # cached
+    assert type(block.self_attn.q_proj) is torch.nn.Linear and block.head_fn is None  # the block is untouched
+    assert isinstance(fast.self_attn.q_proj, PackedLinear) and fast.self_attn.q_proj.packed.dtype == torch.bfloat16
+    assert fast.embed_tokens is block.embed_tokens and fast.lm_head is block.lm_head
+    assert all(a is b for a, b in zip(fast.parameters(), block.parameters()))
+    ids = torch.tensor([PROMPT[:12]])
+    want, got = block(ids), fast(ids)
+    assert got.shape == want.shape == (1, 12, 48)
+    assert torch.allclose(got, want, atol=0.1 * want.abs().max().item())
+    with torch.no_grad():
+        block.mlp.up_proj.weight.mul_(1.5)  # weights changed in place: a new copy
+    assert fast_block(block) is not fast
+
+
+@pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 8, 8)}], ids=["chain", "tree"])
+def test_longspec_in_bfloat16_equals_oracle(monkeypatch, mode):
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "bfloat16")
+    target, block = mimic_pair("llama")
+    want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
+
+    drafter = LongSpecDrafter(block, **mode)
+    assert isinstance(drafter.fast.mlp.down_proj, PackedLinear)
+    stats = SpecStats()
+    chunks = list(speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40, stats=stats))
+    assert [t for c in chunks for t in c] == want
+    assert stats.accepted_tokens > 0
+
+
+def test_sd_draft_in_bfloat16_is_exact(monkeypatch):
+    from test_engine_greedy import oracle, run
+    from test_engine_sampling import ALPHA, N_RUNS, T1, chisq_pvalue, exact_law, joint_groups, sample_runs, tiny
+
+    from conftest import sharpen, tiny_llama
+
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "bfloat16")
+    target = sharpen(tiny_llama(seed=0))
+    draft = tiny_llama(seed=1, layers=1)
+    drafter = REGISTRY["sd"](draft_model=draft, gamma=4)
+    assert drafter.engine.plan.source == "draft:packed-bf16" and drafter.engine.head_packed.dtype == torch.bfloat16
+    assert engine_for(draft).head_packed is None or engine_for(draft).head_packed.dtype == torch.float32
+    out, _, _ = run(target, drafter)
+    assert out == oracle(target)
+    # sampling: the committed tokens follow the target's law with q computed in bfloat16
+    small, sdraft = tiny(seed=11, scale=8.0), tiny(seed=12, scale=3.0)
+    counts, stats = sample_runs(small, lambda: REGISTRY["sd"](draft_model=sdraft, gamma=2), T1,
+                                range(8_000_000, 8_000_000 + N_RUNS))
+    assert 0.03 * stats.drafted_tokens < stats.accepted_tokens < stats.drafted_tokens
+    p1, p2, _ = exact_law(small, T1)
+    assert chisq_pvalue(joint_groups(counts.sum(2), p1, p2)) > ALPHA
+
+
+def test_choice_is_measured_once_and_overrides(monkeypatch, tmp_path):
+    monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
+    weights = [torch.randn(64, 32), torch.randn(200, 32)]
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "off")
+    assert fdraft.draft_choice(weights) == "plain"
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "packed")
+    assert fdraft.draft_choice(weights) == "packed"
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "bfloat16")
+    assert fdraft.draft_choice(weights) == "packed-bf16"
+    assert fdraft.draft_choice([w.bfloat16() for w in weights]) == "packed"  # already bfloat16 weights
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "half")
+    with pytest.raises(RetrospecError, match="RETROSPEC_DRAFT_DTYPE"):
+        fdraft.draft_choice(weights)
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "auto")
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "auto")
+    first = fdraft.draft_choice(weights)
+    files = list((tmp_path / "fastpath").glob("draft-*.json"))
+    assert len(files) == 1 and first in fdraft.CHOICES
+    data = json.loads(files[0].read_text())
+    assert data["choice"] == first and set(data["ms"]) == set(fdraft.CHOICES)
+    monkeypatch.setattr(fdraft, "measure_choice", lambda *a, **k: pytest.fail("measured twice"))
+    assert fdraft.draft_choice(weights) == first  # read from the cache
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "float32")  # another allowed set: another key
+    monkeypatch.setattr(fdraft, "measure_choice", lambda w, allowed: {"version": 1, "choice": allowed[-1], "ms": {}})
+    assert fdraft.draft_choice(weights) == "packed"
