@@ -26,7 +26,7 @@ def test_demo_streams_a_chat_reply_and_writes_the_bench(capsys, tmp_path, chat_m
         assert (out / name).is_file()
     result = json.loads((out / "results.json").read_text())
     assert result["config"]["chat"] is True
-    assert [s["method"] for s in result["summary"]] == demo.METHODS
+    assert [s["method"] for s in result["summary"]] == demo.METHODS  # no bundled block fits these targets
     assert all(s["lossless"] for s in result["summary"])
 
 
@@ -43,4 +43,8 @@ def test_demo_zoo_mode(capsys, tmp_path, single_thread):
     r = _run(capsys, "--zoo", "--prompts", 1, "--max-new-tokens", 4, "--out", out)
     assert r.rc == 0, r.err
     assert "bundled zoo" in r.out and "[sd]" in r.out
-    assert (out / "report.md").is_file() and not json.loads((out / "results.json").read_text())["config"]["chat"]
+    result = json.loads((out / "results.json").read_text())
+    assert (out / "report.md").is_file() and not result["config"]["chat"]
+    assert [s["method"] for s in result["summary"]] == demo.methods_for(True)  # zoo-longspec fits the zoo target
+    assert demo.methods_for(True).index("longspec") == demo.METHODS.index("pld") + 1
+    assert all(s["lossless"] for s in result["summary"])

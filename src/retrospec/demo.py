@@ -8,11 +8,12 @@ on 2 cores.
    our engine (``fastpath``) next to transformers' plain forward and the linear-layer floor, printed and plotted to
    ``runs/demo/profile.png`` (the full profile: ``retrospec profile --target smollm2-135m``).
 4. Benchmarks ar and transformers' own greedy ``generate()`` (``hf-ar``), sd (with the gate, the default, and
-   without: ``sd@gating=0``), pld and Hugging Face's assisted generation and prompt lookup side by side (greedy,
-   chat template) on the first 4 prompts of ``--preset chat``, printing the table and writing ``runs/demo/``
-   (``results.json``, ``report.md``, ``speedup.png``): the same run as
+   without: ``sd@gating=0``), pld, longspec (when a bundled LongSpec block fits the target: ``smollm2-135m-longspec``,
+   ``zoo-longspec``) and Hugging Face's assisted generation and prompt lookup side by side (greedy, chat template)
+   on the first 4 prompts of ``--preset chat``, printing the table and writing ``runs/demo/`` (``results.json``,
+   ``report.md``, ``speedup.png``): the same run as
    ``retrospec bench --target smollm2-135m --chat --preset chat --limit 4 --max-new-tokens 64
-   --methods ar,hf-ar,sd,sd@gating=0,pld,hf-assisted,hf-pld --out runs/demo``.
+   --methods ar,hf-ar,sd,sd@gating=0,pld,longspec,hf-assisted,hf-pld --out runs/demo``.
 
 ``--zoo`` runs the former demo on the bundled zoo instead (a 7M code model; about a minute, no conversion).
 ``--target`` / ``--draft`` / ``--prompts`` / ``--max-new-tokens`` / ``--out`` change what runs. A user error (the
@@ -27,6 +28,15 @@ from pathlib import Path
 
 REAL_TARGET, REAL_DRAFT = "smollm2-135m", "smollm2-135m-draft"
 METHODS = ["ar", "hf-ar", "sd", "sd@gating=0", "pld", "hf-assisted", "hf-pld"]  # sd gated (the default) and ungated
+BLOCK_METHOD = "longspec"  # benched after pld when a bundled block fits the target
+
+
+def methods_for(has_block: bool) -> list[str]:
+    """The demo's bench labels: ``METHODS``, with ``longspec`` after ``pld`` when the target has a bundled block."""
+    if not has_block:
+        return list(METHODS)
+    i = METHODS.index("pld") + 1
+    return [*METHODS[:i], BLOCK_METHOD, *METHODS[i:]]
 STREAM_PROMPT = 7  # index in the chat preset of the streamed prompt (not among the 4 benched by default)
 
 
@@ -35,8 +45,8 @@ def build_parser():
 
     p = _Parser(prog="python -m retrospec.demo",
                 description="Stream a chat reply from SmolLM2-135M-Instruct with speculative decoding, then bench "
-                            "profile the target forward, and bench ar, hf-ar, sd, pld, hf-assisted and hf-pld side by "
-                            "side.")
+                            "profile the target forward, and bench ar, hf-ar, sd, pld, longspec, hf-assisted and "
+                            "hf-pld side by side.")
     p.add_argument("--zoo", action="store_true",
                    help="the bundled zoo instead (7M code model, held-out stdlib prompts; about a minute)")
     p.add_argument("--target", default=None, metavar="DIR|NAME",
@@ -79,7 +89,8 @@ def _run(args) -> int:
     from .bench.report import print_table, write_outputs
     from .bench.tasks import heldout_prompts, preset
     from .errors import RetrospecError
-    from .models import check_same_vocab, load_model, lookup, paired_draft
+    from .drafters.longspec import load_block
+    from .models import check_same_vocab, load_model, lookup, paired_draft, paired_longspec
 
     zoo = args.zoo
     n_prompts = args.prompts if args.prompts is not None else (8 if zoo else 4)
@@ -140,7 +151,10 @@ def _run(args) -> int:
 
     what = "held-out stdlib prompts" if zoo else "chat prompts (--preset chat, chat template)"
     console.rule(f"[bold]bench: {len(bench_rows)} {what}, greedy, {max_new} new tokens")
-    cfg = BenchConfig(methods=METHODS, max_new_tokens=max_new, chat=not zoo)
+    block_dir = paired_longspec(target)  # the bundled block of this target, if one fits (by name or identity)
+    options = {} if block_dir is None else {BLOCK_METHOD: {"block": load_block(block_dir, target)}}
+    cfg = BenchConfig(methods=methods_for(block_dir is not None), max_new_tokens=max_new, chat=not zoo,
+                      method_options=options, longspec_draft=None if block_dir is None else str(block_dir))
     result = run_bench(target, draft, bench_rows, cfg)
     write_outputs(result, out)
     print_table(result["summary"])

@@ -47,7 +47,10 @@ class MagicDecDrafter:
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.device = next(model.parameters()).device
-        self.engine = engine_for(model)  # drafts on the engine's fast copy of the target (fastpath)
+        # drafts on the target's DRAFT engine: its matmuls in the path measured fastest for drafts (fastpath.draft;
+        # bfloat16-prepacked where that wins: a second, half-size copy of the weights, RETROSPEC_DRAFT_DTYPE=float32
+        # avoids it). Verification keeps the target's own engine in its weights' dtype, so the output is exact.
+        self.engine = engine_for(model, draft=True)
         self.cache: SinkWindowCache | None = None
 
     @torch.inference_mode()
