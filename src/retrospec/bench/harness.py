@@ -46,7 +46,7 @@ from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 from .hybrid_timing import verify_cost
 from .labels import MethodLabel, parse_label
 from .summary import summarize_prompts, summarize_rows
-from .long_tasks import score
+from .tasks import score
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from ..bench.long_tasks import TASKS
+    from ..bench.tasks import TASKS
 
     p = sub.add_parser("tasks", help="generate offline long-context task sets (RAPID benchmarks)")
     tsub = p.add_subparsers(dest="tasks_command", required=True)
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
 
 
 def run_make(args) -> int:
-    from ..bench.long_tasks import make_tasks, write_jsonl
+    from ..bench.tasks import make_tasks, write_jsonl
     from ..errors import RetrospecError
     from ..models import default_target
     from ..models import model_dir

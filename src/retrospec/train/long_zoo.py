@@ -5,7 +5,7 @@ The zoo target is trained on 512-token windows of standard-library code and neve
 step continues training a copy of it (same architecture and tokenizer, so the zoo draft still shares its
 vocabulary) on a mix of
 - standard-library code windows (the zoo's training split; language-modelling loss on every token), and
-- long-context task examples from ``bench.long_tasks`` (kv retrieval, passkey, fact QA; never ``repo``, whose
+- long-context task examples from ``bench.tasks`` (kv retrieval, passkey, fact QA; never ``repo``, whose
   packages are held out), rendered with the default template ``{context}\\n\\n{query}`` followed by the reference
   completion and EOS; the loss is on the completion tokens only,
 with every batch at one length drawn from ``lengths`` (at most 2048 tokens: the training length). The saved config
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..bench.long_tasks import make_tasks, score
+from ..bench.tasks import make_tasks, score
 from ..long_requests import DEFAULT_TEMPLATE
 from ..stdlib_corpus import read_texts, stdlib_files
 from .common import adamw, resolve_device, warmup_cosine
