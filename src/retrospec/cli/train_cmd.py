@@ -1,7 +1,9 @@
 """``retrospec train rag-drafter``: tune a Speculative RAG drafter (a LoRA adapter on a base model).
 ``retrospec train longspec``: train a LongSpec draft block for a target; ``retrospec train longspec-eval``: its loss
 per position bucket on long held-out documents, and the target's loss under anchor-offset positions;
-``retrospec train longspec-pack``: re-save a block with another weight storage (int8: ~1/4 of float32, lossy).
+``retrospec train longspec-pack``: re-save a block with another weight storage (int8: ~1/4 of float32, lossy);
+``retrospec train longspec-distill`` / ``draft-distill``: distil the LongSpec block / a small draft LM on a corpus of
+the target's own outputs.
 
 Training of the other models lives under ``retrospec zoo`` (the zoo pair, ``real-draft``).
 """
@@ -15,7 +17,8 @@ from ..errors import RetrospecError
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train models: rag-drafter (Speculative RAG's drafter, a LoRA adapter), "
-                                     "longspec (a LongSpec draft block), longspec-eval, longspec-pack")
+                                     "longspec (a LongSpec draft block), longspec-eval, longspec-pack, "
+                                     "longspec-distill, draft-distill")
     tsub = p.add_subparsers(dest="train_command", required=True, parser_class=type(p))
     r = tsub.add_parser("rag-drafter", help="instruction-tune a Speculative RAG drafter on extractive rationales")
     r.add_argument("--base", default="smollm2-135m", help="base model directory or name (default smollm2-135m)")
@@ -129,6 +132,24 @@ def _add_longspec(tsub) -> None:
     ds.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ds.set_defaults(func=run_longspec_distill)
 
+    dd = tsub.add_parser("draft-distill", help="distil a small draft LM (sd's draft) on a corpus of the target's own "
+                                               "outputs, re-choosing its vocabulary from what the target writes")
+    dd.add_argument("--target", required=True, help="target model directory or name (e.g. smollm2-135m)")
+    dd.add_argument("--corpus", required=True, help="corpus directory written by 'retrospec corpus generate'")
+    dd.add_argument("--init", required=True, help="draft to start from (directory or name, e.g. smollm2-135m-draft)")
+    dd.add_argument("--out", required=True, help="draft directory to create")
+    dd.add_argument("--vocab", type=int, default=12288, help="draft vocabulary: the K tokens the target emits most "
+                                                            "(default 12288)")
+    dd.add_argument("--max-len", type=int, default=768, help="tokens per training sequence (default 768)")
+    dd.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch, padding included")
+    dd.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens trained")
+    dd.add_argument("--seconds", type=float, default=None, help="stop after this long (wall clock)")
+    dd.add_argument("--heldout", type=float, default=0.06, help="share of prompts held out (default 0.06)")
+    dd.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    dd.add_argument("--seed", type=int, default=0)
+    dd.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    dd.set_defaults(func=run_draft_distill)
+
     pk = tsub.add_parser("longspec-pack", help="re-save a LongSpec block with another weight storage (int8: about "
                                                "1/4 of float32, lossy; the drafter stays lossless)")
     pk.add_argument("src", help="block directory to read")
@@ -173,6 +194,19 @@ def run_longspec_distill(args) -> int:
     check_config(cfg)
     _threads(args.threads)
     manifest = distill_longspec(cfg, log=lambda msg: print(msg, flush=True))
+    print(describe_curve(manifest))
+    return 0
+
+
+def run_draft_distill(args) -> int:
+    from ..train.draft_distill import DraftDistillConfig, check_config, describe_curve, distill_draft
+
+    cfg = DraftDistillConfig(target=args.target, corpus=args.corpus, out=args.out, init=args.init, vocab=args.vocab,
+                             max_len=args.max_len, batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
+                             seconds=args.seconds, heldout=args.heldout, lr=args.lr, seed=args.seed)
+    check_config(cfg)
+    _threads(args.threads)
+    manifest = distill_draft(cfg, log=lambda msg: print(msg, flush=True))
     print(describe_curve(manifest))
     return 0
 

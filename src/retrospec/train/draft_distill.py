@@ -1,0 +1,252 @@
+"""Distilling a small draft LM (``sd``'s draft, e.g. ``smollm2-135m-draft``) on the target's own outputs
+(``retrospec train draft-distill``, issue 19).
+
+The bundled draft was distilled on text the target never wrote (standard-library code, NQ passages) and proposed
+from a vocabulary chosen on that text. This trainer reads a corpus of the target's own replies (``retrospec corpus
+generate``; the same records, held-out split and batches as ``train.longspec_distill``) and:
+
+- **re-chooses the draft vocabulary**: the ``vocab`` target ids the target emits most in the training records
+  (``longspec_distill.frequency_vocab``; every EOS / end-of-turn id first), so the draft can propose what the target
+  writes; q = 0 off it, which rejection sampling treats exactly;
+- **starts from** ``init`` (a draft directory or name; its own ``draft_vocab.json`` is read): its decoder layers as
+  they are, and for each id of the new vocabulary its trained embedding row where it had the id, else the target's
+  row (same width; else a fresh normal row);
+- **distils** KL(p_V || q) at every real position of each padded batch, p_V = the target's next-token distribution
+  renormalised over the draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q));
+- **measures** on held-out records (teacher-forced, output tokens) the draft's greedy agreement with the target's
+  greedy token over the full vocabulary, per kind (chat / code), and the vocabulary's coverage of those tokens,
+  before training and at each point of ``curve`` (tokens trained).
+
+Output: a Hugging Face checkpoint (float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus,
+coverage, learning curve, seconds), the same layout as ``zoo real-draft`` (``train.real_draft.save_draft``), written
+into a temporary sibling and renamed into place.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import RetrospecError
+from ..generations import read_corpus
+from ..models.loading import load_model
+from ..models.vocab import VocabMap
+from .common import adamw, warmup_cosine
+from .longspec_distill import (coverage, frequency_vocab, is_heldout, kind_of, make_batches, pad_batch,
+                               sequence_of)
+from .real_draft import save_draft
+
+
+@dataclass
+class DraftDistillConfig:
+    target: str  # model name or directory
+    corpus: str  # a corpus directory (``retrospec corpus generate``)
+    out: str  # draft directory to create
+    init: str  # the draft to start from (name or directory)
+    vocab: int = 12288  # draft vocabulary size (target ids, frequency-ranked on the training records)
+    max_len: int = 768
+    batch_tokens: int = 4096
+    heldout: float = 0.06
+    max_tokens: int | None = None  # stop after this many tokens trained (None: one pass, or ``seconds``)
+    seconds: float | None = None  # stop after this long (the schedule then runs over elapsed time)
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup: float = 0.05
+    grad_clip: float = 1.0
+    curve: tuple[int, ...] = (125_000, 250_000, 500_000, 1_000_000, 2_000_000)
+    eval_records: int = 96
+    seed: int = 0
+
+
+def check_config(cfg: DraftDistillConfig) -> None:
+    if not Path(cfg.corpus).is_dir():
+        raise RetrospecError(f"corpus directory not found: {cfg.corpus}")
+    if Path(cfg.out).exists():
+        raise RetrospecError(f"{cfg.out} already exists; choose another --out")
+    if cfg.vocab < 2 or cfg.max_len < 2 or cfg.batch_tokens < cfg.max_len or not 0 < cfg.heldout < 1:
+        raise RetrospecError("need --vocab >= 2, --max-len >= 2, --batch-tokens >= --max-len and a held-out share "
+                             "in (0, 1)")
+    if not cfg.lr > 0:
+        raise RetrospecError(f"--lr must be positive, got {cfg.lr}")
+    if (cfg.max_tokens is not None and cfg.max_tokens < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
+        raise RetrospecError("--max-tokens / --seconds must be positive")
+
+
+def revocab(draft, old_ids: list[int], new_ids: list[int], target) -> torch.nn.Module:
+    """A copy of the causal LM ``draft`` (rows = target ids ``old_ids``) whose rows are target ids ``new_ids``:
+    layers as they are; each row the draft's own where it had the id, else the target's (same width), else a fresh
+    normal row. ``draft`` is left as it is."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(draft.config)
+    cfg.vocab_size = len(new_ids)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):  # rows are not target ids now
+        setattr(cfg, attr, None)
+    new = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+    missing, unexpected = new.load_state_dict(state, strict=False)
+    if unexpected or any("embed_tokens" not in k and "lm_head" not in k for k in missing):
+        raise RetrospecError(f"cannot re-vocabulary this draft: unexpected weights {unexpected[:3]} / {missing[:3]}")
+    where = {t: i for i, t in enumerate(old_ids)}
+    std = getattr(cfg, "initializer_range", 0.02)
+    with torch.no_grad():
+        pairs = [(draft.get_input_embeddings().weight, target.get_input_embeddings().weight,
+                  new.get_input_embeddings().weight)]
+        if not getattr(cfg, "tie_word_embeddings", True):
+            pairs.append((draft.get_output_embeddings().weight, target.get_output_embeddings().weight,
+                          new.get_output_embeddings().weight))
+        for own, theirs, dest in pairs:
+            for row, t in enumerate(new_ids):
+                if t in where:
+                    dest[row] = own[where[t]].float()
+                elif theirs.shape[1] == dest.shape[1]:
+                    dest[row] = theirs[t].float()
+                else:
+                    dest[row].normal_(0.0, std)
+    return new
+
+
+def _teacher(target, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The frozen target's final hidden states [b, L, H] (right padding never seen by real tokens)."""
+    with torch.no_grad():
+        return target.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def distill_loss(draft, target, vmap: VocabMap, head_rows: torch.Tensor, ids, mask) -> torch.Tensor:
+    """Mean KL(p_V || q) over the real positions of one batch (ids [b, L] target ids, mask [b, L])."""
+    log_p = (_teacher(target, ids, mask) @ head_rows.T).float().log_softmax(-1)  # [b, L, K]
+    log_q = draft(input_ids=vmap.to_draft[ids], attention_mask=mask).logits.float().log_softmax(-1)  # [b, L, K]
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [b, L]
+    return kl[mask.bool()].mean()
+
+
+@torch.no_grad()
+def agreement(draft, target, vmap: VocabMap, records: list[dict], max_len: int) -> dict:
+    """Teacher-forced greedy agreement with the target on the records' output tokens, per kind; plus the draft
+    vocabulary's coverage of the target's greedy tokens."""
+    hits: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    covered = [0, 0]
+    for r in records:
+        seq, first = sequence_of(r, max_len)
+        if first < 1 or first >= len(seq):
+            continue
+        ids = torch.tensor(seq)[None]
+        hidden = _teacher(target, ids, torch.ones_like(ids))
+        greedy = target.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n]
+        drafted = vmap.ids[draft(input_ids=vmap.to_draft[ids]).logits[0, first - 1:-1].argmax(-1)]  # [n]
+        h = hits[kind_of(r)]
+        h[0] += int((drafted == greedy).sum())
+        h[1] += int(greedy.numel())
+        covered[0] += int(vmap.covered[greedy].sum())
+        covered[1] += int(greedy.numel())
+    out = {k: round(v[0] / max(1, v[1]), 4) for k, v in sorted(hits.items())}
+    total = [sum(v[0] for v in hits.values()), sum(v[1] for v in hits.values())]
+    out.update(all=round(total[0] / max(1, total[1]), 4), tokens=total[1],
+               vocab_coverage=round(covered[0] / max(1, covered[1]), 4))
+    return out
+
+
+def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
+    """Distil ``cfg.init`` for ``cfg.target`` on ``cfg.corpus`` and save it to ``cfg.out``; returns the manifest."""
+    check_config(cfg)
+    records = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
+    if not records:
+        raise RetrospecError(f"corpus {cfg.corpus} holds no generated outputs yet")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    loaded = target if target is not None else load_model(cfg.target)
+    tmodel = loaded.model.eval()
+    for p in tmodel.parameters():
+        p.requires_grad_(False)
+    init = load_model(cfg.init, role="draft")
+    V = tmodel.get_output_embeddings().weight.shape[0]
+    old_ids = init.vocab_map.tolist() if init.vocab_map is not None else list(range(init.vocab_size))
+    if init.vocab_map is None and init.vocab_size != V:
+        raise RetrospecError(f"draft {cfg.init} has {init.vocab_size} rows and no draft_vocab.json; the target has "
+                             f"{V}")
+    train = [r for r in records if not is_heldout(r, cfg.heldout)]
+    held = [r for r in records if is_heldout(r, cfg.heldout)]
+    rng.shuffle(held)
+    held = held[:cfg.eval_records]
+    eos = set(loaded.eos_ids()) if hasattr(loaded, "eos_ids") else set()
+    specials = {i for i in (getattr(loaded.tokenizer, "all_special_ids", None) or []) if i is not None}
+    new_ids = sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))
+    vmap = VocabMap(new_ids, V)
+    draft = revocab(init.model, old_ids, new_ids, tmodel)
+    head_rows = tmodel.get_output_embeddings().weight[vmap.ids].detach()  # [K, H]: p_V's logits
+    log(f"corpus {cfg.corpus}: {len(train)} training records, {len(held)} held out; draft vocabulary {len(new_ids)} "
+        f"(held-out output coverage {coverage(new_ids, held):.4f}, the init draft's {coverage(old_ids, held):.4f})")
+    draft.eval()
+    curve = [{**agreement(draft, tmodel, vmap, held, cfg.max_len), "tokens": 0}]
+    log(f"before: {curve[0]}")
+    total = sum(min(cfg.max_len, len(r["prompt_ids"]) + len(r["output_ids"])) for r in train)
+    budget = cfg.max_tokens or (10**12 if cfg.seconds else total)
+    points = [c for c in cfg.curve if c < budget]
+    pad = min(eos) if eos else 0
+    opt = adamw(draft.parameters(), cfg.lr, cfg.weight_decay)
+    draft.train()
+    started, seen, step, losses = time.perf_counter(), 0, 0, []
+    bar = tqdm(total=None if cfg.seconds else budget, unit="tok", desc="distil draft", mininterval=5.0)
+    done = False
+    while not done:
+        for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
+            progress = seen / budget if cfg.seconds is None else (time.perf_counter() - started) / cfg.seconds
+            if seen >= budget or progress >= 1:
+                done = True
+                break
+            for g in opt.param_groups:
+                g["lr"] = warmup_cosine(min(1.0, progress), 1.0, cfg.lr, cfg.warmup, ramp=0)
+            ids, mask = pad_batch([sequence_of(train[i], cfg.max_len)[0] for i in batch], pad)
+            loss = distill_loss(draft, tmodel, vmap, head_rows, ids, mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+            opt.step()
+            step, n = step + 1, int(mask.sum())
+            seen += n
+            losses.append(float(loss.detach()))
+            bar.update(n)
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            if points and seen >= points[0]:
+                while points and seen >= points[0]:
+                    points.pop(0)
+                draft.eval()
+                row = {**agreement(draft, tmodel, vmap, held, cfg.max_len), "tokens": seen, "step": step,
+                       "loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+                       "seconds": round(time.perf_counter() - started, 1)}
+                draft.train()
+                curve.append(row)
+                log(f"after {seen} tokens: {row}")
+        if cfg.seconds is None and cfg.max_tokens is None:
+            break  # one pass
+    bar.close()
+    draft.eval()
+    if curve[-1]["tokens"] != seen:
+        curve.append({**agreement(draft, tmodel, vmap, held, cfg.max_len), "tokens": seen, "step": step,
+                      "seconds": round(time.perf_counter() - started, 1)})
+    log(f"after: {curve[-1]}")
+    manifest = {"kind": "retrospec real-model draft", "what": "draft distilled on the target's own outputs",
+                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+                "target": getattr(loaded, "path", cfg.target), "init": getattr(init, "path", cfg.init),
+                "corpus": {"path": cfg.corpus, "records": len(records), "heldout_records": len(held)},
+                "draft_params": sum(p.numel() for p in draft.parameters()),
+                "heldout_coverage": round(coverage(new_ids, held), 4), "steps": step, "tokens_seen": seen,
+                "seconds": round(time.perf_counter() - started, 1), "curve": curve,
+                "date": time.strftime("%Y-%m-%d %H:%M")}
+    save_draft(draft, new_ids, V, manifest, Path(cfg.out))
+    return manifest
+
+
+def describe_curve(manifest: dict) -> str:
+    rows = ["| tokens trained | chat | code | all | vocabulary coverage | KL |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in manifest["curve"]:
+        rows.append(f"| {c['tokens']:,} | {c.get('chat', float('nan')):.3f} | {c.get('code', float('nan')):.3f} | "
+                    f"{c['all']:.3f} | {c['vocab_coverage']:.3f} | {c.get('loss', '')} |")
+    return "\n".join(rows)

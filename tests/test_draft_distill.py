@@ -1,0 +1,73 @@
+"""Distilling a small draft LM on a corpus of the target's own outputs (``train.draft_distill``): the re-chosen
+vocabulary keeps trained rows, a whole run on a tiny corpus saves a draft that loads with its ``draft_vocab.json``
+and keeps ``sd`` lossless (greedy oracle), and the CLI's user errors are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from retrospec.config import SamplingConfig
+from retrospec.decode import autoregressive_generate, speculative_generate
+from retrospec.drafters import REGISTRY
+from retrospec.errors import RetrospecError
+from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
+from retrospec.models import load_model
+from retrospec.train.draft_distill import DraftDistillConfig, check_config, distill_draft, revocab
+
+from conftest import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_revocab_keeps_trained_rows_and_takes_the_targets_for_new_ids():
+    target = tiny_llama(seed=3)
+    draft = tiny_llama(seed=4, layers=1, vocab=10)  # rows = target ids 0..9
+    new = revocab(draft, list(range(10)), [0, 5, 50, 60], target)
+    assert new.config.vocab_size == 4 and draft.config.vocab_size == 10  # the input draft is untouched
+    emb, old, theirs = (new.get_input_embeddings().weight, draft.get_input_embeddings().weight,
+                        target.get_input_embeddings().weight)
+    assert torch.equal(emb[0], old[0]) and torch.equal(emb[1], old[5])
+    assert torch.equal(emb[2], theirs[50]) and torch.equal(emb[3], theirs[60])
+    for (name, a), (_, b) in zip(new.model.layers.state_dict().items(), draft.model.layers.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_distil_on_a_tiny_corpus_saves_a_lossless_draft(saved_models, tmp_path):
+    target = load_model(saved_models.target)
+    rows = [PromptRow("stdlib", f"def f{i}(x):\n    return x * {i}\n\ndef g{i}(y", False) for i in range(12)]
+    ccfg = CorpusConfig(sources="test", temperatures=(0.0, 0.8), max_new_tokens=12, batch_size=6, shard_size=12)
+    CorpusBuilder(target, rows, tmp_path / "corpus", ccfg).build(progress=False)
+    out = tmp_path / "draft"
+    cfg = DraftDistillConfig(target=str(saved_models.target), corpus=str(tmp_path / "corpus"), out=str(out),
+                             init=str(saved_models.draft), vocab=40, max_len=48, batch_tokens=96, heldout=0.3,
+                             eval_records=4, curve=(40,), max_tokens=400)
+    manifest = distill_draft(cfg, log=lambda *_: None, target=target)
+    assert manifest["steps"] >= 1 and manifest["curve"][0]["tokens"] == 0 and len(manifest["curve"]) >= 2
+    assert all(0 <= c["all"] <= 1 and 0 <= c["vocab_coverage"] <= 1 for c in manifest["curve"])
+    assert json.loads((out / "real_draft.json").read_text())["steps"] == manifest["steps"]
+    draft = load_model(out, role="draft")
+    ids = draft.vocab_map.tolist()
+    assert draft.vocab_size == 40 and ids == sorted(ids) and saved_models.eos_id in ids
+    prompt = target.tokenizer.encode("def h(x):\n    return")
+    greedy = SamplingConfig()
+    want = autoregressive_generate(target.model, prompt, sampling=greedy, max_new_tokens=16)
+    drafter = REGISTRY["sd"](draft_model=draft.model, gamma=3, draft=draft, target=target)
+    got = [t for c in speculative_generate(target.model, drafter, prompt, sampling=greedy, max_new_tokens=16)
+           for t in c]
+    assert got == want
+    with pytest.raises(RetrospecError, match="already exists"):
+        check_config(cfg)
+
+
+def test_cli_refuses_bad_input(cli, saved_models, tmp_path):
+    run = cli("train", "draft-distill", "--target", saved_models.target, "--corpus", tmp_path / "none",
+              "--init", saved_models.draft, "--out", tmp_path / "d")
+    assert run.rc == 2 and "corpus directory not found" in run.err and "\n" not in run.err.strip()
+    (tmp_path / "c").mkdir()
+    run = cli("train", "draft-distill", "--target", saved_models.target, "--corpus", tmp_path / "c",
+              "--init", saved_models.draft, "--out", tmp_path / "d", "--vocab", "1")
+    assert run.rc == 2 and "--vocab" in run.err
+    assert not (tmp_path / "d").exists()
