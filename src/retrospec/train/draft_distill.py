@@ -17,6 +17,8 @@ generate``; the same records, held-out split and batches as ``train.longspec_dis
   greedy token over the full vocabulary, per kind (chat / code), and the vocabulary's coverage of those tokens,
   before training and at each point of ``curve`` (tokens trained).
 
+The draft trains on the target's device (load the target there; measured on CPU only, CUDA untested).
+
 Output: a Hugging Face checkpoint (float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus,
 coverage, learning curve, seconds), the same layout as ``zoo real-draft`` (``train.real_draft.save_draft``), written
 into a temporary sibling and renamed into place.
@@ -137,7 +139,7 @@ def agreement(draft, target, vmap: VocabMap, records: list[dict], max_len: int) 
         seq, first = sequence_of(r, max_len)
         if first < 1 or first >= len(seq):
             continue
-        ids = torch.tensor(seq)[None]
+        ids = torch.tensor(seq, device=vmap.ids.device)[None]
         hidden = _teacher(target, ids, torch.ones_like(ids))
         greedy = target.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n]
         drafted = vmap.ids[draft(input_ids=vmap.to_draft[ids]).logits[0, first - 1:-1].argmax(-1)]  # [n]
@@ -178,8 +180,9 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     eos = set(loaded.eos_ids()) if hasattr(loaded, "eos_ids") else set()
     specials = {i for i in (getattr(loaded.tokenizer, "all_special_ids", None) or []) if i is not None}
     new_ids = sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))
-    vmap = VocabMap(new_ids, V)
-    draft = revocab(init.model, old_ids, new_ids, tmodel)
+    device = tmodel.get_output_embeddings().weight.device  # the draft trains beside the target (CPU or CUDA)
+    vmap = VocabMap(new_ids, V).to(device)
+    draft = revocab(init.model, old_ids, new_ids, tmodel).to(device)
     head_rows = tmodel.get_output_embeddings().weight[vmap.ids].detach()  # [K, H]: p_V's logits
     log(f"corpus {cfg.corpus}: {len(train)} training records, {len(held)} held out; draft vocabulary {len(new_ids)} "
         f"(held-out output coverage {coverage(new_ids, held):.4f}, the init draft's {coverage(old_ids, held):.4f})")
@@ -204,6 +207,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
             for g in opt.param_groups:
                 g["lr"] = warmup_cosine(min(1.0, progress), 1.0, cfg.lr, cfg.warmup, ramp=0)
             ids, mask = pad_batch([sequence_of(train[i], cfg.max_len)[0] for i in batch], pad)
+            ids, mask = ids.to(device), mask.to(device)
             loss = distill_loss(draft, tmodel, vmap, head_rows, ids, mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -240,7 +244,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
                 "heldout_coverage": round(coverage(new_ids, held), 4), "steps": step, "tokens_seen": seen,
                 "seconds": round(time.perf_counter() - started, 1), "curve": curve,
                 "date": time.strftime("%Y-%m-%d %H:%M")}
-    save_draft(draft, new_ids, V, manifest, Path(cfg.out))
+    save_draft(draft.cpu(), new_ids, V, manifest, Path(cfg.out))
     return manifest
 
 
