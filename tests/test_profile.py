@@ -79,3 +79,29 @@ def test_a_longspec_block_is_profiled_as_a_draft(cli, saved_models, tmp_path):
     assert run.rc == 0, run.err
     prof = json.loads(run.out)
     assert prof["draft"]["model"] == str(tmp_path / "blk") and prof["draft"]["ms_per_token"] > 0
+
+
+def test_remeasure_measures_the_drafts_path_again(cli, saved_models, tmp_path, monkeypatch):
+    """``--remeasure`` re-times the draft's matmul path (``fastpath.draft``) too, for a draft model and a block."""
+    from retrospec.fastpath import draft as fdraft
+    from retrospec.models import load_model
+    from retrospec.models.longspec import LongSpecDraft, save_longspec
+
+    monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "auto")
+    calls = []
+    real = fdraft.measure_choice
+    monkeypatch.setattr(fdraft, "measure_choice", lambda *a, **k: calls.append(1) or real(*a, **k))
+    target = load_model(saved_models.target).model
+    block = LongSpecDraft.for_target(target, window=8)
+    save_longspec(block, target, tmp_path / "blk")
+    base = ["profile", "--target", saved_models.target, "--contexts", "20", "--tokens", "1,2", "--reps", "1",
+            "--no-plain", "--no-trees", "--json"]
+    for draft in (saved_models.draft, tmp_path / "blk"):
+        assert cli(*base, "--draft", draft).rc == 0
+        measured = len(calls)  # the first run measured the choice (then cached); a plain rerun reads the cache
+        assert measured >= 1 and cli(*base, "--draft", draft).rc == 0 and len(calls) == measured
+        run = cli(*base, "--draft", draft, "--remeasure")
+        assert run.rc == 0, run.err
+        assert len(calls) > measured
+        calls.clear()

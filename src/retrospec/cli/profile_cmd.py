@@ -41,8 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point, median reported (default 7)")
     p.add_argument("--no-plain", action="store_true", help="skip the plain transformers forward (half the time)")
     p.add_argument("--no-trees", action="store_true", help="skip the tree shapes")
-    p.add_argument("--remeasure", action="store_true", help="measure the engine's matmul plan again (it is cached "
-                                                              "per model shape and machine)")
+    p.add_argument("--remeasure", action="store_true", help="measure the engine's matmul plan and the draft's "
+                                                              "matmul path again (both are cached per model shape "
+                                                              "and machine)")
     p.add_argument("--json", action="store_true", help="print one JSON object (forward_ms[context][tokens] = ms)")
     p.add_argument("--plot", metavar="PNG", help="write the plot here")
     p.add_argument("--out", metavar="DIR", help="write profile.json, profile.md and profile.png here")
@@ -90,8 +91,14 @@ def run(args) -> int:
     elif args.draft is not None:
         draft = load_model(args.draft, role="draft")
         check_same_vocab(target, draft)
-    if args.remeasure:
+    if args.remeasure:  # the target's plan, and the draft's matmul path (fastpath.draft), measured again
         engine_for(target.model, remeasure=True)
+        if draft is not None and hasattr(draft, "longspec_block"):
+            from ..drafters.longspec import fast_block
+
+            fast_block(draft.longspec_block, remeasure=True)
+        elif draft is not None:
+            engine_for(draft.model, draft=True, remeasure=True)
     say = (lambda m: print(f"[profile] {m}", file=sys.stderr, flush=True)) if sys.stderr.isatty() or not args.json \
         else (lambda m: None)
     prof = run_profile(target, draft, contexts, tokens, reps=args.reps, plain=not args.no_plain,

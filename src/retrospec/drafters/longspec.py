@@ -57,13 +57,13 @@ def parse_tree(spec) -> tuple[int, ...]:
     return widths
 
 
-def fast_block(block: LongSpecDraft) -> LongSpecDraft:
+def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
     """The block as drafting runs it: its linears and head rows in the matmul path measured fastest for its shapes
     on this machine (``fastpath.draft``; possibly bfloat16, which changes what is proposed, never the output), on a
     private copy sharing the weights. The block itself is left as it is."""
     rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
     weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
-    choice = draft_choice([*weights, rows])
+    choice = draft_choice([*weights, rows], remeasure=remeasure)
     fast = fast_copy(block, choice, shared=(block.embed_tokens, block.lm_head))
     if fast is not block and fast.head_fn is None:
         fast.head_fn = row_product(rows, choice)
