@@ -13,11 +13,11 @@ from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
 from retrospec.errors import RetrospecError
-from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
 from retrospec.models import load_model
 from retrospec.train.draft_distill import DraftDistillConfig, check_config, distill_draft, revocab
 
 from conftest import tiny_llama
+from test_longspec_distill import tiny_corpus
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -37,9 +37,7 @@ def test_revocab_keeps_trained_rows_and_takes_the_targets_for_new_ids():
 
 def test_distil_on_a_tiny_corpus_saves_a_lossless_draft(saved_models, tmp_path):
     target = load_model(saved_models.target)
-    rows = [PromptRow("stdlib", f"def f{i}(x):\n    return x * {i}\n\ndef g{i}(y", False) for i in range(12)]
-    ccfg = CorpusConfig(sources="test", temperatures=(0.0, 0.8), max_new_tokens=12, batch_size=6, shard_size=12)
-    CorpusBuilder(target, rows, tmp_path / "corpus", ccfg).build(progress=False)
+    tiny_corpus(target, tmp_path / "corpus")
     out = tmp_path / "draft"
     cfg = DraftDistillConfig(target=str(saved_models.target), corpus=str(tmp_path / "corpus"), out=str(out),
                              init=str(saved_models.draft), vocab=40, max_len=48, batch_tokens=96, heldout=0.3,

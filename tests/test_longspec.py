@@ -355,19 +355,25 @@ def test_tree_sampling_end_to_end(small_world):
     """Seeded runs through ``speculative_generate`` with tree drafts at temperature 1: (x1, x2) ~ p1 * p2."""
     target, block, prompt, p1, p2, _ = small_world
     drafter = REGISTRY["longspec"](block=block, tree=(4, 6, 6))  # reused across runs: prefill() resets it
-    counts = np.zeros((V, V))
     runs = 2_000
+    counts = first_pairs(target, drafter, prompt, runs)
+    assert chisq_pvalue([(counts, (p1[:, None] * p2).numpy() * runs)]) > ALPHA
+
+
+def first_pairs(target, drafter, prompt, runs: int) -> np.ndarray:
+    """Histogram [V, V] of the first two committed tokens over seeded runs 0..runs-1 at temperature 1."""
+    counts = np.zeros((V, V))
     for seed in range(runs):
-        sampling = SamplingConfig(temperature=1.0, seed=seed)
         out: list[int] = []
-        steps = speculative_generate(target, drafter, prompt, sampling=sampling, max_new_tokens=8)
+        steps = speculative_generate(target, drafter, prompt, sampling=SamplingConfig(temperature=1.0, seed=seed),
+                                     max_new_tokens=8)
         for chunk in steps:
             out.extend(chunk)
             if len(out) >= 2:
                 break
         steps.close()
         counts[out[0], out[1]] += 1
-    assert chisq_pvalue([(counts, (p1[:, None] * p2).numpy() * runs)]) > ALPHA
+    return counts
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -496,18 +502,8 @@ def test_draft_vocab_sampling_end_to_end(small_world):
     sub.load_state_dict(block.state_dict())
     sub.set_vocab([0, 2, 3, 5, 7, 8, 11])
     drafter = REGISTRY["longspec"](block=sub, tree=(3, 4))
-    counts = np.zeros((V, V))
     runs = 2_000
-    for seed in range(runs):
-        out: list[int] = []
-        steps = speculative_generate(target, drafter, prompt, sampling=SamplingConfig(temperature=1.0, seed=seed),
-                                     max_new_tokens=8)
-        for chunk in steps:
-            out.extend(chunk)
-            if len(out) >= 2:
-                break
-        steps.close()
-        counts[out[0], out[1]] += 1
+    counts = first_pairs(target, drafter, prompt, runs)
     assert chisq_pvalue([(counts, (p1[:, None] * p2).numpy() * runs)]) > ALPHA
 
 

@@ -7,7 +7,6 @@ import json
 import random
 
 import pytest
-import torch
 
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
@@ -42,11 +41,16 @@ def test_vocabulary_split_and_batches():
     assert is_heldout(rec, 0.5) == is_heldout(dict(rec, temperature=0.7), 0.5)  # by prompt, not by item
 
 
-def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path):
-    target = load_model(saved_models.target)
+def tiny_corpus(target, out) -> None:
+    """24 records (12 code prompts x 2 temperatures, 12 new tokens) of ``target``'s own outputs at ``out``."""
     rows = [PromptRow("stdlib", f"def f{i}(x):\n    return x * {i}\n\ndef g{i}(y", False) for i in range(12)]
     cfg = CorpusConfig(sources="test", temperatures=(0.0, 0.8), max_new_tokens=12, batch_size=6, shard_size=12)
-    CorpusBuilder(target, rows, tmp_path / "corpus", cfg).build(progress=False)
+    CorpusBuilder(target, rows, out, cfg).build(progress=False)
+
+
+def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path):
+    target = load_model(saved_models.target)
+    tiny_corpus(target, tmp_path / "corpus")
     out = tmp_path / "block"
     dc = DistillConfig(target=str(saved_models.target), corpus=str(tmp_path / "corpus"), out=str(out),
                        draft_vocab=24, max_len=48, batch_tokens=96, heldout=0.3, eval_records=4, curve=(40,),

@@ -191,11 +191,7 @@ def run_longspec_distill(args) -> int:
                         max_tokens=args.max_tokens, seconds=args.seconds, lr=args.lr, storage=args.storage,
                         follow=args.follow, heldout=args.heldout,
                         seed=args.seed)
-    check_config(cfg)
-    _threads(args.threads)
-    manifest = distill_longspec(cfg, log=lambda msg: print(msg, flush=True))
-    print(describe_curve(manifest))
-    return 0
+    return _distill(cfg, check_config, distill_longspec, describe_curve, args.threads)
 
 
 def run_draft_distill(args) -> int:
@@ -204,10 +200,14 @@ def run_draft_distill(args) -> int:
     cfg = DraftDistillConfig(target=args.target, corpus=args.corpus, out=args.out, init=args.init, vocab=args.vocab,
                              max_len=args.max_len, batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
                              seconds=args.seconds, heldout=args.heldout, lr=args.lr, seed=args.seed)
-    check_config(cfg)
-    _threads(args.threads)
-    manifest = distill_draft(cfg, log=lambda msg: print(msg, flush=True))
-    print(describe_curve(manifest))
+    return _distill(cfg, check_config, distill_draft, describe_curve, args.threads)
+
+
+def _distill(cfg, check, distill, describe, threads: int) -> int:
+    """Check a distiller's config (user errors before any loading), run it with progress lines, print its curve."""
+    check(cfg)
+    _threads(threads)
+    print(describe(distill(cfg, log=lambda msg: print(msg, flush=True))))
     return 0
 
 

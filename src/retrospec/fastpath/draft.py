@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 from ..paths import cache_home
-from .linear import PackedLinear, onednn_available, pack_weight, packed_matmul
+from .linear import PackedLinear, onednn_available, pack_weight, packed_matmul, packed_or_plain
 from .plan import machine_id, median_ms, mode
 
 CHOICES = ("plain", "packed", "packed-bf16")
@@ -52,6 +52,7 @@ ROWS = (1, 4, 16)  # a chain step, a tree level of 4, a level of 16
 MAX_ROWS = 64  # inputs with more rows (a prompt) take the plain path on the shared weights
 DTYPES = ("auto", "float32", "bfloat16")
 VERSION = 1
+_CHOICES: dict[tuple, str] = {}  # choices this process read or measured: a drafter per request reads no file
 _COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
 
@@ -102,21 +103,28 @@ def draft_choice(weights: Iterable[torch.Tensor], remeasure: bool = False) -> st
     if m == "packed":
         return "packed"
     allowed = CHOICES if setting == "auto" and fp32 else CHOICES[:2]
-    key = _key(weights, allowed)
-    path = cache_home() / "fastpath" / f"draft-{key}.json"
+    home = cache_home()
+    seen = (str(home), torch.get_num_threads(), weights[0].dtype, tuple(sorted(tuple(w.shape) for w in weights)),
+            allowed)
+    if not remeasure and seen in _CHOICES:
+        return _CHOICES[seen]
+    path = home / "fastpath" / f"draft-{_key(weights, allowed)}.json"
+    data = None
     if not remeasure:
         try:
             data = json.loads(path.read_text())
-            if data.get("version") == VERSION and data.get("choice") in allowed:
-                return data["choice"]
+            if data.get("version") != VERSION or data.get("choice") not in allowed:
+                data = None
         except (OSError, ValueError, TypeError, AttributeError):
-            pass  # absent or unreadable: measure again
-    data = measure_choice(weights, allowed)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(data, indent=1))
-    except OSError:
-        pass  # a read-only home: the choice holds for this process only
+            data = None  # absent or unreadable: measure again
+    if data is None:
+        data = measure_choice(weights, allowed)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, json.dumps(data, indent=1))
+        except OSError:
+            pass  # a read-only home: the choice holds for this process only
+    _CHOICES[seen] = data["choice"]
     return data["choice"]
 
 
@@ -142,13 +150,7 @@ def row_product(weight: torch.Tensor, choice: str) -> Callable[[torch.Tensor], t
     packed = None if choice == "plain" else pack_weight(weight, _pack_dtype(choice))
     if packed is None:
         return lambda x: F.linear(x, weight)
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > MAX_ROWS * weight.shape[1] or x.dtype != weight.dtype:
-            return F.linear(x, weight)
-        return packed_matmul(x, packed)
-
-    return product
+    return lambda x: packed_or_plain(x, weight, None, packed, None, MAX_ROWS)
 
 
 def fast_copy(module: torch.nn.Module, choice: str, shared: Iterable[torch.nn.Module] = ()) -> torch.nn.Module:

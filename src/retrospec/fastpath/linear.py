@@ -50,6 +50,15 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_or_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
+                    packed_bias: torch.Tensor | None, max_rows: int) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` through ``packed``, or plain ``F.linear`` on ``weight`` for inputs of more than
+    ``max_rows`` rows (a prompt) or of another dtype than the weight's."""
+    if x.numel() > max_rows * weight.shape[1] or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    return packed_matmul(x, packed, packed_bias)
+
+
 class PackedLinear(torch.nn.Module):
     """A drop-in ``nn.Linear`` for the engine's private model copy (see ``fastpath.engine``)."""
 
@@ -64,9 +73,7 @@ class PackedLinear(torch.nn.Module):
         self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.numel() > self.max_rows * self.in_features or x.dtype != self.weight.dtype:
-            return F.linear(x, self.weight, self.bias)
-        return packed_matmul(x, self.packed, self.packed_bias)
+        return packed_or_plain(x, self.weight, self.bias, self.packed, self.packed_bias, self.max_rows)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, packed rows<={self.max_rows}, "

@@ -26,9 +26,7 @@ into a temporary sibling and renamed into place.
 
 from __future__ import annotations
 
-import collections
 import copy
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,12 +35,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import RetrospecError
-from ..generations import read_corpus
 from ..models.loading import load_model
 from ..models.vocab import VocabMap
 from .common import adamw, warmup_cosine
-from .longspec_distill import (coverage, frequency_vocab, is_heldout, kind_of, make_batches, pad_batch,
-                               sequence_of)
+from .longspec_distill import (Tally, coverage, frequency_vocab, load_split, make_batches, pad_batch, sequence_of,
+                               teacher_forced)
 from .real_draft import save_draft
 
 
@@ -133,50 +130,28 @@ def distill_loss(draft, target, vmap: VocabMap, head_rows: torch.Tensor, ids, ma
 def agreement(draft, target, vmap: VocabMap, records: list[dict], max_len: int) -> dict:
     """Teacher-forced greedy agreement with the target on the records' output tokens, per kind; plus the draft
     vocabulary's coverage of the target's greedy tokens."""
-    hits: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    covered = [0, 0]
-    for r in records:
-        seq, first = sequence_of(r, max_len)
-        if first < 1 or first >= len(seq):
-            continue
+    tally = Tally(coverage=True)
+    for r, seq, first in teacher_forced(records, max_len):
         ids = torch.tensor(seq, device=vmap.ids.device)[None]
         hidden = _teacher(target, ids, torch.ones_like(ids))
         greedy = target.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n]
         drafted = vmap.ids[draft(input_ids=vmap.to_draft[ids]).logits[0, first - 1:-1].argmax(-1)]  # [n]
-        h = hits[kind_of(r)]
-        h[0] += int((drafted == greedy).sum())
-        h[1] += int(greedy.numel())
-        covered[0] += int(vmap.covered[greedy].sum())
-        covered[1] += int(greedy.numel())
-    out = {k: round(v[0] / max(1, v[1]), 4) for k, v in sorted(hits.items())}
-    total = [sum(v[0] for v in hits.values()), sum(v[1] for v in hits.values())]
-    out.update(all=round(total[0] / max(1, total[1]), 4), tokens=total[1],
-               vocab_coverage=round(covered[0] / max(1, covered[1]), 4))
-    return out
+        tally.add(r, drafted, greedy, vmap.covered)
+    return tally.result()
 
 
 def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     """Distil ``cfg.init`` for ``cfg.target`` on ``cfg.corpus`` and save it to ``cfg.out``; returns the manifest."""
     check_config(cfg)
-    records = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
-    if not records:
-        raise RetrospecError(f"corpus {cfg.corpus} holds no generated outputs yet")
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    loaded = target if target is not None else load_model(cfg.target)
-    tmodel = loaded.model.eval()
-    for p in tmodel.parameters():
-        p.requires_grad_(False)
+    train, held, records, loaded, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
+                                                   target)
+    tmodel = loaded.model
     init = load_model(cfg.init, role="draft")
     V = tmodel.get_output_embeddings().weight.shape[0]
     old_ids = init.vocab_map.tolist() if init.vocab_map is not None else list(range(init.vocab_size))
     if init.vocab_map is None and init.vocab_size != V:
         raise RetrospecError(f"draft {cfg.init} has {init.vocab_size} rows and no draft_vocab.json; the target has "
                              f"{V}")
-    train = [r for r in records if not is_heldout(r, cfg.heldout)]
-    held = [r for r in records if is_heldout(r, cfg.heldout)]
-    rng.shuffle(held)
-    held = held[:cfg.eval_records]
     eos = set(loaded.eos_ids()) if hasattr(loaded, "eos_ids") else set()
     specials = {i for i in (getattr(loaded.tokenizer, "all_special_ids", None) or []) if i is not None}
     new_ids = sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))

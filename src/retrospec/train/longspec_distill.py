@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_build
@@ -126,6 +125,59 @@ def sequence_of(record: dict, max_len: int) -> tuple[list[int], int]:
     return ids[cut:], max(0, len(record["prompt_ids"]) - cut)
 
 
+def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_records: int, target=None):
+    """What every distiller starts from: (training records, ``eval_records`` held-out records, all records with
+    outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded."""
+    records = [r for r in read_corpus(corpus) if r.get("output_ids")]
+    if not records:
+        raise RetrospecError(f"corpus {corpus} holds no generated outputs yet")
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    target = target if target is not None else load_model(target_src)
+    model = as_module(target).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    train = [r for r in records if not is_heldout(r, heldout)]
+    held = [r for r in records if is_heldout(r, heldout)]
+    rng.shuffle(held)
+    return train, held[:eval_records], records, target, rng
+
+
+def teacher_forced(records: list[dict], max_len: int):
+    """(record, sequence, index of its first output token) of each record with output tokens to score."""
+    for r in records:
+        seq, first = sequence_of(r, max_len)
+        if 1 <= first < len(seq):
+            yield r, seq, first
+
+
+class Tally:
+    """Greedy agreement per kind (``kind_of``) and, optionally, the draft vocabulary's coverage of the target's
+    greedy tokens (``coverage``); ``result()`` is the learning curve's row."""
+
+    def __init__(self, coverage: bool):
+        self.hits: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        self.covered = [0, 0] if coverage else None
+
+    def add(self, record: dict, drafted: torch.Tensor, greedy: torch.Tensor, inside: torch.Tensor | None) -> None:
+        """``drafted``/``greedy`` [n] target ids; ``inside`` [V] bool: the draft vocabulary."""
+        h = self.hits[kind_of(record)]
+        h[0] += int((drafted == greedy).sum())
+        h[1] += int(greedy.numel())
+        if self.covered is not None:
+            self.covered[0] += int(inside[greedy].sum())
+            self.covered[1] += int(greedy.numel())
+
+    def result(self) -> dict:
+        out = {k: round(v[0] / max(1, v[1]), 4) for k, v in sorted(self.hits.items())}
+        total = [sum(v[0] for v in self.hits.values()), sum(v[1] for v in self.hits.values())]
+        out["all"] = round(total[0] / max(1, total[1]), 4)
+        out["tokens"] = total[1]
+        if self.covered is not None:
+            out["vocab_coverage"] = round(self.covered[0] / max(1, self.covered[1]), 4)
+        return out
+
+
 def make_batches(records: list[dict], max_len: int, batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Record indices grouped by length (b x longest <= batch_tokens), batches in random order."""
     order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt_ids"]) + len(records[i]["output_ids"]))
@@ -183,32 +235,20 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
     """Teacher-forced top-1 agreement with the target's greedy token on the records' output tokens (shift 1), per
     kind, plus the draft vocabulary's coverage of those greedy tokens."""
     model = as_module(target)
-    hits: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    covered = [0, 0]
-    inside = None if block.vocab is None else set(block.vocab.tolist())
-    for r in records:
-        seq, first = sequence_of(r, max_len)
-        if first < 1 or first >= len(seq):
-            continue
-        dev = block.norm1.weight.device
+    tally = Tally(coverage=block.vocab is not None)
+    inside = None
+    if block.vocab is not None:
+        inside = torch.zeros(model.get_output_embeddings().weight.shape[0], dtype=torch.bool, device=block.vocab.device)
+        inside[block.vocab] = True
+    dev = block.norm1.weight.device
+    for r, seq, first in teacher_forced(records, max_len):
         ids = torch.tensor(seq, device=dev)[None]
         pos = torch.arange(len(seq), device=dev)[None]
         hidden, kv = target_pass(target, ids, pos, torch.ones_like(ids))
         greedy = model.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n] the target's next tokens
         drafted = block.token_ids(draft_logits(block, ids, pos, kv, 1)[0, first - 1:-1].argmax(-1))  # [n]
-        h = hits[kind_of(r)]
-        h[0] += int((drafted == greedy).sum())
-        h[1] += int(greedy.numel())
-        if inside is not None:
-            covered[0] += sum(1 for t in greedy.tolist() if t in inside)
-            covered[1] += int(greedy.numel())
-    out = {k: round(v[0] / max(1, v[1]), 4) for k, v in sorted(hits.items())}
-    total = [sum(v[0] for v in hits.values()), sum(v[1] for v in hits.values())]
-    out["all"] = round(total[0] / max(1, total[1]), 4)
-    out["tokens"] = total[1]
-    if inside is not None:
-        out["vocab_coverage"] = round(covered[0] / max(1, covered[1]), 4)
-    return out
+        tally.add(r, drafted, greedy, inside)
+    return tally.result()
 
 
 # -------------------------------------------------------------------------------------------------------- training
@@ -251,21 +291,10 @@ def check_config(cfg: DistillConfig) -> None:
 def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest."""
     check_config(cfg)
-    records = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
-    if not records:
-        raise RetrospecError(f"corpus {cfg.corpus} holds no generated outputs yet")
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    target = target if target is not None else load_model(cfg.target)
+    train, held, records, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
+                                                    target)
     model = as_module(target)
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
     block = load_block(cfg.init, target) if cfg.init else LongSpecDraft.for_target(target, init="identity")
-    train = [r for r in records if not is_heldout(r, cfg.heldout)]
-    held = [r for r in records if is_heldout(r, cfg.heldout)]
-    rng.shuffle(held)
-    held = held[:cfg.eval_records]
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if cfg.draft_vocab:
