@@ -368,7 +368,7 @@ def test_draft_generated_vs_rescored(chat, monkeypatch):
                " Bach wrote the Brandenburg Concertos in Köthen.\nAnswer: Bach in Köthen, 1721 ★<|im_end|>",
                " no answer tag at all"]  # completed, completed (ends with the end of turn), no "Answer:"
 
-    def fake_generate(self, model, prompts, max_new, stop):
+    def fake_generate(self, model, prompts, max_new, stop=None):
         rows = []
         for j, ids in enumerate(prompts):
             if len(prompts) == len(subsets):

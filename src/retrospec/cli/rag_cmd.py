@@ -6,7 +6,6 @@
 - ``bench`` runs methods over a question file (``--split eval`` by default: never used to tune the drafter) and
   writes ``results.json``, ``report.md`` and ``accuracy_latency.png``; ``merge`` joins benches run in shards.
 
-Each sub-subcommand is added by its own ``_add_<name>(rsub)`` function and runs in its own ``run_<name>(args)``.
 User errors are ``RetrospecError``s: one line on stderr, exit code 2.
 """
 
@@ -15,6 +14,13 @@ from __future__ import annotations
 import time
 
 from ..errors import RetrospecError
+from ..rag import DEFAULT_DRAFTER, DEFAULT_VERIFIER, RagConfig
+
+CONFIG_INTS = (("docs", "passages retrieved per question (default 10)"),  # RagConfig fields with a flag each
+               ("drafts", "document subsets = drafts (default 5)"),
+               ("per_draft", "documents per subset = clusters (default 2)"),
+               ("max_rationale_tokens", None), ("max_answer_tokens", None),
+               ("seed", "subset sampling seed (default 0)"))
 
 
 def add_parser(sub) -> None:
@@ -52,27 +58,18 @@ def run_index(args) -> int:
     return 0
 
 
-# ---- answer and bench ---------------------------------------------------------------------------------------------
-
-from ..rag import DEFAULT_DRAFTER, DEFAULT_VERIFIER  # noqa: E402
-
-
 def _add_models(p) -> None:
     p.add_argument("--index", required=True, metavar="DIR", help="a RAG index from 'retrospec rag index'")
     p.add_argument("--drafter", help=f"drafter model directory, adapter or name (default: {DEFAULT_DRAFTER} when "
                                      f"bundled, else the verifier model)")
     p.add_argument("--verifier", default=DEFAULT_VERIFIER, help=f"verifier model (default {DEFAULT_VERIFIER})")
     p.add_argument("--embedder", metavar="DIR", help="the embedder the index was built with (default: bundled)")
-    p.add_argument("--docs", type=int, default=10, help="passages retrieved per question (default 10)")
-    p.add_argument("--drafts", type=int, default=5, help="document subsets = drafts (default 5)")
-    p.add_argument("--per-draft", type=int, default=2, help="documents per subset = clusters (default 2)")
-    p.add_argument("--max-rationale-tokens", type=int, default=48)
-    p.add_argument("--max-answer-tokens", type=int, default=24)
+    for name, help_ in CONFIG_INTS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(RagConfig, name), help=help_)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model dtype (bfloat16 roughly halves prompt time on CPUs with AVX512-BF16)")
     p.add_argument("--score-norm", default="mean", choices=("mean", "sum"),
                    help="mean (default): ρ_draft and ρ_SC per token; sum: the paper's raw product")
-    p.add_argument("--seed", type=int, default=0, help="subset sampling seed (default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
 
 
@@ -110,13 +107,10 @@ def _pipeline(args):
     import torch
 
     from ..rag import open_pipeline
-    from ..rag.pipeline import RagConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = RagConfig(docs=args.docs, drafts=args.drafts, per_draft=args.per_draft,
-                    max_rationale_tokens=args.max_rationale_tokens, max_answer_tokens=args.max_answer_tokens,
-                    seed=args.seed, score_norm=args.score_norm)
+    cfg = RagConfig(**{name: getattr(args, name) for name, _ in CONFIG_INTS}, score_norm=args.score_norm)
     cfg.validate()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     # answer-level: drafter and verifier exchange text, not token ids, so their tokenizers may differ
@@ -185,8 +179,7 @@ def run_bench(args) -> int:
               "shard": args.shard, "index": args.index, "drafter": drafter, "verifier": args.verifier,
               "dtype": args.dtype, "threads": torch.get_num_threads(), "methods": methods,
               "machine": platform.machine(), "torch": torch.__version__} | {
-        k: getattr(pipe.config, k) for k in ("docs", "drafts", "per_draft", "max_rationale_tokens",
-                                             "max_answer_tokens", "seed", "score_norm")}
+        k: getattr(pipe.config, k) for k in (*(name for name, _ in CONFIG_INTS), "score_norm")}
     result = bench(pipe, questions, methods, Path(args.out), config=config, resume=args.resume)
     _print_summary(result, args.out)
     return 0

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 from .data import Question
 from .pipeline import RagPipeline
@@ -71,9 +72,7 @@ def run_bench(pipe: RagPipeline, questions: Sequence[Question], methods: list[st
         done = {qid for qid, ms in have.items() if set(methods) <= ms}
         # a stopped run may leave a partial last line (appending after it would corrupt the next row) and some of
         # a question's rows: keep the complete questions' rows only; the others are answered again
-        tmp = out / f"{ROWS}.part"
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows if r["id"] in done))
-        tmp.replace(rows_file)
+        write_text_atomic(rows_file, "".join(_line(r) for r in rows if r["id"] in done))
     todo = [q for q in questions if q.id not in done]
     with rows_file.open("a") as f:
         for q in tqdm(todo, desc="rag bench", unit="question", disable=not progress, dynamic_ncols=True):
@@ -85,28 +84,29 @@ def run_bench(pipe: RagPipeline, questions: Sequence[Question], methods: list[st
                        "exact": exact_match(r.answer, q.answers), "timings": r.timings, "chosen": r.chosen,
                        "drafts": r.to_dict()["drafts"], "retrieved": r.retrieved,
                        "gold_retrieved": any(pid == q.gold_passage for pid, _ in r.retrieved)}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.write(_line(row))
             f.flush()
     return write_reports(read_rows(rows_file), out, config)
 
 
+def _line(row: dict) -> str:
+    return json.dumps(row, ensure_ascii=False) + "\n"
+
+
 def read_rows(path: Path) -> list[dict]:
     rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
-                continue
+    for line in filter(str.strip, path.read_text().splitlines()):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            pass
     return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    by_method: dict[str, list[dict]] = {}
-    for r in rows:
-        by_method.setdefault(r["method"], []).append(r)
     summary = []
-    for name, rs in by_method.items():
+    for name in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == name]
         n = len(rs)
         s = {"method": name, "questions": n,
              "accuracy": round(100 * sum(r["correct"] for r in rs) / n, 2),
@@ -129,9 +129,7 @@ def write_reports(rows: list[dict], out: Path, config: dict) -> dict:
     config = dict(config) | {"questions": len(ids),
                              "gold_in_retrieved": round(100 * sum(gold) / len(gold), 2) if gold else None}
     result = {"config": config, "summary": summary, "rows": rows}
-    tmp = out / "results.json.part"
-    tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
-    tmp.replace(out / "results.json")
+    write_text_atomic(out / "results.json", json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     (out / "report.md").write_text(render_markdown(result))
     render_plot(summary, out / "accuracy_latency.png")
     return result
@@ -154,11 +152,10 @@ def render_markdown(result: dict) -> str:
                      f"{s['latency_s']:.2f} | {s['retrieve_s']:.3f} | {s['cluster_s']:.3f} | {s['draft_s']:.2f} | "
                      f"{s['verify_s']:.2f} |")
     lines += ["", "accuracy: a gold answer contained in the output (normalised, %); exact match: output equals a gold "
-              "answer (normalised, %); draft oracle: some draft of the question contains a gold answer (the ceiling of any "
-              "selection rule over those drafts). Latencies are means per question; methods that share a subset "
-              "strategy share "
-              "its drafts within a question, and each reports the stages it uses. verify s is the verifier's time "
-              "(scoring drafts, or answering for standard / closed-book).", ""]
+              "answer (normalised, %); draft oracle: some draft of the question contains a gold answer (the ceiling "
+              "of any selection rule over those drafts). Latencies are means per question; methods that share a "
+              "subset strategy share its drafts within a question, and each reports the stages it uses. verify s is "
+              "the verifier's time (scoring drafts, or answering for standard / closed-book).", ""]
     return "\n".join(lines)
 
 
@@ -196,8 +193,6 @@ def merge(parts: Sequence[Path], out: Path) -> dict:
                 seen.add(key)
                 rows.append(r)
     out.mkdir(parents=True, exist_ok=True)
-    with (out / ROWS).open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    (out / ROWS).write_text("".join(map(_line, rows)))
     config = dict(config or {}) | {"merged_from": [str(p) for p in parts], "merged": time.strftime("%Y-%m-%d %H:%M")}
     return write_reports(rows, out, config)

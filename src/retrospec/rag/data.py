@@ -47,10 +47,6 @@ class Question:
     gold_passage: str | None = None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# reading
-
-
 def _records(path: str | Path, what: str) -> list[tuple[str, dict[str, Any]]]:
     """(location, object) per non-blank line; location is ``"FILE line N"`` for error messages."""
     p = Path(path).expanduser()
@@ -149,10 +145,6 @@ def write_passages(passages: Iterable[Passage], path: str | Path) -> None:
     with Path(path).open("w", encoding="utf-8") as f:
         for p in passages:
             f.write(json.dumps({"id": p.id, "title": p.title, "text": p.text}, ensure_ascii=False) + "\n")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# splits
 
 
 def split_of(qid: str) -> str:

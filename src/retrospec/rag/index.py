@@ -10,10 +10,10 @@ An index is one datastore directory of kind ``"rag"`` (see ``retrieval/store.py`
 
 Invariants:
 - A build is atomic (``atomic_build``): any error leaves no directory at the destination.
-- ``load_index`` refuses an index built with another embedder: another name, another dimension, or another model
-  behind the same name and dimension (the embedding of a fixed probe sentence differs). ``fingerprint`` is a short
-  hash of that embedding rounded to 4 decimals; when it differs, the recorded ``probe`` values are compared with a
-  tolerance, so numeric noise (another device, thread count or dtype) is not mistaken for another model.
+- ``load_index`` refuses an index built with another embedder: another name, dimension, or model behind the same
+  name and dimension (its embedding of a fixed probe sentence differs: ``fingerprint`` hashes it rounded to 4
+  decimals; when that differs, the recorded ``probe`` values are compared with a tolerance, so numeric noise from
+  another device, thread count or dtype is not mistaken for another model).
 - Corrupt files (missing, resized, unreadable by faiss, row counts that disagree) are one ``RetrospecError`` line.
 - Loaded indexes are cached per (resolved path, meta.json mtime, embedder name); a rebuilt index is reloaded.
 """
@@ -25,6 +25,7 @@ import sys
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,6 @@ from ..retrieval.embedder import Embedder, load_embedder
 from ..atomic import META_FILE, atomic_build
 from ..retrieval.store import load_meta, write_meta
 from .data import Passage, read_passages, write_passages
-
-__all__ = ["INDEX_FILE", "PASSAGES_FILE", "PassageIndex", "build_index", "clear_cache", "embedder_identity",
-           "load_index"]
 
 KIND = "rag"
 PASSAGES_FILE = "passages.jsonl"
@@ -90,10 +88,6 @@ def _check_embedder(meta: dict, path: Path, have: dict) -> None:
             f"{have['fingerprint']}); rebuild the index with 'retrospec rag index' and this embedder")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# build
-
-
 def build_index(passages_path: str | Path, out: str | Path, *, embedder: Any = None, overwrite: bool = False,
                 progress: bool = True, batch_size: int = 64) -> Path:
     """Embed every passage and write a ``rag`` index directory at ``out`` (atomically). Returns ``out``."""
@@ -128,19 +122,15 @@ def build_index(passages_path: str | Path, out: str | Path, *, embedder: Any = N
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# load and search
-
-
+@dataclass(repr=False, eq=False)
 class PassageIndex:
     """Exact cosine search over the passages of one index, with the embedder it was built with."""
 
-    def __init__(self, path: Path, meta: dict, passages: list[Passage], index: Any, embedder: Embedder):
-        self.path = path
-        self.meta = meta
-        self.passages = passages
-        self.index = index  # faiss.IndexFlatIP, ntotal == len(passages)
-        self.embedder = embedder
+    path: Path
+    meta: dict
+    passages: list[Passage]
+    index: Any  # faiss.IndexFlatIP, ntotal == len(passages)
+    embedder: Embedder
 
     def __len__(self) -> int:
         return len(self.passages)
@@ -186,7 +176,7 @@ def load_index(path: str | Path, *, embedder: Any = None) -> PassageIndex:
     key = (str(path.resolve()), (path / META_FILE).stat().st_mtime_ns, ident["name"])
     hit = _CACHE.get(key)
     if hit is not None:
-        return hit if hit.embedder is model else PassageIndex(hit.path, hit.meta, hit.passages, hit.index, model)
+        return hit if hit.embedder is model else replace(hit, embedder=model)
     import faiss
 
     try:
@@ -208,8 +198,3 @@ def load_index(path: str | Path, *, embedder: Any = None) -> PassageIndex:
     loaded = PassageIndex(path, meta, passages, index, model)
     _CACHE[key] = loaded
     return loaded
-
-
-def clear_cache() -> None:
-    """Forget loaded indexes (tests; long-running processes that rebuild indexes in place)."""
-    _CACHE.clear()

@@ -3,12 +3,9 @@ ICLR 2025): retrieve → cluster → draft in parallel → verify → pick, and 
 
 ``specrag``: retrieve the top ``docs`` passages; embed each with the question (``subsets.doc_embeddings``), k-means
 them into ``per_draft`` clusters and sample ``drafts`` unique subsets with one document per cluster; the drafter
-writes a (rationale β, answer α) for every subset, all subsets decoded as one batch; the verifier scores every draft
-in one batched teacher-forced forward; the answer is the draft with the highest
-``log ρ = log ρ_draft + log ρ_SC + log ρ_SR`` (``scoring.py`` defines the three terms).
-
-Answer-level, not token-level: nothing here is lossless or goes through ``DraftTree``; the methods differ in
-accuracy and latency, which ``rag/bench.py`` measures.
+writes a (rationale β, answer α) per subset, all decoded as one batch; the verifier scores every draft in one
+batched teacher-forced forward; the answer is the draft with the highest ``log ρ = log ρ_draft + log ρ_SC +
+log ρ_SR`` (``scoring.py``). Answer-level: nothing here is lossless or goes through ``DraftTree``.
 
 Methods (``METHODS``): ``specrag``; baselines ``standard`` (the verifier answers with all ``docs`` passages in its
 prompt), ``drafter`` (best ρ_draft, no verifier call), ``closed-book`` (the verifier, no passages); ablations
@@ -17,10 +14,9 @@ uniformly random draft, no verifier call), ``specrag-no-sc`` / ``-no-sr`` / ``-n
 ``specrag-sum`` (the paper's raw product, see Scores).
 
 Scores: ``score_norm="mean"`` (the default) divides ``log ρ_draft`` and ``log ρ_SC`` by their token counts (a
-per-token geometric mean) before summing; ``"sum"`` is the paper's raw product. Raw log-probabilities of extractive
-rationales fall with their length (a 40-token Wikipedia sentence scores ~100 nats under a 135M verifier, a 15-token
-one ~40), so the raw product picks the shortest rationale rather than the best-supported answer. ``specrag-sum``
-runs the paper's product next to the default in every bench.
+per-token geometric mean) before summing; ``"sum"`` (``specrag-sum``) is the paper's raw product, which picks the
+shortest rationale rather than the best-supported answer (a 40-token Wikipedia sentence scores ~100 nats under a
+135M verifier, a 15-token one ~40).
 
 Invariants: a draft whose answer is empty scores −inf and is picked only when every draft is empty; methods that
 share a subset strategy share its drafts and verifier scores within ``answer_many`` (their latency is that of the
@@ -33,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -162,8 +158,10 @@ class RagPipeline:
     def _eos(self, model) -> frozenset[int]:
         return model.eos_ids() | end_of_turn_ids(model.tokenizer)
 
-    def _generate(self, model, prompts: list[list[int]], max_new: int, stop) -> list[tuple[list[int], list[float]]]:
+    def _generate(self, model, prompts: list[list[int]], max_new: int, stop=None) -> list[tuple[list, list]]:
+        """Greedy rows and their log-probs; ``stop`` None: at the end of the first non-blank line."""
         tok = model.tokenizer
+        stop = stop or (lambda row: "\n" in tok.decode(row, skip_special_tokens=True).strip())
         out = greedy_batch(model.model, prompts, max_new_tokens=max_new, eos_ids=self._eos(model),
                            pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0, stop=stop)
         return list(zip(out.tokens, out.logprobs))
@@ -196,18 +194,13 @@ class RagPipeline:
         if missing:  # no "Answer:" written: ask for the answer after the rationale
             follow = [ids[j] + tok(f" {drafts[j].rationale}\n{ANSWER_TAG}", add_special_tokens=False)["input_ids"]
                       for j in missing]
-            answers = self._generate(self.drafter, follow, cfg.max_answer_tokens,
-                                     lambda row: "\n" in tok.decode(row, skip_special_tokens=True).strip())
-            for j, (toks, _) in zip(missing, answers):
+            for j, (toks, _) in zip(missing, self._generate(self.drafter, follow, cfg.max_answer_tokens)):
                 drafts[j].answer = first_line(tok.decode(toks, skip_special_tokens=True))
                 drafts[j].tokens += len(toks)
         if redo:  # teacher-forced rescoring of the drafts whose tokens are not one generated sequence
-            texts, spans = [], []
-            for j in redo:
-                text, b_span, a_span = draft_spans(prompts[j], drafts[j].rationale, drafts[j].answer)
-                texts.append(text)
-                spans.append([b_span, a_span])
-            scores = span_logprobs(self.drafter.model, tok, texts, spans, batch_size=len(texts))
+            rows = [draft_spans(prompts[j], drafts[j].rationale, drafts[j].answer) for j in redo]
+            scores = span_logprobs(self.drafter.model, tok, [r[0] for r in rows], [r[1:] for r in rows],
+                                   batch_size=len(rows))
             for j, row in zip(redo, scores):
                 drafts[j].log_draft = float(row.sum())
         for d in drafts:
@@ -243,11 +236,8 @@ class RagPipeline:
         live = [d for d in drafts if d.answer]
         if not live:
             return
-        texts, spans = [], []
-        for d in live:
-            text, sp = verifier_text(self.verifier.tokenizer, question, d.answer, d.rationale)
-            texts.append(text)
-            spans.append([sp["answer"], sp["rationale"], sp["yes"]])
+        texts, spans = zip(*(verifier_text(self.verifier.tokenizer, question, d.answer, d.rationale) for d in live))
+        spans = [[sp["answer"], sp["rationale"], sp["yes"]] for sp in spans]
         scores = span_logprobs(self.verifier.model, self.verifier.tokenizer, texts, spans, batch_size=len(texts))
         for d, (a, b, yes) in zip(live, scores):
             d.log_sc, d.log_sr = float(a + b), float(yes)
@@ -257,8 +247,7 @@ class RagPipeline:
         """``standard`` (docs) and ``closed-book`` (no docs): the verifier answers directly, greedy, one line."""
         tok = self.verifier.tokenizer
         ids = self._ids(self.verifier, answer_prompt(tok, question, docs))
-        (toks, _), = self._generate(self.verifier, [ids], self.config.max_answer_tokens,
-                                    lambda row: "\n" in tok.decode(row, skip_special_tokens=True).strip())
+        (toks, _), = self._generate(self.verifier, [ids], self.config.max_answer_tokens)
         return first_line(tok.decode(toks, skip_special_tokens=True))
 
     # ---- methods ------------------------------------------------------------------------------------------------
@@ -272,45 +261,36 @@ class RagPipeline:
             raise RetrospecError("the question is empty")
         methods = resolve_methods(methods)
         cfg = self.config
-        t0 = time.perf_counter()
-        hits = self.index.search(question, cfg.docs) if any(METHODS[m].kind != "closed-book" for m in methods) else []
-        retrieve_s = time.perf_counter() - t0
+        need_docs = any(METHODS[m].kind != "closed-book" for m in methods)
+        hits, retrieve_s = _timed(self.index.search, question, cfg.docs) if need_docs else ([], 0.0)
         docs = [p for p, _ in hits]
         retrieved = [(p.id, round(float(s), 4)) for p, s in hits]
         results: dict[str, RagAnswer] = {}
-        shared: dict[str, tuple[list[Draft], dict]] = {}
-        emb = None
-        cluster_s = 0.0
+        shared: dict[str, tuple[list[Draft], dict]] = {}  # subset strategy -> (drafts, stage timings)
+        emb, emb_s = None, 0.0
         for name in methods:
             m = METHODS[name]
             if m.kind != "specrag":
-                t = time.perf_counter()
-                text = self.respond(question, docs if m.kind == "standard" else [])
-                gen_s = time.perf_counter() - t
-                timings = {"retrieve_s": retrieve_s if m.kind == "standard" else 0.0, "cluster_s": 0.0,
-                           "draft_s": 0.0, "verify_s": gen_s}
-                results[name] = RagAnswer(question, name, text, retrieved=retrieved if m.kind == "standard" else [],
+                standard = m.kind == "standard"
+                text, gen_s = _timed(self.respond, question, docs if standard else [])
+                timings = {"retrieve_s": retrieve_s if standard else 0.0, "cluster_s": 0.0, "draft_s": 0.0,
+                           "verify_s": gen_s}
+                results[name] = RagAnswer(question, name, text, retrieved=retrieved if standard else [],
                                           timings=_total(timings))
                 continue
             if m.subsets not in shared:
-                t = time.perf_counter()
-                if emb is None and m.subsets != "random":
-                    emb = doc_embeddings(self.index.embedder, question, docs)  # [n, d]
-                    cluster_s = time.perf_counter() - t
-                t = time.perf_counter()
-                subsets = make_subsets(m.subsets, emb if emb is not None else np.zeros((len(docs), 1)),
-                                       cfg.per_draft, cfg.drafts, self._seed(question))
-                c_s = (cluster_s if m.subsets != "random" else 0.0) + time.perf_counter() - t
-                t = time.perf_counter()
-                drafts = self.draft(question, docs, subsets)
-                d_s = time.perf_counter() - t
-                shared[m.subsets] = (drafts, {"cluster_s": c_s, "draft_s": d_s, "verify_s": None})
+                clustered = m.subsets != "random"
+                if emb is None and clustered:
+                    emb, emb_s = _timed(doc_embeddings, self.index.embedder, question, docs)  # [n, d]
+                subsets, c_s = _timed(make_subsets, m.subsets, emb if emb is not None else np.zeros((len(docs), 1)),
+                                      cfg.per_draft, cfg.drafts, self._seed(question))
+                drafts, d_s = _timed(self.draft, question, docs, subsets)
+                shared[m.subsets] = (drafts, {"cluster_s": (emb_s if clustered else 0.0) + c_s, "draft_s": d_s,
+                                              "verify_s": None})
             drafts, stage = shared[m.subsets]
             if m.verify and stage["verify_s"] is None:
-                t = time.perf_counter()
-                self.verify(question, drafts)
-                stage["verify_s"] = time.perf_counter() - t
-            picked = [_copy(d) for d in drafts]
+                stage["verify_s"] = _timed(self.verify, question, drafts)[1]
+            picked = [replace(d, subset=list(d.subset), score=None) for d in drafts]
             chosen = self._choose(question, picked, m)
             timings = {"retrieve_s": retrieve_s, "cluster_s": stage["cluster_s"], "draft_s": stage["draft_s"],
                        "verify_s": stage["verify_s"] if m.verify else 0.0}
@@ -332,9 +312,11 @@ class RagPipeline:
         return int(max(range(len(drafts)), key=lambda i: (drafts[i].score, -i)))
 
 
-def _copy(d: Draft) -> Draft:
-    return Draft(list(d.subset), d.rationale, d.answer, d.log_draft, d.log_sc, d.log_sr, None, d.tokens, d.n_draft,
-                 d.n_sc)
+def _timed(fn, *args):
+    """``(fn(*args), seconds it took)``."""
+    t = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t
 
 
 def _count(tokenizer, text: str) -> int:

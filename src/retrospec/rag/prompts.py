@@ -1,19 +1,16 @@
 """Prompts of Speculative RAG (Wang et al., "Speculative RAG: Enhancing Retrieval Augmented Generation through
 Drafting", ICLR 2025) — written for this project; the paper's text does not give its prompts.
 
-Three texts, each rendered with the model's own chat template when it has one (plain text otherwise):
+Three texts, each rendered with the model's chat template when it has one (plain text otherwise):
 
-- **Drafter** (one per document subset δ): the documents, the question Q and an instruction; the assistant turn is
-  ``"Rationale: β\\nAnswer: α"`` — a rationale β first, then a short answer α. ``drafter_prompt`` ends with
-  ``"Rationale:"`` so that generation starts inside the rationale. The same layout is the training target of
-  ``retrospec train rag-drafter``.
-- **Verifier** (one per draft, teacher-forced, no generation): ``[Q, α, β, R, "Yes"]`` as a conversation: the user
-  asks Q, the assistant says ``"Answer: α\\nExplanation: β"``, the user asks R (``REFLECTION``), the assistant says
-  ``"Yes"``. ``verifier_text`` returns the text and the character spans of α, β and "Yes"; the scorer turns
-  spans into tokens through the tokenizer's offsets, so "Yes" is scored as whatever token(s) cover it in context
-  (``"Yes"`` after a newline, ``" Yes"`` after a space).
-- **Answering** (baselines ``standard`` and ``closed-book``): documents (or none), the question, and an assistant turn
-  that starts with ``"Answer:"``; the model writes the answer up to the end of the line.
+- **Drafter** (one per document subset δ): documents, question Q, instruction; the assistant turn is
+  ``"Rationale: β\\nAnswer: α"``. ``drafter_prompt`` ends with ``"Rationale:"`` so that generation starts inside
+  the rationale; the same layout is the training target of ``retrospec train rag-drafter``.
+- **Verifier** (one per draft, teacher-forced): ``[Q, α, β, R, "Yes"]`` as a conversation: user Q, assistant
+  ``"Answer: α\\nExplanation: β"``, user R (``REFLECTION``), assistant ``"Yes"``. ``verifier_text`` returns the
+  text and the character spans of α, β and "Yes" (scored as whatever token(s) cover it in context).
+- **Answering** (``standard`` and ``closed-book``): documents (or none), the question, and an assistant turn that
+  starts with ``"Answer:"``; the model writes the answer up to the end of the line.
 
 Invariant: every span returned is a ``(start, end)`` slice of the returned text whose content is exactly the
 string it stands for (tested).
@@ -47,8 +44,7 @@ def format_documents(passages: Sequence[Passage]) -> str:
 
 def _user_turn(question: str, passages: Sequence[Passage], instruction: str) -> str:
     docs = format_documents(passages)
-    head = f"{docs}\n\n" if docs else ""
-    return f"{head}Question: {question}\n{instruction}"
+    return (f"{docs}\n\n" if docs else "") + f"Question: {question}\n{instruction}"
 
 
 def _prompt(tokenizer, user: str, reply_start: str) -> str:

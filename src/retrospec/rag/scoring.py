@@ -1,16 +1,15 @@
 """Teacher-forced span scores for Speculative RAG (Wang et al., ICLR 2025, §3.4).
 
-``span_logprobs`` runs one forward per text (texts batched with right padding) and returns, for each requested
-character span, the sum of log p(token | everything before it) over the tokens that cover the span (0 for an empty span). Tokens are
-mapped to spans through the tokenizer's offsets, so a span starting mid-token (``" Yes"`` after a space) is scored
-by the token that carries it; the first token of a text has no left context and is never scored.
+``span_logprobs`` runs one forward per text (right-padded batches) and returns, for each requested character span,
+the sum of log p(token | everything before it) over the tokens that cover the span (0 for an empty span). Tokens
+are mapped to spans through the tokenizer's offsets, so a span starting mid-token (``" Yes"`` after a space) is
+scored by the token that carries it; the first token of a text has no left context and is never scored.
 
-The three scores of a draft (α answer, β rationale, all in log space; the paper multiplies probabilities, so we add
-logs — its text writes a sum of the two drafting terms, its definition is a product):
+The three scores of a draft (α answer, β rationale; the paper multiplies probabilities, so we add logs):
 
-- ``log ρ_draft = log P_drafter(β | Q, δ) + log P_drafter(α | Q, δ, β)`` — from the drafter's own forward over its
-  draft (``batched.greedy_batch`` keeps the raw log-softmax of every generated token, which is exactly the
-  teacher-forced value, or ``drafter_rescore=True`` re-runs a teacher-forced forward);
+- ``log ρ_draft = log P_drafter(β | Q, δ) + log P_drafter(α | Q, δ, β)`` — from the log-softmax of each
+  generated token kept by ``batched.greedy_batch`` (exactly the teacher-forced value; ``drafter_rescore=True``
+  re-runs a teacher-forced forward);
 - ``log ρ_SC = log P_verifier(α, β | Q)``: self-consistency, the α and β spans of ``prompts.verifier_text``;
 - ``log ρ_SR = log P_verifier("Yes" | Q, α, β, R)``: self-reflection, the "Yes" span.
 
@@ -24,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import RetrospecError
 
@@ -51,12 +51,9 @@ def span_logprobs(model, tokenizer, texts: Sequence[str], spans: Sequence[Sequen
     for start in range(0, len(texts), batch_size):
         chunk = list(range(start, min(len(texts), start + batch_size)))
         encs = [tokenizer(texts[i], add_special_tokens=False, return_offsets_mapping=True) for i in chunk]
-        width = max(len(e["input_ids"]) for e in encs)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)  # [b, T]
-        mask = torch.zeros((len(chunk), width), dtype=torch.long, device=device)  # [b, T]
-        for r, e in enumerate(encs):
-            ids[r, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
-            mask[r, : len(e["input_ids"])] = 1
+        rows = [torch.tensor(e["input_ids"], dtype=torch.long) for e in encs]
+        ids = pad_sequence(rows, batch_first=True, padding_value=pad).to(device)  # [b, T]
+        mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True).to(device)  # [b, T]
         logits = model(input_ids=ids, attention_mask=mask).logits.float()  # [b, T, V]
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # [b, T - 1]
         logp = logp.double().cpu().numpy()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from math import comb
+from math import comb, prod
 
 import numpy as np
 
@@ -40,10 +40,6 @@ def doc_embeddings(embedder: Embedder, question: str, passages: Sequence[Passage
         raise RetrospecError("no retrieved passages to embed")
     texts = [f"Question: {question}\nDocument: {p.as_text()}" for p in passages]
     return np.asarray(embedder.encode(texts), dtype=np.float32)  # [n, d]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# helpers
 
 
 def _check(n: int, k: int, m: int) -> None:
@@ -115,20 +111,13 @@ def _py_random(rng: np.random.Generator) -> random.Random:
     return random.Random(int(rng.integers(2**63 - 1)))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# strategies
-
-
 def clustered_subsets(emb: np.ndarray, k: int, m: int, rng: np.random.Generator) -> list[Subset]:
     """The paper's sampling: k-means into k clusters, then m distinct subsets with one document from each."""
     _check(len(emb), k, m)
     groups = clusters(emb, k, rng)
-    total = 1
-    for g in groups:
-        total *= len(g)
     out = []
-    for rank in _ranks(total, m, _py_random(rng)):  # mixed-radix digits pick one member per cluster
-        picked = []
+    for rank in _ranks(prod(len(g) for g in groups), m, _py_random(rng)):
+        picked = []  # the rank's mixed-radix digits pick one member per cluster
         for g in groups:
             rank, j = divmod(rank, len(g))
             picked.append(g[j])
@@ -165,11 +154,9 @@ def same_cluster_subsets(emb: np.ndarray, k: int, m: int, rng: np.random.Generat
 
 def make_subsets(strategy: str, emb: np.ndarray, k: int, m: int, seed: int = 0) -> list[Subset]:
     """Dispatch on ``strategy`` ("clustered" | "random" | "same-cluster") with ``np.random.default_rng(seed)``."""
+    if strategy not in STRATEGIES:
+        raise RetrospecError(f"unknown subset strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     rng = np.random.default_rng(seed)
-    if strategy == "clustered":
-        return clustered_subsets(emb, k, m, rng)
     if strategy == "random":
         return random_subsets(len(emb), k, m, rng)
-    if strategy == "same-cluster":
-        return same_cluster_subsets(emb, k, m, rng)
-    raise RetrospecError(f"unknown subset strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    return (clustered_subsets if strategy == "clustered" else same_cluster_subsets)(emb, k, m, rng)

@@ -6,14 +6,13 @@ Routes: ``GET /health`` (never needs a key), ``GET /v1/models``, ``POST /v1/comp
 
 Contract:
 - ``create_app(target, draft, ...)`` loads everything once (``RetrospecError`` on a bad path, a vocabulary
-  mismatch, a method the server cannot run) and returns the app; tests drive it under uvicorn on a loopback port.
-- Every failure is JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (unknown field,
-  bad value, unsupported feature, a ``RetrospecError`` from ``prepare``), 401 for a missing or wrong bearer key (when
-  the server has one), 404 for an unknown model or route, 503 when the queue is full, 500 for a bug (logged with its
-  traceback; the server keeps serving). A stream that fails after its first byte ends with one ``data: {"error":
-  ...}`` event.
-- Responses carry ``usage`` and ``retrospec`` (the request's ``SpecStats.to_dict()``); so does the last chunk of a
-  stream (the one with ``finish_reason``). ``finish_reason`` is "stop" (EOS, end of turn, stop string) or "length".
+  mismatch, a method the server cannot run) and returns the app.
+- Every failure is JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (including a
+  ``RetrospecError`` from ``prepare``), 401 for a missing or wrong bearer key, 404 for an unknown model or route,
+  503 when the queue is full, 500 for a bug (logged; the server keeps serving). A stream that fails after its first
+  byte ends with one ``data: {"error": ...}`` event.
+- Responses, and a stream's last chunk (the one with ``finish_reason``: "stop" or "length"), carry ``usage`` and
+  ``retrospec`` (the request's ``SpecStats.to_dict()``).
 - A client that disconnects cancels its generation: a stream at its next chunk, a plain request within half a
   second (its wait polls for the disconnect), a queued request before it starts.
 """
@@ -31,8 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Backend, Job
-from .protocol import (ProtocolError, chat_body, chat_chunk, completion_body, completion_chunk, error_body, param_of,
-                       parse, usage)
+from .protocol import ProtocolError, error_body, param_of, parse, shape, usage
 
 log = logging.getLogger("retrospec.serve")
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -45,10 +43,8 @@ class ClientGone(Exception):
 
 def create_app(target=None, draft=None, *, method: str = "sd", datastores=(), api_key: str | None = None,
                model_name: str | None = None, max_queue: int = 256, longspec_draft=None) -> FastAPI:
-    """Load the target (and draft, datastores, LongSpec block) and build the app. ``target``/``draft``: a
-    directory, a model name or a ``LoadedModel`` (default: the zoo and, for a named target, its paired draft);
-    ``longspec_draft``: method longspec's block, a directory, a name or a ``LongSpecDraft`` (default: the named
-    target's bundled block, if any)."""
+    """Load the models and datastores and build the app. ``target``/``draft``/``longspec_draft``: a directory, a
+    name or a loaded object (default: the zoo, and a named target's paired draft and bundled LongSpec block)."""
     backend = Backend(target, draft, method=method, datastores=datastores, model_name=model_name,
                       max_queue=max_queue, longspec_draft=longspec_draft)
     return build_app(backend, api_key=api_key)
@@ -122,13 +118,12 @@ class _AuthAndCount:
             await send(message)
 
         try:
+            app = self.app
             if self.api_key and path != "/health" and not self._authorized(scope):
-                body = error_body("invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                  code="invalid_api_key")
-                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
-                    scope, receive, send_counted)
-                return
-            await self.app(scope, receive, send_counted)
+                app = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                              code="invalid_api_key"), status_code=401,
+                                   headers={"WWW-Authenticate": "Bearer"})
+            await app(scope, receive, send_counted)
         finally:
             self.backend.metrics.count_request(path if path in ROUTES else "other", status[0])
 
@@ -165,6 +160,14 @@ def _failure(kind: str, exc: Exception) -> JSONResponse:
                         status_code=500)
 
 
+def _result(backend: Backend, job: Job, route: str, finish: str | None, out, **kw) -> dict:
+    """The response (``out``: an ``Outcome``), or a stream chunk (``out`` None)."""
+    rid = ("cmpl-" if route == "completions" else "chatcmpl-") + job.id
+    if out is not None:
+        kw |= {"usage": usage(out.prompt_tokens, len(out.token_ids)), "retrospec": out.stats.to_dict()}
+    return shape(route, rid, job.created, backend.caps.model, finish, **kw)
+
+
 async def _generate(backend: Backend, request: Request, route: str) -> Response:
     raw = await request.body()
     try:
@@ -176,26 +179,17 @@ async def _generate(backend: Backend, request: Request, route: str) -> Response:
     streaming = False  # once a StreamingResponse owns the job, its generator cancels it when it ends
     try:
         kind, value = await _next_event(job, request)
-        if kind in ("error", "fail"):
-            return _failure(kind, value)
-        if kind == "done":  # cancelled before it started
-            return Response(status_code=499)
-        if params.stream:
+        if kind == "start" and params.stream:
             streaming = True
             return StreamingResponse(_sse(backend, job, route), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        while True:
+        while kind in ("start", "text"):
             kind, value = await _next_event(job, request)
-            if kind in ("error", "fail"):
-                return _failure(kind, value)
-            if kind == "done":
-                break
-        if value is None or value.cancelled:
+        if kind in ("error", "fail"):
+            return _failure(kind, value)
+        if value is None or value.cancelled:  # cancelled (before it started, or while it ran)
             return Response(status_code=499)
-        shape = completion_body if route == "completions" else chat_body
-        rid = ("cmpl-" if route == "completions" else "chatcmpl-") + job.id
-        return JSONResponse(shape(rid, job.created, backend.caps.model, value.text, value.finish_reason,
-                                  usage(value.prompt_tokens, len(value.token_ids)), value.stats.to_dict()))
+        return JSONResponse(_result(backend, job, route, value.finish_reason, value, text=value.text))
     except ClientGone:
         return Response(status_code=499)
     except Exception as exc:  # a bug in the handler: 500, logged, the server keeps going
@@ -211,24 +205,20 @@ def _sse_line(obj) -> str:
 
 
 async def _sse(backend: Backend, job: Job, route: str):
-    model = backend.caps.model
-    rid = ("cmpl-" if route == "completions" else "chatcmpl-") + job.id
+    chat = route == "chat"
     try:
-        if route == "chat":
-            yield _sse_line(chat_chunk(rid, job.created, model, {"role": "assistant", "content": ""}))
+        if chat:
+            yield _sse_line(_result(backend, job, route, None, None, delta={"role": "assistant", "content": ""}))
         while True:
             kind, value = await job.events.get()
             if kind == "text":
-                yield _sse_line(completion_chunk(rid, job.created, model, value) if route == "completions"
-                                else chat_chunk(rid, job.created, model, {"content": value}))
+                yield _sse_line(_result(backend, job, route, None, None,
+                                        **({"delta": {"content": value}} if chat else {"text": value})))
             elif kind == "done":
                 if value is None or value.cancelled:
                     return
-                extra = {"usage": usage(value.prompt_tokens, len(value.token_ids)),
-                         "retrospec": value.stats.to_dict()}
-                yield _sse_line(completion_chunk(rid, job.created, model, "", value.finish_reason, **extra)
-                                if route == "completions"
-                                else chat_chunk(rid, job.created, model, {}, value.finish_reason, **extra))
+                yield _sse_line(_result(backend, job, route, value.finish_reason, value,
+                                        **({"delta": {}} if chat else {"text": ""})))
                 break
             else:
                 yield _sse_line(json.loads(_failure(kind, value).body))

@@ -1,22 +1,19 @@
 """The server's backend: models and datastores loaded once, and one generation worker thread.
 
-Concurrency model (the choice, and why): generation is CPU/GPU-bound torch code that holds the model, so requests
-run **one at a time, in arrival order, on a single worker thread** (``ThreadPoolExecutor(max_workers=1)``); the
-asyncio event loop never runs torch and stays free to accept, validate and stream. Interleaving two decodes on one
-model would not raise throughput (each forward already uses the cores torch is given) but would mix KV caches and
-gate timings. Measured with ``python -m retrospec.serve.loadtest`` on the zoo pair pinned to one core: throughput
-is the single-stream rate whatever the client concurrency; latency grows with the queue (see the README's Serving
-section for figures). ``max_queue`` bounds the waiting line: beyond it a request is refused with 503.
+Concurrency model: generation is torch code that holds the model, so requests run **one at a time, in arrival
+order, on a single worker thread**; the asyncio event loop never runs torch and stays free to accept, validate and
+stream. Interleaving decodes on one model would not raise throughput (each forward already uses torch's cores) but
+would mix KV caches and gate timings; ``python -m retrospec.serve.loadtest`` shows throughput at the single-stream
+rate whatever the client concurrency (README, Serving). Beyond ``max_queue`` waiting requests, 503.
 
 Contract of a ``Job`` (one request):
-- ``Backend.submit(params)`` queues it; the worker runs ``api.prepare`` (templating, tokenization, validation) and
-  then the decode loop, both on the worker thread, so tokenizers and models are only ever used from that thread.
-- Events reach the event loop through an ``asyncio.Queue``: ``("start", prompt_tokens)`` once ``prepare``
-  succeeded, then ``("text", delta)`` per verification step that produced final text, then ``("done", Outcome)``;
-  or ``("error", RetrospecError)`` (a user error: HTTP 400) / ``("fail", Exception)`` (a bug: HTTP 500, logged
-  with its traceback). The worker never dies with a request.
-- ``job.cancel()`` (client disconnect) is checked before the job starts and between verification steps; the decode
-  generator is closed at once, the cancelled generation is counted in the metrics and the worker moves on.
+- ``Backend.submit(params)`` queues it; the worker runs ``api.prepare`` and the decode loop, so tokenizers and
+  models are only ever used from the worker thread.
+- Events reach the event loop through an ``asyncio.Queue``: ``("start", prompt_tokens)``, then ``("text", delta)``
+  per step that produced final text, then ``("done", Outcome)``; or ``("error", RetrospecError)`` (HTTP 400) /
+  ``("fail", Exception)`` (a bug: HTTP 500, logged). The worker never dies with a request.
+- ``job.cancel()`` (client disconnect) is checked before the job starts and between verification steps; the
+  cancelled generation is counted in the metrics and the worker moves on.
 """
 
 from __future__ import annotations
@@ -107,8 +104,7 @@ class Backend:
         return drf
 
     def _load_longspec(self, target, src) -> tuple[str | None, object, str | None]:
-        """(source, loaded block, why not): the given block (``--longspec-draft``; a bad one fails the start), else
-        the named target's bundled block; without one, ``longspec`` is listed as unavailable with the reason."""
+        """(source, block, why not): the given block (a bad one fails the start), else the target's bundled one."""
         from ..drafters.longspec import load_block
 
         hint = "start the server with --longspec-draft DIR|NAME"

@@ -13,15 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-PROMPTS = ("def parse_header(line):\n    ", "import os\n\n\ndef walk(top):\n    ", "class Stack:\n    def push(self, x):",
-           "    for key, value in items.items():\n", "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n",
-           "with open(path) as f:\n    ", "def quote(s):\n    return ", "if __name__ == '__main__':\n    ")
+PROMPTS = ("def parse_header(line):\n    ", "import os\n\n\ndef walk(top):\n    ",
+           "class Stack:\n    def push(self, x):", "    for key, value in items.items():\n",
+           "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n", "with open(path) as f:\n    ",
+           "def quote(s):\n    return ", "if __name__ == '__main__':\n    ")
 
 
 @dataclass
@@ -89,40 +91,26 @@ def run_load(url: str, *, requests: int = 200, threads: int = 8, max_tokens: int
              timeout: float = 300.0) -> LoadReport:
     """Send ``requests`` completions from ``threads`` threads; the report counts every request exactly once."""
     endpoint = url.rstrip("/") + ("/completions" if url.rstrip("/").endswith("/v1") else "/v1/completions")
-    results: list[tuple[int, float, int, str]] = []
-    lock = threading.Lock()
-    counter = iter(range(requests))
 
-    def worker() -> None:
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            body = {"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0,
-                    "stream": stream, **({"model": model} if model else {}), **(extra or {})}
-            t = time.perf_counter()
-            status, tokens, err = _one(endpoint, body, api_key, timeout)
-            with lock:
-                results.append((status, time.perf_counter() - t, tokens, err))
+    def one(i: int) -> tuple[int, float, int, str]:
+        body = {"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0,
+                "stream": stream, **({"model": model} if model else {}), **(extra or {})}
+        t = time.perf_counter()
+        status, tokens, err = _one(endpoint, body, api_key, timeout)
+        return status, time.perf_counter() - t, tokens, err
 
     t0 = time.perf_counter()
-    pool = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, threads))]
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        results = list(pool.map(one, range(requests)))
     seconds = time.perf_counter() - t0
     lat = sorted(r[1] for r in results)
     ok = sum(1 for r in results if r[0] == 200 and not r[3])
-    statuses: dict[str, int] = {}
-    for r in results:
-        statuses[str(r[0])] = statuses.get(str(r[0]), 0) + 1
     tokens = sum(r[2] for r in results)
     return LoadReport(requests=len(results), ok=ok, errors=len(results) - ok, seconds=seconds,
                       requests_per_s=len(results) / seconds if seconds else 0.0, completion_tokens=tokens,
                       tokens_per_s=tokens / seconds if seconds else 0.0, p50_s=_quantile(lat, 0.5),
-                      p95_s=_quantile(lat, 0.95), max_s=lat[-1] if lat else 0.0, statuses=statuses,
+                      p95_s=_quantile(lat, 0.95), max_s=lat[-1] if lat else 0.0,
+                      statuses=dict(Counter(str(r[0]) for r in results)),
                       first_error=next((r[3] for r in results if r[3]), ""))
 
 

@@ -15,6 +15,7 @@ follow the library's definitions (``retrospec.types``):
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from ..types import SpecStats
 
 PREFIX = "retrospec_"
+SUMMED = ("prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens", "target_calls", "gated_steps")
 
 
 @dataclass
@@ -29,7 +31,7 @@ class MethodTotals:
     requests: int = 0
     cancelled: int = 0
     prompt_tokens: int = 0
-    generated_tokens: int = 0
+    new_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     target_calls: int = 0
@@ -74,12 +76,8 @@ class Metrics:
             m = self._methods.setdefault(stats.method, MethodTotals())
             m.requests += 1
             m.cancelled += int(cancelled)
-            m.prompt_tokens += stats.prompt_tokens
-            m.generated_tokens += stats.new_tokens
-            m.drafted_tokens += stats.drafted_tokens
-            m.accepted_tokens += stats.accepted_tokens
-            m.target_calls += stats.target_calls
-            m.gated_steps += stats.gated_steps
+            for name in SUMMED:
+                setattr(m, name, getattr(m, name) + getattr(stats, name))
             m.generation_s += seconds
             m.last_tau, m.last_acceptance = stats.mean_accepted_tokens, stats.acceptance_rate
             for mine, theirs in ((m.pos_drafted, stats.per_position_drafted),
@@ -90,7 +88,7 @@ class Metrics:
 
     def render(self) -> str:
         with self._lock:
-            requests, methods, queue = dict(self._requests), {k: _copy(v) for k, v in self._methods.items()}, self._queue
+            requests, methods, queue = dict(self._requests), copy.deepcopy(self._methods), self._queue
         out: list[str] = []
 
         def family(name: str, kind: str, help_: str, samples) -> None:
@@ -106,7 +104,7 @@ class Metrics:
                 ("generations_total", "requests", "Generations run, by method."),
                 ("generations_cancelled_total", "cancelled", "Generations stopped early because the client left."),
                 ("prompt_tokens_total", "prompt_tokens", "Prompt tokens processed."),
-                ("generated_tokens_total", "generated_tokens", "Tokens generated (committed)."),
+                ("generated_tokens_total", "new_tokens", "Tokens generated (committed)."),
                 ("drafted_tokens_total", "drafted_tokens", "Draft tokens proposed to the target."),
                 ("accepted_tokens_total", "accepted_tokens", "Draft tokens accepted by the target."),
                 ("target_calls_total", "target_calls", "Target verification forward calls."),
@@ -114,7 +112,7 @@ class Metrics:
                 ("generation_seconds_total", "generation_s", "Seconds spent generating (prefill included).")):
             family(name, "counter", help_, [({"method": k}, getattr(m, attr)) for k, m in per])
         family("mean_accepted_tokens", "gauge", "Mean accepted tokens (tau): generated tokens / target calls.",
-               [({"method": k}, m.generated_tokens / m.target_calls if m.target_calls else 0.0) for k, m in per])
+               [({"method": k}, m.new_tokens / m.target_calls if m.target_calls else 0.0) for k, m in per])
         family("acceptance_rate", "gauge", "Accepted / drafted tokens over all requests.",
                [({"method": k}, m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else 0.0) for k, m in per])
         family("last_mean_accepted_tokens", "gauge", "Tau of the method's latest request.",
@@ -126,7 +124,3 @@ class Metrics:
         family("position_accepted_total", "counter", "Steps that accepted depth `position` (1-based).",
                [({"method": k, "position": str(i + 1)}, v) for k, m in per for i, v in enumerate(m.pos_accepted)])
         return "\n".join(out) + "\n"
-
-
-def _copy(m: MethodTotals) -> MethodTotals:
-    return MethodTotals(**{**m.__dict__, "pos_drafted": list(m.pos_drafted), "pos_accepted": list(m.pos_accepted)})

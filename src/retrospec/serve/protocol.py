@@ -2,19 +2,17 @@
 
 Contract:
 - ``parse(body, route, caps)`` checks one JSON body of ``/v1/completions`` (``route="completions"``) or
-  ``/v1/chat/completions`` (``"chat"``) against what this server serves (``Capabilities``) and returns ``Params``:
-  the prompt or messages plus keyword arguments for ``retrospec.api.prepare`` (target and draft excepted). Anything
-  wrong raises ``ProtocolError`` (HTTP status, one-line message, the offending ``param``): unknown fields, wrong
-  types, standard OpenAI features this server does not implement (``n > 1``, ``logprobs``, ``tools``, penalties,
-  ...), unknown or unserved methods, knobs that do not apply to the request's method. Range checks that
-  ``prepare`` already makes (temperature >= 0, top_p in (0, 1], gamma >= 1, ...) are left to it.
-- Defaults: ``max_tokens`` 16 for completions (as OpenAI), 128 for chat; ``temperature`` 0 (greedy, retrospec's
-  default; OpenAI's is 1). Knobs absent from the body are not passed on, so ``prepare``'s defaults apply.
-- Method knobs and their JSON types come from the method registry (``drafters.registry``): a knob applies to the
-  methods that declare it, and ``gating`` to all. Stop strings are applied by the run path (``run.Run``,
-  ``text.TextStream``: OpenAI semantics, the stop sequence itself is not returned).
-- ``completion_body`` / ``chat_body`` / ``*_chunk`` shape responses and stream chunks; ``error_body`` the
-  ``{"error": {"message", "type", "param", "code"}}`` object of every failure.
+  ``/v1/chat/completions`` (``"chat"``) against what this server serves (``Capabilities``) and returns ``Params``
+  (prompt or messages, and keyword arguments for ``retrospec.api.prepare``). Anything wrong raises ``ProtocolError``
+  (HTTP status, one-line message, offending ``param``): unknown fields, wrong types, OpenAI features not implemented
+  (``n > 1``, ``logprobs``, ``tools``, penalties, ...), unserved methods, knobs that do not apply to the method.
+  Range checks that ``prepare`` makes (temperature >= 0, top_p in (0, 1], gamma >= 1, ...) are left to it.
+- Defaults: ``max_tokens`` 16 for completions (as OpenAI), 128 for chat; ``temperature`` 0 (greedy; OpenAI's is 1).
+  Absent knobs are not passed on, so ``prepare``'s defaults apply. Method knobs and their JSON types come from
+  ``drafters.registry``; ``gating`` applies to all methods. Stop strings are applied by ``run.Run`` (OpenAI
+  semantics: the stop sequence itself is not returned).
+- ``shape`` builds responses and stream chunks; ``error_body`` the ``{"error": {"message", "type", "param",
+  "code"}}`` object of every failure.
 """
 
 from __future__ import annotations
@@ -27,44 +25,40 @@ from ..errors import RetrospecError
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")
 KNOBS = all_knobs(context=False)  # every method knob a short-prompt request can carry (``drafters.registry``)
 ALL_KNOBS = ("method", "gating", *KNOBS)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+BOOL, STR = (lambda v: isinstance(v, bool), "true or false"), (lambda v: isinstance(v, str), "a string")
 JSON_KIND = {  # knob kind -> (check of the JSON value, what it must be)
-    "int": (lambda v: _is_int(v), "an integer"),
-    "float": (lambda v: _is_number(v), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "path": (lambda v: isinstance(v, str), "a string (a datastore this server loaded)"),
-    "widths": (lambda v: isinstance(v, str), 'a string of widths per depth, e.g. "4,16,16"'),
+    "int": (_is_int, "an integer"),
+    "float": (_is_number, "a number"),
+    "bool": BOOL,
+    "str": STR,
+    "path": (STR[0], "a string (a datastore this server loaded)"),
+    "widths": (STR[0], 'a string of widths per depth, e.g. "4,16,16"'),
 }
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
-# standard fields accepted only at their neutral value: field -> (allowed values, what the server lacks)
-NEUTRAL = {
-    "n": ((None, 1), "n > 1 (one choice per request)"),
-    "best_of": ((None, 1), "best_of > 1"),
-    "echo": ((None, False), "echo"),
-    "suffix": ((None,), "suffix (insertion)"),
-    "logprobs": ((None, False), "logprobs"),
-    "top_logprobs": ((None, 0), "top_logprobs"),
-    "presence_penalty": ((None, 0, 0.0), "presence_penalty"),
-    "frequency_penalty": ((None, 0, 0.0), "frequency_penalty"),
-    "logit_bias": ((None, {}), "logit_bias"),
-    "tools": ((None, []), "tools"),
-    "tool_choice": ((None, "none"), "tool_choice"),
-    "functions": ((None, []), "functions"),
-    "function_call": ((None, "none"), "function_call"),
-    "parallel_tool_calls": ((None, False, True), "parallel_tool_calls"),
-    "response_format": ((None, {"type": "text"}), "response_format other than text"),
-    "store": ((None, False), "store"),
-    "modalities": ((None, ["text"]), "modalities other than text"),
-}
+NEUTRAL = {  # standard fields accepted only at these (neutral) values
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None,), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}), "store": (None, False), "modalities": (None, ["text"])}
+LACKS = {"n": "n > 1 (one choice per request)", "best_of": "best_of > 1", "suffix": "suffix (insertion)",
+         "response_format": "response_format other than text", "modalities": "modalities other than text"}
 HARMLESS = ("model", "user", "stream", "stream_options", "metadata", "service_tier")
-FIELDS = {
-    "completions": {"prompt", *SAMPLING, *ALL_KNOBS, *NEUTRAL, *HARMLESS} - {"tools", "tool_choice", "functions",
-                                                                           "function_call", "parallel_tool_calls",
-                                                                           "response_format", "modalities",
-                                                                           "top_logprobs"},
-    "chat": {"messages", *SAMPLING, "max_completion_tokens", *ALL_KNOBS, *NEUTRAL, *HARMLESS}
-    - {"best_of", "echo", "suffix"},
-}
+CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+             "modalities", "top_logprobs", "messages", "max_completion_tokens"}
+COMPLETIONS_ONLY = {"prompt", "best_of", "echo", "suffix"}
+FIELDS = {route: {*SAMPLING, *ALL_KNOBS, *NEUTRAL, *HARMLESS, *CHAT_ONLY, *COMPLETIONS_ONLY} - drop
+          for route, drop in (("completions", CHAT_ONLY), ("chat", COMPLETIONS_ONLY))}
 
 
 class ProtocolError(Exception):
@@ -107,17 +101,6 @@ class Params:
     kwargs: dict
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# parsing
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _neutral(value, allowed) -> bool:
     return any(value is None if a is None else value == a and isinstance(value, bool) == isinstance(a, bool)
                for a in allowed)
@@ -135,17 +118,16 @@ def parse(body, route: str, caps: Capabilities) -> Params:
     if unknown:
         raise ProtocolError(f"unknown field '{unknown[0]}' (retrospec knobs: {', '.join(ALL_KNOBS)}, top_k)",
                             param=unknown[0])
-    for name, (allowed, what) in NEUTRAL.items():
+    for name, allowed in NEUTRAL.items():
         if name in body and not _neutral(body[name], allowed):
-            raise ProtocolError(f"{what} is not supported by this server", param=name)
+            raise ProtocolError(f"{LACKS.get(name, name)} is not supported by this server", param=name)
     model = body.get("model")
     if model is not None and model != caps.model:
         raise ProtocolError(f"model {model!r} is not served here; this server serves {caps.model!r}", param="model",
                             status=404, code="model_not_found")
-    _check(body, "stream", lambda v: isinstance(v, bool), "true or false")
-    _check(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    _check(body, "user", lambda v: isinstance(v, str), "a string")
-    _check(body, "metadata", lambda v: isinstance(v, dict), "an object")
+    obj = (lambda v: isinstance(v, dict), "an object")
+    for name, kind in (("stream", BOOL), ("stream_options", obj), ("user", STR), ("metadata", obj)):
+        _check(body, name, *kind)
     kwargs = _sampling(body, route)
     kwargs.update(_method(body, caps))
     prompt, messages = (_prompt(body), None) if route == "completions" else (None, _messages(body))
@@ -164,15 +146,12 @@ def _sampling(body: dict, route: str) -> dict:
     if n is not None and n < 1:
         raise ProtocolError(f"'{limit}' must be an integer >= 1, got {n}", param=limit)
     out["max_new_tokens"] = n if n is not None else DEFAULT_MAX_TOKENS[route]
-    for name in ("temperature", "top_p"):
-        _check(body, name, _is_number, "a number")
+    seed = (lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer")
+    for name, (ok, want), cast in (("temperature", JSON_KIND["float"], float), ("top_p", JSON_KIND["float"], float),
+                                   ("top_k", JSON_KIND["int"], int), ("seed", seed, int)):
+        _check(body, name, ok, want)
         if body.get(name) is not None:
-            out[name] = float(body[name])
-    _check(body, "top_k", _is_int, "an integer")
-    _check(body, "seed", lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer")
-    for name in ("top_k", "seed"):
-        if body.get(name) is not None:
-            out[name] = body[name]
+            out[name] = cast(body[name])
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -185,14 +164,14 @@ def _sampling(body: dict, route: str) -> dict:
 
 
 def _method(body: dict, caps: Capabilities) -> dict:
-    _check(body, "method", lambda v: isinstance(v, str), "a string")
+    _check(body, "method", *STR)
     method = body.get("method") or caps.default_method
     if method not in caps.methods:
         why = caps.why_not.get(method)
         raise ProtocolError(f"method {method!r} is not served here" + (f" ({why})" if why else "")
                             + f"; served: {', '.join(caps.methods)}", param="method")
     out: dict = {"method": method}
-    _check(body, "gating", lambda v: isinstance(v, bool), "true or false")
+    _check(body, "gating", *BOOL)
     for name, knob in KNOBS.items():
         _check(body, name, *JSON_KIND[knob.kind])
     spec = SPECS[method]
@@ -260,35 +239,23 @@ def _messages(body: dict) -> list[dict]:
     return out  # roles and contents are checked by retrospec.chat (a RetrospecError -> 400)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# responses
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish: str, use: dict, stats: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": use, "retrospec": stats}
-
-
-def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None = None, **extra) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
-
-
-def chat_body(rid: str, created: int, model: str, text: str, finish: str, use: dict, stats: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}],
-            "usage": use, "retrospec": stats}
-
-
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None = None, **extra) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+def shape(route: str, rid: str, created: int, model: str, finish: str | None, *, text: str | None = None,
+          delta: dict | None = None, **extra) -> dict:
+    """A response or stream chunk: a completion carries ``text``; chat a message (``text``) or, in a chunk,
+    ``delta``; ``extra`` (``usage``, ``retrospec``) goes at the top level."""
+    if route == "completions":
+        obj, choice = "text_completion", {"text": text}
+    elif delta is None:
+        obj, choice = "chat.completion", {"message": {"role": "assistant", "content": text}}
+    else:
+        obj, choice = "chat.completion.chunk", {"delta": delta}
+    return {"id": rid, "object": obj, "created": created, "model": model,
+            "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}], **extra}
 
 
 def param_of(message: str) -> str | None:
