@@ -170,7 +170,8 @@ class CorpusBuilder:
             write_text_atomic(self.out / f"shard-{k:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
             out_tokens = sum(len(r["output_ids"]) for r in records)
             manifest["shards"][f"{k:05d}"] = {"items": len(shards[k]), "records": len(records),
-                                              "output_tokens": out_tokens, "seconds": round(time.perf_counter() - t0, 2)}
+                                              "output_tokens": out_tokens,
+                                              "seconds": round(time.perf_counter() - t0, 2)}
             manifest["skipped_long"] += len(shards[k]) - len(records)
             manifest["prompt_tokens"] += sum(len(r["prompt_ids"]) for r in records)
             manifest["output_tokens"] += out_tokens

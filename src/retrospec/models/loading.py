@@ -67,7 +67,7 @@ class LoadedModel:
 
 
 def as_module(model) -> torch.nn.Module:
-    """The module behind a ``LoadedModel``; a transformers model as is."""
+    """The module behind a ``LoadedModel`` (anything else as is)."""
     return model.model if isinstance(model, LoadedModel) else model
 
 

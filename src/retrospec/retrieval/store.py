@@ -1,6 +1,6 @@
 """Datastore directories: ``meta.json``, identity fingerprints, atomic builds and load-time compatibility checks.
 
-A datastore is one directory. ``meta.json`` says what it is and what it was built for::
+A datastore is one directory; ``meta.json`` says what it is and what it was built for::
 
     {"format": "retrospec-datastore", "version": 1, "kind": "suffix" | "dense" | "rag",
      "tokenizer": {"fingerprint", "vocab_size", "eos_id", "source"},
@@ -84,8 +84,8 @@ def write_meta(tmp: Path, meta: dict[str, Any], started: float, extra_files: dic
 
 def load_meta(path: str | Path, kind: str | None = None) -> dict:
     path = Path(path)
-    meta = read_description(path, META_FILE, FORMAT, VERSION, "datastore",
-                            absent=f"not a retrospec datastore (no meta.json; incomplete or interrupted build?): {path}",
+    absent = f"not a retrospec datastore (no meta.json; incomplete or interrupted build?): {path}"
+    meta = read_description(path, META_FILE, FORMAT, VERSION, "datastore", absent=absent,
                             upgrade="; rebuild it with 'retrospec datastore build'")
     if meta.get("kind") not in KINDS:
         raise RetrospecError(f"corrupt datastore {path}: unknown kind {meta.get('kind')!r}")

@@ -10,10 +10,9 @@ shared, never saved) and ``longspec.json``::
      "files": {"block.safetensors": size in bytes, "draft_vocab.json": size (with a draft vocabulary)},
      "storage": "float32" | "float16" | "bfloat16" | "int8"}
 
-``storage`` is how ``block.safetensors`` holds the weights (also in its safetensors metadata): a float dtype, or
-``"int8"`` (``models.quant``; lossy, error <= scale / 2 per weight); absent (older saves): the block's own dtype.
-``load_longspec`` dequantises / casts to the target's dtype; the drafter stays lossless whatever the storage (the
-target verifies every token), only the acceptance rate can change.
+``storage`` (also in the safetensors metadata): a float dtype, or ``"int8"`` (``models.quant``; lossy); absent
+(older saves): the block's own dtype. ``load_longspec`` casts to the target's dtype; the drafter stays lossless
+whatever the storage (the target verifies every token), only the acceptance rate can change.
 
 Invariants:
 - ``save_longspec`` builds the directory atomically (``atomic.atomic_build``): an interrupted save leaves nothing.
