@@ -9,7 +9,7 @@ import torch
 from retrospec.retrieval import SuffixStore, build_suffix_store, open_store
 from retrospec.retrieval.corpus import TokenDoc
 from retrospec.retrieval.store import tokenizer_meta
-from retrospec.retrieval.suffix_array import TOKENS_FILE, brute_force_search
+from retrospec.retrieval.suffix_array import TOKENS_FILE
 from retrospec.tree import ancestor_mask, depths, frequency_trie
 
 EOS = 0
@@ -24,6 +24,21 @@ def build(tmp_path, docs, vocab=100, name="s") -> SuffixStore:
 
 def stream_of(store: SuffixStore) -> np.ndarray:
     return np.fromfile(store.path / TOKENS_FILE, dtype=">i4").astype(np.int64)
+
+
+def brute_force_search(tokens: np.ndarray, context, max_suffix: int = 16, min_suffix: int = 2) -> tuple[int, int]:
+    """Reference for tests: (longest matched suffix length, occurrence count) by scanning the corpus."""
+    tokens = np.asarray(tokens)
+    ctx = list(context[-max_suffix:])
+    for m in range(len(ctx), min_suffix - 1, -1):
+        pat = np.asarray(ctx[len(ctx) - m:])
+        if len(tokens) < m:
+            continue
+        win = np.lib.stride_tricks.sliding_window_view(tokens, m)
+        count = int((win == pat).all(axis=1).sum())
+        if count:
+            return m, count
+    return 0, 0
 
 
 @pytest.mark.parametrize("alphabet,high", [(3, False), (8, False), (5, True)])

@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=0.95, help="for sampled temperatures (default 0.95)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--batch-size", type=int, default=32, help="sequences decoded together (default 32)")
-    g.add_argument("--limit-per-source", type=int, default=None, metavar="N", help="use the first N rows of each source")
+    g.add_argument("--limit-per-source", type=int, default=None, metavar="N",
+                   help="use the first N rows of each source")
     g.add_argument("--shard-size", type=int, default=128, help="items per shard file (default 128)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
@@ -67,13 +68,12 @@ def run_generate(args) -> int:
 def run_info(args) -> int:
     from pathlib import Path
 
+    from ..models.files import read_json
+
     path = Path(args.path) / "manifest.json"
     if not path.is_file():
         raise RetrospecError(f"{args.path} is not a corpus directory (no manifest.json)")
-    try:
-        m = json.loads(path.read_text())
-    except ValueError:
-        raise RetrospecError(f"{path} is corrupt") from None
+    m = read_json(path, f"corrupt corpus {args.path}")
     print(json.dumps({k: v for k, v in m.items() if k != "shards"}, indent=1))
     return 0
 

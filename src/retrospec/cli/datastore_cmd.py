@@ -1,5 +1,4 @@
-"""``retrospec datastore build|info|eval``: retrieval datastores for ``rest`` (suffix) and ``dresd`` (dense).
-"""
+"""``retrospec datastore build|info|eval``: retrieval datastores for ``rest`` (suffix) and ``dresd`` (dense)."""
 
 from __future__ import annotations
 
@@ -58,17 +57,18 @@ def add_parser(sub) -> None:
     e.set_defaults(func=run_eval)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# commands
-
-
-def _set_threads(n: int) -> None:
+def _check(args, names: tuple[str, ...]) -> None:
+    """Refuse an option of ``names`` below 1 and a negative ``--threads``; apply ``--threads``."""
     import torch
 
-    if n < 0:
-        raise RetrospecError(f"--threads must be >= 0, got {n}")
-    if n:
-        torch.set_num_threads(n)
+    for name in names:
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.threads < 0:
+        raise RetrospecError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
 
 def _load_target(path):
@@ -87,14 +87,13 @@ def _eos_id(target) -> int:
     return ids[0]
 
 
-def _documents(corpus: str | None, target, max_tokens: int | None, progress: bool = True):
+def _documents(corpus: str | None, target, max_tokens: int | None):
     from ..retrieval.corpus import limit_tokens, open_text_corpus, tokenize
 
     if target.tokenizer is None:
         raise RetrospecError(f"target {target.path} has no tokenizer; a text corpus cannot be encoded")
     text = open_text_corpus(corpus)
-    docs = limit_tokens(tokenize(text, target.tokenizer, total=len(text), progress=progress), max_tokens)
-    return docs, text.description
+    return limit_tokens(tokenize(text, target.tokenizer, total=len(text)), max_tokens), text.description
 
 
 def run_build(args) -> int:
@@ -107,14 +106,10 @@ def run_build(args) -> int:
 
     if not args.corpus and not args.from_generations:
         raise RetrospecError("give --corpus PATH|stdlib and/or --from-generations PROMPTS.jsonl")
-    for name in ("max_tokens", "value_len", "pca_sample", "window", "batch_tokens", "memory_budget_mb",
-                 "gen_max_new_tokens"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.pca_dims < 0:
         raise RetrospecError(f"--pca-dims must be >= 0, got {args.pca_dims}")
-    _set_threads(args.threads)
+    _check(args, ("max_tokens", "value_len", "pca_sample", "window", "batch_tokens", "memory_budget_mb",
+                  "gen_max_new_tokens"))
     out = Path(args.out)
     if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
         raise RetrospecError(f"{out} already exists; choose another --out or pass --overwrite")
@@ -154,32 +149,29 @@ def run_build(args) -> int:
 def summary(path, meta: dict) -> str:
     c, p, b = meta.get("counts", {}), meta.get("params", {}), meta.get("build", {})
     size = sum((meta.get("files") or {}).values())
+    built = (f"  size {size / 2**20:.1f} MiB; built {b.get('created')} in {b.get('seconds')} s, "
+             f"peak RSS {b.get('peak_rss_mb')} MiB")
     if meta["kind"] == "rag":  # Speculative RAG passage index (retrospec rag index)
         e = meta.get("embedder") or {}
         return "\n".join([
             f"{path}: RAG passage index (retrospec rag)",
             f"  passages {c.get('passages', 0):,} from {p.get('source')}; embedder {e.get('name')} "
-            f"({e.get('dim')}-d, fingerprint {e.get('fingerprint')}); exact inner-product index",
-            f"  size {size / 2**20:.1f} MiB; built {b.get('created')} in {b.get('seconds')} s, "
-            f"peak RSS {b.get('peak_rss_mb')} MiB"])
+            f"({e.get('dim')}-d, fingerprint {e.get('fingerprint')}); exact inner-product index", built])
     lines = [f"{path}: {meta['kind']} datastore ({'rest' if meta['kind'] == 'suffix' else 'dresd'})"]
     if meta["kind"] == "suffix":
         lines.append(f"  tokens {c.get('tokens', 0):,} in {c.get('documents', 0):,} documents")
     else:
-        idx = p.get("index")
+        idx, t = p.get("index"), meta.get("target") or {}
         extra = {"hnsw": f"M={p.get('M')}, efSearch={p.get('ef_search')}",
                  "ivf": f"nlist={p.get('nlist')}, nprobe={p.get('nprobe')}"}.get(idx, "exact")
-        lines.append(f"  entries {c.get('entries', 0):,} from {c.get('documents', 0):,} documents; keys "
-                     f"{p.get('key_dim')}-d (PCA {p.get('pca_dims') or 'off'}, fit on {p.get('pca_sample', 0):,}); "
-                     f"values 1 + {p.get('value_len')} tokens; index {idx} ({extra})")
-        t = meta.get("target") or {}
-        lines.append(f"  target {t.get('path')} (fingerprint {t.get('fingerprint')}, layer {t.get('layer')}, "
-                     f"hidden {t.get('hidden_size')})")
+        lines += [f"  entries {c.get('entries', 0):,} from {c.get('documents', 0):,} documents; keys "
+                  f"{p.get('key_dim')}-d (PCA {p.get('pca_dims') or 'off'}, fit on {p.get('pca_sample', 0):,}); "
+                  f"values 1 + {p.get('value_len')} tokens; index {idx} ({extra})",
+                  f"  target {t.get('path')} (fingerprint {t.get('fingerprint')}, layer {t.get('layer')}, "
+                  f"hidden {t.get('hidden_size')})"]
     tk = meta.get("tokenizer") or {}
-    lines.append(f"  tokenizer {tk.get('fingerprint')} (vocab {tk.get('vocab_size')}, eos {tk.get('eos_id')})")
-    lines.append(f"  corpus: {(meta.get('corpus') or {}).get('description', '?')}")
-    lines.append(f"  size {size / 2**20:.1f} MiB; built {b.get('created')} in {b.get('seconds')} s, "
-                 f"peak RSS {b.get('peak_rss_mb')} MiB")
+    lines += [f"  tokenizer {tk.get('fingerprint')} (vocab {tk.get('vocab_size')}, eos {tk.get('eos_id')})",
+              f"  corpus: {(meta.get('corpus') or {}).get('description', '?')}", built]
     return "\n".join(lines)
 
 
@@ -195,21 +187,15 @@ def run_eval(args) -> int:
     from ..retrieval import load_meta, open_store
     from ..bench.datastore_eval import eval_dense, eval_suffix
 
-    for name in ("max_tokens", "max_queries", "k", "match_len"):
-        if getattr(args, name) < 1:
-            raise RetrospecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    _set_threads(args.threads)
+    _check(args, ("max_tokens", "max_queries", "k", "match_len"))
     meta = load_meta(args.dir)
-    target_path = args.target
-    if target_path is None:
-        recorded = ((meta.get("target") or {}).get("path")) or (meta.get("tokenizer") or {}).get("source")
-        if recorded and Path(recorded).is_dir():
-            target_path = recorded
-    target = _load_target(target_path)
+    recorded = (meta.get("target") or {}).get("path") or (meta.get("tokenizer") or {}).get("source")
+    if args.target is None and recorded and Path(recorded).is_dir():
+        args.target = recorded
+    target = _load_target(args.target)
     store = open_store(args.dir, meta["kind"], target=target)
     docs, desc = _documents(args.corpus, target, args.max_tokens)
-    docs = list(docs)
-    if not docs:
+    if not (docs := list(docs)):
         raise RetrospecError(f"held-out corpus {args.corpus} has no tokens")
     if meta["kind"] == "suffix":
         res = eval_suffix(store, docs, max_queries=args.max_queries, seed=args.seed)

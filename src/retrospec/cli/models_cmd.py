@@ -1,9 +1,5 @@
-"""``retrospec models list|path|import-gguf``: the named models, and GGUF files turned into checkpoint directories.
-
-- ``list`` prints every name with what it is, where it lives and whether it is ready; it never converts anything.
-- ``path NAME`` prints the directory of a named model (converting it first if it needs to be; progress on stderr).
-- ``import-gguf FILE --out DIR`` writes an ordinary float32 Hugging Face checkpoint (atomic; see ``models.gguf``).
-"""
+"""``retrospec models list|path|import-gguf``: the named models (``list`` never converts anything; ``path`` may,
+with progress on stderr), and GGUF files turned into float32 checkpoint directories (``models.gguf``)."""
 
 from __future__ import annotations
 

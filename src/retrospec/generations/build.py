@@ -1,18 +1,17 @@
 """A corpus of the target's own outputs: batched, sharded, resumable, written atomically, with a manifest (issue 19).
 
-Drafts and in-domain datastores learn best from text the target itself wrote. ``build_corpus`` asks the target
+Drafts and in-domain datastores learn best from text the target itself wrote. ``CorpusBuilder`` asks the target
 every prompt row (``generations.prompts``) at every temperature of the config and writes what it answered:
 
 - work items = (row, temperature) in a fixed order, cut into shards of ``shard_size`` items; shard k is
-  ``shard-0000k.jsonl``, one JSON object per item: ``source``, ``chat``, ``temperature``, ``prompt`` (text; for
-  self-instruct the instruction the target wrote), ``prompt_ids`` (what the target was fed), ``output_ids``,
-  ``finished`` (ended at an end-of-turn / EOS id rather than at ``max_new_tokens``);
-- a shard is decoded in batches of ``batch_size`` sequences with one KV cache (``batched.generate_batch``), rows
-  sorted by prompt length so a batch pads little; sampled shards draw from a generator seeded by (seed, shard);
-- each shard is written to a temporary file and renamed, then ``manifest.json`` is rewritten the same way, so a
-  killed build leaves whole shards only; a rerun with the same ``--out`` and config skips the shards the manifest
-  lists (a shard file the manifest does not list yet is generated again, identically: same seed), and a different
-  config is refused (one line), never mixed in.
+  ``shard-0000k.jsonl``, one JSON object per item: ``source``, ``chat``, ``temperature``, ``prompt`` (for
+  self-instruct, the instruction the target wrote), ``prompt_ids``, ``output_ids``, ``finished`` (ended at an
+  end-of-turn / EOS id rather than at ``max_new_tokens``);
+- a shard is decoded in batches of ``batch_size`` sequences (``batched.generate_batch``), rows sorted by prompt
+  length; sampled shards draw from a generator seeded by (seed, shard);
+- each shard file, then ``manifest.json``, is written atomically, so a killed build leaves whole shards only; a
+  rerun with the same ``--out`` and config skips the shards the manifest lists (an unlisted shard file is generated
+  again, identically), and a different config is refused (one line), never mixed in.
 
 Manifest: the config, the target's identity, per-source and per-temperature counts, prompt and output tokens,
 seconds, and the shards written.
@@ -93,10 +92,6 @@ class CorpusBuilder:
         self.eos = target.eos_ids() | end_of_turn_ids(tok)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
-    def shards(self) -> list[list[tuple[int, float]]]:
-        n = self.cfg.shard_size
-        return [self.items[k:k + n] for k in range(0, len(self.items), n)]
-
     def _manifest(self) -> dict:
         path = self.out / MANIFEST
         if self.out.exists() and not self.out.is_dir():
@@ -126,21 +121,19 @@ class CorpusBuilder:
     def _instructions(self, count: int, gen: torch.Generator) -> list[str]:
         """``count`` user instructions written by the target (sampled at temperature 1, top-p 0.95)."""
         tok = self.target.tokenizer
-        prefix = self_instruct_prefix(tok)
+        prefix, sampling = self_instruct_prefix(tok), SamplingConfig(temperature=1.0, top_p=0.95)
         out = []
         for k in range(0, count, self.cfg.batch_size):
-            b = min(self.cfg.batch_size, count - k)
-            res = generate_batch(self.target.model, [prefix] * b, max_new_tokens=INSTRUCTION_TOKENS,
-                                 eos_ids=self.eos, pad_id=self.pad, sampling=SamplingConfig(temperature=1.0,
-                                                                                           top_p=0.95),
-                                 generator=gen)
+            res = generate_batch(self.target.model, [prefix] * min(self.cfg.batch_size, count - k),
+                                 max_new_tokens=INSTRUCTION_TOKENS, eos_ids=self.eos, pad_id=self.pad,
+                                 sampling=sampling, generator=gen)
             out += [tok.decode(t, skip_special_tokens=True).strip() for t in res.tokens]
         return out
 
     def run_shard(self, index: int, items: list[tuple[int, float]]) -> list[dict]:
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + index)
         n_self = sum(1 for i, _ in items if self.rows[i].source == "self-instruct")
-        written = iter(self._instructions(n_self, gen)) if n_self else iter(())
+        written = iter(self._instructions(n_self, gen) if n_self else ())
         prepared = []  # (item order, row, temperature, prompt text, prompt ids)
         for order, (i, temp) in enumerate(items):
             row = self.rows[i]
@@ -164,7 +157,7 @@ class CorpusBuilder:
     def build(self, progress: bool = True) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
         manifest = self._manifest()
-        shards = self.shards()
+        shards = [self.items[k:k + self.cfg.shard_size] for k in range(0, len(self.items), self.cfg.shard_size)]
         # done = listed in the manifest (written after its shard file); a shard file without its manifest entry
         # (killed between the two renames) is generated again: the same seed gives the same records
         todo = [k for k in range(len(shards))

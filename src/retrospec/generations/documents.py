@@ -1,9 +1,7 @@
 """In-distribution datastore documents: the target's own greedy continuations of a prompt file (``--from-generations``).
 
-Prompts are decoded in batches (``batched.generate_batch``, the generator of ``retrospec corpus generate``; each row
-equals plain greedy decoding). Each document is prompt + continuation with ``index_from`` at the continuation: dense
-stores index only the keys whose drafts are the target's own tokens (the paper's "response" datastore); suffix
-stores keep every token.
+Each document is prompt + continuation with ``index_from`` at the continuation: dense stores index only the keys
+whose drafts are the target's own tokens (the paper's "response" datastore); suffix stores keep every token.
 
 Invariant: documents come out in the prompt file's order, so the same prompts and target give the same store.
 """
@@ -27,13 +25,11 @@ GENERATIONS_FILE = "generations.jsonl"
 
 def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: int = 128, batch_size: int = 32,
                          progress: bool = True) -> tuple[list[TokenDoc], list[dict], str]:
-    """The target's own greedy continuations of the prompts in a jsonl file (``prompt`` field per line).
-
-    ``target`` is a ``LoadedModel`` with a tokenizer. Prompts are decoded ``batch_size`` at a time with one KV cache
-    (``batched.generate_batch``: each row equals one-at-a-time greedy decoding), shortest first. Rows that already
-    carry ``prompt_ids`` and ``completion_ids`` from the same target (``target`` fingerprint) and
-    ``max_new_tokens`` - the ``generations.jsonl`` a previous ID build saved in its store - are reused instead of
-    generated again. Returns the documents, the rows to save, and a description."""
+    """The target's (a ``LoadedModel``) own greedy continuations of the prompts in a jsonl file (``prompt`` field
+    per line), decoded ``batch_size`` at a time, shortest first (``batched.generate_batch``: each row equals plain
+    greedy decoding). Rows that already carry ``prompt_ids`` and ``completion_ids`` from the same target and
+    ``max_new_tokens`` (the ``generations.jsonl`` a previous ID build saved in its store) are reused. Returns the
+    documents, the rows to save, and a description."""
     if target.tokenizer is None:
         raise RetrospecError(f"--from-generations needs a target with a tokenizer ({target.path} has none)")
     prompts = load_prompts(prompts_path)
@@ -65,14 +61,10 @@ def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: in
             entries[i] = (entries[i][0], entries[i][1], out)
         bar.update(len(batch))
     bar.close()
-    docs: list[TokenDoc] = []
-    rows: list[dict] = []
-    generated = 0
-    for row, ids, out in entries:
-        generated += len(out)
-        docs.append(TokenDoc(np.asarray(ids + out, dtype=np.int32), index_from=len(ids)))
-        rows.append({"prompt": row["prompt"], "prompt_ids": ids, "completion_ids": out, "target": fingerprint,
-                     "max_new_tokens": max_new_tokens})
+    docs = [TokenDoc(np.asarray(ids + out, dtype=np.int32), index_from=len(ids)) for _, ids, out in entries]
+    rows = [{"prompt": row["prompt"], "prompt_ids": ids, "completion_ids": out, "target": fingerprint,
+             "max_new_tokens": max_new_tokens} for row, ids, out in entries]
+    generated = sum(len(out) for _, _, out in entries)
     if not docs:
         raise RetrospecError(f"no usable prompts in {prompts_path}")
     desc = (f"greedy generations of {target.path} on {len(docs)} prompts from {prompts_path} "
@@ -82,6 +74,4 @@ def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: in
 
 
 def save_generations(rows: list[dict], path: Path) -> None:
-    with path.open("w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")

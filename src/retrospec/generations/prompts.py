@@ -2,18 +2,15 @@
 
 Sources (``parse_sources``: a comma-separated list of ``name`` or ``name=ARG``):
 
-- ``mbpp=PATH``: HumanEval-format rows (``prompt`` = signature + docstring), raw code completion; the first
-  ``MBPP_HELDOUT`` rows (the ones ``make bench`` and the held-out benches read) are never generated from;
-- ``nq=PATH``: NQ-open ``questions.jsonl``, **train split only** (``rag.data.split_of``: the eval split the RAG
-  bench scores on is never generated from), each question one chat user message;
-- ``stdlib[=N]``: up to N (default 2,000) function openings from the standard library's train split
-  (``stdlib_corpus``; the held-out packages the benches use are excluded): the 30 lines before a ``def``, the ``def``
-  line, raw continuation;
-- ``self-instruct=N``: N instructions the target writes itself (Magpie: the chat template up to the user's turn,
-  sampled until the end of the turn), each then answered as a chat prompt.
+- ``mbpp=PATH``: HumanEval-format rows, raw code completion, except the first ``MBPP_HELDOUT`` rows (the benches');
+- ``nq=PATH``: NQ-open questions of the **train split only** (``rag.data.split_of``), each one chat user message;
+- ``stdlib[=N]``: up to N (default 2,000) function openings from the standard library's train split (the 30 lines
+  before a ``def`` and the ``def`` line), raw continuation;
+- ``self-instruct=N``: N instructions the target writes itself (Magpie: the chat template up to the user's turn),
+  each then answered as a chat prompt.
 
 Invariant: rows come out in a deterministic order for the same arguments (the corpus is resumable by shard index),
-interleaved round-robin across sources, so a corpus stopped after any shard holds every source in proportion.
+interleaved across sources, so a corpus stopped after any shard holds every source in proportion.
 """
 
 from __future__ import annotations
@@ -65,9 +62,8 @@ def parse_sources(spec: str) -> list[tuple[str, str | None]]:
 
 def stdlib_openings(limit: int) -> list[str]:
     """Function openings from the stdlib's train split: the lines before a ``def`` and the ``def`` line."""
-    texts = read_texts(stdlib_files("train"))
     candidates = []
-    for text in texts:
+    for text in read_texts(stdlib_files("train")):
         lines = text.splitlines()
         for i, line in enumerate(lines):
             if _DEF.match(line) and line.rstrip().endswith(":") and i >= 3:
@@ -80,22 +76,18 @@ def load_rows(sources: list[tuple[str, str | None]], limit: int | None = None) -
     """Every prompt row of the sources, in order; at most ``limit`` per source when given."""
     per_source: list[list[PromptRow]] = []
     for name, arg in sources:
-        rows: list[PromptRow] = []
-        before = 0
         if name in ("mbpp", "nq") and not Path(arg).is_file():
             raise RetrospecError(f"{name} prompt file {arg} does not exist")
         if name == "mbpp":
-            rows += [PromptRow("mbpp", r["prompt"], False) for r in load_prompts(arg)[MBPP_HELDOUT:]]
+            rows = [PromptRow("mbpp", r["prompt"], False) for r in load_prompts(arg)[MBPP_HELDOUT:]]
         elif name == "nq":
-            rows += [PromptRow("nq", q.question.strip(), True) for q in read_questions(arg)
-                     if q.question.strip() and split_of(q.id) == "train"]
+            rows = [PromptRow("nq", q.question.strip(), True) for q in read_questions(arg)
+                    if q.question.strip() and split_of(q.id) == "train"]
         elif name == "stdlib":
-            rows += [PromptRow("stdlib", t, False) for t in stdlib_openings(int(arg or STDLIB_DEFAULT))]
+            rows = [PromptRow("stdlib", t, False) for t in stdlib_openings(int(arg or STDLIB_DEFAULT))]
         else:
-            rows += [PromptRow("self-instruct", "", True)] * int(arg)
-        if limit is not None:
-            del rows[before + limit:]
-        per_source.append(rows)
+            rows = [PromptRow("self-instruct", "", True)] * int(arg)
+        per_source.append(rows[:limit])
     rows = interleave(per_source)
     if not rows:
         raise RetrospecError("the prompt sources hold no usable prompts")

@@ -1,19 +1,16 @@
 """LoRA adapters as models: a directory with peft's ``adapter_config.json`` + ``adapter_model.safetensors`` (or,
 packed, ``adapter_model.int8.safetensors``) and our ``retrospec_adapter.json`` loads wherever a model directory does
 (``load_model``), as its base with the adapter merged in. ``smollm2-135m-rag-drafter`` (Speculative RAG's drafter,
-``train/rag_drafter.py``) is one; it is bundled packed to int8.
+``train/rag_drafter.py``) is one, bundled packed to int8.
 
 ``retrospec_adapter.json``::
 
     {"base": "smollm2-135m" | "/path/to/base", "base_identity": {"config_hash", "weights_digest", "fingerprint"},
      "storage": "int8"}  # optional; absent: peft's own adapter_model.safetensors (float16 from our trainer)
 
-Storage: an adapter from ``retrospec train rag-drafter`` holds peft's ``adapter_model.safetensors`` (float16) and
-loads through ``PeftModel.from_pretrained``. ``pack_adapter`` rewrites it as ``adapter_model.int8.safetensors``
-(``models.quant``: int8, one absmax scale per output row; lossy, error <= scale / 2 per LoRA weight) and records
-``"storage": "int8"``; at load the int8 file is dequantised to float32 and handed to peft
-(``set_peft_model_state_dict``) before the merge. The int8 file has another name on purpose: peft alone cannot
-find it, so it can never read int8 codes as if they were weights.
+``pack_adapter`` rewrites peft's file as ``adapter_model.int8.safetensors`` (``models.quant``: int8, one absmax
+scale per output row; lossy, error <= scale / 2 per LoRA weight); at load it is dequantised to float32 and handed to
+peft before the merge. The int8 file has another name on purpose: peft alone can never read int8 codes as weights.
 
 Invariants: the merged model is a private copy — the cached base (which may be serving as a target or verifier at
 the same time) is never modified. A base whose identity differs from the recorded one is refused with one line:
@@ -34,6 +31,7 @@ from ..atomic import atomic_build
 from ..errors import RetrospecError
 from ..identity import model_identity
 from . import quant
+from .files import first_line, read_json
 
 ADAPTER_META = "retrospec_adapter.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -50,8 +48,8 @@ def write_adapter_meta(directory: Path, base, base_name: str) -> None:
 
 
 def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
-    """(model, tokenizer): the adapter at ``path`` merged into a copy of its base; ``load_model`` loads the base (it
-    is cached there). The caller (``loading.load_model``) wraps the pair; this module never imports ``loading``."""
+    """(model, tokenizer): the adapter at ``path`` merged into a copy of its base, loaded by ``load_model`` (passed
+    in by ``loading.load_model``: this module never imports ``loading``)."""
     meta_file = path / ADAPTER_META
     try:
         meta = json.loads(meta_file.read_text())
@@ -83,8 +81,7 @@ def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
             model = PeftModel.from_pretrained(copy.deepcopy(base.model), str(path), is_trainable=False)
         model = model.merge_and_unload()
     except Exception as exc:  # missing or corrupt adapter weights, target modules absent from the base
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RetrospecError(f"could not load adapter {path} onto {base_src}: {first}") from exc
+        raise RetrospecError(f"could not load adapter {path} onto {base_src}: {first_line(exc)}") from exc
     return model.to(dtype).eval(), base.tokenizer
 
 
@@ -107,10 +104,9 @@ def _peft_from_int8(model, path: Path):
 
 
 def pack_adapter(src: str | Path, out: str | Path, storage: str = quant.INT8) -> dict:
-    """Copy the adapter directory ``src`` to ``out`` (new; written to a temporary sibling, renamed when complete)
-    with its float weights stored as int8 (``models.quant``): ``adapter_model.int8.safetensors`` instead of peft's
-    file, ``"storage": "int8"`` in ``retrospec_adapter.json``, a ``"packed"`` entry in ``manifest.json`` if there is
-    one. Returns {"bytes_before", "bytes_after"} of the weights file."""
+    """Copy the adapter directory ``src`` to a new ``out`` (atomically) with its weights stored as int8
+    (``adapter_model.int8.safetensors``, ``"storage": "int8"``, a ``"packed"`` entry in ``manifest.json`` if there
+    is one). Returns {"bytes_before", "bytes_after"} of the weights file."""
     from safetensors.torch import load_file, save_file
 
     src, out = Path(src), Path(out)
@@ -120,33 +116,23 @@ def pack_adapter(src: str | Path, out: str | Path, storage: str = quant.INT8) ->
         raise RetrospecError(f"not a retrospec LoRA adapter directory (adapter_config.json + {ADAPTER_META}): {src}")
     if out.exists():
         raise RetrospecError(f"{out} already exists; choose another output directory")
-    try:
-        meta = json.loads((src / ADAPTER_META).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise RetrospecError(f"adapter {src}: {ADAPTER_META} is not valid JSON") from None
-    if not isinstance(meta, dict):
-        raise RetrospecError(f"adapter {src}: {ADAPTER_META} is not a JSON object")
+    meta = read_json(src / ADAPTER_META, f"adapter {src}")
     if meta.get("storage") is not None or not (src / PEFT_WEIGHTS).is_file():
         raise RetrospecError(f"adapter {src} is not stored as peft's {PEFT_WEIGHTS} (storage "
                              f"{meta.get('storage')!r}); pack the original adapter")
-    with atomic_build(out, required=ADAPTER_META) as tmp:  # renamed into place when complete
+    sizes = {"bytes_before": (src / PEFT_WEIGHTS).stat().st_size}
+    with atomic_build(out, required=ADAPTER_META) as tmp:
         shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(PEFT_WEIGHTS), dirs_exist_ok=True)
         packed = quant.pack_int8(load_file(str(src / PEFT_WEIGHTS)))
         save_file(packed, str(tmp / INT8_WEIGHTS), metadata={"format": "pt", "storage": quant.INT8})
         os.chmod(tmp / INT8_WEIGHTS, 0o644)  # safetensors creates 0600 files; this one may be bundled
-        meta["storage"] = quant.INT8
-        meta["storage_description"] = quant.INT8_DESCRIPTION
+        sizes["bytes_after"] = (tmp / INT8_WEIGHTS).stat().st_size
+        meta |= {"storage": quant.INT8, "storage_description": quant.INT8_DESCRIPTION}
         (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
         manifest_file = tmp / "manifest.json"
         if manifest_file.is_file():
-            try:
-                manifest = json.loads(manifest_file.read_text())
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                raise RetrospecError(f"adapter {src}: manifest.json is not valid JSON") from None
-            if not isinstance(manifest, dict):
-                raise RetrospecError(f"adapter {src}: manifest.json is not a JSON object")
-            manifest["packed"] = {"from": src.name, "storage": quant.INT8,
-                                  "bytes_before": (src / PEFT_WEIGHTS).stat().st_size,
-                                  "bytes_after": (tmp / INT8_WEIGHTS).stat().st_size}
+            manifest = read_json(manifest_file, f"adapter {src}")
+            manifest["packed"] = {"from": src.name, "storage": quant.INT8} | sizes
             manifest_file.write_text(json.dumps(manifest, indent=1) + "\n")
-    return {"bytes_before": (src / PEFT_WEIGHTS).stat().st_size, "bytes_after": (out / INT8_WEIGHTS).stat().st_size}
+    return sizes
+

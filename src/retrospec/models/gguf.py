@@ -1,29 +1,22 @@
 """GGUF import: any GGUF file that transformers can read becomes an ordinary Hugging Face checkpoint directory.
 
-``import_gguf(file, out)`` loads the file with transformers' own GGUF support (``from_pretrained(dir,
-gguf_file=name)``: metadata -> config, dequantized weights -> float32 tensors, GGUF vocabulary -> fast tokenizer
-with the chat template), drops the GGUF quantization marker, and saves
-
-    out/config.json               (no quantization_config: it loads like any float32 checkpoint)
-    out/model.safetensors         (float32; the values transformers dequantized, so the logits are unchanged)
-    out/generation_config.json
-    out/tokenizer.json, out/tokenizer_config.json, out/chat_template.jinja (when the file has a template)
+``import_gguf(file, out)`` loads the file with transformers' own GGUF support (metadata -> config, dequantized
+weights -> float32 tensors, GGUF vocabulary -> fast tokenizer with the chat template), drops the GGUF quantization
+marker, and saves ``config.json`` (no ``quantization_config``), ``model.safetensors`` (float32: the values
+transformers dequantized, so the logits are unchanged), ``generation_config.json`` and the tokenizer files.
 
 Contracts:
 
 - Checks come first and are cheap (no tensor is read): the file exists, starts with the magic bytes ``GGUF``, has
   a readable header, and names an architecture transformers can load; ``out`` is absent or an empty directory.
-- Atomic: everything is written into a temporary sibling of ``out`` that is renamed to ``out`` at the very end; on
-  any failure (or Ctrl-C) the temporary directory is removed and nothing is left at ``out``.
-- Every failure a user can cause is a one-line ``RetrospecError``; transformers' own progress bars and log lines are
-  kept off the terminal, and one progress message goes to ``log`` (stderr by default) since a 135M model takes tens
-  of seconds.
+- Atomic: everything is written into a temporary sibling of ``out`` renamed to ``out`` at the very end; on any
+  failure (or Ctrl-C) nothing is left at ``out``.
+- Every failure a user can cause is a one-line ``RetrospecError``; transformers' progress bars and log lines are
+  kept off the terminal, and one progress message goes to ``log`` (stderr by default).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shutil
 import sys
@@ -32,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import RetrospecError
+from .files import first_line, quiet_transformers
 
 GGUF_MAGIC = b"GGUF"
 
@@ -69,8 +63,7 @@ def gguf_architecture(file: Path) -> str:
     try:
         metadata, _ = read_gguf_metadata(str(file))
     except Exception as exc:  # truncated header, unknown value type, unsupported GGUF version, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RetrospecError(f"unreadable GGUF header in {file}: {first}") from exc
+        raise RetrospecError(f"unreadable GGUF header in {file}: {first_line(exc)}") from exc
     arch = str(metadata.get("general.architecture", ""))
     supported = supported_architectures()
     if arch not in supported and _ARCH_ALIASES.get(arch) not in supported:
@@ -81,50 +74,20 @@ def gguf_architecture(file: Path) -> str:
     return arch
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise RetrospecError(f"output path exists and is not a directory: {out}")
-    if out.is_dir() and any(out.iterdir()):
-        raise RetrospecError(f"output directory already exists and is not empty: {out}")
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """transformers' log lines and progress bars off; its GGUF tensor loop writes a bare tqdm bar to stderr, so
-    stderr is captured for the duration (what it held is dropped: failures surface as exceptions)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _strip_quantization(model) -> None:
-    """After a GGUF load the weights are plain float tensors, but the model still says it is quantized."""
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer = None
-
-
 def convert(file: Path, staging: Path) -> None:
     """Load ``file`` with transformers and save it as a float32 checkpoint into ``staging`` (no checks)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _quiet_transformers():
+    with quiet_transformers(capture_stderr=True):
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
                                                      local_files_only=True)
-    _strip_quantization(model)
-    with _quiet_transformers():
+        # the weights are plain float tensors now, but the model still says it is quantized
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer = None
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 
@@ -136,7 +99,10 @@ def import_gguf(file, out, *, log: Callable[[str], None] | None = _stderr, messa
     file = Path(os.fspath(file)).expanduser()
     out = Path(os.fspath(out)).expanduser()
     arch = gguf_architecture(file)
-    _check_out(out)
+    if out.exists() and not out.is_dir():
+        raise RetrospecError(f"output path exists and is not a directory: {out}")
+    if out.is_dir() and any(out.iterdir()):
+        raise RetrospecError(f"output directory already exists and is not empty: {out}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -157,8 +123,7 @@ def import_gguf(file, out, *, log: Callable[[str], None] | None = _stderr, messa
     except RetrospecError:
         raise
     except Exception as exc:  # tokenizer or model conversion, disk full, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RetrospecError(f"could not convert {file.name}: {first}") from exc
+        raise RetrospecError(f"could not convert {file.name}: {first_line(exc)}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; removes the remains of a failure
     if log is not None and message is None:

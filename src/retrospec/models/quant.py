@@ -1,26 +1,19 @@
 """int8 storage for weights we save ourselves (LongSpec blocks, LoRA adapters): symmetric, one absmax scale per
-output row. A storage format, not a compute format: ``unpack_int8`` turns the tensors back into floating point
-before anything runs, so nothing downstream sees int8.
+output row. A storage format, not a compute format: ``unpack_int8`` restores floating point before anything runs.
 
-``pack_int8(state)``, tensor by tensor (the names are a state dict's):
+``pack_int8(state)``, tensor by tensor:
 
-- a floating tensor ``w`` with ``w.dim() >= 2`` (rows = ``w.shape[0]``, the output features of a ``Linear``; the
-  other dims are flattened) becomes ``name`` -> int8 ``q`` (same shape) plus ``name + ".int8_scale"`` -> bfloat16
-  ``s`` of shape ``[rows]``, with ``s[i] >= max|w[i]| / 127`` (``max|w[i]| / 127`` rounded *up* to bfloat16) and
-  ``q = clamp(round(w / s), -127, 127)``. A row of zeros gets ``s = 1`` (and ``q = 0``): no NaN;
-- a floating tensor with ``dim() < 2`` (norm weights, biases) is stored as float16;
-- any other tensor (integer buffers) is kept as is.
+- a floating tensor ``w`` with ``w.dim() >= 2`` (rows = ``w.shape[0]``; other dims flattened) becomes ``name`` ->
+  int8 ``q`` plus ``name + ".int8_scale"`` -> bfloat16 ``s`` [rows], with ``s[i] = max|w[i]| / 127`` rounded *up*
+  to bfloat16 and ``q = clamp(round(w / s), -127, 127)``; a row of zeros gets ``s = 1`` (no NaN);
+- a floating tensor with ``dim() < 2`` (norm weights, biases) is stored as float16; any other tensor as is.
 
-Why bfloat16 scales: 2 bytes, and float32's exponent range. float16 would underflow for rows with small weights
-(a LoRA ``B`` row of 1e-6 has a scale of ~1e-8, below float16's smallest subnormal); a scale rounded to bfloat16
-costs < 0.8 % of the quantisation step, and rounding it up keeps every ``|w / s| <= 127`` (no clipping). The scale
-is 2 bytes per row: +2/cols bytes per weight, < 1 % for matrices with 256 columns or more, but 25 % of the int8
-bytes for a LoRA ``B`` matrix with 8 columns.
+Why bfloat16 scales: 2 bytes, and float32's exponent range (float16 underflows for a LoRA ``B`` row of 1e-6, whose
+scale is ~1e-8); rounding up costs < 0.8 % of the step and keeps every ``|w / s| <= 127`` (no clipping).
 
-Error bound (the contract, tested): for every element, ``|unpack(pack(w)) - w| <= s[row] / 2`` (rounding to the
-nearest of the grid ``s * {-127..127}``; float32 arithmetic adds a few ulps), i.e. at most
-``max|w[row]| / 254 * (1 + 2**-7)``. 1-D tensors: float16 rounding (relative 2**-11). Matrices take ~1/4 of their
-float32 bytes (1/2 of float16).
+Error bound (the contract, tested): ``|unpack(pack(w)) - w| <= s[row] / 2`` per element (plus a few float32 ulps),
+i.e. at most ``max|w[row]| / 254 * (1 + 2**-7)``; 1-D tensors: float16 rounding (relative 2**-11). Matrices take
+~1/4 of their float32 bytes.
 
 Invariants: ``pack_int8`` refuses non-finite values, 1-D values float16 cannot hold, and names that already end in
 ``.int8_scale``; ``unpack_int8`` refuses (one ``RetrospecError`` line) a scale without its int8 tensor, an int8
@@ -34,7 +27,6 @@ import torch
 from ..errors import RetrospecError
 
 SCALE_SUFFIX = ".int8_scale"
-SCALE_DTYPE = torch.bfloat16
 QMAX = 127
 # what a file records as its ``storage`` when its weights went through ``pack_int8``
 INT8 = "int8"
@@ -85,34 +77,27 @@ def pack_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def unpack_int8(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Invert ``pack_int8``: every int8 tensor times its row scale, every other floating tensor cast to ``dtype``
     (dequantisation itself runs in float32, then is rounded once to ``dtype``); integer tensors are kept."""
-    for name, s in state.items():
-        if not name.endswith(SCALE_SUFFIX):
-            continue
-        base = name[: -len(SCALE_SUFFIX)]
-        if base not in state:
-            raise RetrospecError(f"int8 scale {name!r} has no tensor {base!r}")
-        if state[base].dtype != torch.int8:
-            raise RetrospecError(f"{name!r} scales {base!r}, which is {state[base].dtype}, not int8")
-        q = state[base]
-        if not s.is_floating_point() or s.dim() != 1 or q.dim() < 2 or s.shape[0] != q.shape[0]:
-            raise RetrospecError(f"int8 scale {name!r} has shape {list(s.shape)} ({s.dtype}); expected one floating "
-                                 f"value per row of {base!r} {list(q.shape)}")
-        if not bool((torch.isfinite(s) & (s > 0)).all()):
-            raise RetrospecError(f"int8 scale {name!r} holds zero, negative or non-finite values")
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if name.endswith(SCALE_SUFFIX):
-            continue
-        if t.dtype == torch.int8:
+            base = name.removesuffix(SCALE_SUFFIX)
+            if base not in state:
+                raise RetrospecError(f"int8 scale {name!r} has no tensor {base!r}")
+            if state[base].dtype != torch.int8:
+                raise RetrospecError(f"{name!r} scales {base!r}, which is {state[base].dtype}, not int8")
+        elif t.dtype == torch.int8:
             s = state.get(name + SCALE_SUFFIX)
             if s is None:
                 raise RetrospecError(f"int8 tensor {name!r} has no scale {name + SCALE_SUFFIX!r}")
+            if not s.is_floating_point() or s.dim() != 1 or t.dim() < 2 or s.shape[0] != t.shape[0]:
+                raise RetrospecError(f"int8 scale {name + SCALE_SUFFIX!r} has shape {list(s.shape)} ({s.dtype}); "
+                                     f"expected one floating value per row of {name!r} {list(t.shape)}")
+            if not bool((torch.isfinite(s) & (s > 0)).all()):
+                raise RetrospecError(f"int8 scale {name + SCALE_SUFFIX!r} holds zero, negative or non-finite values")
             flat = t.float().reshape(t.shape[0], -1) * s.float()[:, None]  # [rows, cols]
             out[name] = flat.reshape(t.shape).to(dtype)
-        elif t.is_floating_point():
-            out[name] = t.to(dtype)
         else:
-            out[name] = t
+            out[name] = t.to(dtype) if t.is_floating_point() else t
     return out
 
 
@@ -123,8 +108,5 @@ def is_packed(state: dict[str, torch.Tensor]) -> bool:
 
 def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest ``|a[k] - b[k]|`` over the floating tensors two state dicts share (in float32)."""
-    worst = 0.0
-    for k, v in a.items():
-        if k in b and v.is_floating_point() and b[k].is_floating_point() and v.numel():
-            worst = max(worst, float((v.float() - b[k].float()).abs().max()))
-    return worst
+    return max((float((v.float() - b[k].float()).abs().max()) for k, v in a.items()
+                if k in b and v.is_floating_point() and b[k].is_floating_point() and v.numel()), default=0.0)

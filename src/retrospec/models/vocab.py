@@ -1,9 +1,5 @@
-"""The target <-> draft vocabulary map of a draft with a reduced vocabulary (``draft_vocab.json``): one helper.
-
-A reduced draft's output row i stands for target id ``ids[i]``. Everything that reads or writes such a draft goes
-through ``VocabMap``: the drafter (``drafters.small_lm``: target ids in, draft logits scattered out), the trainer
-(``train.real_draft``: distillation windows in draft rows) and transformers' assisted generation
-(``bench.hf_peers.full_vocab_draft``: an equivalent full-vocabulary model).
+"""The target <-> draft vocabulary map of a draft with a reduced vocabulary (``draft_vocab.json``): one helper for
+the drafter (``drafters.small_lm``), the trainer (``train.real_draft``) and ``bench.hf_peers.full_vocab_draft``.
 
 Invariants: ``ids`` [Vd] are distinct target ids; ``to_draft`` [V] maps every target id to a draft row: its own row
 when covered, else the row of target id ``unk_target_id`` (0) when that is covered, else row 0; ``covered`` [V] says

@@ -18,11 +18,9 @@ _CACHE: dict[tuple[str, int], SuffixStore | DenseStore] = {}
 
 
 def open_store(src, kind: str | None = None, *, target=None, tokenizer=None) -> SuffixStore | DenseStore:
-    """Open (or reuse) a store and check it against ``target`` (a ``LoadedModel`` or a transformers model) and
-    its tokenizer (or ``tokenizer``).
-
-    ``src``: a directory or an already open store. Opened stores are cached per (path, meta.json mtime), so a
-    benchmark that builds one drafter per prompt maps the files once."""
+    """Open (or reuse) a store (``src``: a directory or an open store) and check it against ``target`` (a
+    ``LoadedModel`` or a transformers model) and its tokenizer (or ``tokenizer``). Opened stores are cached per
+    (path, meta.json mtime), so a benchmark that builds one drafter per prompt maps the files once."""
     if isinstance(src, (SuffixStore, DenseStore)):
         store = src
         if kind is not None and store.kind != kind:
@@ -36,15 +34,12 @@ def open_store(src, kind: str | None = None, *, target=None, tokenizer=None) -> 
             raise RetrospecError(f"datastore {path} is a RAG passage index (for 'retrospec rag'); rest and dresd "
                                  f"need a suffix or dense store (retrospec datastore build)")
         key = (str(path.resolve()), (path / META_FILE).stat().st_mtime_ns)
-        store = _CACHE.get(key)
-        if store is None:
-            store = (SuffixStore if meta["kind"] == "suffix" else DenseStore)(path, meta)
-            _CACHE[key] = store
-    from ..models import LoadedModel
+        if key not in _CACHE:
+            _CACHE[key] = (SuffixStore if meta["kind"] == "suffix" else DenseStore)(path, meta)
+        store = _CACHE[key]
+    from ..models.loading import LoadedModel, as_module
 
-    if isinstance(target, LoadedModel):
-        model, tokenizer = target.model, tokenizer if tokenizer is not None else target.tokenizer
-    else:
-        model = target
-    check_compatible(store.meta, store.path, model=model, tokenizer=tokenizer)
+    if tokenizer is None and isinstance(target, LoadedModel):
+        tokenizer = target.tokenizer
+    check_compatible(store.meta, store.path, model=as_module(target), tokenizer=tokenizer)
     return store

@@ -1,16 +1,13 @@
 """Token-aware chunking of a long context (RAPID: Chen, Feng, Ni, Li, Shieh, ICML 2025, section 3.1).
 
-A chunk is a contiguous span of the original text holding at most ``max_tokens`` tokens of a given tokenizer
-(RAPID's default: 512 target tokens). Lines are packed greedily so that chunks end at line boundaries whenever a
-line fits; a single line longer than ``max_tokens`` is cut at token boundaries.
+A chunk is a contiguous span of the text holding at most ``max_tokens`` tokens (RAPID's default: 512 target
+tokens). Lines are packed greedily so that chunks end at line boundaries whenever a line fits; a single longer line
+is cut at token boundaries.
 
 Invariants (tested):
 - ``"".join(c.text for c in chunks) == text``: chunks tile the text in order, without gaps or overlaps;
-- ``chunks[i].index == i`` and ``chunks[i].start == chunks[i - 1].end`` (character offsets), so retrieved chunks
-  can be put back in their original document order by ``index``;
-- ``chunk.tokens <= max_tokens`` for every chunk, where ``tokens`` is the tokenizer's count for that chunk's text
-  on its own (line by line; a BPE tokenizer may merge across a line break differently, never by more than one
-  token per line, and the budget is checked on the chunk text itself).
+- ``chunks[i].index == i`` and ``chunks[i].start == chunks[i - 1].end`` (character offsets);
+- ``chunk.tokens <= max_tokens``, counted on the chunk's own text (a BPE tokenizer may merge across a line break).
 """
 
 from __future__ import annotations

@@ -6,21 +6,16 @@ below by 4096 tokens and above by 1/24 of the context.
 
 Here (``RetrievalConfig``):
 - chunks: ``chunk_tokens`` target tokens each (default 512), see ``chunks.chunk_text``;
-- scores: cosine similarity between the query (the user prompt) and the chunk. An embedder reads a bounded number
-  of its own tokens (MiniLM: 256 word pieces, fewer than 512 target tokens of code), so every chunk is split into
-  pieces of at most ``piece_tokens`` embedder tokens (default 64, about a sentence or a line; never more than the
-  embedder reads) and scored by its best piece: nothing in a chunk is invisible to retrieval, and a needle (one
-  fact, one JSON line) is not averaged away by the rest of its 512-token chunk. On the bundled tasks this
-  raised the share of needles retrieved at 8K tokens from 1/3 to 2/3 (kv) and 3/3 (fact QA) over whole-chunk
-  embeddings;
-- floor: chunks scoring below ``similarity_floor`` (default 0.3) are never retrieved, even if the budget has room;
-- budget: ``retrieval_tokens`` when given, else ``clamp(max_fraction * context, min_tokens, context)``. The paper's
-  values (4096, 1/24) are meant for 100K-token contexts; the defaults here (1024, 1/24) keep C^S short for the
-  1K-32K contexts of the bundled tasks and models, and for a context shorter than the minimum the whole context is
-  the budget;
-- selection: chunks in descending score order, each taken if it still fits the budget (a chunk that does not fit
-  is skipped and smaller ones may follow), then sorted back into document order and joined; two chunks that were
-  not adjacent in C are separated by a newline unless the first already ends with one.
+- scores: cosine similarity between the query (the user prompt) and the chunk's best piece of at most
+  ``piece_tokens`` embedder tokens (default 64, about a line): an embedder reads a bounded number of its own tokens
+  (MiniLM: 256), so nothing in a chunk is invisible and a needle is not averaged away by the rest of its chunk (on
+  the bundled tasks: needles retrieved at 8K tokens from 1/3 to 2/3 (kv) and 3/3 (fact QA) over whole chunks);
+- floor: chunks scoring below ``similarity_floor`` (default 0.3) are never retrieved;
+- budget: ``retrieval_tokens`` when given, else ``clamp(max_fraction * context, min_tokens, context)``; the
+  defaults (1024, 1/24) keep C^S short for the 1K-32K contexts of the bundled tasks (the paper's 4096 is meant for
+  100K-token contexts);
+- selection: chunks in descending score order, each taken if it still fits the budget, then put back in document
+  order and joined; two chunks that were not adjacent in C are separated by a newline unless one already ends it.
 
 Invariants (tested): retrieved tokens <= budget; every retrieved chunk scores >= floor; document order is kept.
 """

@@ -6,15 +6,14 @@ Sources (``--corpus``):
 - a ``.jsonl`` file: one document per line, from a ``text`` field or ``prompt`` + ``completion``;
 - any other file: UTF-8 text, one document (files over ``CHUNK_CHARS`` are cut into documents at line ends);
 - a directory: every non-hidden file below it in sorted order, each read as above (non-UTF-8 files skipped).
-
-``--from-generations PROMPTS.jsonl`` gives an in-distribution (ID) corpus of ``TokenDoc``s built from the target's own
-outputs; that lives above retrieval, in ``generations.documents`` (it decodes with the target).
+(``--from-generations``, the target's own outputs, lives above retrieval: ``generations.documents``.)
 
 Invariant: documents come out in a deterministic order, so the same corpus gives the same store.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -120,22 +119,12 @@ def tokenize(texts: Iterable[str], tokenizer, *, total: int | None = None, batch
              progress: bool = True) -> Iterator[TokenDoc]:
     """Encode texts in batches (no special tokens); empty documents are dropped."""
     bar = tqdm(total=total, desc="tokenize", unit="doc", disable=not progress, dynamic_ncols=True)
-    buf: list[str] = []
-
-    def flush():
+    texts = (t for t in texts if t.strip())
+    while buf := list(itertools.islice(texts, batch)):
         for enc in tokenizer(buf, add_special_tokens=False, verbose=False)["input_ids"]:
             if enc:
                 yield TokenDoc(np.asarray(enc, dtype=np.int32))
         bar.update(len(buf))
-        buf.clear()
-
-    for text in texts:
-        if text.strip():
-            buf.append(text)
-        if len(buf) >= batch:
-            yield from flush()
-    if buf:
-        yield from flush()
     bar.close()
 
 

@@ -2,28 +2,26 @@
 Lampouras, "DReSD: Dense Retrieval for Speculative Decoding", Findings of ACL 2025).
 
 Entry i of a store built from documents x_0 .. x_{n-1}:
-- key: h_t, the target's last-layer hidden state at position t (``hidden_states[-1]`` with
-  ``output_hidden_states=True``, exactly what ``Verifier`` hands the drafter), i.e. the state whose logits
-  predicted x_{t+1};
-- value: ``values[i] = [x_{t+1}, x_{t+2}, ..., x_{t+1+N}]`` (int32, 1 + N columns, N = ``value_len``), EOS-padded
-  past the end of the document. Column 0 is the token h_t produced; DReSD keeps a neighbour only if column 0 equals
-  the last committed token, and drafts columns 1..N.
+- key: h_t, the target's last-layer hidden state at position t (exactly what ``Verifier`` hands the drafter), the
+  state whose logits predicted x_{t+1};
+- value: ``values[i] = [x_{t+1}, ..., x_{t+1+N}]`` (int32, 1 + N columns, N = ``value_len``), EOS-padded past the
+  end of the document. DReSD keeps a neighbour only if column 0 equals the last committed token, and drafts 1..N.
 
 Keys go through one ``KeyTransform`` (z-normalisation -> PCA -> L2 normalisation), fitted on a sample of up to
-``pca_sample`` positions at build time, saved in ``transform.npz``, and applied unchanged to every query, so build
+``pca_sample`` positions at build time, saved in ``transform.npz`` and applied unchanged to every query, so build
 and query vectors live in the same space (tested). Unit vectors make inner product = cosine similarity.
 
-Index (``index.faiss``): ``flat`` (exact ``IndexFlatIP``), ``hnsw`` (``IndexHNSWFlat``) or ``ivf``
-(``IndexIVFFlat``); ``auto`` picks flat up to ``FLAT_MAX`` entries and HNSW above.
+Index (``index.faiss``): ``flat`` (exact), ``hnsw`` or ``ivf``; ``auto`` picks flat up to ``FLAT_MAX`` entries.
 
 Memory: hidden states are computed in batches of windows (``window`` tokens with ``overlap`` tokens of carried
-context) and written to RAM, or to a memory-mapped scratch file when n x H x 4 bytes exceeds ``memory_budget_mb``;
-values are written straight to a memory-mapped ``values.npy``; transformed keys are added to FAISS in chunks. At
-query time ``values.npy`` is memory-mapped, and so is the index when it is larger than the budget (where FAISS can).
+context) into RAM, or into a memory-mapped scratch file when n x H x 4 bytes exceeds ``memory_budget_mb``; values
+go straight to a memory-mapped ``values.npy``; keys are added to FAISS in chunks. At query time ``values.npy`` is
+memory-mapped, and so is the index when it is larger than the budget (where FAISS can).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Iterable
@@ -33,9 +31,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import RetrospecError
-from .corpus import TokenDoc
 from ..atomic import atomic_build
+from ..errors import RetrospecError
+from ..models.files import first_line
+from .corpus import TokenDoc
 from .store import load_meta, write_meta
 
 VALUES_FILE = "values.npy"
@@ -59,12 +58,8 @@ class KeyTransform:
         self.explained = explained
 
     @property
-    def in_dim(self) -> int:
-        return int(self.mean.shape[0])
-
-    @property
     def out_dim(self) -> int:
-        return self.in_dim if self.components is None else int(self.components.shape[0])
+        return int((self.mean if self.components is None else self.components).shape[0])
 
     @classmethod
     def fit(cls, sample: np.ndarray, dims: int, seed: int = 0) -> "KeyTransform":
@@ -105,8 +100,7 @@ class KeyTransform:
     @classmethod
     def load(cls, path: Path) -> "KeyTransform":
         with np.load(path) as z:
-            has_pca = "components" in z
-            return cls(z["mean"], z["std"], z["pca_mean"] if has_pca else None, z["components"] if has_pca else None)
+            return cls(z["mean"], z["std"], z.get("pca_mean"), z.get("components"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -145,8 +139,7 @@ def _encode(model, docs: list[TokenDoc], bases: list[int], out: np.ndarray, *, w
     """Fill ``out[base_d + t - lo_d] = h_t`` for every stored key position of every document, in batches."""
     device = next(model.parameters()).device
     total = sum(max(0, hi - lo) for lo, hi in map(_key_range, docs))
-    bar = tqdm(total=total, desc="hidden states", unit="pos", unit_scale=True, disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=total, desc="hidden states", unit="pos", unit_scale=True, disable=not progress, dynamic_ncols=True)
     batch: list[tuple[np.ndarray, int, int, int]] = []  # (ids, keep offset in window, keep count, out row)
 
     def run():
@@ -226,17 +219,15 @@ def build_dense_store(model: torch.nn.Module, docs: Iterable[TokenDoc], out: str
     if n == 0:
         raise RetrospecError("the corpus has no positions to index (documents need at least 2 tokens)")
     hidden = int(model.config.hidden_size)
-    budget = memory_budget_mb * 2**20
+    on_disk = n * hidden * 4 > memory_budget_mb * 2**20
     with atomic_build(out, overwrite=overwrite) as tmp:
         values = np.lib.format.open_memmap(tmp / VALUES_FILE, mode="w+", dtype=np.int32, shape=(n, 1 + value_len))
         _fill_values(docs, bases, values, eos_id)
         values.flush()
         del values
         scratch = tmp / "hidden.f32.scratch"
-        if n * hidden * 4 > budget:
-            raw = np.memmap(scratch, dtype=np.float32, mode="w+", shape=(n, hidden))  # [n, H] on disk
-        else:
-            raw = np.empty((n, hidden), dtype=np.float32)  # [n, H] in RAM
+        raw = (np.memmap(scratch, dtype=np.float32, mode="w+", shape=(n, hidden)) if on_disk
+               else np.empty((n, hidden), dtype=np.float32))  # [n, H] on disk or in RAM
         _encode(model, docs, bases[:-1], raw, window=window, overlap=overlap, batch_tokens=batch_tokens,
                 pad_id=eos_id, progress=progress)
         rng = np.random.default_rng(seed)
@@ -247,35 +238,26 @@ def build_dense_store(model: torch.nn.Module, docs: Iterable[TokenDoc], out: str
         faiss_index, index_params = _make_index(index, transform.out_dim, n, train)
         del train
         chunk = 65_536
-        bar = tqdm(total=n, desc=f"index ({index_params['index']})", unit="vec", unit_scale=True,
-                   disable=not progress, dynamic_ncols=True)
-        for i in range(0, n, chunk):
-            faiss_index.add(transform.apply(raw[i : i + chunk]))
-            bar.update(min(chunk, n - i))
-        bar.close()
+        with tqdm(total=n, desc=f"index ({index_params['index']})", unit="vec", unit_scale=True,
+                  disable=not progress, dynamic_ncols=True) as bar:
+            for i in range(0, n, chunk):
+                faiss_index.add(transform.apply(raw[i : i + chunk]))
+                bar.update(min(chunk, n - i))
         del raw
         scratch.unlink(missing_ok=True)
         import faiss
 
         faiss.write_index(faiss_index, str(tmp / INDEX_FILE))
-        meta = {
-            "kind": "dense",
-            "tokenizer": tokenizer_info,
-            "target": target_info,
-            "params": {"value_len": value_len, "pca_dims": transform.out_dim if transform.components is not None
-                       else 0, "pca_requested": pca_dims, "pca_sample": int(len(sample_idx)),
-                       "pca_explained_variance": transform.explained, "key_dim": transform.out_dim,
-                       "window": window, "overlap": overlap, "batch_tokens": batch_tokens, "seed": seed,
-                       "memory_budget_mb": memory_budget_mb, "scratch_memmap": n * hidden * 4 > budget,
-                       "metric": "inner product on L2-normalised keys (cosine)"} | index_params,
-            "corpus": corpus,
-            "counts": {"entries": n, "documents": len(docs), "tokens": int(sum(len(d.ids) for d in docs)),
-                       "max_token_id": int(max(int(d.ids.max()) for d in docs))},
-        }
-        for name, write in (extra_files or {}).items():  # e.g. the generations of an ID store
-            write(tmp / name)
-        meta = write_meta(tmp, meta, started)
-    return meta
+        params = {"value_len": value_len, "pca_dims": transform.out_dim if transform.components is not None else 0,
+                  "pca_requested": pca_dims, "pca_sample": int(len(sample_idx)),
+                  "pca_explained_variance": transform.explained, "key_dim": transform.out_dim, "window": window,
+                  "overlap": overlap, "batch_tokens": batch_tokens, "seed": seed, "memory_budget_mb": memory_budget_mb,
+                  "scratch_memmap": on_disk, "metric": "inner product on L2-normalised keys (cosine)"} | index_params
+        counts = {"entries": n, "documents": len(docs), "tokens": int(sum(len(d.ids) for d in docs)),
+                  "max_token_id": int(max(int(d.ids.max()) for d in docs))}
+        meta = {"kind": "dense", "tokenizer": tokenizer_info, "target": target_info, "params": params,
+                "corpus": corpus, "counts": counts}
+        return write_meta(tmp, meta, started, extra_files)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -297,18 +279,14 @@ class DenseStore:
             self.transform = KeyTransform.load(self.path / TRANSFORM_FILE)
             self.values = np.load(self.path / VALUES_FILE, mmap_mode="r")  # [n, 1 + N] int32
             index_path = str(self.path / INDEX_FILE)
-            big = (self.path / INDEX_FILE).stat().st_size > memory_budget_mb * 2**20
             self.index = None
-            if big:
-                try:
+            if (self.path / INDEX_FILE).stat().st_size > memory_budget_mb * 2**20:
+                with contextlib.suppress(RuntimeError):  # an index type FAISS cannot memory-map: read it whole
                     self.index = faiss.read_index(index_path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
-                except RuntimeError:
-                    self.index = None
             if self.index is None:
                 self.index = faiss.read_index(index_path)
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RetrospecError(f"corrupt datastore {self.path}: {first}") from None
+            raise RetrospecError(f"corrupt datastore {self.path}: {first_line(exc)}") from None
         if self.index.ntotal != self.values.shape[0] or self.index.d != self.transform.out_dim:
             raise RetrospecError(f"corrupt datastore {self.path}: index, values and transform disagree")
         if params.get("index") == "hnsw":

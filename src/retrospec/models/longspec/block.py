@@ -2,49 +2,43 @@
 
 Paper: Yang et al., "LongSpec: Long-Context Lossless Speculative Decoding with Efficient Drafting and
 Verification" (sail-sg, 2025). The draft is ONE decoder block between the target's frozen token embedding and its
-frozen LM head, shaped like a layer of the target (hidden size, query / key-value heads (GQA), head size, RMSNorm
-eps, MLP size and activation, RoPE), so its memory does not grow with the context:
+frozen LM head, shaped like a layer of the target (hidden size, GQA heads, head size, RMSNorm eps, MLP, RoPE), so
+its memory does not grow with the context:
 
     x  = embed(ids)                  # the target's embedding module: a shared reference, not a copy
     x += SelfAttn(norm1(x))          # own q/k/v/o; RoPE at the token's absolute position; sliding window
     x += CrossAttn(norm2(x))         # own q_proj (+ RoPE at the token's position) and o_proj; keys / values are
                                      # the target's LAST-LAYER K/V exactly as cached (post-RoPE), no projection
     x += MLP(norm3(x))
-    logits = lm_head(x)              # the target's head; no final norm (as in the paper's code)
-                                     # (or only its rows for a draft vocabulary: ``set_vocab``, below)
+    logits = lm_head(x)              # the target's head (or its rows for a draft vocabulary); no final norm
 
 Visibility rules (explicit functions, tested):
-- ``self_visible``: a query at absolute position t sees draft keys at positions s with t - window < s <= t (the
-  window counts the query itself). A full-sequence forward adds causality by index; at inference the tentative
-  tokens of a tree also need ancestry (``DraftState`` adds it).
+- ``self_visible``: a query at absolute position t sees draft keys at positions s with t - window < s <= t. A
+  full-sequence forward adds causality by index; at inference a tree's tokens also need ancestry (``DraftState``).
 - ``cross_visible``: a query at position t sees the target's K/V at positions s <= t - shift. At inference
-  shift = 1: the target cache holds exactly the committed tokens, all strictly before the root (the newest token),
-  so the root sees the whole cache and deeper tree nodes see it too (nothing newer exists). Training may draw
-  shift in [1, 4] (an int, or a tensor broadcastable to the [b, L] query positions).
+  shift = 1: the target cache holds exactly the committed tokens, all before the root, so every tree node sees the
+  whole cache. Training may draw shift in [1, 4] (an int, or a tensor broadcastable to the [b, L] positions).
 A query with no visible key gets a zero attention output (then o_proj), not NaN.
 
 Draft vocabulary (FR-Spec: Zhao et al., "FR-Spec: Accelerating Large-Vocabulary Language Models via
-Frequency-Ranked Speculative Sampling", 2025). On a small target the head dominates a draft token's cost (SmolLM2:
-49,152 x 576 of a block's ~3M other multiply-adds). ``set_vocab(ids)`` restricts the block's logits to the target's
-head rows for ``ids`` [K] (the tokens the target emits most): ``run`` then returns logits [b, L, K] over those ids
+Frequency-Ranked Speculative Sampling", 2025): on a small target the head dominates a draft token's cost.
+``set_vocab(ids)`` restricts the logits to the head rows of ``ids`` [K]: ``run`` returns logits [b, L, K]
 (``token_ids`` maps a column back to a target id) and q = 0 on every other token, which rejection sampling treats
-exactly (a draft only proposes; p is the target's full distribution). The rows are gathered once from the shared
-head (a non-persistent buffer, never saved); the ids are saved beside the weights (``checkpoint``).
+exactly. The rows are a non-persistent buffer; the ids are saved beside the weights (``checkpoint``).
 
 Invariants:
 - ``state_dict()`` holds only the block's own weights: the embedding and head are held outside the module tree
   (``embed_tokens`` / ``lm_head`` properties), so they are never saved, trained or moved with the block.
-- The self-attention keys/values of a token depend only on the token and its position (the block has one layer), so
-  committing tokens to the inference state (``DraftState.append``) needs no attention at all.
+- A token's self-attention keys/values depend only on the token and its position (one layer), so committing tokens
+  to the inference state (``DraftState.append``) needs no attention at all.
 - Nothing here copies transformers modeling code: the target family's public ``*RotaryEmbedding``,
-  ``apply_rotary_pos_emb``, ``*RMSNorm`` and ``*MLP`` are imported and called (``family``).
+  ``apply_rotary_pos_emb``, ``*RMSNorm`` and ``*MLP`` are imported and called.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -55,35 +49,6 @@ from ..loading import as_module
 DEFAULT_WINDOW = 512
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type> (Llama-style decoder layers)
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
-
-
-@dataclass(frozen=True)
-class Family:
-    """The public building blocks of one transformers model family."""
-
-    rotary: type  # *RotaryEmbedding(config); forward(x, position_ids) -> (cos, sin) [b, L, head_dim]
-    apply_rope: object  # apply_rotary_pos_emb(q, k, cos, sin) -> (q, k)
-    norm: type  # *RMSNorm(hidden_size, eps)
-    mlp: type  # *MLP(config): gate_proj / up_proj / down_proj with the config's activation
-
-
-def family(config) -> Family:
-    model_type = getattr(config, "model_type", None)
-    prefix = FAMILIES.get(model_type)
-    if prefix is None:
-        raise RetrospecError(f"LongSpec drafts for Llama-style targets ({', '.join(FAMILIES)}); this target is "
-                             f"{model_type!r}")
-    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    return Family(getattr(mod, f"{prefix}RotaryEmbedding"), mod.apply_rotary_pos_emb, getattr(mod, f"{prefix}RMSNorm"),
-                  getattr(mod, f"{prefix}MLP"))
-
-
-def attention_bias(config) -> tuple[bool, bool]:
-    """(q/k/v bias, o bias) as the target family's attention has them (Qwen2: biased q/k/v, plain o)."""
-    if config.model_type == "qwen2":
-        return True, False
-    bias = bool(getattr(config, "attention_bias", False))
-    return bias, bias
 
 
 def self_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -104,10 +69,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
                       scale: float) -> torch.Tensor:
     """Softmax attention with grouped key/value heads and an explicit visibility mask.
 
-    q [b, h, L, d]; k, v [b, kvh, S, d] (h a multiple of kvh; query head i reads key/value head i // (h / kvh), as
-    transformers' repeat_kv); allowed [b, L, S] bool. The query heads of one group are stacked along the query axis,
-    so the (possibly long) keys are never copied. Scores and softmax in float32. Returns [b, L, h * d]; a query with
-    no visible key gets zeros."""
+    q [b, h, L, d]; k, v [b, kvh, S, d] (query head i reads key/value head i // (h / kvh), as transformers'
+    repeat_kv); allowed [b, L, S] bool. The query heads of one group are stacked along the query axis, so the
+    (possibly long) keys are never copied. Scores and softmax in float32. Returns [b, L, h * d]; a query with no
+    visible key gets zeros."""
     b, h, n, d = q.shape
     kvh, s = k.shape[1], k.shape[2]
     rep = h // kvh
@@ -120,22 +85,12 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     return out.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
 
 
-class _SelfAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool):
-        super().__init__()
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
-
-
-class _CrossAttention(nn.Module):
-    """Queries and output only: keys and values are the target's cached last-layer K/V."""
-
-    def __init__(self, hidden: int, heads: int, head_dim: int, q_bias: bool, o_bias: bool):
-        super().__init__()
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=q_bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+def _linears(**shapes: tuple[int, int, bool]) -> nn.Module:
+    """A module holding ``nn.Linear(in, out, bias)`` per name (in order), as the target's attention names them."""
+    mod = nn.Module()
+    for name, (n_in, n_out, bias) in shapes.items():
+        mod.add_module(name, nn.Linear(n_in, n_out, bias=bias))
+    return mod
 
 
 class LongSpecDraft(nn.Module):
@@ -151,7 +106,11 @@ class LongSpecDraft(nn.Module):
                 raise RetrospecError(f"LongSpec intermediate size must be >= 1, got {intermediate_size}")
             config = copy.copy(config)  # the block's own MLP width; the target's config object is untouched
             config.intermediate_size = int(intermediate_size)
-        fam = family(config)
+        prefix = FAMILIES.get(getattr(config, "model_type", None))
+        if prefix is None:
+            raise RetrospecError(f"LongSpec drafts for Llama-style targets ({', '.join(FAMILIES)}); this target is "
+                                 f"{getattr(config, 'model_type', None)!r}")
+        fam = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
         self.config = config  # the target's config (the block mirrors one of its layers), MLP width possibly own
         self.window = int(window)
         self.num_heads = config.num_attention_heads
@@ -159,15 +118,21 @@ class LongSpecDraft(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        qkv_bias, o_bias = attention_bias(config)
-        self._apply_rope = fam.apply_rope
-        self.rotary = fam.rotary(config)  # buffers only (not persistent): nothing in the state dict
-        self.norm1 = fam.norm(hidden, eps=eps)
-        self.self_attn = _SelfAttention(hidden, self.num_heads, self.num_kv_heads, self.head_dim, qkv_bias, o_bias)
-        self.norm2 = fam.norm(hidden, eps=eps)
-        self.cross_attn = _CrossAttention(hidden, self.num_heads, self.head_dim, qkv_bias, o_bias)
-        self.norm3 = fam.norm(hidden, eps=eps)
-        self.mlp = fam.mlp(config)
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # (q/k/v bias, o bias) as the target family's attention has them (Qwen2: biased q/k/v, plain o)
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type != "qwen2" and qkv_bias
+        self._apply_rope = fam.apply_rotary_pos_emb  # (q, k, cos, sin) -> (q, k)
+        self.rotary = getattr(fam, f"{prefix}RotaryEmbedding")(config)  # buffers only (not in the state dict)
+        norm = getattr(fam, f"{prefix}RMSNorm")
+        self.norm1 = norm(hidden, eps=eps)
+        self.self_attn = _linears(q_proj=(hidden, q_dim, qkv_bias), k_proj=(hidden, kv_dim, qkv_bias),
+                                  v_proj=(hidden, kv_dim, qkv_bias), o_proj=(q_dim, hidden, o_bias))
+        self.norm2 = norm(hidden, eps=eps)
+        # queries and output only: keys and values are the target's cached last-layer K/V
+        self.cross_attn = _linears(q_proj=(hidden, q_dim, qkv_bias), o_proj=(q_dim, hidden, o_bias))
+        self.norm3 = norm(hidden, eps=eps)
+        self.mlp = getattr(fam, f"{prefix}MLP")(config)  # gate / up / down with the config's activation
         self._shared = (embed_tokens, lm_head)  # a tuple: nn.Module does not register (or save) these
         self.register_buffer("vocab", None, persistent=False)  # [K] target ids of the draft vocabulary (or None)
         self.register_buffer("head_rows", None, persistent=False)  # [K, H] rows of the head for ``vocab``
@@ -186,11 +151,10 @@ class LongSpecDraft(nn.Module):
     @classmethod
     def for_target(cls, target, window: int = DEFAULT_WINDOW, init: str = "random",
                    intermediate_size: int | None = None) -> "LongSpecDraft":
-        """A block for ``target`` (a transformers causal LM, or a ``LoadedModel``) on its device and dtype, sharing its
-        embedding and head; ``intermediate_size``: the MLP width (default the target's: the paper's shape; a
-        narrower MLP makes a smaller block). ``init``: "random" (normal(0, initializer_range), as transformers initialises layers)
-        or "identity" (the same, with every residual branch's output projection zeroed: the block starts as the
-        identity, logits = lm_head(embed(ids)))."""
+        """A block for ``target`` (a causal LM or ``LoadedModel``) on its device and dtype, sharing its embedding and
+        head; ``intermediate_size``: the MLP width (default the target's, the paper's shape). ``init``: "random"
+        (normal(0, initializer_range), as transformers initialises layers) or "identity" (the same, with every
+        residual branch's output projection zeroed: logits = lm_head(embed(ids)))."""
         target = as_module(target)
         ref = target.get_input_embeddings().weight
         block = cls(target.config, target.get_input_embeddings(), target.get_output_embeddings(), window,
@@ -225,7 +189,8 @@ class LongSpecDraft(nn.Module):
             return
         weight = self.lm_head.weight  # [V, H]
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(weight.device)
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0] or ids.unique().numel() != ids.numel():
+        if (ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]
+                or ids.unique().numel() != ids.numel()):
             raise RetrospecError(f"a draft vocabulary holds distinct target ids in [0, {weight.shape[0]}); got "
                                  f"{ids.numel()} ids")
         if getattr(self.lm_head, "bias", None) is not None:

@@ -10,19 +10,16 @@ shared, never saved) and ``longspec.json``::
      "files": {"block.safetensors": size in bytes, "draft_vocab.json": size (with a draft vocabulary)},
      "storage": "float32" | "float16" | "bfloat16" | "int8"}
 
-``storage`` is how ``block.safetensors`` holds the weights: a float dtype (exact for weights of that dtype), or
-``"int8"`` (``models.quant``: symmetric int8 with one absmax scale per output row, 1-D tensors in float16; lossy,
-error <= scale / 2 per weight). It is also written into the safetensors metadata. A file without the key (older
-saves) holds the block's own dtype. ``load_longspec`` dequantises / casts to the target's dtype; the drafter stays
-lossless whatever the storage (the target verifies every token), only the acceptance rate can change.
+``storage`` (also in the safetensors metadata): a float dtype, or ``"int8"`` (``models.quant``; lossy); absent
+(older saves): the block's own dtype. ``load_longspec`` casts to the target's dtype; the drafter stays lossless
+whatever the storage (the target verifies every token), only the acceptance rate can change.
 
 Invariants:
-- ``save_longspec`` writes into ``.<name>.tmp-<pid>`` next to the destination and renames it into place when both
-  files are complete, so an interrupted save never leaves a directory at the destination.
+- ``save_longspec`` builds the directory atomically (``atomic.atomic_build``): an interrupted save leaves nothing.
 - ``load_longspec`` refuses (one ``RetrospecError`` line each) a missing or incomplete directory, an unknown format,
   version or storage, tensors that do not match the recorded storage, and a block built for another target: other
-  hidden or vocabulary size, or another identity (``identity.model_identity``: config hash + weights
-  digest). The block's queries were trained against that target's keys and its embedding / head.
+  hidden or vocabulary size, or another identity (``identity.model_identity``). The block's queries were trained
+  against that target's keys and its embedding / head.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from ...atomic import atomic_build
 from ...errors import RetrospecError
 from ...identity import model_identity
 from .. import quant
+from ..files import first_line, read_description, read_json
 from ..loading import as_module
 from .block import LongSpecDraft
 
@@ -52,7 +50,6 @@ _ARCH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "inte
 
 
 def _target_meta(target, path: str | None) -> dict:
-
     model = as_module(target)
     path = path or getattr(target, "path", None) or getattr(model, "name_or_path", "") or "<in-memory model>"
     return model_identity(model) | {"hidden_size": int(model.config.hidden_size),
@@ -60,15 +57,12 @@ def _target_meta(target, path: str | None) -> dict:
                                     "path": str(path)}
 
 
-def _storage_name(dtype: torch.dtype) -> str | None:
-    return next((name for name, d in STORAGES.items() if d == dtype and name != quant.INT8), None)
-
-
 def _stored_state(draft: LongSpecDraft, storage: str | None) -> tuple[dict[str, torch.Tensor], str | None]:
     """(the tensors ``block.safetensors`` holds for ``storage``, the storage name recorded)."""
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    if storage is None:
-        return state, _storage_name(next(iter(state.values())).dtype) if state else None
+    if storage is None:  # the block's own dtype, named when it is one of the float storages
+        dtype = next(iter(state.values())).dtype if state else None
+        return state, next((name for name, d in STORAGES.items() if d == dtype and name != quant.INT8), None)
     if storage == quant.INT8:
         return quant.pack_int8(state), storage
     return {k: v.to(STORAGES[storage]).contiguous() if v.is_floating_point() else v for k, v in state.items()}, storage
@@ -76,9 +70,8 @@ def _stored_state(draft: LongSpecDraft, storage: str | None) -> tuple[dict[str, 
 
 def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_path: str | None = None,
                   overwrite: bool = False, storage: str | None = None) -> Path:
-    """Write ``draft``'s weights and ``longspec.json`` (block config + ``target``'s identity) to ``out_dir``.
-    ``storage``: None (the block's own dtype, exact), "float32", "float16", "bfloat16" or "int8" (lossy: see
-    ``models.quant``); recorded in ``longspec.json`` and in the safetensors metadata."""
+    """Write ``draft``'s weights and ``longspec.json`` (block config + ``target``'s identity) to ``out_dir``;
+    ``storage``: None (the block's own dtype, exact) or one of ``STORAGES``."""
     from safetensors.torch import save_file
 
     dest = Path(out_dir)
@@ -94,7 +87,6 @@ def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_p
             "block": {"window": draft.window, "model_type": cfg.model_type, "head_dim": draft.head_dim}
             | {k: getattr(cfg, k) for k in _ARCH_KEYS},
             "target": _target_meta(target, target_path)}
-
     with atomic_build(dest, overwrite=True, required=META_FILE) as tmp:  # refusal of an existing dest: above
         state, stored = _stored_state(draft, storage)
         save_file(state, str(tmp / WEIGHTS_FILE),
@@ -112,26 +104,10 @@ def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_p
 
 
 def read_meta(path: str | Path) -> dict:
-    """``longspec.json`` of a block directory, checked for format, version and file sizes."""
+    """``longspec.json`` of a block directory, checked for format, version, file sizes and storage."""
     path = Path(path)
-    if not path.is_dir():
-        raise RetrospecError(f"LongSpec block directory not found: {path}")
-    meta_file = path / META_FILE
-    if not meta_file.is_file():
-        raise RetrospecError(f"not a LongSpec block directory (no {META_FILE}): {path}")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RetrospecError(f"corrupt LongSpec block {path}: {META_FILE} is not valid JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise RetrospecError(f"corrupt LongSpec block {path}: {META_FILE} is not a LongSpec block description")
-    if meta.get("version") != VERSION:
-        raise RetrospecError(f"LongSpec block {path} has format version {meta.get('version')}; this retrospec reads "
-                             f"version {VERSION}")
-    for name, size in (meta.get("files") or {WEIGHTS_FILE: None}).items():
-        f = path / name
-        if not f.is_file() or (size is not None and f.stat().st_size != size):
-            raise RetrospecError(f"corrupt LongSpec block {path}: {name} is missing or has another size than recorded")
+    meta = read_description(path, META_FILE, FORMAT, VERSION, "LongSpec block", required=(WEIGHTS_FILE,),
+                            absent=f"not a LongSpec block directory (no {META_FILE}): {path}")
     storage = meta.get("storage")
     if storage is not None and storage not in STORAGES:
         raise RetrospecError(f"corrupt LongSpec block {path}: unknown storage {storage!r} in {META_FILE} (this "
@@ -156,32 +132,26 @@ def load_longspec(path: str | Path, target) -> LongSpecDraft:
         raise RetrospecError(f"LongSpec block {path} was built for another target ({want.get('path')}, fingerprint "
                              f"{want.get('fingerprint')}); the running target has fingerprint {have['fingerprint']}; "
                              f"train a block for this target")
-    window = block_cfg.get("window")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise RetrospecError(f"corrupt LongSpec block {path}: window {window!r} is not a positive integer")
-    width = block_cfg.get("intermediate_size")
-    if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
-        raise RetrospecError(f"corrupt LongSpec block {path}: intermediate_size {width!r} is not a positive integer")
-    draft = LongSpecDraft.for_target(target, window=window, intermediate_size=width)
+    corrupt = f"corrupt LongSpec block {path}"
+    for key in ("window", "intermediate_size"):
+        value = block_cfg.get(key)
+        if (key == "window" or value is not None) and (type(value) is not int or value < 1):
+            raise RetrospecError(f"{corrupt}: {key} {value!r} is not a positive integer")
+    draft = LongSpecDraft.for_target(target, window=block_cfg["window"],
+                                     intermediate_size=block_cfg.get("intermediate_size"))
+    storage = meta.get("storage")
     try:
         state = load_file(str(path / WEIGHTS_FILE))
-    except Exception as exc:  # unreadable file
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RetrospecError(f"corrupt LongSpec block {path}: could not load {WEIGHTS_FILE} ({first})") from None
-    storage = meta.get("storage")
-    if storage == quant.INT8:
-        try:
+        if storage == quant.INT8:
             state = quant.unpack_int8(state, dtype=torch.float32)  # float32, then rounded once into the draft's dtype
-        except RetrospecError as exc:
-            raise RetrospecError(f"corrupt LongSpec block {path}: {exc}") from None
-    elif quant.is_packed(state):
-        raise RetrospecError(f"corrupt LongSpec block {path}: {WEIGHTS_FILE} holds int8 tensors but {META_FILE} "
-                             f"records storage {storage or 'unset'}")
-    try:
+        elif quant.is_packed(state):
+            raise RetrospecError(f"{WEIGHTS_FILE} holds int8 tensors but {META_FILE} records storage "
+                                 f"{storage or 'unset'}")
         draft.load_state_dict(state, strict=True)
+    except RetrospecError as exc:
+        raise RetrospecError(f"{corrupt}: {exc}") from None
     except Exception as exc:  # unreadable file, missing / unexpected / misshapen tensors
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RetrospecError(f"corrupt LongSpec block {path}: could not load {WEIGHTS_FILE} ({first})") from None
+        raise RetrospecError(f"{corrupt}: could not load {WEIGHTS_FILE} ({first_line(exc)})") from None
     if block_cfg.get("draft_vocab") is not None:
         try:
             ids = json.loads((path / VOCAB_FILE).read_text())
@@ -190,7 +160,7 @@ def load_longspec(path: str | Path, target) -> LongSpecDraft:
                 raise ValueError("not a list of as many integer ids as recorded")
             draft.set_vocab(ids)
         except (OSError, ValueError, RetrospecError) as exc:
-            raise RetrospecError(f"corrupt LongSpec block {path}: {VOCAB_FILE}: {exc}") from None
+            raise RetrospecError(f"{corrupt}: {VOCAB_FILE}: {exc}") from None
     return draft.eval()
 
 
@@ -206,14 +176,8 @@ def repack_longspec(src: str | Path, target, out: str | Path, storage: str) -> d
     if out.exists():
         raise RetrospecError(f"{out} already exists; choose another --out")
     meta = read_meta(src)
-    manifest = None
-    if (src / MANIFEST_FILE).is_file():
-        try:
-            manifest = json.loads((src / MANIFEST_FILE).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            raise RetrospecError(f"corrupt LongSpec block {src}: {MANIFEST_FILE} is not valid JSON") from None
-        if not isinstance(manifest, dict):
-            raise RetrospecError(f"corrupt LongSpec block {src}: {MANIFEST_FILE} is not a JSON object")
+    has_manifest = (src / MANIFEST_FILE).is_file()
+    manifest = read_json(src / MANIFEST_FILE, f"corrupt LongSpec block {src}") if has_manifest else None
     block = load_longspec(src, target)
     with atomic_build(out, required=META_FILE) as tmp:
         save_longspec(block, target, tmp, target_path=(meta.get("target") or {}).get("path"), storage=storage,

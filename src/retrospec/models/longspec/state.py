@@ -3,23 +3,15 @@
 Paper: Yang et al., "LongSpec" (sail-sg, 2025): the draft's own attention is a sliding window, so its state has a
 fixed size whatever the context length; only the target's cache (read, never written) grows.
 
-Layout:
-- ring: ``k``, ``v`` [1, kv_heads, window, head_dim] and ``slot_pos`` [window] (absolute position held by each
-  slot, -1 = empty). Position p lives in slot p % window, so the ring always holds the last ``window`` committed
-  tokens' keys/values (post-RoPE); ``length`` counts every committed token (the next position).
-- tentative tokens: keys/values, positions and an ancestor matrix of the tokens speculated since the last
-  ``rollback`` (a draft tree under construction). They never enter the ring.
+Layout: the ring ``k``, ``v`` [1, kv_heads, window, head_dim] and ``slot_pos`` [window] (absolute position held by
+each slot, -1 = empty); position p lives in slot p % window and ``length`` counts every committed token. Tentative
+tokens (a draft tree under construction) keep their own keys/values, positions and ancestor matrix; they never
+enter the ring.
 
-Operations:
-- ``append(ids)``: commit tokens at positions length, length + 1, ... Their keys/values depend only on token and
-  position (one layer), so this is a projection of at most ``window`` tokens, no attention. Refused while
-  tentative tokens exist (their positions would shift).
-- ``speculate(ids, parents, target_kv)``: run the block on tentative tokens below the committed prefix (parent
-  -1, at position ``length``) or below earlier tentative tokens (parent = index among the tentative tokens, in
-  speculation order); each token attends to the ring (``self_visible``), to its tentative ancestors and itself, and
-  to the target's K/V (``cross_visible``, shift 1). Returns their logits; their keys/values are kept for later
-  levels of the tree.
-- ``rollback()``: forget every tentative token (free: nothing in the ring changed).
+Operations: ``append(ids)`` commits tokens (a projection of at most ``window`` tokens, no attention; refused while
+tentative tokens exist); ``speculate(ids, parents, target_kv)`` runs the block on tentative tokens below the
+committed prefix (parent -1) or below earlier tentative tokens, each attending to the ring, its tentative ancestors
+and itself, and the target's K/V (``cross_visible``, shift 1); ``rollback()`` forgets every tentative token (free).
 
 Invariant (tested): logits from ``speculate`` equal ``LongSpecDraft.forward`` over the committed tokens followed by
 the tentative token's ancestor path, with a sliding window mask, as long as the sequence is longer than the window.
