@@ -44,12 +44,7 @@ def _tree_prefix(tree, truth: list[int]) -> int:
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _sample_positions(docs: list[TokenDoc], n: int, seed: int, min_ctx: int) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ prompt's prefill runs once per row and prompt (``verify.PrefillMemo``) and is ti
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 from dataclasses import dataclass, field, replace
@@ -66,10 +67,6 @@ class BenchConfig:
     verify_probe_gamma: int = 10  # context rows: ``verify_cost`` per length (0 = no probe)
 
 
-def has_context(rows: list[dict]) -> bool:
-    return any("context" in r for r in rows)
-
-
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
     known = set(SPECS) | set(HF_METHODS)
     short = set(registry_methods(context=False)) | set(HF_METHODS)
@@ -105,36 +102,31 @@ def label_options(label: MethodLabel, cfg: BenchConfig) -> dict:
     return {"gamma": label.gamma or cfg.gamma or spec.default_gamma}
 
 
-def _run_ours(method: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
+def _gating(label: MethodLabel, cfg: BenchConfig) -> bool:
+    return resolve_gating(cfg.gating if label.gating is None else label.gating, cfg.sampling)
+
+
+def _run_ours(label: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
               cfg: BenchConfig, max_new: int, eos_ids: frozenset[int]) -> tuple[list[int], SpecStats, float]:
-    label = method
     parsed = parse_label(label)
-    method, gating = parsed.method, parsed.gating
-    options = label_options(parsed, cfg)
-    options.update(cfg.method_options.get(label, {}))
-    req = Request(target, draft if SPECS[method].draft == "lm" else None, method, prompt_ids, cfg.sampling,
-                  DecodeConfig(max_new_tokens=max_new), options, eos_ids=eos_ids,
-                  gating=resolve_gating(cfg.gating if gating is None else gating, cfg.sampling))
+    spec = SPECS[parsed.method]
+    options = label_options(parsed, cfg) | cfg.method_options.get(label, {})
+    req = Request(target, draft if spec.draft == "lm" else None, parsed.method, prompt_ids, cfg.sampling,
+                  DecodeConfig(max_new_tokens=max_new), options, eos_ids=eos_ids, gating=_gating(parsed, cfg))
     stats = SpecStats(method=label)
     engine_on = engine_for(target.model).mode != "off"
     # the engine runs private copies of the models (fastpath): hooks on the caller's modules would see nothing
     probes = [] if engine_on else [ForwardProbe(target.model)] + ([ForwardProbe(draft.model)] if draft else [])
-    for p in probes:
-        p.__enter__()
-    try:
-        out = Run(req, stats, text=False).run()
-    finally:
+    with contextlib.ExitStack() as stack:
         for p in probes:
-            p.__exit__()
+            stack.enter_context(p)
+        out = Run(req, stats, text=False).run()
     if engine_on:  # forward time = verification forwards + drafting (stats.draft_s, Python included)
-        forward_s = stats.verify_s + stats.draft_s
-    else:
-        # the first target forward is the prefill (all prompt tokens but the last), not decoding
-        prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
-        forward_s = sum(p.seconds for p in probes) - prefill_fwd
-    if SPECS[method].draft == "block" and not engine_on:  # the block is not a model the probes see
-        forward_s += stats.draft_s
-    return out, stats, forward_s
+        return out, stats, stats.verify_s + stats.draft_s
+    # the first target forward is the prefill (all prompt tokens but the last), not decoding
+    prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
+    block_s = stats.draft_s if spec.draft == "block" else 0.0  # the block is not a model the probes see
+    return out, stats, sum(p.seconds for p in probes) - prefill_fwd + block_s
 
 
 def encode_prompts(target: LoadedModel, prompts: list[dict], chat: bool) -> tuple[list[list[int]], frozenset[int]]:
@@ -152,12 +144,12 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], 
     """Run every label on every row (see the module docstring); returns config, runs and summary."""
     if target.tokenizer is None:
         raise RetrospecError(f"target {target.path} has no tokenizer files")
-    return (_run_context_rows if has_context(rows) else _run_prompt_rows)(target, draft, rows, cfg, progress)
+    run = _run_context_rows if any("context" in r for r in rows) else _run_prompt_rows
+    return run(target, draft, rows, cfg, progress)
 
 
 def _run_prompt_rows(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig,
                      progress: bool) -> dict:
-    tok = target.tokenizer
     encoded, eos = encode_prompts(target, prompts, cfg.chat)
     if any(not ids for ids in encoded):
         raise RetrospecError("a prompt encodes to zero tokens")
@@ -165,33 +157,35 @@ def _run_prompt_rows(target: LoadedModel, draft: LoadedModel | None, prompts: li
     for i, ids in enumerate(encoded):
         if len(ids) >= limit:
             raise RetrospecError(f"prompt {i} has {len(ids)} tokens; the target supports {limit} positions")
-    pad = getattr(tok, "pad_token_id", None)
+    pad = getattr(target.tokenizer, "pad_token_id", None)
     torch.manual_seed(0)
 
     def run_one(method: str, ids: list[int], max_new: int):
         if method in HF_METHODS:
             hf_draft = full_vocab_draft(draft, target.vocab_size) if draft is not None else None
-            return run_hf(method, target.model, hf_draft, ids, sampling=cfg.sampling,
-                          max_new_tokens=max_new, eos_ids=eos, pad_id=pad,
-                          gamma=cfg.gamma or SPECS["sd"].default_gamma,
-                          pld_k=cfg.pld_k, pld_ngram=cfg.pld_ngram)
+            return run_hf(method, target.model, hf_draft, ids, sampling=cfg.sampling, max_new_tokens=max_new,
+                          eos_ids=eos, pad_id=pad, gamma=cfg.gamma or SPECS["sd"].default_gamma, pld_k=cfg.pld_k,
+                          pld_ngram=cfg.pld_ngram)
         return _run_ours(method, target, draft, ids, cfg, max_new, eos)
 
     if cfg.warmup:
         for m in cfg.methods:
             run_one(m, encoded[0], min(16, cfg.max_new_tokens))
     runs = []
-    bar = tqdm(total=len(encoded) * len(cfg.methods), desc="bench", unit="run", disable=not progress,
-               dynamic_ncols=True)
-    for i, ids in enumerate(encoded):
-        for m in cfg.methods:
-            bar.set_postfix_str(m)
-            out, stats, forward_s = run_one(m, ids, cfg.max_new_tokens)
-            runs.append({"method": m, "prompt_index": i, "token_ids": out,
-                         "stats": stats.to_dict() | {"forward_s": forward_s}})
-            bar.update()
-    bar.close()
-    return {"config": _describe_prompts(target, draft, prompts, cfg) | {"eos_ids": sorted(eos)}, "runs": runs, "summary": summarize_prompts(runs, cfg.sampling.greedy)}
+    with _bar(len(encoded) * len(cfg.methods), progress) as bar:
+        for i, ids in enumerate(encoded):
+            for m in cfg.methods:
+                bar.set_postfix_str(m)
+                out, stats, forward_s = run_one(m, ids, cfg.max_new_tokens)
+                runs.append({"method": m, "prompt_index": i, "token_ids": out,
+                             "stats": stats.to_dict() | {"forward_s": forward_s}})
+                bar.update()
+    return {"config": _describe_prompts(target, draft, prompts, cfg) | {"eos_ids": sorted(eos)}, "runs": runs,
+            "summary": summarize_prompts(runs, cfg.sampling.greedy)}
+
+
+def _bar(total: int, progress: bool) -> tqdm:
+    return tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
 
 
 def _option_value(v):
@@ -204,59 +198,45 @@ def _option_value(v):
 
 def _describe_prompts(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig) -> dict:
     return {
-        "target": target.path,
-        "draft": draft.path if draft else None,
-        "prompts": len(prompts),
-        "chat": cfg.chat,
-        "methods": cfg.methods,
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.sampling.temperature,
-        "top_p": cfg.sampling.top_p,
-        "top_k": cfg.sampling.top_k,
-        "seed": cfg.sampling.seed,
-        "gamma": cfg.gamma or SPECS["sd"].default_gamma,
-        "pld_k": cfg.pld_k,
-        "pld_max_ngram": cfg.pld_ngram,
-        "gating": cfg.gating,
-        "longspec_draft": cfg.longspec_draft,
+        "target": target.path, "draft": draft.path if draft else None, "prompts": len(prompts), "chat": cfg.chat,
+        "methods": cfg.methods, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.sampling.temperature,
+        "top_p": cfg.sampling.top_p, "top_k": cfg.sampling.top_k, "seed": cfg.sampling.seed,
+        "gamma": cfg.gamma or SPECS["sd"].default_gamma, "pld_k": cfg.pld_k, "pld_max_ngram": cfg.pld_ngram,
+        "gating": cfg.gating, "longspec_draft": cfg.longspec_draft,
         "method_options": {m: {k: _option_value(v) for k, v in o.items()} for m, o in cfg.method_options.items()},
         "attention": getattr(target.model.config, "_attn_implementation", None),
         "engine": engine_for(target.model).describe(),
         "prompt_rows": [{k: p[k] for k in ("source", "prompt_tokens") if k in p} for p in prompts]
         if any("source" in p or "prompt_tokens" in p for p in prompts) else None,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
+    } | _machine()
 
 
-class _ContextRunner:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, cfg: BenchConfig):
-        self.target, self.draft, self.cfg = target, draft, cfg
+def _machine() -> dict:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
 
-    def run(self, spec: MethodLabel, row: dict, retrieved, memos: dict, max_new: int) -> tuple[list[int], SpecStats]:
-        cfg = self.cfg
-        opts = replace(cfg.options, **spec.overrides) if spec.overrides else cfg.options
-        if SPECS[spec.method].knob("eta") is None and opts.eta:  # --eta is RAPID's; baselines keep exact rules
-            opts = replace(opts, eta=0.0)
-        reuse = retrieved if not spec.overrides or opts.retrieval == cfg.options.retrieval else None
-        p = plan(spec.method, row["context"], row["prompt"], self.target.tokenizer, cfg.sampling, opts, reuse)
-        drf, method = None, SPECS[spec.method]
-        if method.draft == "lm":
-            drf = self.target if (spec.self_draft or self.draft is None) else self.draft
-        options = dict(p.drafter_options)
-        if method.knob("gamma") is not None:
-            options["gamma"] = spec.gamma or cfg.gamma or method.context_gamma
-            options["adaptive"] = spec.adaptive
-        req = Request(self.target, drf, spec.method, p.target_prompt_ids, cfg.sampling,
-                      DecodeConfig(max_new_tokens=max_new), options, rule=p.rule, info=p.info,
-                      gating=resolve_gating(cfg.gating if spec.gating is None else spec.gating, cfg.sampling),
-                      fastpath=None if opts.prefix_attention else "off")
-        stats = SpecStats(method=spec.label, **p.info)
-        short = method.retrieval and method.draft == "none"  # rag: the target reads the retrieved context
-        memo = memos.setdefault("short" if short else "full", PrefillMemo())
-        return Run(req, stats, memo=memo, text=False).run(), stats
+
+def _run_context_label(spec: MethodLabel, row: dict, retrieved, memos: dict, max_new: int, target: LoadedModel,
+                       draft: LoadedModel | None, cfg: BenchConfig) -> tuple[list[int], SpecStats]:
+    """One label on one context row; ``retrieved``: the row's shared retrieval, ``memos``: its prefill memos."""
+    opts = replace(cfg.options, **spec.overrides) if spec.overrides else cfg.options
+    if SPECS[spec.method].knob("eta") is None and opts.eta:  # --eta is RAPID's; baselines keep exact rules
+        opts = replace(opts, eta=0.0)
+    reuse = retrieved if not spec.overrides or opts.retrieval == cfg.options.retrieval else None
+    p = plan(spec.method, row["context"], row["prompt"], target.tokenizer, cfg.sampling, opts, reuse)
+    method = SPECS[spec.method]
+    drf = (target if spec.self_draft or draft is None else draft) if method.draft == "lm" else None
+    options = dict(p.drafter_options)
+    if method.knob("gamma") is not None:
+        options |= {"gamma": spec.gamma or cfg.gamma or method.context_gamma, "adaptive": spec.adaptive}
+    req = Request(target, drf, spec.method, p.target_prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new),
+                  options, rule=p.rule, info=p.info, gating=_gating(spec, cfg),
+                  fastpath=None if opts.prefix_attention else "off")
+    stats = SpecStats(method=spec.label, **p.info)
+    short = method.retrieval and method.draft == "none"  # rag: the target reads the retrieved context
+    memo = memos.setdefault("short" if short else "full", PrefillMemo())
+    return Run(req, stats, memo=memo, text=False).run(), stats
 
 
 def _run_context_rows(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], cfg: BenchConfig,
@@ -265,43 +245,41 @@ def _run_context_rows(target: LoadedModel, draft: LoadedModel | None, rows: list
         if not isinstance(row.get("context"), str) or not isinstance(row.get("prompt"), str):
             raise RetrospecError(f"row {i} needs string fields 'context' and 'prompt'")
     methods = [parse_label(m, context=True) for m in with_baseline(cfg.methods, "lc")]
-    runner = _ContextRunner(target, draft, cfg)
     tok = target.tokenizer
     torch.manual_seed(0)
     needs_retrieval = any(SPECS[m.method].retrieval for m in methods)
+
+    def fetch(row: dict):
+        return retrieve("rapid", row["context"], row["prompt"], tok, cfg.options) if needs_retrieval else None
+
     if cfg.warmup and rows:
         first = min(rows, key=lambda r: len(r["context"]))
-        got = retrieve("rapid", first["context"], first["prompt"], tok, cfg.options) if needs_retrieval else None
-        warm_memos: dict = {}
+        got, warm_memos = fetch(first), {}
         for m in methods:
-            runner.run(m, first, got, warm_memos, min(4, cfg.max_new_tokens))
-    runs, probes = [], []
-    bar = tqdm(total=len(rows) * len(methods), desc="bench", unit="run", disable=not progress,
-               dynamic_ncols=True)
-    probed: set[int] = set()
-    for i, row in enumerate(rows):
-        got = retrieve("rapid", row["context"], row["prompt"], tok, cfg.options) if needs_retrieval else None
-        memos: dict = {}
-        length = int(row.get("length") or 0)
-        for m in methods:
-            bar.set_postfix_str(f"{row.get('task', '?')}@{length} {m.label}")
-            out, stats = runner.run(m, row, got, memos, cfg.max_new_tokens)
-            text = tok.decode(out, skip_special_tokens=True)
-            runs.append({"method": m.label, "row": i, "task": row.get("task", "?"), "length": length,
-                         "context_tokens": row.get("context_tokens"), "token_ids": out, "text": text,
-                         "correct": score(row, text), "stats": stats.to_dict(),
-                         "prefill_full_s": memos["full"].seconds if "full" in memos else None,
-                         "prefill_short_s": memos["short"].seconds if "short" in memos else None,
-                         "retrieval_total_s": got.seconds if got is not None else None})
-            bar.update()
-        if cfg.verify_probe_gamma and length not in probed and "full" in memos:
-            probed.add(length)
-            ids = plan("lc", row["context"], row["prompt"], tok, cfg.sampling, cfg.options).target_prompt_ids
-            probe = verify_cost(target.model, ids, cfg.verify_probe_gamma, memo=memos["full"])
-            probes.append(probe | {"length": length})
-    bar.close()
-    return {"config": _describe_rows(target, draft, rows, cfg, methods), "runs": runs, "summary": summarize_rows(runs),
-            "verify_probes": probes}
+            _run_context_label(m, first, got, warm_memos, min(4, cfg.max_new_tokens), target, draft, cfg)
+    runs, probes, probed = [], [], set()
+    with _bar(len(rows) * len(methods), progress) as bar:
+        for i, row in enumerate(rows):
+            got, memos = fetch(row), {}
+            length = int(row.get("length") or 0)
+            for m in methods:
+                bar.set_postfix_str(f"{row.get('task', '?')}@{length} {m.label}")
+                out, stats = _run_context_label(m, row, got, memos, cfg.max_new_tokens, target, draft, cfg)
+                text = tok.decode(out, skip_special_tokens=True)
+                runs.append({"method": m.label, "row": i, "task": row.get("task", "?"), "length": length,
+                             "context_tokens": row.get("context_tokens"), "token_ids": out, "text": text,
+                             "correct": score(row, text), "stats": stats.to_dict(),
+                             "prefill_full_s": memos["full"].seconds if "full" in memos else None,
+                             "prefill_short_s": memos["short"].seconds if "short" in memos else None,
+                             "retrieval_total_s": got.seconds if got is not None else None})
+                bar.update()
+            if cfg.verify_probe_gamma and length not in probed and "full" in memos:
+                probed.add(length)
+                ids = plan("lc", row["context"], row["prompt"], tok, cfg.sampling, cfg.options).target_prompt_ids
+                probe = verify_cost(target.model, ids, cfg.verify_probe_gamma, memo=memos["full"])
+                probes.append(probe | {"length": length})
+    return {"config": _describe_rows(target, draft, rows, cfg, methods), "runs": runs,
+            "summary": summarize_rows(runs), "verify_probes": probes}
 
 
 def _describe_rows(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], cfg: BenchConfig,
@@ -317,9 +295,7 @@ def _describe_rows(target: LoadedModel, draft: LoadedModel | None, rows: list[di
         "gating": cfg.gating,
         "eta": o.eta, "chunk_tokens": o.chunk_tokens, "retrieval_tokens": o.retrieval_tokens,
         "min_retrieval_tokens": o.min_retrieval_tokens, "max_retrieval_fraction": o.max_retrieval_fraction,
-        "similarity_floor": o.similarity_floor, "piece_tokens": o.piece_tokens, "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),
+        "similarity_floor": o.similarity_floor, "piece_tokens": o.piece_tokens,
+        "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),
         "sink": o.sink, "window": o.window, "attention": target.model.config._attn_implementation,
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
+    } | _machine()

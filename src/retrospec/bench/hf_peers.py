@@ -20,10 +20,10 @@ Decode time = generate() wall time minus the first target forward (the prompt), 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import weakref
-from contextlib import contextmanager
 
 import torch
 
@@ -41,8 +41,7 @@ class ForwardProbe:
         self.module = module
         self.lengths: list[int] = []  # input length of each call
         self.durations: list[float] = []  # seconds inside each call
-        self._t = 0.0
-        self._handles = []
+        self._t, self._handles = 0.0, []
 
     def _pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -57,10 +56,8 @@ class ForwardProbe:
         return sum(self.durations)
 
     def __enter__(self):
-        self._handles = [
-            self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
-            self.module.register_forward_hook(self._post, with_kwargs=True),
-        ]
+        self._handles = [self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         self.module.register_forward_hook(self._post, with_kwargs=True)]
         return self
 
     def __exit__(self, *exc):
@@ -68,7 +65,7 @@ class ForwardProbe:
             h.remove()
 
 
-@contextmanager
+@contextlib.contextmanager
 def _assistant_config(draft: torch.nn.Module, **settings):
     saved = draft.generation_config
     cfg = copy.deepcopy(saved)
@@ -99,39 +96,33 @@ def run_hf(method: str, target, draft, prompt_ids: list[int], *, sampling: Sampl
     ids = torch.tensor([prompt_ids])
     mask = torch.ones_like(ids)
     stats = SpecStats(method=method, prompt_tokens=len(prompt_ids))
-    probes = [ForwardProbe(target)] + ([ForwardProbe(draft)] if method not in ("hf-pld", "hf-ar") else [])
-    if method == "hf-ar":
-        extra, ctx = {}, _noop()
-    elif method == "hf-pld":
-        extra, ctx = dict(prompt_lookup_num_tokens=pld_k, max_matching_ngram_size=pld_ngram), _noop()
-    elif method == "hf-assisted":
+    probes = [ForwardProbe(target)] + ([ForwardProbe(draft)] if method.startswith("hf-assisted") else [])
+    extra, ctx = {}, contextlib.nullcontext()
+    if method == "hf-pld":
+        extra = dict(prompt_lookup_num_tokens=pld_k, max_matching_ngram_size=pld_ngram)
+    elif method in ("hf-assisted", "hf-assisted-default"):
         extra = dict(assistant_model=draft)
-        ctx = _assistant_config(draft, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
-                                assistant_confidence_threshold=0.0)
-    elif method == "hf-assisted-default":
-        extra = dict(assistant_model=draft)
-        # None = let transformers fill in its own defaults (5.23: 20 tokens, constant, confidence 0.4)
-        ctx = _assistant_config(draft, num_assistant_tokens=None, num_assistant_tokens_schedule=None,
-                                assistant_confidence_threshold=None)
-    else:
+        # hf-assisted: our gamma, constant; hf-assisted-default: None = let transformers fill in its own defaults
+        # (5.23: 20 tokens, constant, confidence 0.4)
+        ours = method == "hf-assisted"
+        ctx = _assistant_config(draft, num_assistant_tokens=gamma if ours else None,
+                                num_assistant_tokens_schedule="constant" if ours else None,
+                                assistant_confidence_threshold=0.0 if ours else None)
+    elif method != "hf-ar":
         raise ValueError(method)
     config = GenerationConfig(**gen_kwargs)
-    with ctx, probes[0] as tp:
-        for p in probes[1:]:
-            p.__enter__()
-        try:
-            t0 = time.perf_counter()
-            out = target.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
-            total = time.perf_counter() - t0
-        finally:
-            for p in probes[1:]:
-                p.__exit__()
+    with ctx, contextlib.ExitStack() as stack:
+        for p in probes:
+            stack.enter_context(p)
+        t0 = time.perf_counter()
+        out = target.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
+        total = time.perf_counter() - t0
+    tp = probes[0]
     new = out[0, len(prompt_ids):].tolist()
     stats.new_tokens = len(new)
     stats.target_calls = len(tp.lengths)
     # first call scores the prompt (+ candidates for assisted decoding); later calls score 1 + candidates
-    drafted = max(0, tp.lengths[0] - len(prompt_ids)) + sum(n - 1 for n in tp.lengths[1:])
-    stats.drafted_tokens = drafted
+    stats.drafted_tokens = max(0, tp.lengths[0] - len(prompt_ids)) + sum(n - 1 for n in tp.lengths[1:])
     stats.accepted_tokens = max(0, stats.new_tokens - stats.target_calls)
     stats.prefill_s = tp.durations[0]
     stats.decode_s = max(1e-9, total - stats.prefill_s)
@@ -166,8 +157,3 @@ def full_vocab_draft(draft, target_vocab: int) -> torch.nn.Module:
         full.generation_config = copy.deepcopy(draft.model.generation_config)
         built[target_vocab] = full.eval()
     return built[target_vocab]
-
-
-@contextmanager
-def _noop():
-    yield

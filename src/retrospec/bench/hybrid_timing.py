@@ -96,30 +96,19 @@ def measure(shape: str, length: int, parents: list[int], device: torch.device, d
     mask = verification_mask(parents, length, dtype).to(device)  # [1, 1, q, L+q]
     k1, v1 = key[:, :, : length + 1], value[:, :, : length + 1]  # [1, kvh, L+1, d] views: decode reads L + 1 keys
 
-    def decode():
-        return sdpa_attention_forward(module, query[:, :, :1], k1, v1, None, scaling=scaling)
-
-    def masked():
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
-
-    def hybrid():
-        return hybrid_tree.hybrid_tree_attention(module, query, key, value, mask, scaling=scaling)
-
-    def check():
-        return hybrid_tree.hybrid_mask_block(mask, query, key)
-
-    def prefix_chain():
-        return prefix_block.prefix_block_attention(module, query, key, value, None, scaling=scaling)
-
-    assert check() is not None, "the hybrid split does not apply to this mask"
-    diff = (hybrid()[0].float() - masked()[0].float()).abs().max().item()
-    row = dict(shape=shape, heads=heads, kv_heads=kv_heads, head_dim=dim, length=length, q=q,
-               decode_ms=time_call(decode, device, reps, budget_s),
-               masked_ms=time_call(masked, device, reps, budget_s),
-               hybrid_ms=time_call(hybrid, device, reps, budget_s),
-               check_ms=time_call(check, device, reps, budget_s),
-               chain_ms=time_call(prefix_chain, device, reps, budget_s) if chain else None,
-               max_diff=diff)
+    calls = {  # timed in this order
+        "decode": lambda: sdpa_attention_forward(module, query[:, :, :1], k1, v1, None, scaling=scaling),
+        "masked": lambda: sdpa_attention_forward(module, query, key, value, mask, scaling=scaling),
+        "hybrid": lambda: hybrid_tree.hybrid_tree_attention(module, query, key, value, mask, scaling=scaling),
+        "check": lambda: hybrid_tree.hybrid_mask_block(mask, query, key),
+        "chain": lambda: prefix_block.prefix_block_attention(module, query, key, value, None, scaling=scaling),
+    }
+    assert calls["check"]() is not None, "the hybrid split does not apply to this mask"
+    diff = (calls["hybrid"]()[0].float() - calls["masked"]()[0].float()).abs().max().item()
+    row = dict(shape=shape, heads=heads, kv_heads=kv_heads, head_dim=dim, length=length, q=q)
+    row |= {f"{name}_ms": time_call(fn, device, reps, budget_s) if chain or name != "chain" else None
+            for name, fn in calls.items()}
+    row["max_diff"] = diff
     row["hybrid_over_decode"] = row["hybrid_ms"] / row["decode_ms"]
     row["masked_over_hybrid"] = row["masked_ms"] / row["hybrid_ms"]
     return row

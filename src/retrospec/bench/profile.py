@@ -22,6 +22,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+import timeit
 
 import torch
 
@@ -42,28 +43,17 @@ def tree_shape(fanout: tuple[int, ...]) -> DraftTree:
     """A full tree with ``fanout[d]`` children per node at depth d (breadth first; tokens are placeholders)."""
     parents, level = [], [-1]
     for f in fanout:
-        nxt = []
-        for p in level:
-            for _ in range(f):
-                parents.append(p)
-                nxt.append(len(parents) - 1)
-        level = nxt
-    n = len(parents)
-    return DraftTree(torch.arange(10, 10 + n), torch.tensor(parents, dtype=torch.long))
+        first = len(parents)
+        parents += [p for p in level for _ in range(f)]
+        level = list(range(first, len(parents)))
+    return DraftTree(torch.arange(10, 10 + len(parents)), torch.tensor(parents, dtype=torch.long))
 
 
 def bandwidth_gbs(mib: int = 256) -> float:
     """Memory read bandwidth: a sum over ``mib`` MiB of touched float32 memory (best of 5)."""
     x = torch.ones(mib * (1 << 20) // 4)
     x.sum()
-    best = min(_timed(lambda: x.sum()) for _ in range(5))
-    return x.numel() * 4 / best / 1e9
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    return x.numel() * 4 / min(timeit.repeat(x.sum, number=1, repeat=5)) / 1e9
 
 
 @torch.inference_mode()
@@ -195,22 +185,18 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
         fwd[str(ctx)] = {k: got[k] for k in chains}
         tree_ms[str(ctx)] = {k: got[k] for k in tree_shapes}  # "tree16": a tree of 16 draft nodes
     say("floors")
-    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.get_decoder().modules()
-                  if isinstance(m, torch.nn.Linear))
-    head = model.get_output_embeddings().weight
-    weights += head.numel() * head.element_size()
+    weights = sum(w.numel() * w.element_size() for w in [m.weight for m in model.get_decoder().modules()
+                                                           if isinstance(m, torch.nn.Linear)]
+                  + [model.get_output_embeddings().weight])
     bw = bandwidth_gbs()
     lin = linear_ms(model, tokens, reps)
     out = {
         "target": str(getattr(target, "path", "")),
         "machine": machine_id(), "arch": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "engine": engine.describe(),
-        "contexts": list(contexts), "tokens": list(tokens),
-        "forward_ms": fwd,
+        "engine": engine.describe(), "contexts": list(contexts), "tokens": list(tokens), "forward_ms": fwd,
         "ratio": {c: {t: v / row[str(tokens[0])] for t, v in row.items()} for c, row in fwd.items()},
-        "plain_forward_ms": base,
-        "tree_ms": tree_ms,
+        "plain_forward_ms": base, "tree_ms": tree_ms,
         "floors": {"weights_bytes": weights, "bandwidth_gbs": bw, "bandwidth_floor_ms": weights / bw / 1e6,
                    "linear_ms": {str(t): v for t, v in lin.items()}},
     }
@@ -268,17 +254,12 @@ def render_table(profile: dict) -> str:
     lines = ["| context | path | " + " | ".join(f"{t} tok" for t in toks) + " |",
              "|---|---|" + "---|" * len(toks)]
     for ctx, row in profile["forward_ms"].items():
-        one = row[toks[0]]
-        lines.append(f"| {ctx} | retrospec | " + " | ".join(
-            f"{row[t]:.1f} ms" + ("" if t == toks[0] else f" ({row[t] / one:.2f}x)") for t in toks) + " |")
-        plain = profile["plain_forward_ms"].get(ctx)
-        if plain:
-            p1 = plain[toks[0]]
-            lines.append(f"| {ctx} | transformers | " + " | ".join(
-                f"{plain[t]:.1f} ms" + ("" if t == toks[0] else f" ({plain[t] / p1:.2f}x)") for t in toks) + " |")
+        for name, ms in (("retrospec", row), ("transformers", profile["plain_forward_ms"].get(ctx))):
+            if ms:
+                cells = (f"{ms[t]:.1f} ms" + ("" if t == toks[0] else f" ({ms[t] / ms[toks[0]]:.2f}x)") for t in toks)
+                lines.append(f"| {ctx} | {name} | " + " | ".join(cells) + " |")
     fl = profile["floors"]
-    lines.append("| - | linear layers alone | " + " | ".join(f"{fl['linear_ms'][t]:.1f} ms" for t in toks) + " |")
-    lines.append("")
+    lines += ["| - | linear layers alone | " + " | ".join(f"{fl['linear_ms'][t]:.1f} ms" for t in toks) + " |", ""]
     lines.append(f"Weights {fl['weights_bytes'] / 1e6:.0f} MB at {fl['bandwidth_gbs']:.1f} GB/s: "
                  f"floor {fl['bandwidth_floor_ms']:.1f} ms per forward.")
     for ctx, row in profile["tree_ms"].items():

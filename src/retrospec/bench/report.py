@@ -5,8 +5,11 @@ defined in ``bench.summary``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+
+from ..atomic import write_text_atomic
 
 COLUMNS = ("method", "tokens/s", "speedup", "no-overhead", "tau", "acceptance", "no-draft", "draft state", "target KV",
            "lossless")
@@ -24,7 +27,6 @@ def format_bytes(n: int | None) -> str:
         n /= 1024
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def _row(s: dict) -> list[str]:
@@ -43,6 +45,14 @@ def _span(rows: list[dict] | None) -> str:
     return f"{min(counts)}-{max(counts)} (mean {sum(counts) / len(counts):.0f})"
 
 
+def _md_table(cols, rows) -> list[str]:
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _machine_line(c: dict) -> str:
+    return f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}"
+
+
 def render_markdown(result: dict) -> str:
     if "verify_probes" in result:
         return _context_markdown(result)
@@ -56,19 +66,16 @@ def render_markdown(result: dict) -> str:
         + (", chat template (each prompt one user message)" if c.get("chat") else ""),
         *([f"- prompt tokens: {_span(c['prompt_rows'])}"] if _span(c.get("prompt_rows")) else []),
         *([f"- longspec block: `{c['longspec_draft']}`"] if c.get("longspec_draft") else []),
-        *([f"- target attention: `{c['attention']}` (the loaded model, left as it was)"] if c.get("attention") else []),
+        *([f"- target attention: `{c['attention']}` (the loaded model, left as it was)"] if c.get("attention")
+          else []),
         *([f"- our engine (`fastpath`): {_engine_line(c['engine'])}"] if c.get("engine") else []),
-        f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}",
+        _machine_line(c),
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
-    lines += ["| " + " | ".join(_row(s)) + " |" for s in result["summary"]]
-    lines += [
+        *_md_table(COLUMNS, map(_row, result["summary"])),
         "",
         "tokens/s: decode phase (after the prompt forward), token-weighted over prompts. speedup: tokens/s over "
-        "`ar` in this run. no-overhead: speedup with zero engine overhead (model-forward time only). tau: new tokens per "
-        "target forward. acceptance: accepted / drafted tokens. no-draft: share of steps the gate ran without "
+        "`ar` in this run. no-overhead: speedup with zero engine overhead (model-forward time only). tau: new tokens "
+        "per target forward. acceptance: accepted / drafted tokens. no-draft: share of steps the gate ran without "
         "a draft (— = not gated: ar, hf-* and m@gating=0 rows, or --no-gating). draft state: the most the drafter "
         "held in its own per-request state at the end of a run (longspec: its ring buffer; magicdec: its sink + "
         "window KV cache; sd: the draft's KV cache; pld: its token buffer; — = not measured, hf-* rows). target KV: "
@@ -80,44 +87,56 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _print_table(title: str, columns, left, rows, caption: str | None = None, **column_kw) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right", **column_kw.get(col, {}))
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
 def print_table(summary: list[dict]) -> None:
     if summary and "length" in summary[0]:
         return _context_table(summary)
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console()
-    keep = [i for i, col in enumerate(COLUMNS) if console.width >= WIDE or col not in MEMORY_COLUMNS]
-    table = Table(title="retrospec bench", caption=None if len(keep) == len(COLUMNS) else
-                  "memory columns (draft state, target KV): report.md and results.json")
-    for i in keep:
-        col = COLUMNS[i]
-        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
-    for s in summary:
-        row = _row(s)
-        table.add_row(*(row[i] for i in keep))
-    console.print(table)
+    keep = [i for i, col in enumerate(COLUMNS) if Console().width >= WIDE or col not in MEMORY_COLUMNS]
+    caption = "memory columns (draft state, target KV): report.md and results.json"
+    rows = ([_row(s)[i] for i in keep] for s in summary)
+    _print_table("retrospec bench", [COLUMNS[i] for i in keep], ("method",), rows,
+                 None if len(keep) == len(COLUMNS) else caption, method={"no_wrap": True})
 
 
-def render_plot(summary: list[dict], path: Path) -> None:
+@contextlib.contextmanager
+def _figure(path, *args, dpi: int = 120, **kwargs):
+    """A matplotlib figure (Agg backend) saved to ``path`` and closed when the block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(*args, **kwargs)
+    yield ax
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def render_plot(summary: list[dict], path: Path) -> None:
     names = [s["method"] for s in summary]
     x = range(len(names))
-    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(names)), 3.6))
-    ax.bar([i - 0.2 for i in x], [s["speedup"] for s in summary], width=0.4, label="measured")
-    ax.bar([i + 0.2 for i in x], [s["overhead_free_speedup"] for s in summary], width=0.4, label="no-overhead bound",
-           alpha=0.6)
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(list(x), names, rotation=20)
-    ax.set_ylabel("speedup over ar")
-    ax.legend(frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _figure(path, figsize=(max(5, 1.1 * len(names)), 3.6)) as ax:
+        ax.bar([i - 0.2 for i in x], [s["speedup"] for s in summary], width=0.4, label="measured")
+        ax.bar([i + 0.2 for i in x], [s["overhead_free_speedup"] for s in summary], width=0.4,
+               label="no-overhead bound", alpha=0.6)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(list(x), names, rotation=20)
+        ax.set_ylabel("speedup over ar")
+        ax.legend(frameon=False)
 
 
 def _engine_line(e: dict) -> str:
@@ -138,8 +157,7 @@ def _f(x, fmt: str, none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
 
-def _context_row(s: dict) -> list[str]:
-    rule = s["rule"] if s["lossless"] else f"**LOSSY** {s['rule']}"
+def _context_row(s: dict, lossy: str = "**LOSSY** ") -> list[str]:
     return [str(s["length"]), s["method"], f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
             f"{s['forward_speedup']:.2f}x" if s["forward_speedup"] else "-", f"{s['mean_accepted_tokens']:.2f}",
             f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] else "-",
@@ -147,13 +165,12 @@ def _context_row(s: dict) -> list[str]:
             f"{s['verify_ratio']:.2f}" if s["method"] != "lc" else "1.00",
             f"{s['accuracy']:.2f}", _f(s["same_as_lc"], ".2f"), _f(s["prefill_full_s"], ".2f"),
             _f(None if s["retrieval_s"] is None else 1000 * s["retrieval_s"], ".0f"),
-            _f(s["retrieved_tokens"], ".0f"), rule]
+            _f(s["retrieved_tokens"], ".0f"), ("" if s["lossless"] else lossy) + s["rule"]]
 
 
 def _table(rows: list[dict], with_task: bool = False) -> list[str]:
     cols = (("task",) if with_task else ()) + CONTEXT_COLUMNS
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return lines + ["| " + " | ".join(([s["task"]] if with_task else []) + _context_row(s)) + " |" for s in rows]
+    return _md_table(cols, (([s["task"]] if with_task else []) + _context_row(s) for s in rows))
 
 
 def _context_markdown(result: dict) -> str:
@@ -172,7 +189,7 @@ def _context_markdown(result: dict) -> str:
            f"max({c['min_retrieval_tokens']}, {c['max_retrieval_fraction']:.4g} x context)")
         + f"; magicdec sink {c['sink']}, window {c['window'] or 'default (same budget as retrieval)'}; eta {c['eta']}",
         f"- target attention: `{c.get('attention', 'sdpa')}`",
-        f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}",
+        _machine_line(c),
     ]
     if lossy:
         lines += ["", f"**LOSSY methods in this report: {', '.join(lossy)}** (RAPID with eta > 0: the output "
@@ -181,14 +198,11 @@ def _context_markdown(result: dict) -> str:
     lines += ["", "## Per task", ""] + _table([s for s in summary if s["task"] != "all"], with_task=True)
     probes = result.get("verify_probes") or []
     if probes:
-        lines += ["", "## Verification cost (gamma draft tokens vs one decode token, same cache, median)", "",
-                  "| cache tokens | gamma | attention | decode ms | verify ms | ratio |", "|---|---|---|---|---|---|"]
-        for p in probes:
-            for key in ("sdpa", "prefix_block"):
-                if key in p:
-                    a = p[key]
-                    lines.append(f"| {p['cache_tokens']} | {p['gamma']} | {a['attention']} | "
-                                 f"{1000 * a['decode_s']:.1f} | {1000 * a['verify_s']:.1f} | {a['ratio']:.2f} |")
+        cols = ("cache tokens", "gamma", "attention", "decode ms", "verify ms", "ratio")
+        lines += ["", "## Verification cost (gamma draft tokens vs one decode token, same cache, median)", ""]
+        lines += _md_table(cols, ([str(p["cache_tokens"]), str(p["gamma"]), a["attention"],
+                                   f"{1000 * a['decode_s']:.1f}", f"{1000 * a['verify_s']:.1f}", f"{a['ratio']:.2f}"]
+                                  for p in probes for a in (p[k] for k in ("sdpa", "prefix_block") if k in p)))
     lines += [
         "",
         "tok/s: decode phase (after the prompt forward), token-weighted over rows. speedup: tok/s over `lc` at the "
@@ -204,53 +218,33 @@ def _context_markdown(result: dict) -> str:
 
 
 def _context_table(summary: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="retrospec long-context bench")
-    for col in CONTEXT_COLUMNS:
-        table.add_column(col, justify="left" if col in ("method", "rule") else "right")
-    for s in summary:
-        if s["task"] == "all":
-            table.add_row(*(_context_row(s)[:-1] + [s["rule"] if s["lossless"] else f"LOSSY {s['rule']}"]))
-    Console().print(table)
+    _print_table("retrospec long-context bench", CONTEXT_COLUMNS, ("method", "rule"),
+                 (_context_row(s, "LOSSY ") for s in summary if s["task"] == "all"))
 
 
 def _context_plot(summary: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [s for s in summary if s["task"] == "all"]
-    methods = list(dict.fromkeys(s["method"] for s in rows))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for m in methods:
-        pts = sorted((s["length"], s["speedup"], s["accuracy"], s["lossless"]) for s in rows if s["method"] == m)
-        xs = [p[0] for p in pts]
-        label = m if all(p[3] for p in pts) else f"{m} (lossy)"
-        ax1.plot(xs, [p[1] for p in pts], marker="o", label=label)
-        ax2.plot(xs, [p[2] for p in pts], marker="o", label=label)
-    for ax, name in ((ax1, "speedup over lc (decode tok/s)"), (ax2, "accuracy")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(name)
-    ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax2.set_ylim(-0.05, 1.05)
-    ax2.legend(frameon=False, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _figure(path, 1, 2, figsize=(10, 3.8)) as (ax1, ax2):
+        for m in dict.fromkeys(s["method"] for s in rows):
+            pts = sorted((s["length"], s["speedup"], s["accuracy"], s["lossless"]) for s in rows if s["method"] == m)
+            label = m if all(p[3] for p in pts) else f"{m} (lossy)"
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
+        for ax, name in ((ax1, "speedup over lc (decode tok/s)"), (ax2, "accuracy")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel(name)
+        ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax2.set_ylim(-0.05, 1.05)
+        ax2.legend(frameon=False, fontsize=8)
 
 
 def write_outputs(result: dict, out_dir: Path) -> None:
     """results.json, report.md and the chart (speedup.png; long_context.png for context rows), atomically per file."""
     context = "verify_probes" in result
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "results.json.tmp"
-    tmp.write_text(json.dumps(result if context else {k: result[k] for k in ("config", "runs", "summary")},
-                              indent=1) + "\n")
-    tmp.replace(out_dir / "results.json")
-    (out_dir / "report.md").write_text(render_markdown(result))
+    kept = result if context else {k: result[k] for k in ("config", "runs", "summary")}
+    write_text_atomic(out_dir / "results.json", json.dumps(kept, indent=1) + "\n")
+    write_text_atomic(out_dir / "report.md", render_markdown(result))
     (_context_plot if context else render_plot)(result["summary"], out_dir / ("long_context.png" if context
                                                                               else "speedup.png"))

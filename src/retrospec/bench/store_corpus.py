@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import sys
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 
 DEFAULT_NQ_DIR = "../shared/data/nq_open"  # relative to the repository root, where the bench commands run
@@ -106,101 +106,88 @@ def build_store_corpus(tokenizer, *, nq_dir: str | Path = DEFAULT_NQ_DIR, code_t
     if chat_tokens and not getattr(tokenizer, "chat_template", None):
         raise RetrospecError("chat turns need a tokenizer with a chat template (or chat_tokens=0)")
 
-    def count(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
     rng = random.Random(seed)
     rows: list[dict] = []
 
-    # code
-    if stdlib_texts is None:
-        root = stdlib_root()
-        files = stdlib_files("train")
-        rng.shuffle(files)
-        sources = ((p.relative_to(root).as_posix(), p) for p in files)
-    else:
-        sources = iter(stdlib_texts)
-    used = 0
-    for ref, src in sources:
-        if used >= code_tokens:
-            break
+    def row(text: str, source: str, ref: str) -> dict:
+        return {"text": text, "source": source, "ref": ref,
+                "tokens": len(tokenizer(text, add_special_tokens=False)["input_ids"])}
+
+    def take(items, budget: int, make) -> None:
+        """Rows ``make(item)`` (None: skip the item) appended until ``budget`` tokens are used."""
+        used = 0
+        for item in items:
+            if used >= budget:
+                break
+            r = make(item)
+            if r is not None:
+                rows.append(r)
+                used += r["tokens"]
+
+    def code_row(item) -> dict | None:
+        ref, src = item
         if isinstance(src, Path):
             try:
                 src = src.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
-                continue
+                return None
         piece = code_piece(src, rng, piece_chars)
-        if piece is None:
-            continue
-        n = count(piece)
-        rows.append({"text": piece, "source": "code", "ref": ref, "tokens": n})
-        used += n
+        return None if piece is None else row(piece, "code", ref)
+
+    if stdlib_texts is None:
+        root = stdlib_root()
+        files = stdlib_files("train")
+        rng.shuffle(files)
+        stdlib_texts = ((p.relative_to(root).as_posix(), p) for p in files)
+    take(stdlib_texts, code_tokens, code_row)
+    if not (passage_tokens or chat_tokens):
+        return rows
 
     # NQ-open: passages and chat turns from disjoint rows >= skip, away from the bench's rows
-    if passage_tokens or chat_tokens:
-        nq = Path(nq_dir)
-        passages = _jsonl(nq / "passages.jsonl")
-        by_id = {p["id"]: p for p in passages}
-        held_texts = {p["text"] for p in passages[:skip]}
-        held_titles = {p.get("title") for p in passages[:skip]} - {None, ""}
-        usable = [p for p in passages[skip:] if p["text"] not in held_texts and p.get("title") not in held_titles
-                  and p["text"].strip()]
-        usable_ids = {p["id"] for p in usable}
-        rng.shuffle(usable)
-        taken: set[str] = set()
+    nq = Path(nq_dir)
+    passages = _jsonl(nq / "passages.jsonl")
+    by_id = {p["id"]: p for p in passages}
+    held_texts = {p["text"] for p in passages[:skip]}
+    held_titles = {p.get("title") for p in passages[:skip]} - {None, ""}
+    usable = [p for p in passages[skip:] if p["text"] not in held_texts and p.get("title") not in held_titles
+              and p["text"].strip()]
+    usable_ids = {p["id"] for p in usable}
+    rng.shuffle(usable)
+    taken: set[str] = set()
 
-        if chat_tokens:
-            questions = _jsonl(nq / "questions.jsonl")[skip:]
-            rng.shuffle(questions)
-            used = 0
-            for q in questions:
-                if used >= chat_tokens:
-                    break
-                pid = q.get("gold_passage")
-                if pid not in usable_ids or pid in taken or not str(q.get("question", "")).strip():
-                    continue
-                answer = first_sentences(by_id[pid]["text"], answer_chars)
-                text = tokenizer.apply_chat_template([{"role": "user", "content": q["question"]},
-                                                      {"role": "assistant", "content": answer}], tokenize=False)
-                n = count(text)
-                rows.append({"text": text, "source": "chat", "ref": q["id"], "tokens": n})
-                taken.add(pid)
-                used += n
+    def chat_row(q: dict) -> dict | None:
+        pid = q.get("gold_passage")
+        if pid not in usable_ids or pid in taken or not str(q.get("question", "")).strip():
+            return None
+        taken.add(pid)
+        answer = first_sentences(by_id[pid]["text"], answer_chars)
+        return row(tokenizer.apply_chat_template([{"role": "user", "content": q["question"]},
+                                                  {"role": "assistant", "content": answer}], tokenize=False),
+                   "chat", q["id"])
 
-        used = 0
-        for p in usable:
-            if used >= passage_tokens:
-                break
-            if p["id"] in taken:
-                continue
-            n = count(p["text"])
-            rows.append({"text": p["text"], "source": "passage", "ref": p["id"], "tokens": n})
-            taken.add(p["id"])
-            used += n
-        rows.sort(key=lambda r: ("code", "passage", "chat").index(r["source"]))  # stable: keeps each part's order
+    def passage_row(p: dict) -> dict | None:
+        if p["id"] in taken:
+            return None
+        taken.add(p["id"])
+        return row(p["text"], "passage", p["id"])
+
+    if chat_tokens:
+        questions = _jsonl(nq / "questions.jsonl")[skip:]
+        rng.shuffle(questions)
+        take(questions, chat_tokens, chat_row)
+    take(usable, passage_tokens, passage_row)
+    rows.sort(key=lambda r: ("code", "passage", "chat").index(r["source"]))  # stable: keeps each part's order
     return rows
-
-
-def summarize(rows: list[dict]) -> dict:
-    parts: dict[str, dict] = {}
-    for r in rows:
-        s = parts.setdefault(r["source"], {"documents": 0, "tokens": 0})
-        s["documents"] += 1
-        s["tokens"] += r["tokens"]
-    return {"documents": len(rows), "tokens": sum(r["tokens"] for r in rows), "parts": parts}
 
 
 def write_store_corpus(out: str | Path, tokenizer, **kwargs) -> dict:
     """Write the corpus to ``out`` (jsonl, atomically); returns the summary."""
     rows = build_store_corpus(tokenizer, **kwargs)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for r in rows:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(out)
-    return summarize(rows)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    parts = {s: [r["tokens"] for r in rows if r["source"] == s] for s in dict.fromkeys(r["source"] for r in rows)}
+    return {"documents": len(rows), "tokens": sum(r["tokens"] for r in rows),
+            "parts": {s: {"documents": len(t), "tokens": sum(t)} for s, t in parts.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,14 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
-        from transformers import AutoTokenizer
-
-        from ..models import model_dir
+        from ..models import _load_tokenizer, model_dir
 
         path = model_dir(args.target)
-        if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        tokenizer = _load_tokenizer(path) if path.is_dir() else None
+        if tokenizer is None:
             raise RetrospecError(f"{args.target} ({path}) has no tokenizer files")
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         summary = write_store_corpus(args.out, tokenizer, nq_dir=args.nq_dir, code_tokens=args.code_tokens,
                                      passage_tokens=args.passage_tokens, chat_tokens=args.chat_tokens,
                                      skip=args.skip, seed=args.seed)

@@ -36,8 +36,7 @@ def _mean(xs: list) -> float | None:
 
 def _max_of(runs: list[dict], key: str) -> int | None:
     """The largest ``stats[key]`` over runs; None when no run measured it (hf-* rows)."""
-    values = [r["stats"].get(key) for r in runs if r["stats"].get(key) is not None]
-    return max(values) if values else None
+    return max((v for r in runs if (v := r["stats"].get(key)) is not None), default=None)
 
 
 def common(rs: list[dict], base: list[dict]) -> dict:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import ast
 import bisect
 import functools
+import itertools
 import json
 import uuid
 from collections.abc import Callable
@@ -93,26 +94,10 @@ def heldout_prompts(n: int = 20, context_lines: int = 12) -> list[dict]:
 
     Functions are taken in a fixed order spread across the held-out files; the model continues the body.
     """
-    root = stdlib_root()
-    candidates: list[dict] = []
-    for path in stdlib_files("heldout"):
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError):
-            continue
-        lines = source.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
-                continue
-            doc = ast.get_docstring(node)
-            first = node.body[0]
-            if doc is None or len(node.body) < 3 or first.end_lineno is None:
-                continue
-            start = max(0, node.lineno - 1 - context_lines)
-            prompt = "".join(lines[start:first.end_lineno])
-            candidates.append({"prompt": prompt, "source": f"{path.relative_to(root)}:{node.lineno}",
-                               "entry_point": node.name})
+    candidates = [{"prompt": _function_prefix(text, header, body_start, context_lines), "source": f"{rel}:{header + 1}",
+                   "entry_point": name}
+                  for files in _package_sources().values() for rel, text in files
+                  for body_start, header, _, name in _functions(text)]
     if not candidates:
         raise RetrospecError("no held-out prompts could be built from the standard library")
     stride = max(1, len(candidates) // n)
@@ -240,9 +225,7 @@ def _cut(tokenizer, files: list[_SourceFile], goal: int, lo: int, hi: int, near:
     offset = 0
     for f in files:
         lines = f.text.splitlines(keepends=True)
-        starts = [0]
-        for line in lines[:-1]:
-            starts.append(starts[-1] + len(line))
+        starts = [0, *itertools.accumulate(map(len, lines[:-1]))]
         body = set(f.body_lines)
         first = int(f.text.startswith("# file: "))
         cuts += [(offset + starts[ln], f, ln, ln in body) for ln in range(first + 1, len(lines)) if lines[ln].strip()]
@@ -266,20 +249,12 @@ def _cut(tokenizer, files: list[_SourceFile], goal: int, lo: int, hi: int, near:
             exact = _count(tokenizer, doc[: cuts[i][0]])
             if lo <= exact <= hi and (tol is None or abs(exact - goal) <= tol):
                 return _row(doc, files, cuts[i], exact)
-    # exact counts drifted from the estimates: binary search over the cut points by exact count
-    lo_i, hi_i, best = 0, len(cuts) - 1, None
-    while lo_i <= hi_i:
-        mid = (lo_i + hi_i) // 2
-        exact = _count(tokenizer, doc[: cuts[mid][0]])
-        if exact <= hi:
-            if exact >= lo:
-                best = (mid, exact)
-            lo_i = mid + 1
-        else:
-            hi_i = mid - 1
-    if best is None:
+    # exact counts drifted from the estimates: the last cut within hi tokens, by binary search over exact counts
+    i = bisect.bisect_right(range(len(cuts)), hi, key=lambda j: _count(tokenizer, doc[: cuts[j][0]])) - 1
+    exact = _count(tokenizer, doc[: cuts[i][0]]) if i >= 0 else -1
+    if not lo <= exact <= hi:
         raise RetrospecError(f"could not cut a held-out source prompt of {lo}-{hi} target tokens")
-    return _row(doc, files, cuts[best[0]], best[1])
+    return _row(doc, files, cuts[i], exact)
 
 
 def _row(doc: str, files: list[_SourceFile], cut: tuple, tokens: int) -> dict:
@@ -321,17 +296,6 @@ def _counter(tokenizer) -> CountFn:
         return [len(x) for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]] if texts else []
 
     return count
-
-
-def _fill(pieces: list[str], sizes: list[int], budget: int) -> int:
-    """How many leading pieces fit in ``budget`` tokens (at least one)."""
-    total, n = 0, 0
-    for s in sizes:
-        if total + s > budget and n:
-            break
-        total += s
-        n += 1
-    return n
 
 
 def _uuid(rng: np.random.Generator) -> str:
@@ -384,11 +348,6 @@ def _person(rng, used: set[str]) -> str:
             return name
 
 
-def _fact_doc(i: int, name: str, a: dict) -> str:
-    return (f"Document {i}: {name}\n{name} was born in {a['city']}. {name} works as a {a['job']}. "
-            f"The favourite colour of {name} is {a['colour']}. {name} has a pet {a['pet']}.\n\n")
-
-
 QUESTIONS = {
     "city": ("In which city was {n} born?", "{n} was born in"),
     "job": ("What does {n} work as?", "{n} works as a"),
@@ -400,14 +359,13 @@ QUESTIONS = {
 def _facts(rng, budget: int, count: CountFn) -> dict:
     used: set[str] = set()
     budget -= 40  # room for the question (about 25 tokens), which is drawn after the haystack
-    docs, people = [], []
-    per_doc = None
-    total = 0
+    docs, people, total = [], [], 0
     while True:
         name = _person(rng, used)
         a = {"city": str(rng.choice(CITIES)), "job": str(rng.choice(JOBS)), "colour": str(rng.choice(COLOURS)),
              "pet": str(rng.choice(PETS))}
-        doc = _fact_doc(len(docs) + 1, name, a)
+        doc = (f"Document {len(docs) + 1}: {name}\n{name} was born in {a['city']}. {name} works as a {a['job']}. "
+               f"The favourite colour of {name} is {a['colour']}. {name} has a pet {a['pet']}.\n\n")
         per_doc = count([doc])[0]
         if total + per_doc > budget and docs:
             break
@@ -443,22 +401,22 @@ def _package_sources() -> dict[str, list[tuple[str, str]]]:
 
 
 @functools.lru_cache(maxsize=256)
-def _functions(source: str) -> list[tuple[int, int, str]]:
-    """(first line index of the body, header line index, first body line) for documented multi-statement functions."""
+def _functions(source: str) -> list[tuple[int, int, str, str]]:
+    """(first line index after the docstring, header line index, first body line, name) for documented functions of
+    at least three statements."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
     lines = source.splitlines()
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(node.body) >= 3:
-            if ast.get_docstring(node) is None or node.body[0].end_lineno is None:
-                continue
-            body_line = lines[node.body[1].lineno - 1].strip()
-            if len(body_line) >= 8:
-                out.append((node.body[0].end_lineno, node.lineno - 1, body_line))
-    return out
+    return [(node.body[0].end_lineno, node.lineno - 1, lines[node.body[1].lineno - 1].strip(), node.name)
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and len(node.body) >= 3 and ast.get_docstring(node) is not None and node.body[0].end_lineno is not None]
+
+
+def _function_prefix(text: str, header: int, body_start: int, context_lines: int) -> str:
+    """A function's header and docstring with ``context_lines`` lines before it."""
+    return "".join(text.splitlines(keepends=True)[max(0, header - context_lines): body_start])
 
 
 def _repo(rng, budget: int, count: CountFn, prefix_lines: int = 12) -> dict:
@@ -468,32 +426,31 @@ def _repo(rng, budget: int, count: CountFn, prefix_lines: int = 12) -> dict:
     big = [p for p in names if sizes[p] / 3.0 > budget] or [max(names, key=sizes.get)]
     pkg = str(rng.choice(big))
     files = packages[pkg]
-    candidates = [(path, text, f) for path, text in files for f in _functions(text)]
+    candidates = [(path, text, f) for path, text in files for f in _functions(text) if len(f[2]) >= 8]
     if not candidates:
         raise RetrospecError(f"no completable functions in held-out package {pkg}")
+
     def query(c) -> str:
-        path, text, (body_start, header, _) = c
-        lines = text.splitlines(keepends=True)
-        return f"# file: {path}\n" + "".join(lines[max(0, header - prefix_lines): body_start])
+        path, text, (body_start, header, _, _) = c
+        return f"# file: {path}\n" + _function_prefix(text, header, body_start, prefix_lines)
 
     # a function whose in-file prefix (the query) takes at most a quarter of the budget
     order = [int(j) for j in rng.permutation(len(candidates))][:64]
     sizes = count([query(candidates[j]) for j in order])
     fitting = [j for j, n in zip(order, sizes) if n <= budget // 4]
     pick = fitting[0] if fitting else order[int(np.argmin(sizes))]
-    path, text, (body_start, header, answer) = candidates[pick]
+    path, text, (body_start, header, answer, _) = candidates[pick]
     prompt = query(candidates[pick])
     budget -= count([prompt])[0]
     others = [(p, t) for p, t in files if p != path]
-    order = rng.permutation(len(others))
     chosen, total = [], 0
-    for j in order:
+    for j in rng.permutation(len(others)):
         p, t = others[int(j)]
         block = f"# file: {p}\n{t}\n"
         n = count([block])[0]
         if total + n > budget:
             body = block.splitlines(keepends=True)
-            k = _fill(body, count(body), budget - total)
+            k = bisect.bisect_right(list(itertools.accumulate(count(body))), budget - total)  # lines that fit
             if k > 1:
                 chosen.append((p, "".join(body[:k])))
             break
@@ -518,15 +475,12 @@ def make_tasks(kind: str, context_tokens: int, n: int, seed: int, tokenizer) -> 
     from transformers.utils import logging as hf_logging
 
     count = _counter(tokenizer)
-    rows = []
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # counting tokens of texts longer than the tokenizer's nominal maximum is fine
     try:
-        for i in range(n):
-            rows.append(_make_row(kind, context_tokens, seed, i, count))
+        return [_make_row(kind, context_tokens, seed, i, count) for i in range(n)]
     finally:
         hf_logging.set_verbosity(verbosity)
-    return rows
 
 
 def _make_row(kind: str, context_tokens: int, seed: int, i: int, count: CountFn) -> dict:

@@ -51,7 +51,7 @@ def run(args) -> int:
     from ..bench.labels import parse_label
     from ..bench.tasks import load_prompts, preset, preset_max_tokens
     from ..config import DecodeConfig, SamplingConfig
-    from ..models import check_same_vocab, default_target, load_model, paired_draft
+    from ..models import paired_draft
 
     if args.limit is not None and args.limit <= 0:
         raise RetrospecError(f"--limit must be > 0, got {args.limit}")
@@ -61,24 +61,21 @@ def run(args) -> int:
         raise RetrospecError(f"--gamma must be >= 1, got {args.gamma}")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     DecodeConfig(max_new_tokens=args.max_new_tokens)  # validates
+    common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma, warmup=not args.no_warmup,
+                  gating=False if args.no_gating else None)
     rows = load_context_rows(args.prompts) if args.prompts else None
     if rows is not None:  # rows with a context: long-context labels, lc the baseline
         if args.chat:
             raise RetrospecError("--chat applies to prompt rows; long-context rows already use the chat "
                                  "template when the model has one (--no-chat-template turns it off)")
-        return _finish(args, *_context_run(args, rows, sampling))
+        return _finish(args, _context_run(args, rows[: args.limit], common), "long_context.png")
     if args.pld_k < 1 or args.pld_ngram < 1:
         raise RetrospecError("--pld-k and --pld-ngram must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    target = load_model(default_target() if args.target is None else args.target, role="target")
-    draft_src = args.draft
     needs_draft = any(m in SPECS and SPECS[m].draft == "lm" or m.startswith("hf-assisted")
                       for m in (parse_label(label).method for label in methods))
-    if draft_src is None and needs_draft:
-        draft_src = paired_draft(args.target)  # default/named target: its paired draft
-    draft = load_model(draft_src, role="draft") if draft_src is not None else None
-    if draft is not None:
-        check_same_vocab(target, draft)
+    # default/named target: its paired draft
+    target, draft = _models(args, paired_draft(args.target) if args.draft is None and needs_draft else args.draft)
     if target.tokenizer is None:
         raise RetrospecError(f"target {target.path} has no tokenizer files")
     methods = validate_methods(methods, has_draft=draft is not None)
@@ -95,20 +92,26 @@ def run(args) -> int:
     longspec_src = _longspec_options(args, methods, target, options)
     prompts = (load_prompts(args.prompts) if args.prompts
                else preset(args.preset, args.limit or 20, tokenizer=target.tokenizer))
-    if args.limit:
-        prompts = prompts[: args.limit]
-    cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
-                      pld_k=args.pld_k, pld_ngram=args.pld_ngram, warmup=not args.no_warmup,
-                      method_options=options, chat=args.chat, gating=False if args.no_gating else None,
-                      longspec_draft=longspec_src)
-    return _finish(args, run_bench(target, draft, prompts, cfg), "speedup.png")
+    cfg = BenchConfig(methods=methods, pld_k=args.pld_k, pld_ngram=args.pld_ngram, method_options=options,
+                      chat=args.chat, longspec_draft=longspec_src, **common)
+    return _finish(args, run_bench(target, draft, prompts[: args.limit], cfg), "speedup.png")
 
 
-def _context_run(args, rows: list[dict], sampling) -> tuple[dict, str]:
+def _models(args, draft_src):
+    """The target (``--target``, else the default) and the draft (``draft_src``, None: no draft), same vocabulary."""
+    from ..models import check_same_vocab, default_target, load_model
+
+    target = load_model(default_target() if args.target is None else args.target, role="target")
+    draft = load_model(draft_src, role="draft") if draft_src is not None else None
+    if draft is not None:
+        check_same_vocab(target, draft)
+    return target, draft
+
+
+def _context_run(args, rows: list[dict], common: dict) -> dict:
     from ..bench.harness import BenchConfig, run_bench
     from ..bench.labels import parse_label
     from ..long_requests import LongContextOptions
-    from ..models import check_same_vocab, default_target, load_model
     from .long_args import long_context_kwargs
 
     spec = args.methods if args.methods != args.default_methods else DEFAULT_CONTEXT_METHODS
@@ -116,15 +119,8 @@ def _context_run(args, rows: list[dict], sampling) -> tuple[dict, str]:
     for m in methods:
         parse_label(m, context=True)  # a bad label fails before any model loads
     options = LongContextOptions.pop_from(long_context_kwargs(args, knobs=True))
-    target = load_model(args.target or default_target(), role="target")
-    draft = load_model(args.draft, role="draft") if args.draft else None
-    if draft is not None:
-        check_same_vocab(target, draft)
-    if args.limit:
-        rows = rows[: args.limit]
-    cfg = BenchConfig(methods=methods, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma,
-                      options=options, warmup=not args.no_warmup, gating=False if args.no_gating else None)
-    return run_bench(target, draft, rows, cfg), "long_context.png"
+    target, draft = _models(args, args.draft or None)
+    return run_bench(target, draft, rows, BenchConfig(methods=methods, options=options, **common))
 
 
 def _finish(args, result: dict, chart: str) -> int:

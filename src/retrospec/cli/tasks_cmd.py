@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def add_parser(sub) -> None:
     from ..bench.tasks import TASKS
@@ -25,18 +23,14 @@ def add_parser(sub) -> None:
 def run_make(args) -> int:
     from ..bench.tasks import make_tasks, write_jsonl
     from ..errors import RetrospecError
-    from ..models import default_target
-    from ..models import model_dir
+    from ..models import _load_tokenizer, default_target, model_dir
 
     src = model_dir(args.tokenizer) if args.tokenizer else default_target()
     if not src.is_dir():
         raise RetrospecError(f"tokenizer directory not found: {src}")
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
-    except Exception as exc:
-        raise RetrospecError(f"could not load a tokenizer from {src}: {str(exc).splitlines()[0]}") from exc
+    tok = _load_tokenizer(src)  # RetrospecError when the files are there but do not load
+    if tok is None:
+        raise RetrospecError(f"no tokenizer files in {src}")
     tok.model_max_length = 1 << 30  # counting only; silences the over-length warning
     rows = make_tasks(args.kind, args.context_tokens, args.n, args.seed, tok)
     write_jsonl(rows, args.out)
