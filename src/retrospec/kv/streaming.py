@@ -1,8 +1,8 @@
 """StreamingLLM KV cache: attention sinks + a recent window (Xiao et al., ICLR 2024), for MagicDec's drafter (Chen et
-al., 2024: "MagicDec: breaking the latency-throughput tradeoff for long context generation with speculative
-decoding"). ``SinkWindowCache`` keeps the keys/values of the first ``sink`` and the ``window`` most recent committed positions
-in a transformers ``DynamicCache`` (``.cache``). Keys keep RoPE at their original positions and new queries use
-their true ``position_ids``; transformers computes the mask from cache indices, which a compressed cache needs.
+al., 2024: "MagicDec: breaking the latency-throughput tradeoff for long context generation with speculative decoding").
+``SinkWindowCache`` keeps the keys/values of the first ``sink`` and the ``window`` most recent committed positions in a
+transformers ``DynamicCache`` (``.cache``). Keys keep RoPE at their original positions and new queries use their true
+``position_ids``; transformers computes the mask from cache indices, which a compressed cache needs.
 ``from_layers`` starts from another cache's sink and window slices (the target's prefill); the drafter appends and
 marks committed tokens (``mark_committed``), appends draft tokens, ``rollback``s them before the next step, and
 ``evict``s committed entries between the sinks and the window.
