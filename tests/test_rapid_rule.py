@@ -13,8 +13,8 @@ import torch
 from scipy import stats as sps
 
 from retrospec.acceptance import GreedyMatch, RejectionSampling
-from retrospec.acceptance_rapid import (RetrievalAugmentedRule, augmented_target, make_rapid_rule,
-                                        rapid_token_distribution, recovery_distribution)
+from retrospec.acceptance_rapid import (TAIL, RetrievalAugmentedRule, augmented_target, make_rapid_rule,
+                                        recovery_distribution)
 from retrospec.config import SamplingConfig
 from retrospec.errors import RetrospecError
 from retrospec.types import DraftTree
@@ -22,6 +22,13 @@ from retrospec.types import DraftTree
 V = 8
 N_DRAWS = 20_000
 ALPHA = 1e-3
+
+
+def rapid_token_distribution(p: torch.Tensor, q: torch.Tensor, eta: float, tail: float = TAIL) -> torch.Tensor:
+    """The analytic distribution of the token one RAPID step commits at a position where x ~ q was drafted."""
+    p_hat = augmented_target(p, q, eta, tail)
+    accepted = torch.minimum(q, p_hat)  # P(draft y and accept it)
+    return accepted + (1.0 - accepted.sum()) * recovery_distribution(p, p_hat, q)
 
 
 def _world(seed: int = 0):

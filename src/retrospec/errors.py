@@ -1,8 +1,5 @@
-"""User-facing errors.
-
-``RetrospecError`` is raised for anything a user can cause (bad paths, mismatched tokenizers, bad knobs, empty or
-over-long input, corrupt stores). The CLI turns it into one line on stderr and exit code 2; library callers can
-catch it. Programming errors stay ordinary exceptions with tracebacks.
+"""User-facing errors: ``RetrospecError`` for anything a user can cause (bad paths, knobs or input, mismatched
+tokenizers, corrupt stores); the CLI prints it as one line and exits 2. Programming errors stay ordinary exceptions.
 """
 
 

@@ -1,36 +1,30 @@
 """Gating: per request, draft only as much as pays, down to no draft at all (issue 11).
 
 A drafter that does not pay makes speculative decoding slower than plain decoding (an out-of-distribution REST
-store: 0.4x; RAPID self-speculation on items it never agrees on: 0.15x). The gate picks, before every step, the
-node budget handed to ``Drafter.propose`` from quantities the decode loop measures anyway:
+store: 0.4x; RAPID self-speculation on items it never agrees on: 0.15x). Before every step the gate picks the node
+budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
 
-- cost(b) = draft(b) + verify(n(b)). draft(b): seconds in ``propose`` with budget b, a moving average per budget
-  tried, linear between them (budget 0 drafts nothing). verify(n): seconds to verify, accept and commit n nodes
-  (n = 0: a plain decoding step), kept per target across requests (``GateProfile``, by context-length bucket,
-  linear between node counts seen) and measured once per bucket when unknown. n(b): the expected node count with
-  budget b (a drafter may propose fewer, e.g. prompt lookup without a match), estimated like E(b).
-- E(b): expected tokens committed per step with budget b. Every step with budget B also tells what a smaller
-  budget b <= B would have committed: the accepted path's nodes have increasing indices (parents precede their
-  children), so truncating the tree to its first b nodes keeps exactly the accepted nodes with index < b. This is
-  exact for chains (a shorter chain is a prefix of the longer one) and an approximation for trees (their nodes
-  come breadth-first; a drafter given b nodes picks its own b best, usually at least as good). E(b) = 1 + decayed mean of those counterfactual accepted counts, starting
-  from a half-step prior so one unlucky step does not close the gate: acceptance 0.5 per position for the first
-  budgets tried, and for a larger budget the estimates of the largest one known (more draft, no more tokens,
-  until its own steps show otherwise).
+- cost(b) = draft(b) + verify(n(b)). draft(b): moving average of seconds in ``propose`` per budget tried, linear
+  between them (budget 0 drafts nothing). verify(n): seconds to verify, accept and commit n nodes (n = 0: a plain
+  step), kept per target across requests (``GateProfile``, by context-length bucket, linear between node counts)
+  and measured once per bucket when unknown. n(b): expected node count with budget b, estimated like E(b).
+- E(b): expected tokens committed per step. A step with budget B also tells what any b <= B would have committed:
+  the accepted path's node indices increase (parents precede children), so the first b nodes keep exactly the
+  accepted nodes with index < b (exact for chains; for breadth-first trees an approximation). E(b) = 1 + decayed
+  mean of those counts, from a half-step prior so one unlucky step does not close the gate: acceptance 0.5 per
+  position for the first budgets, and a larger budget starts from the largest one known.
 
-Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried so far. At the top of what was tried, while
-the drafter fills its budget, the budget grows 4x (a ramp: 1, 4, 16, ... up to what the drafter proposes by
-itself, capped by the engine's room). Below the top, a probe step refreshes the estimates as often as its extra
-cost over a plain step fits in 3 % of plain decoding time (every 2 to 128 steps): at the top budget when that
-costs at most a quarter of a plain step more (cheap drafts), else at 2 b* (at least 1); a probe that becomes the
-best budget, or whose whole draft is accepted, is followed at once by the next one (2 b*, ...), so a request
-that turns speculable climbs back in a few steps. A request starts from the estimates of the last request of the same method on the same target (``GateProfile.carried``, each
-budget worth at most 1 step, so its own steps soon dominate); the very first one starts the ramp at 1.
+Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried. At the top of what was tried, while the
+drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the engine's room). Below the top, a probe
+refreshes the estimates as often as its extra cost over a plain step fits in 3 % of plain decoding time (every 2
+to 128 steps): at the top budget when that costs at most a quarter of a plain step more, else at 2 b* (at least 1);
+a probe that wins, or whose whole draft is accepted, is followed at once by the next one, so a request that turns
+speculable climbs back in a few steps. A request starts from the last request's estimates for the same method and
+target (``GateProfile.carried``, each budget worth at most 1 step); the very first one starts the ramp at 1.
 
-Invariant: gating changes only the budget handed to the drafter, i.e. what is drafted; acceptance is untouched,
-so greedy output stays token-identical to plain decoding and sampling stays exact (every draft length is valid
-for the acceptance rules). The decisions depend on wall-clock timings, so the drafted shapes (never the greedy
-output) can differ between runs; that is why seeded sampling runs ungated unless gating is asked for (``resolve``).
+Invariant: gating changes only the budget handed to the drafter; acceptance is untouched, so greedy output stays
+token-identical to plain decoding and sampling stays exact. Decisions follow wall-clock timings, so drafted shapes
+(never the greedy output) can differ between runs: seeded sampling runs ungated unless asked (``resolve``).
 """
 
 from __future__ import annotations
@@ -51,9 +45,8 @@ CHEAP_PROBE = 0.25  # a probe at the top budget costing at most this share of a 
 
 
 def resolve(gating: bool | None, sampling) -> bool:
-    """The gating default (``gating=None``): on, except for seeded sampling. A seed promises the same sample on
-    every run; the gate's budgets follow wall-clock timings, and with rejection sampling a different draft shape
-    consumes the random stream differently (same distribution, different sample). Explicit True/False wins."""
+    """``gating=None``: on, except for seeded sampling (timing-driven draft shapes would consume the random stream
+    differently: same distribution, another sample). Explicit True/False wins."""
     if gating is None:
         return sampling.greedy or sampling.seed is None
     return bool(gating)
@@ -65,8 +58,7 @@ def _bucket(context_tokens: int) -> int:
 
 
 class Curve(dict):
-    """Measured points x -> seconds, read piecewise-linearly (``at``); the sorted keys are kept as points arrive,
-    so a read is a binary search, not a sort (``Gate.rates`` reads every budget on every step)."""
+    """Measured points x -> seconds, read piecewise-linearly (``at``); keys kept sorted for a binary search."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -106,9 +98,8 @@ class GateProfile:
         self.verify_s.setdefault(_bucket(context_tokens), Curve()).ema(nodes, seconds)
 
     def verify_cost(self, context_tokens: int, nodes: float) -> float | None:
-        """Seconds to verify ``nodes`` draft nodes (0 = a plain decoding step), or None if the bucket has no plain
-        step yet. Beyond the node counts this bucket measured, the nearest bucket that measured them lends its
-        ratio to its own plain step (a context that just crossed a bucket boundary keeps what it learned)."""
+        """Seconds to verify ``nodes`` nodes (0 = a plain step); None before the bucket's first plain step. Beyond
+        this bucket's node counts, the nearest bucket that measured them lends its ratio to its plain step."""
         here = _bucket(context_tokens)
         table = self.verify_s.get(here, Curve())
         if 0 not in table:
@@ -125,9 +116,7 @@ _PROFILES: "weakref.WeakKeyDictionary[object, GateProfile]" = weakref.WeakKeyDic
 
 
 def profile_for(target) -> GateProfile:
-    """The shared ``GateProfile`` of a target module (created on first use; dropped with the module). A new one
-    starts from the verification costs ``retrospec profile`` saved for this model's shapes on this machine, when
-    there are some (``saved_verify_costs``), instead of measuring them from scratch in each process."""
+    """The shared ``GateProfile`` of a target module (dropped with it), seeded from ``saved_verify_costs``."""
     prof = _PROFILES.get(target)
     if prof is None:
         prof = _PROFILES[target] = GateProfile()
@@ -137,8 +126,8 @@ def profile_for(target) -> GateProfile:
 
 
 def saved_profile_path(target):
-    """Where ``retrospec profile`` keeps its measurements for ``target``'s shapes on this machine (the engine plan's
-    key: machine, torch, threads, dtype, shapes), or None for a model without decoder/head accessors."""
+    """Where ``retrospec profile`` keeps its measurements for ``target``'s shapes on this machine (keyed like the
+    engine plan), or None for a model without decoder/head accessors."""
     from .fastpath.plan import model_plan_key
     from .paths import cache_home
 
@@ -185,8 +174,7 @@ class Gate:
         return 1.0 if b == 0 else 1.0 + self.acc[b] / self.wgt[b]
 
     def step_cost(self, b: int) -> float | None:
-        """Estimated seconds per step with budget b: drafting (measured or interpolated between tried budgets)
-        plus verifying the expected number of nodes (the target's verify timings)."""
+        """Estimated seconds per step with budget b: drafting plus verifying the expected node count."""
         if b >= len(self.wgt):
             return None
         nodes = 0.0 if b == 0 else self.nodes[b] / self.wgt[b]
@@ -195,9 +183,8 @@ class Gate:
         return None if verify is None or draft is None else draft + verify
 
     def rates(self) -> dict[int, float]:
-        """Estimated tokens per second for budget 0 and every budget up to the top tried. Tokens per step never
-        fall as the budget grows (a larger draft contains the smaller one), so a budget whose own estimate is
-        older and lower than a smaller budget's takes the smaller one's."""
+        """Estimated tokens per second for budgets 0..top; tokens per step never fall as the budget grows (a
+        larger draft contains the smaller one)."""
         out, tokens = {}, 1.0
         for b in range(0, self.top + 1):
             tokens = max(tokens, self.expected_tokens(b))
@@ -226,9 +213,7 @@ class Gate:
         return self._probe(room, best)
 
     def _probe(self, room: int, best: int) -> int:
-        """``best``, or every so often a probe: at the top budget when that costs little over a plain step
-        (cheap drafts: prompt lookup, retrieval), else at 2 best (at least 1); as often as the probe's extra cost
-        over plain decoding fits in ``PROBE_OVERHEAD``."""
+        """``best``, or every so often a probe (module docstring)."""
         plain = self.profile.verify_cost(self.context, 0) or 0.0
         if plain <= 0:
             return min(room, best)
@@ -254,8 +239,7 @@ class Gate:
     # ---- feedback --------------------------------------------------------------------------------------------
     def update(self, budget: int, nodes: int, accepted_nodes: list[int], draft_s: float, verify_s: float,
                context_tokens: int) -> None:
-        """One step's outcome: the budget given, the tree's node count, the accepted path (node indices, root to
-        leaf), the seconds spent drafting and verifying (verify + accept + commit)."""
+        """One step's outcome: budget, node count, accepted path (node indices), seconds drafting and verifying."""
         self.profile.record_verify(context_tokens, nodes, verify_s)
         self.last_full = nodes > 0 and nodes == budget and len(accepted_nodes) == nodes
         if not self.enabled or budget == 0:
@@ -286,8 +270,7 @@ class Gate:
             self.wgt[b] = DECAY * self.wgt[b] + 1.0
 
     def finish(self) -> None:
-        """Hand this request's estimates to the next request of the same drafter on this target, each budget's
-        weight capped at ``CARRY_WEIGHT`` steps so the next request's own steps soon dominate."""
+        """Hand this request's estimates to the next one of this drafter and target, capped at ``CARRY_WEIGHT``."""
         if not (self.enabled and self.top > 0):
             return
         scale = [min(1.0, CARRY_WEIGHT / w) if w > 0 else 1.0 for w in self.wgt]

@@ -1,12 +1,9 @@
 """Model and tokenizer identity: fingerprints recorded in every built artefact and checked at load (bottom rank).
 
-``model_identity`` hashes what a model computes (its config without volatile keys, and a per-tensor RMS digest of
-its weights), so a datastore, a LongSpec block or an adapter built for one model is refused for another, whatever the
-path it was loaded from. ``tokenizer_fingerprint`` hashes the vocabulary (token string -> id).
-
-Invariants: the same checkpoint loaded in float32 or float16 gets the same identity; identities are cached per model
-object in a weak dictionary (a freed model leaves no entry, so a new model at the same address is hashed anew).
-Imports nothing from retrospec.
+``model_identity`` hashes what a model computes (config without volatile keys, per-tensor RMS digest of the
+weights), so an artefact built for one model is refused for another whatever its path. ``tokenizer_fingerprint``
+hashes the vocabulary. Invariants: float32 and float16 loads of one checkpoint get the same identity; identities
+are cached weakly per model object. Imports nothing from retrospec.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ _MODEL_IDS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKey
 
 
 def model_identity(model: torch.nn.Module) -> dict:
-    """``config_hash`` (config without volatile keys) and ``weights_digest`` (per-tensor RMS, 4 significant digits,
-    so the same checkpoint loaded in float32 or float16 gets the same digest). Cached per model object."""
+    """``config_hash``, ``weights_digest`` (per-tensor RMS, 4 significant digits) and their ``fingerprint``."""
     if model in _MODEL_IDS:
         return _MODEL_IDS[model]
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}

@@ -12,14 +12,10 @@ RAPID (Chen, Feng, Ni, Li, Shieh, ICML 2025) and its baselines differ only in th
 |          |                                |                                                 | RAPID's p_hat (LOSSY)  |
 
 The draft LM defaults to the target itself (self-speculation); any causal LM with the target's vocabulary works
-(a larger one = upward speculation). Templates (``ContextTemplate``) format ``{context}`` and ``{query}``; when the
-tokenizer has a chat template, the formatted text becomes one user message rendered with it (``chat=False`` turns
-that off). Retrieval (``retrieval.context_retrieval``) is timed and reported as ``retrieval_s`` / ``retrieved_tokens``.
-
-By default the target verifies with ``attention.prefix_block`` (the long cached prefix without a mask plus a small
-causal block for the new tokens; exact, and much cheaper than transformers' masked ``sdpa`` path on CPU), on the
-engine's private copy of the target (``fastpath``; the loaded model is never changed); ``prefix_attention=False``
-verifies with the target as it is (``Request.fastpath = "off"``: transformers' ``sdpa``).
+(a larger one = upward speculation). ``ContextTemplate`` formats ``{context}`` and ``{query}``, as one user message
+under the tokenizer's chat template when it has one (``chat=False`` turns that off). Retrieval is timed and reported
+as ``retrieval_s`` / ``retrieved_tokens``. The target verifies on the engine's copy with ``attention.prefix_block``
+(exact, much cheaper than masked ``sdpa`` on CPU); ``prefix_attention=False`` runs the target as it is.
 """
 
 from __future__ import annotations
@@ -100,9 +96,8 @@ class LongContextOptions:
         return cls(**{k: v for k, v in given.items() if v is not None})
 
 
-# the options every request with a context takes: all of LongContextOptions (the retrieval knobs, the template;
-# also eta, sink and window, which only rapid / magicdec use: a run may set them for all its methods, and ``plan``
-# refuses eta > 0 for any method but rapid, as its rule changes the output)
+# the options every request with a context takes (eta, sink and window too: a run may set them for all its methods;
+# ``plan`` refuses eta > 0 for any method but rapid)
 CONTEXT_OPTIONS = tuple(LongContextOptions.__dataclass_fields__)
 
 
@@ -117,15 +112,13 @@ class LongContextPlan:
 
 def retrieve(method: str, context: str, query: str, tokenizer, options: LongContextOptions) -> Retrieved | None:
     """Run retrieval when ``method`` needs it (rag, rapid); None otherwise."""
-    if not spec_of(method).retrieval:
-        return None
-    return LongContextRetriever(tokenizer, options.embedder, options.retrieval).retrieve(context, query)
+    if spec_of(method).retrieval:
+        return LongContextRetriever(tokenizer, options.embedder, options.retrieval).retrieve(context, query)
 
 
 def plan(method: str, context: str, query: str, tokenizer, sampling: SamplingConfig,
          options: LongContextOptions | None = None, retrieved: Retrieved | None = None) -> LongContextPlan:
-    """Build the prompts, drafter options and rule of one long-context request. Pass ``retrieved`` to reuse one
-    retrieval for several methods over the same (context, query) (its time is then reported by each)."""
+    """Prompts, drafter options and rule of one long-context request; ``retrieved`` reuses one retrieval."""
     spec = spec_of(method)
     if spec.context == "never":
         raise RetrospecError(f"method {method!r} does not take a long context; use one of "

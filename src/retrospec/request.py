@@ -1,12 +1,8 @@
 """One fully resolved generation request: the hand-off from request preparation to the decode loop.
 
-``api.prepare`` (short prompts) and ``long_requests.prepare_long_request`` (a long context) both build a
-``Request``; ``api.GenerationStream`` and the bench harnesses run one. This module sits below both preparers so
-the dependency runs one way: api -> long_requests -> request (-> drafters, models, config).
-
-Contract: a ``Request`` holds loaded models, prompt token ids and validated configs only; nothing here reads text,
-applies templates or touches files. ``drafter()`` builds a fresh drafter from the method's spec (``drafters.registry``) for each run; ``options`` are
-the factory's keyword arguments, already checked against the spec by the preparer.
+``api.prepare`` and ``long_requests.prepare_long_request`` build one; ``run.Run`` runs it. The dependency runs one
+way: api -> long_requests -> request (-> drafters, models, config). A ``Request`` holds loaded models, prompt ids
+and validated configs only (no text, templates or files); ``options`` are the factory's checked keyword arguments.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ class Request:
         return self.target.eos_ids() if self.eos_ids is None else self.eos_ids
 
     def drafter(self):
-        """Build this request's drafter. Factories get the method options plus ``target`` (a ``LoadedModel``),
-        ``draft`` (a ``LoadedModel`` or None) and ``draft_model`` (the draft's torch module, or None)."""
-        opts = dict(self.options)
-        opts.update(target=self.target, draft=self.draft, draft_model=self.draft.model if self.draft else None)
-        return spec_of(self.method).build(**opts)
+        """A fresh drafter: the method options plus ``target``, ``draft`` (``LoadedModel`` or None) and
+        ``draft_model`` (the draft's torch module, or None)."""
+        models = {"target": self.target, "draft": self.draft, "draft_model": self.draft.model if self.draft else None}
+        return spec_of(self.method).build(**self.options | models)

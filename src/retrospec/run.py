@@ -1,18 +1,13 @@
 """The one way a prepared ``Request`` runs: the API (``api.GenerationStream``), every bench and the server use it.
 
-``Run(request)`` builds the request's drafter, runs the decode loop with the request's rule, gate, EOS ids and
-engine choice (``fastpath``), fills ``stats`` (a ``SpecStats`` that starts with the request's own info, e.g. long
-context's retrieval time), optionally reuses a prompt forward (``memo``: ``verify.PrefillMemo``), and applies stop
-strings on the text (``text.TextStream``: incremental detokenisation, OpenAI semantics).
-
-Invariants:
+``Run(request)`` builds the drafter, runs the decode loop with the request's rule, gate, EOS ids and engine, fills
+``stats``, optionally reuses a prompt forward (``memo``), and applies stop strings (``text.TextStream``). Invariants:
 - Iterating yields ``(token ids, text delta)`` per verification step; ``token_ids`` is everything committed and kept
-  (with stop strings, up to the token whose text completed one), ``text`` the final text after the run.
-- Closing the iterator (or breaking out of it) stops the decode loop and finishes the text: ``text`` and
-  ``stopped`` are final once iteration ends, however it ends.
-- The caller's target model leaves the call as it came in: the engine verifies on its private copy
-  (``fastpath.engine_for``), and the attention implementation of the model's config is restored around the run
-  whatever a component does with it (``_kept_as_is``).
+  (with stop strings, up to the token that completed one), ``text`` the final text.
+- However iteration ends (closing or breaking out of it included), the decode loop stops and ``text`` and
+  ``stopped`` are final.
+- The caller's model leaves as it came in: the engine verifies on a private copy, and the config's attention
+  implementation is restored around the run (``_kept_as_is``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Turning logits into the distribution that decoding samples from, and the seeded generator it samples with.
 
-``probs_from_logits`` applies temperature, then top-k, then top-p (nucleus), in that order, as Hugging Face's
-default logits processors do. Speculative decoding is lossless with respect to *this processed* distribution:
-the target's p and the draft's q are both processed with the same knobs before any acceptance test.
-
-Invariant: every random draw goes through the ``torch.Generator`` made here (``make_generator``), so a seed fixes the
-output. The draws themselves are made where they are used (``acceptance``: uniforms and an exponential race).
+``probs_from_logits`` applies temperature, then top-k, then top-p, as Hugging Face's default processors do.
+Speculative decoding is lossless with respect to *this processed* distribution (p and q get the same knobs).
+Invariant: every random draw goes through the ``torch.Generator`` of ``make_generator``, so a seed fixes the output.
 """
 
 from __future__ import annotations

@@ -26,12 +26,7 @@ def stdlib_root() -> Path:
 
 
 def _python_files(root: Path) -> list[Path]:
-    files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if _EXCLUDED_DIRS.intersection(rel.parts[:-1]):
-            continue
-        files.append(path)
+    files = [p for p in root.rglob("*.py") if not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

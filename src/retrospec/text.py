@@ -1,18 +1,15 @@
 """Text at the edges of the engine: encoding user text, and token ids back to final text with stop strings.
 
-The engine works on token ids only; this module is the one place that turns text into ids for a request and ids
-into the text a caller sees (the API, the server and the CLI all go through it).
+The one place that turns a request's text into ids and ids into the text a caller sees (API, server and CLI).
 
 Contracts:
 - ``encode(tokenizer, text)``: text that cannot be encoded (a lone surrogate such as ``"\\udcff"``, a non-string)
   is a user error (``RetrospecError``), never a tokenizer ``TypeError``.
-- ``TextStream``: token ids in, final text deltas out. Detokenisation is incremental: each push decodes a short
-  window (the tokens since the last emitted character plus a few before them, for context), never the whole output,
-  so a long generation costs O(new tokens) per step. A trailing U+FFFD (an incomplete UTF-8 character) is held back
-  until the next token completes it; the text before it is final. Stop strings follow OpenAI: the text ends where
-  the first stop string starts, the stop string itself is not returned, and a tail that may begin a stop string is
-  held back until it cannot. Deltas never change once returned; after ``finish`` they concatenate to ``sent``, the
-  final text.
+- ``TextStream``: token ids in, final text deltas out. Each push decodes a short window (new tokens plus a few
+  before them for context), so a long generation costs O(new tokens) per step. A trailing U+FFFD (an incomplete
+  UTF-8 character) is held back until completed. Stop strings follow OpenAI: the text ends where the first one
+  starts, and a tail that may begin one is held back until it cannot. Deltas never change once returned; after
+  ``finish`` they concatenate to ``sent``, the final text.
 """
 
 from __future__ import annotations
@@ -78,18 +75,13 @@ class TextStream:
                 self.text = full_text
         return self._emit(hold=False)
 
-    def stop_at(self) -> int | None:
-        """Index in ``text`` where the first stop string starts, or None."""
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
     def _emit(self, hold: bool) -> str:
         if self.stopped:
             return ""
         text = self.text
-        cut = self.stop_at()
-        if cut is not None:
-            self.stopped, text = True, text[:cut]
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]  # where stop strings start
+        if hits:
+            self.stopped, text = True, text[:min(hits)]
         elif hold:
             held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             text = text[: len(text) - held]

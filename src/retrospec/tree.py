@@ -45,11 +45,8 @@ def children_lists(parents: torch.Tensor) -> list[list[int]]:
 
 
 def merge_sequences(seqs: Sequence[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
-    """Merge candidate continuations into a prefix tree (trie) of at most ``max_nodes`` nodes.
-
-    Nodes are created in breadth-first order over the trie so that truncating to ``max_nodes`` keeps the
-    shallow nodes that are most likely to be accepted.
-    """
+    """Merge candidate continuations into a trie of at most ``max_nodes`` nodes, in breadth-first order (truncating
+    keeps the shallow nodes, the most likely to be accepted)."""
     children: list[dict[int, int]] = [{}]  # trie node 0 = root
     trie_tokens: list[int] = [-1]
     trie_parent: list[int] = [-1]
@@ -64,15 +61,9 @@ def merge_sequences(seqs: Sequence[Sequence[int]], max_nodes: int | None = None)
                 trie_tokens.append(int(tok))
                 trie_parent.append(node)
             node = nxt
-    order: list[int] = []
-    frontier = [0]
-    while frontier:
-        nxt_frontier = []
-        for node in frontier:
-            for child in children[node].values():
-                order.append(child)
-                nxt_frontier.append(child)
-        frontier = nxt_frontier
+    order = list(children[0].values())
+    for node in order:  # the list grows as it is read: a breadth-first queue
+        order.extend(children[node].values())
     if max_nodes is not None:
         order = order[:max_nodes]
     index = {trie: i for i, trie in enumerate(order)}
@@ -81,24 +72,13 @@ def merge_sequences(seqs: Sequence[Sequence[int]], max_nodes: int | None = None)
     return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 
-def path_to(parents: torch.Tensor, node: int) -> list[int]:
-    """Node indices from the root's child down to ``node``."""
-    path = []
-    par = parents.tolist()
-    while node >= 0:
-        path.append(node)
-        node = par[node]
-    return path[::-1]
-
-
 def frequency_trie(seqs, weights, max_nodes: int, presorted: bool = False) -> DraftTree:
     """REST's draft tree: the trie of weighted continuations, pruned to the ``max_nodes`` most frequent nodes.
 
-    ``seqs``: [S, L] int token ids, -1 after a sequence's end (duplicates allowed); ``weights``: [S] positive counts
-    (None = 1 each); ``presorted``: the rows are already in lexicographic order (as suffix-array samples are).
-    A node's count is the total weight of the sequences through it, so a child never outweighs its parent;
-    selecting nodes by (count desc, depth asc, lexicographic rank) therefore always keeps a node's parent, and the
-    result is a trie. Output order: by depth, then count desc, then token order (topological; deterministic).
+    ``seqs``: [S, L] token ids, -1 after a sequence's end; ``weights``: [S] positive counts (None = 1 each);
+    ``presorted``: rows already in lexicographic order (suffix-array samples). A child never outweighs its parent,
+    so selecting by (count desc, depth asc, lexicographic rank) keeps every node's parent. Output order: depth, then
+    count desc, then token order (topological; deterministic).
     """
     import numpy as np
 

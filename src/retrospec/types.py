@@ -1,13 +1,9 @@
 """Typed hand-offs between the stages: Drafter -> Verifier -> AcceptanceRule.
 
-Vocabulary (used everywhere in retrospec):
-- p: the target's next-token distribution; q: the draft's.
-- After one verification step the committed tokens are: the *accepted* draft tokens, then exactly one more token:
-  *recovered* (sampled from the residual after a rejection) or *bonus* (from p after the whole path was accepted).
-- tau (mean accepted tokens) = new tokens / target verification calls. The prefill runs all prompt tokens but the
-  last; the last prompt token is the root of the first verification step, so every counted call commits >= 1 token
-  and plain decoding has tau = 1.00.
-- acceptance rate = accepted draft tokens / drafted tokens.
+Vocabulary: p is the target's next-token distribution, q the draft's. A verification step commits the *accepted*
+draft tokens, then one *recovered* token (from the residual after a rejection) or *bonus* token (from p after full
+acceptance). tau = new tokens / target verification calls (the last prompt token is the root of the first step, so
+every counted call commits >= 1 token: plain decoding has tau = 1.00); acceptance rate = accepted / drafted tokens.
 """
 
 from __future__ import annotations
@@ -19,12 +15,9 @@ import torch
 
 @dataclass
 class DraftTree:
-    """Draft nodes below the last committed token (the implicit root), in topological order.
-
-    ``tokens[i]`` is node i's token id and ``parents[i]`` its parent node (-1 = the root), with parents[i] < i.
-    A chain is ``parents = [-1, 0, 1, ...]``. ``draft_probs[i]`` is q(. | path to parent of i), the distribution
-    node i was drawn from; ``None`` means a deterministic draft, treated as one-hot q by the acceptance rules.
-    """
+    """Draft nodes below the last committed token (the implicit root), in topological order: ``parents[i] < i``
+    (-1 = the root; a chain is ``[-1, 0, 1, ...]``). ``draft_probs[i]`` is the q node i was drawn from; ``None``
+    means a deterministic draft, treated as one-hot q by the acceptance rules."""
 
     tokens: torch.Tensor  # [N] int64
     parents: torch.Tensor  # [N] int64
@@ -111,10 +104,9 @@ class SpecStats:
         self.target_calls += 1
         self.drafted_tokens += drafted_nodes
         self.accepted_tokens += accepted
-        grow = drafted_depth - len(self.per_position_drafted)
-        if grow > 0:
-            self.per_position_drafted.extend([0] * grow)
-            self.per_position_accepted.extend([0] * grow)
+        grow = max(0, drafted_depth - len(self.per_position_drafted))
+        self.per_position_drafted.extend([0] * grow)
+        self.per_position_accepted.extend([0] * grow)
         for d in range(drafted_depth):
             self.per_position_drafted[d] += 1
         for d in range(accepted):
@@ -126,14 +118,8 @@ class SpecStats:
         self.gated_steps += int(gated)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            mean_accepted_tokens=self.mean_accepted_tokens,
-            acceptance_rate=self.acceptance_rate,
-            tokens_per_s=self.tokens_per_s,
-            per_position_acceptance=self.per_position_acceptance,
-        )
-        return d
+        return asdict(self) | {k: getattr(self, k) for k in ("mean_accepted_tokens", "acceptance_rate", "tokens_per_s",
+                                                               "per_position_acceptance")}
 
 
 @dataclass

@@ -5,12 +5,9 @@ holds every committed token except the last). A chain is scored with the model's
 explicit 4D additive mask (each node sees the cached prefix, the root and its own ancestors) and explicit
 ``position_ids`` (prefix length + depth), through the public ``attention_mask`` / ``position_ids`` arguments.
 
-Speed (``fastpath``): the forward runs on the engine's private copy of the target (``fastpath.engine_for``):
-prefix + block attention (no mask for chains, the ancestor block for trees), decoder linears prepacked and the head
-laid out as measured on this machine. The caller's model is never changed; logits equal the plain forward's
-within float tolerance (tested) and ``RETROSPEC_FASTPATH=off`` runs the caller's model as it is.
-
-Nothing per step is rebuilt that can be kept: a tree's block mask and position offsets are cached per tree shape.
+The forward runs on the engine's private copy of the target (``fastpath.engine_for``); the caller's model is never
+changed, logits equal the plain forward's within float tolerance (tested), and ``RETROSPEC_FASTPATH=off`` runs the
+caller's model as it is. A tree's block mask and position offsets are cached per tree shape.
 """
 
 from __future__ import annotations
@@ -101,11 +98,8 @@ class Verifier:
 
 class PrefillMemo:
     """One prompt forward reused by several requests on the same target and prompt (the long-context bench runs
-    several methods over one long context: the prompt is run once and timed once, in ``seconds``).
-
-    Holds a private deep copy of the prefilled cache; every hit gets its own deep copy, so requests never share
-    state. Not thread-safe; one memo per (target, prompt) at a time (a new prompt replaces the old entry).
-    """
+    several methods over one context: the prompt is run and timed once, ``seconds``). Every hit gets its own deep
+    copy of the cache, so requests never share state. Not thread-safe; a new prompt replaces the old entry."""
 
     def __init__(self) -> None:
         self._model_id: int | None = None

@@ -1,12 +1,6 @@
-"""What the attention implementations share: the tree-block detection and the switch of a model's implementation.
-
-- ``hybrid_mask_block``: the q x q block of a 4D mask when every prefix column is visible (both ``prefix_block``
-  and ``hybrid_tree`` take their fast path only then; see ``hybrid_tree``'s docstring for the rule).
-- ``switch`` / ``restore``: set a model's attention implementation through the public ``set_attn_implementation``
-  (only from an accepted one), and back to ``sdpa``.
-
-Imports nothing else from ``attention``, so ``prefix_block`` and ``hybrid_tree`` depend on it and not on each other
-(``hybrid_tree`` names ``prefix_block.ATTN_NAME`` as an accepted starting point; nothing goes the other way).
+"""What the attention implementations share: ``hybrid_mask_block``, the q x q block of a 4D mask when every prefix
+column is visible (the rule in ``hybrid_tree``'s docstring), and ``switch`` / ``restore`` of a model's attention
+implementation through the public ``set_attn_implementation``. Imports nothing else from ``attention``.
 """
 
 from __future__ import annotations
@@ -15,10 +9,8 @@ import torch
 
 
 def hybrid_mask_block(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """The mask's tree block [mb, mh, q, q] when the hybrid split applies (see the module docstring), else None.
-
-    attention_mask [mb, mh, q, L] (mb in {1, b}, mh in {1, h}); query [b, h, q, d]; key [b, kvh, L, d].
-    """
+    """The mask's tree block [mb, mh, q, q] when the hybrid split applies, else None. attention_mask [mb, mh, q, L]
+    (mb in {1, b}, mh in {1, h}); query [b, h, q, d]; key [b, kvh, L, d]."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 4:
         return None
     b, h, q = query.shape[:3]

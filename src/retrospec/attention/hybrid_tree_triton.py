@@ -4,19 +4,13 @@ Contract (the same as ``hybrid_tree.tree_attention``, its PyTorch reference and 
 ``tree_attention_triton(q_tree, k_tree, v_tree, mask, scaling)`` with q_tree [b, h, q, d], k_tree [b, kvh, q, d],
 v_tree [b, kvh, q, dv], mask bool [b or 1, q, q] (True = query i sees tree key j) returns out_tree [b, h, q, dv]
 (query's dtype) and lse_tree [b, h, q] (float32, natural log of the softmax denominator, ``scaling`` included).
-Grouped-query attention: query head ``hh`` reads key/value head ``hh // (h // kvh)`` (``repeat_kv`` order). A row
-with nothing visible gets out 0 and lse -inf, so that ``hybrid_tree.merge_attention`` gives it no weight.
-
-One program handles BLOCK_M query rows of one (batch, head); it streams the tree keys in BLOCK_N blocks with an
-online softmax (running max ``m_i``, running denominator ``l_i``). Two bugs of the seed paper's kernel are avoided on
-purpose: a key is visible iff it is in bounds AND the tree mask allows it (the seed combined them with OR, which
-lets masked-out keys through), and K and V each get their own strides (the seed passed K's strides for V and the
-reverse, which only works when both tensors share a layout).
-
-Triton is optional: it is imported lazily and ``available()`` says whether it can be; ``hybrid_tree.tree_part``
-dispatches the tree part here on CUDA tensors when it can, and to the PyTorch reference otherwise. On CPU the
-kernel runs under ``TRITON_INTERPRET=1`` (set before the first call: the kernel is built then); that is how the
-tests check it.
+Grouped-query attention: query head ``hh`` reads key/value head ``hh // (h // kvh)`` (``repeat_kv`` order). A row with
+nothing visible gets out 0 and lse -inf, so that ``hybrid_tree.merge_attention`` gives it no weight. One program handles
+BLOCK_M query rows of one (batch, head), streaming the tree keys in BLOCK_N blocks with an online softmax (running max
+``m_i``, denominator ``l_i``). Two bugs of the seed paper's kernel are avoided: a key is visible iff it is in bounds AND
+the mask allows it (the seed used OR), and K and V get their own strides (the seed swapped them, which only works when
+both share a layout). Triton is optional and imported lazily (``available()``). On CPU the kernel runs under
+``TRITON_INTERPRET=1`` (set before the first call); that is how the tests check it.
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ import torch
 
 
 def available() -> bool:
-    """Whether ``triton`` (and ``triton.language``) can be imported."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401

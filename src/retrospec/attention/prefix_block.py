@@ -1,26 +1,20 @@
 """Verification attention over a long cached prefix: the prefix unmasked, a small causal block for the new tokens.
 
-Why: verifying gamma draft tokens over a long KV cache should cost about as much as one decode step, because both
-must read the whole cache once (memory-bound) and the extra arithmetic for gamma + 1 queries is small. transformers'
-``sdpa`` path does not get there on CPU for a multi-token query: it materializes a [q, cache] mask and, with a mask
-and grouped-query attention, copies every key/value head ``num_key_value_groups`` times (``repeat_kv``) before a
-masked kernel. At 16K cached tokens that copy dominates the call.
+Why: verifying gamma draft tokens over a long KV cache should cost about one decode step (both read the whole
+cache once). transformers' ``sdpa`` path does not get there on CPU for a multi-token query: it materializes a
+[q, cache] mask and, with grouped-query attention, copies every key/value head (``repeat_kv``) before a masked
+kernel; at 16K cached tokens that copy dominates the call.
 
-What: ``prefix_block_attention`` is registered through the public ``AttentionInterface`` under
-``ATTN_NAME``. When no mask is given (transformers then passes ``attention_mask=None``, because the name is not a
-registered mask interface) and the query is shorter than the cache, the query tokens are the last ``q`` cache
-entries (the engine's invariant), so every query sees the whole prefix and a causal q x q block at the end. The
-computation packs the query heads that share a key/value head (no ``repeat_kv`` copy), computes scores against the
-keys in one matmul, masks only the last q x q block, and normalises once (one softmax over prefix and block; the
-same as attention over the prefix and over the block merged by their log-sum-exp). An explicit 4D mask (a draft
-tree, which the engine passes itself) takes the same path with the tree's ancestor block in place of the causal one
-when every prefix column is visible (checked per call; measured on CPU: a 16-node tree then costs what a 17-token
-chain does, ~10 % less than the two-softmax hybrid split of ``hybrid_tree``, which stays available as its own
-implementation for kernels that need the split), else ``sdpa``. Every other case (one query, prefill) is handed to transformers' own ``sdpa`` path with the mask it would
-have built.
+What: ``prefix_block_attention``, registered through the public ``AttentionInterface`` as ``ATTN_NAME``. With no
+mask (the name is no registered mask interface, so transformers passes None) and a query shorter than the cache,
+the queries are the last ``q`` cache entries (the engine's invariant): every query sees the whole prefix and a
+causal q x q block. Query heads sharing a key/value head are packed (no ``repeat_kv``), scored in one matmul, only
+the last q x q block is masked, and one softmax normalises prefix and block together. An explicit 4D mask (a draft
+tree) takes the same path with the tree's ancestor block when every prefix column is visible (checked per call; a
+16-node tree then costs what a 17-token chain does, ~10 % less than ``hybrid_tree``'s two-softmax split), else
+``sdpa``. Every other case (one query, prefill) goes to ``sdpa`` with the mask it would have built.
 
-Enabling it (``enable``) sets the model's attention implementation through the public ``set_attn_implementation``;
-``disable`` restores ``sdpa``. Equality with ``sdpa`` is tested (outputs and greedy decoding).
+``enable`` / ``disable`` switch through the public ``set_attn_implementation``. Equality with ``sdpa`` is tested.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """``retrospec`` command line: ``generate``, ``bench``, ``profile``, ``serve``, ``models list|path|import-gguf``,
 ``zoo build|long|stream|info``, ``tasks make``, ``datastore build|info|eval``, ``corpus generate|info``,
-``train rag-drafter|longspec|longspec-eval``, ``rag index``.
-
-Wherever a model directory is accepted (``--target``, ``--draft``), a model name from ``retrospec models list``
-works too.
-
-Contract: a user error (bad path, bad knob, mismatched vocabularies, empty or over-long prompt, unknown method)
-prints exactly one line ``retrospec: error: ...`` on stderr and exits with code 2, never a traceback.
+``train rag-drafter|longspec|longspec-eval``, ``rag index``, ``gpu``. A model name (``retrospec models list``)
+works wherever a model directory does. Contract: a user error prints exactly one line ``retrospec: error: ...`` on
+stderr and exits with code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -34,18 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="retrospec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    generate_cmd.add_parser(sub)
-    bench_cmd.add_parser(sub)
-    profile_cmd.add_parser(sub)
-    serve_cmd.add_parser(sub)
-    models_cmd.add_parser(sub)
-    zoo_cmd.add_parser(sub)
-    tasks_cmd.add_parser(sub)
-    datastore_cmd.add_parser(sub)
-    corpus_cmd.add_parser(sub)
-    train_cmd.add_parser(sub)
-    rag_cmd.add_parser(sub)
-    __import__(f"{__name__}.gpu_cmd", fromlist=["add_parser"]).add_parser(sub)  # the GPU runbook (issue 21)
+    for cmd in (generate_cmd, bench_cmd, profile_cmd, serve_cmd, models_cmd, zoo_cmd, tasks_cmd, datastore_cmd,
+                corpus_cmd, train_cmd, rag_cmd):
+        cmd.add_parser(sub)
+    # the GPU runbook (issue 21), imported by name: gpu_cmd imports this package (no static import cycle)
+    __import__(f"{__name__}.gpu_cmd", fromlist=["add_parser"]).add_parser(sub)
     return parser
 
 

@@ -62,17 +62,15 @@ def knob_kwargs(args, method: str, extra: tuple[str, ...] = ()) -> dict:
         value = getattr(args, name, None)
         if value is None or value is False:
             continue
-        if spec.knob(name) is None and name in extra:
-            out[name] = value
-            continue
-        if spec.knob(name) is None:
+        if spec.knob(name) is None and name not in extra:
             users = [m for m, s in SPECS.items() if s.knob(name) is not None]
             raise RetrospecError(f"{knob.flag} applies to method{'s' if len(users) > 1 else ''} {', '.join(users)} "
                                  f"only (not {method})")
-        try:
-            knob.check(value)
-        except RetrospecError as exc:
-            raise RetrospecError(str(exc).replace(name, knob.flag, 1)) from None
+        if spec.knob(name) is not None:  # extra names pass unchecked
+            try:
+                knob.check(value)
+            except RetrospecError as exc:
+                raise RetrospecError(str(exc).replace(name, knob.flag, 1)) from None
         out[name] = value
     return out
 

@@ -4,15 +4,11 @@ A drafter proposes a ``DraftTree`` below the last committed token. It declares w
 ``needs`` (e.g. ``{"hidden_states"}``); the decode loop hands it read-only views through ``DecodeContext``.
 A drafter never mutates the target model or the target's KV cache.
 
-Lifecycle per request: ``prefill(ctx)`` once after the prompt is known, then per step ``propose(ctx, budget)``
-(at most ``budget`` nodes) and ``observe(accepted, drafted)`` with the outcome (for adaptive lengths and the
-drafter's own cache bookkeeping).
+Lifecycle per request: ``prefill(ctx)`` once, then per step ``propose(ctx, budget)`` (at most ``budget`` nodes)
+and ``observe(accepted, drafted)`` with the outcome.
 
-Optional: ``state_bytes() -> int``, the bytes of the per-request state the drafter holds (its own KV cache, ring
-buffer, window cache; not shared read-only things such as model weights or a datastore). A drafter that holds
-such state defines it; ``state_bytes(drafter)`` reads it, 0 for drafters without it. The decode loop records it
-at the end of a run (``SpecStats.draft_state_bytes``) for the bench's memory figures. It must work before
-``prefill`` too (then 0).
+Optional: ``state_bytes() -> int``, the bytes of per-request state (own KV cache, ring buffer, window cache; not
+shared weights or datastores), 0 before ``prefill``; recorded in ``SpecStats.draft_state_bytes`` for the bench.
 """
 
 from __future__ import annotations
@@ -42,10 +38,9 @@ def draft_chain(logits: torch.Tensor, gamma: int, ctx: DecodeContext, advance: C
                 keep_q: bool = False) -> DraftTree:
     """Up to ``gamma`` tokens drawn autoregressively from a draft LM, starting from ``logits`` [V].
 
-    ``advance(token, i)`` feeds the i-th drafted token to the draft model and returns the next [V] logits. Greedy:
-    argmax tokens, q kept only when ``keep_q`` (as softmax(logits)); sampling: tokens drawn from the processed q,
-    which is always kept. The chain stops after an EOS token (nothing after it could be committed), which changes
-    no output: every chain length is valid for the acceptance rules.
+    ``advance(token, i)`` feeds the i-th drafted token and returns the next [V] logits. Greedy: argmax tokens, q
+    (softmax(logits)) only with ``keep_q``; sampling: drawn from the processed q, always kept. The chain stops after
+    an EOS token, which changes no output (every chain length is valid for the acceptance rules).
     """
     from ..sampling import probs_from_logits
 
@@ -68,6 +63,14 @@ def draft_chain(logits: torch.Tensor, gamma: int, ctx: DecodeContext, advance: C
     return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
 
 
+def adapt_gamma(gamma: int, max_gamma: int, accepted: int, drafted: int) -> int:
+    """Adaptive draft length: +2 after a fully accepted chain, -1 after a rejection, within [1, max_gamma]; Hugging
+    Face's ``heuristic`` assistant schedule, so comparisons are like for like."""
+    if drafted == 0:
+        return gamma
+    return min(max_gamma, gamma + 2) if accepted == drafted else max(1, gamma - 1)
+
+
 class Drafter(Protocol):
     name: str
     needs: frozenset[str]
@@ -88,8 +91,10 @@ def state_bytes(drafter) -> int:
 class NoDraft:
     """Plain autoregressive decoding through the same engine: every step verifies an empty tree."""
 
-    name = "ar"
     needs: frozenset[str] = frozenset()
+
+    def __init__(self, name: str = "ar"):
+        self.name = name
 
     def prefill(self, ctx: DecodeContext) -> None:
         pass

@@ -8,25 +8,7 @@ from __future__ import annotations
 from .base import NoDraft
 from .registry import MethodSpec, register
 
-
-class _Baseline(NoDraft):
-    def __init__(self, name: str):
-        self.name = name
-
-
-def _make_ar() -> NoDraft:
-    return NoDraft()
-
-
-def _make_lc() -> NoDraft:
-    return _Baseline("lc")
-
-
-def _make_rag() -> NoDraft:
-    return _Baseline("rag")
-
-
-AR = register(MethodSpec("ar", _make_ar, "nothing: plain autoregressive decoding (the baseline)"))
-LC = register(MethodSpec("lc", _make_lc, "nothing: the target over the full long context", context="required"))
-RAG = register(MethodSpec("rag", _make_rag, "nothing: the target over retrieved chunks of the context",
-                          context="required", retrieval=True))
+register(MethodSpec("ar", lambda: NoDraft(), "nothing: plain autoregressive decoding (the baseline)"))
+register(MethodSpec("lc", lambda: NoDraft("lc"), "nothing: the target over the full long context", context="required"))
+register(MethodSpec("rag", lambda: NoDraft("rag"), "nothing: the target over retrieved chunks of the context",
+                    context="required", retrieval=True))

@@ -1,15 +1,11 @@
 """``dresd``: Dense Retrieval for Speculative Decoding (Gritta, Xue, Lampouras, Findings of ACL 2025).
 
 Each step: the target's last-layer hidden state that produced the last committed token (``ctx.target_hidden``,
-declared through ``needs = {"hidden_states"}``) is transformed exactly as the datastore keys were (z-norm -> PCA
--> L2) and searched in the store's FAISS index. Neighbours whose stored sequence does not start with the last
-committed token are dropped (so ``neighbours``, default max(128, 20 x num_drafts), are retrieved: most fail the
-filter); the first ``num_drafts`` distinct continuations (in similarity order) of the rest,
-cut to ``draft_len`` tokens (and after an EOS), are merged into one trie (``tree.merge_sequences``) and verified
-in one target forward. Defaults from the paper: 3 x 20 for greedy decoding, 10 x 10 for sampling.
-
-Invariants: the draft is deterministic given the context and carries no probabilities (one-hot q), so greedy
-output equals plain greedy decoding and sampling is exact; the drafter only reads the hidden state it is handed.
+``needs = {"hidden_states"}``) is transformed as the datastore keys were (z-norm -> PCA -> L2) and searched in the
+store's FAISS index. Of ``neighbours`` (default max(128, 20 x num_drafts)), those whose stored sequence does not
+start with the last committed token are dropped; the first ``num_drafts`` distinct continuations, cut to
+``draft_len`` tokens (and after an EOS), are merged into one trie (``tree.merge_sequences``). Defaults from the
+paper: 3 x 20 greedy, 10 x 10 sampling. Deterministic, without probabilities (one-hot q): lossless.
 """
 
 from __future__ import annotations

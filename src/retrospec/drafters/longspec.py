@@ -2,32 +2,23 @@
 al., "LongSpec: Long-Context Lossless Speculative Decoding with Efficient Drafting and Verification", sail-sg 2025).
 
 The draft block (``models.longspec``) attends to a sliding window of its own keys/values (a fixed-size ring buffer,
-``DraftState``) and cross-attends to the target's last-layer K/V, read through the ``target_kv`` view the decode loop
-provides (declared in ``needs``; read only, never mutated). Its memory does not grow with the context.
+``DraftState``) and cross-attends to the target's last-layer K/V (the read-only ``target_kv`` view declared in
+``needs``). Its memory does not grow with the context.
 
-Modes (both deterministic drafts, ``draft_probs=None`` = one-hot q, so the engine's rules verify them exactly:
-``GreedyMatch`` at temperature 0, the multi-draft ``RejectionSampling`` at any temperature / top-k / top-p):
-- chain (``gamma=N``): the draft's argmax chain of N tokens, at every temperature. Sampling the chain from q and
-  keeping q would be exact too; a deterministic chain needs no q, no random draws and no second code path.
-- tree (default, ``tree=(4, 16, 16, 16, 16)``): depth 1 = the root's top-``w1`` tokens; each later depth runs the
-  draft once over the whole previous level (batched, tree mask over the tentative tokens + the ring) and keeps the
-  global top-``w_d`` (node, token) pairs by cumulative draft log-prob; unpicked nodes get no children. Flattened
-  breadth-first into a ``DraftTree`` (at most ``budget`` nodes; a level cut by the budget keeps its best nodes).
-  Siblings are distinct tokens (a top-k over (node x vocabulary) picks each pair once), which is what makes the
-  one-hot multi-draft rule exact. (The seed's p/q rejection over top-k children is biased: not done here.)
-  Ranking uses the draft's raw log-probs, whatever the sampling temperature; it changes what is drafted only.
-  Children of an EOS token are never drafted (nothing after it can be committed).
+Both modes draft deterministically (``draft_probs=None`` = one-hot q), verified exactly by ``GreedyMatch`` or the
+multi-draft ``RejectionSampling`` at any temperature:
+- chain (``gamma=N``): the draft's argmax chain of N tokens.
+- tree (default ``tree=(4, 16, 16, 16, 16)``): depth 1 = the root's top-``w1`` tokens; each later depth runs the
+  draft once over the previous level (batched, tree mask) and keeps the global top-``w_d`` (node, token) pairs by
+  cumulative draft log-prob (raw, whatever the temperature), flattened breadth-first (at most ``budget`` nodes).
+  Siblings are distinct tokens (a top-k over node x vocabulary), which makes the one-hot multi-draft rule exact
+  (the seed's p/q rejection over top-k children is biased: not done here). Nothing is drafted below an EOS.
 
-Speed: the drafter runs the block's private fast copy (``fast_block``: linears and head rows prepacked, in
-bfloat16 where that measured fastest on this machine; ``fastpath.draft``). Drafts are deterministic and verified
-against the target's own p, so the copy's precision changes what is proposed, never the output.
-
-State consistency. The draft's ring holds every committed token but the last, like the target's cache (the last
-committed token is the root of the next tree). ``observe`` only receives counts and runs before the loop extends
-``ctx.tokens``, so the ring is advanced at the top of ``propose``, from ``ctx.tokens`` itself (the root of last step,
-the accepted tokens, and none of the rejected ones), and every tentative token is dropped at the end of
-``propose``. After any step, full rejection included, the ring therefore equals a ring rebuilt from the committed
-tokens (tested), and the target cache length is checked against it on every step.
+Speed: the block's fast copy (``fast_block``: possibly bfloat16) changes what is proposed, never the output.
+State consistency: the ring holds every committed token but the last, like the target's cache. ``observe`` only
+gets counts and runs before the loop extends ``ctx.tokens``, so the ring catches up at the top of ``propose`` from
+``ctx.tokens`` itself, and every tentative token is dropped at its end. After any step the ring equals one rebuilt
+from the committed tokens (tested); the target cache length is checked against it every step.
 """
 
 from __future__ import annotations
@@ -58,9 +49,8 @@ def parse_tree(spec) -> tuple[int, ...]:
 
 
 def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
-    """The block as drafting runs it: its linears and head rows in the matmul path measured fastest for its shapes
-    on this machine (``fastpath.draft``; possibly bfloat16, which changes what is proposed, never the output), on a
-    private copy sharing the weights. The block itself is left as it is."""
+    """The block as drafting runs it: a private copy sharing the weights, its linears and head rows in the matmul
+    path measured fastest (``fastpath.draft``). The block itself is left as it is."""
     rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
     weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
     choice = draft_choice([*weights, rows], remeasure=remeasure)
@@ -159,9 +149,8 @@ class LongSpecDrafter:
 
 
 def load_block(draft, target) -> LongSpecDraft:
-    """The LongSpec block for ``target``: ``draft`` is a block directory (``save_longspec``) or a ``LongSpecDraft``
-    bound to this target, or the name of a bundled block (``smollm2-135m-longspec``). None is refused (callers that
-    know the target's name pass its bundled block: ``models.paired_longspec``)."""
+    """The LongSpec block for ``target`` from a block directory, a bundled block name (``smollm2-135m-longspec``)
+    or a ``LongSpecDraft`` bound to this target; None is refused."""
     from ..models.named import longspec_dir
 
     model = as_module(target)
@@ -181,8 +170,7 @@ def load_block(draft, target) -> LongSpecDraft:
 
 
 def longspec_options(draft, target, gamma: int | None, tree) -> dict:
-    """Validated options for the ``longspec`` factory (used by ``api.prepare``): the loaded block, and the chain
-    length or tree shape (tree by default)."""
+    """Validated ``longspec`` factory options (``api.prepare``): the loaded block, chain length or tree shape."""
     if gamma is not None and tree is not None:
         raise RetrospecError("longspec drafts a chain (gamma / --gamma) or a tree (tree / --tree), not both")
     return {"block": load_block(draft, target), "gamma": gamma, "tree": None if tree is None else parse_tree(tree)}

@@ -1,17 +1,13 @@
 """``magicdec``: the target drafts for itself from a StreamingLLM KV cache (MagicDec: Chen et al., 2024;
 StreamingLLM: Xiao et al., ICLR 2024).
 
-The drafter is the target model reading only ``sink`` attention-sink positions (default 4) and the ``window`` most
-recent positions of the context, so a draft step costs a short-cache forward instead of a long one; verification
-by the target over its full cache keeps the output exact (lossless, greedy identical to the target's own decoding).
+The drafter is the target reading only ``sink`` attention-sink positions (default 4) and the ``window`` most recent
+ones, so a draft step is a short-cache forward; verification over the full cache keeps the output exact.
 
-The draft cache starts from the target's prefill (declared in ``needs`` as ``target_kv``: a read-only view whose
-sink and window slices are copied, so the long prompt is not run twice); without it the drafter runs the prompt
-itself once. Per step: roll back last step's draft entries, feed the committed tokens it has not seen (their
-true positions), evict down to sinks + window, then draft gamma tokens.
-
-Default window: the same budget as RAPID's default retrieval length, max(1024, ceil(context / 24)) tokens, so the
-two drafters read contexts of the same size ("scaled to the context"); ``window=N`` overrides it.
+The draft cache starts from the target's prefill (``needs`` ``target_kv``: its sink and window slices are copied);
+without it the drafter runs the prompt once itself. Per step: roll back last step's draft entries, feed the unseen
+committed tokens at their true positions, evict down to sinks + window, draft gamma tokens. Default window: RAPID's
+default retrieval length, max(1024, ceil(context / 24)), so both drafters read contexts of the same size.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from ..fastpath import engine_for
 from ..kv.streaming import SinkWindowCache
 from ..types import DraftTree
 from ..errors import RetrospecError
-from .base import DecodeContext, as_module, draft_chain
+from .base import DecodeContext, adapt_gamma, as_module, draft_chain
 from .registry import ADAPTIVE, Knob, MethodSpec, gamma_knob, register
 
 DEFAULT_SINK = 4
@@ -47,9 +43,8 @@ class MagicDecDrafter:
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.device = next(model.parameters()).device
-        # drafts on the target's DRAFT engine: its matmuls in the path measured fastest for drafts (fastpath.draft;
-        # bfloat16-prepacked where that wins: a second, half-size copy of the weights, RETROSPEC_DRAFT_DTYPE=float32
-        # avoids it). Verification keeps the target's own engine in its weights' dtype, so the output is exact.
+        # the target's DRAFT engine (fastpath.draft: maybe a bfloat16 copy; RETROSPEC_DRAFT_DTYPE=float32 avoids it);
+        # verification keeps the target's own engine in its weights' dtype, so the output is exact
         self.engine = engine_for(model, draft=True)
         self.cache: SinkWindowCache | None = None
 
@@ -87,9 +82,8 @@ class MagicDecDrafter:
         return draft_chain(logits, gamma, ctx, lambda tok, k: self._forward([tok], pos + k))
 
     def observe(self, accepted: int, drafted: int) -> None:
-        if not self.adaptive or drafted == 0:
-            return
-        self.gamma = min(self.max_gamma, self.gamma + 2) if accepted == drafted else max(1, self.gamma - 1)
+        if self.adaptive:
+            self.gamma = adapt_gamma(self.gamma, self.max_gamma, accepted, drafted)
 
     def state_bytes(self) -> int:
         """Bytes of the StreamingLLM cache (sinks + window; draft entries until the next step rolls them back)."""

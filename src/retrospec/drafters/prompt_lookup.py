@@ -2,11 +2,9 @@
 ``prompt_lookup_num_tokens``.
 
 The longest suffix n-gram of the committed tokens (n from ``max_ngram`` down to ``min_ngram``) is searched for
-earlier in prompt + output; the ``k`` tokens that followed its most recent earlier occurrence are the draft.
-When that occurrence is closer than ``k`` tokens to the end, the copy overlaps itself (as an LZ77 match does):
-the text after the match is read forward, running into the draft being written, so a period-d repetition is
-continued for the full ``k`` tokens instead of stopping after d. Deterministic draft, no probabilities: verified
-as one-hot q, so it is lossless at any temperature.
+earlier in prompt + output; the ``k`` tokens after its most recent earlier occurrence are the draft. A match closer
+than ``k`` to the end copies overlapping itself (as LZ77 does), so a period-d repetition continues for all ``k``
+tokens. Deterministic, no probabilities (one-hot q): lossless at any temperature.
 """
 
 from __future__ import annotations

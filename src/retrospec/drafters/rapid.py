@@ -1,13 +1,9 @@
 """``rapid``: retrieval-augmented speculative decoding (RAPID: Chen, Feng, Ni, Li, Shieh, ICML 2025).
 
-RAPID's drafter is a causal LM sharing the target's vocabulary (default: the target itself = self-speculation; a
-larger model = upward speculation) that reads a *short* prompt, template(retrieved chunks, query), instead of the
-long one the target verifies over. It continues ``draft_prompt_ids + generated tokens`` (the target's committed
-tokens after its own prompt) with its own KV cache, gamma tokens per step (default 10), and returns q with every
-drafted token so either acceptance rule can run: exact speculative sampling (eta = 0, lossless) or the
-retrieval-augmented target of ``acceptance_rapid`` (eta > 0, lossy).
-
-The baselines ``lc`` and ``rag`` draft nothing (``drafters.baselines``).
+RAPID's drafter is a causal LM with the target's vocabulary (default the target itself; a larger model = upward
+speculation) that reads a *short* prompt, template(retrieved chunks, query), and continues ``draft_prompt_ids +
+generated tokens`` with its own KV cache, gamma tokens per step (default 10), returning q so either rule can run:
+exact sampling (eta = 0, lossless) or ``acceptance_rapid``'s retrieval-augmented target (eta > 0, lossy).
 """
 
 from __future__ import annotations

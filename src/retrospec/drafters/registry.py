@@ -1,16 +1,14 @@
 """The method registry: one ``MethodSpec`` per decoding method, declared next to its drafter (one file each).
 
-A spec says everything the layers above need to know about a method: its factory, what it needs (a draft LM or a
-LongSpec block, a datastore kind, a long context, target KV / hidden-state views), its knobs (types, ranges,
-defaults, help), its default draft length, and whether it is lossless. The API's keyword checks, the CLI's flags,
-the server's validation and ``/v1/models``, the bench's labels and the docs' method table derive from ``SPECS``.
+A spec holds what the layers above need: factory, needs (draft LM or LongSpec block, datastore kind, long context,
+target KV / hidden-state views), knobs, default draft length, losslessness. The API's keyword checks, the CLI's
+flags, the server and the bench's labels all derive from ``SPECS``.
 
 Invariants:
 - ``SPECS`` holds every method name a user can pass; ``REGISTRY`` (name -> ``spec.build``) is derived from it.
-- A knob not declared by a method is refused everywhere with a ``RetrospecError`` that names the method's knobs
-  (``MethodSpec.check``); ``build`` refuses options its factory does not take the same way. Factories take their
-  options as keyword arguments and nothing else (no ``**_``), plus whichever of the request's models
-  (``target``, ``draft``, ``draft_model``) their signature names.
+- A knob a method does not declare is refused everywhere with a ``RetrospecError`` naming its knobs (``check``;
+  ``build`` likewise). Factories take their options as keyword arguments only (no ``**_``), plus whichever of the
+  request's models (``target``, ``draft``, ``draft_model``) their signature names.
 - This module imports nothing above ``errors``: specs are plain data.
 """
 
@@ -24,9 +22,9 @@ from ..errors import RetrospecError
 
 MODEL_ARGS = ("target", "draft", "draft_model")  # what a request hands a factory besides the method's options
 
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# checked kinds -> (accepted types, what the error asks for); bool is accepted only by "bool"
+_KINDS = {"int": (int, "an integer"), "bool": (bool, "true or false"), "str": (str, "a string"),
+          "float": ((int, float), "a number")}
 
 
 @dataclass(frozen=True)
@@ -52,21 +50,16 @@ class Knob:
             return None
         if self.parse is not None:
             return self.parse(value)
-        ok = {"int": _is_int, "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
-              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(self.kind)
-        if ok is not None and not ok(value):
-            want = {"int": "an integer", "bool": "true or false", "str": "a string", "float": "a number"}[self.kind]
+        types, want = _KINDS.get(self.kind, (None, ""))
+        if types is not None and (not isinstance(value, types) or isinstance(value, bool) != (self.kind == "bool")):
             raise RetrospecError(f"{self.name} must be {want}, got {value!r}")
         if self.min is not None and value < self.min:
             raise RetrospecError(f"{self.name} must be >= {self.min:g}, got {value}")
         return float(value) if self.kind == "float" else value
 
 
-GAMMA_HELP = "draft length (tokens drafted per step)"
-
-
-def gamma_knob(default: int | None, help: str = GAMMA_HELP) -> Knob:
-    return Knob("gamma", "int", default, help, min=1)
+def gamma_knob(default: int | None) -> Knob:
+    return Knob("gamma", "int", default, "draft length (tokens drafted per step)", min=1)
 
 
 ADAPTIVE = Knob("adaptive_gamma", "bool", False, "grow gamma on full acceptance, shrink on rejection",
@@ -98,10 +91,9 @@ class MethodSpec:
         return tuple(k.name for k in self.knobs)
 
     def check(self, options: dict, extra: tuple[str, ...] = (), context: bool = False) -> dict:
-        """Validate user options (knob name -> value) and return the factory's keyword arguments, with this
-        method's default gamma (``context``: over a long context) when none is given. A name that is no knob of
-        this method is refused, unless it is in ``extra`` (names the caller handles: the long-context options,
-        passed through unchecked) or its value is None (a knob of another method left unset)."""
+        """Validated user options -> the factory's keyword arguments, with the default gamma (``context``: over a
+        long context) when none is given. A name that is no knob of this method is refused unless it is in ``extra``
+        (passed through unchecked) or None (another method's knob left unset)."""
         out = {}
         for name, value in options.items():
             knob = self.knob(name)
@@ -121,19 +113,13 @@ class MethodSpec:
         return out
 
     def build(self, **options):
-        """A fresh drafter: ``options`` are the factory's keyword arguments plus the request's models, of which
-        only those the factory takes are passed on."""
+        """A fresh drafter; of the request's models, only those the factory takes are passed on."""
         params = inspect.signature(self.factory).parameters
         unknown = sorted(set(options) - set(params) - set(MODEL_ARGS))
         if unknown:
             raise RetrospecError(f"'{unknown[0]}' does not apply to method {self.name!r} "
                                  f"(its options: {', '.join(self.knob_names) or 'none'})")
         return self.factory(**{k: v for k, v in options.items() if k in params})
-
-    @property
-    def lossless_label(self) -> str:
-        return "yes" if self.lossless and not self.lossy_when else f"no when {self.lossy_when}" if self.lossless \
-            else "no"
 
 
 SPECS: dict[str, MethodSpec] = {}
@@ -157,8 +143,7 @@ def spec_of(method) -> MethodSpec:
 
 
 def methods(context: bool | None = None) -> tuple[str, ...]:
-    """Method names in declaration order: all, those that run on a short prompt (``context=False``), or those that
-    take a long context (``True``)."""
+    """Method names in declaration order: all, short-prompt ones (``context=False``) or long-context ones (True)."""
     if context is None:
         return tuple(SPECS)
     return tuple(m for m, s in SPECS.items() if (s.context != "never" if context else s.context != "required"))
@@ -172,15 +157,3 @@ def all_knobs(context: bool | None = None) -> dict[str, Knob]:
             out.setdefault(k.name, k)
     return out
 
-
-def method_table() -> str:
-    """The docs' method table (markdown), from the specs."""
-    rows = ["| method | drafts with | needs | knobs | default gamma | lossless |", "|---|---|---|---|---|---|"]
-    for s in SPECS.values():
-        needs = [{"lm": "draft LM", "block": "LongSpec block"}.get(s.draft, "")] + [
-            f"{s.store} datastore" if s.store else "", {"required": "long context", "optional": ""}[s.context]
-            if s.context != "never" else ""] + sorted(s.needs)
-        gamma = "/".join(str(g) for g in (s.default_gamma, s.context_gamma) if g is not None) or "-"
-        rows.append(f"| {s.name} | {s.summary} | {', '.join(n for n in needs if n) or '-'} | "
-                    f"{', '.join(s.knob_names) or '-'} | {gamma} | {s.lossless_label} |")
-    return "\n".join(rows)

@@ -5,10 +5,8 @@ datastore (``retrieval.suffix_array``); the next ``draft_len`` tokens after up t
 occurrences are counted into a trie, and the ``num_drafts x draft_len`` most frequent nodes form the draft tree
 (``tree.frequency_trie``), verified in one target forward.
 
-Invariants: the draft is deterministic (same store + same context -> same tree) and carries no probabilities, so
-it is verified as one-hot q: greedy output equals plain greedy decoding and sampling is exact at any temperature.
-The drafter never touches the target. Node budget defaults: 3 x 20 for greedy and 10 x 10 for sampling, the same
-budget as ``dresd`` so the two can be compared at equal draft size.
+The draft is deterministic and carries no probabilities (one-hot q): lossless at any temperature. Node budget
+defaults: 3 x 20 greedy, 10 x 10 sampling, as ``dresd``, so the two compare at equal draft size.
 """
 
 from __future__ import annotations

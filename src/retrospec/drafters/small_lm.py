@@ -1,20 +1,14 @@
 """``sd``: a small draft LM proposes a chain of gamma tokens (Leviathan et al., 2023; Chen et al., 2023).
 
-The draft samples each token from its processed distribution q (same temperature / top-k / top-p as the target)
-and returns q with the chain, so ``RejectionSampling`` can accept with min(1, p/q); at temperature 0 it proposes
-argmax tokens and q is omitted (``GreedyMatch`` needs none).
+The draft samples each token from its processed q (the target's temperature / top-k / top-p) and returns q with
+the chain for ``RejectionSampling``; at temperature 0 it proposes argmax tokens without q.
 
-The draft keeps its own KV cache. Invariant: ``self.cached`` lists exactly the tokens whose keys/values are in the
-draft cache; each ``propose`` crops it to the longest prefix still committed, so rejected draft tokens are
-forgotten without any other bookkeeping.
+Invariant: ``self.cached`` lists exactly the tokens in the draft's own KV cache; each ``propose`` crops it to the
+longest prefix still committed, so rejected draft tokens are forgotten without other bookkeeping.
 
-Reduced draft vocabulary (optional): a draft whose output rows stand for a subset of the target's tokens
-(``vocab_map[i]`` = target id of draft row i; ``models.vocab.VocabMap``) reads target ids mapped to its rows (ids
-outside the subset read as the row of target id 0, or row 0) and its logits are scattered into the target's
-vocabulary with -inf elsewhere, so q = 0 off the subset and both acceptance rules stay exact.
-
-Adaptive gamma (optional): +2 after a fully accepted chain, -1 after a rejection, within [1, max_gamma] — the same
-schedule as Hugging Face's ``heuristic`` assistant schedule, so comparisons are like for like.
+Reduced draft vocabulary (optional, ``models.vocab.VocabMap``): draft row i stands for target id ``vocab_map[i]``;
+its logits are scattered into the target's vocabulary with -inf elsewhere, so q = 0 off the subset and both
+acceptance rules stay exact. Adaptive gamma: see ``base.adapt_gamma``.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from ..fastpath import engine_for
 from ..kv import KVCache
 from ..models.vocab import VocabMap
 from ..types import DraftTree
-from .base import DecodeContext, draft_chain
+from .base import DecodeContext, adapt_gamma, draft_chain
 from .registry import ADAPTIVE, MethodSpec, gamma_knob, register
 
 
@@ -96,12 +90,8 @@ class SmallLMDrafter:
         return self.kv.nbytes()
 
     def observe(self, accepted: int, drafted: int) -> None:
-        if not self.adaptive or drafted == 0:
-            return
-        if accepted == drafted:
-            self.gamma = min(self.max_gamma, self.gamma + 2)
-        else:
-            self.gamma = max(1, self.gamma - 1)
+        if self.adaptive:
+            self.gamma = adapt_gamma(self.gamma, self.max_gamma, accepted, drafted)
 
 
 def _make_sd(*, draft_model=None, draft=None, target=None, gamma: int = 5, adaptive: bool = False,

@@ -1,30 +1,21 @@
 """Drafts in the fastest matmul path the running machine offers: measured once per shape set, cached on disk.
 
-Why: a drafted token must cost a few percent of a target step, and on CPU that cost is reading the draft's weights
-(a LongSpec block and its head rows, or a small LM). Measured on a 2-core AMD EPYC with AVX-512 and bf16: 16,384
-head rows x 576 at one row take 3.2 ms with ``F.linear``, 2.0 ms oneDNN-prepacked in float32 and 0.55 ms prepacked
-in bfloat16. Other CPUs differ (no bf16 instructions: bfloat16 is emulated and may lose), hence the measurement.
-
-Why this stays exact: a draft only proposes. The acceptance rules read the target's p, computed by the verifier in
-the weights' own dtype, and the draft's q exactly as the draft produced it (one-hot for deterministic drafts, else
-the very tensor the token was sampled from). Whatever precision the draft ran in, the output is the oracle's (greedy:
-token for token; sampling: in distribution). The precision changes which tokens are proposed, so speed only. It is
-never applied to a target: ``engine_for(model)`` without ``draft=True`` keeps the weights' dtype.
+Why: a drafted token must cost a few percent of a target step; on CPU that is reading the draft's weights (2-core
+AMD EPYC, AVX-512 bf16: 16,384 head rows x 576 at one row take 3.2 ms with ``F.linear``, 2.0 ms oneDNN-prepacked,
+0.55 ms prepacked in bfloat16; CPUs without bf16 instructions may lose), hence the measurement. It stays exact: the
+rules read the target's p (weights' dtype) and the draft's q as the draft produced it, so precision changes what is
+proposed, never the output. Never applied to a target (``engine_for`` without ``draft=True``).
 
 What:
-- ``draft_choice(weights)`` times the draft's [out, in] weight matrices at ``ROWS`` rows (a chain step, a tree
-  level) in each of ``CHOICES``: ``plain`` (``F.linear``), ``packed`` (oneDNN prepacked, the weights' dtype) and
-  ``packed-bf16`` (a bfloat16 prepacked copy; activations cast in and out, so norms, attention and caches keep the
-  weights' dtype), and returns the fastest in total. Cached as JSON under ``cache_home()/fastpath/`` keyed by the
-  machine, torch version, threads, dtype and shapes, like ``plan``.
-- ``fast_copy(module, choice, shared)``: a private copy of ``module`` with every ``nn.Linear`` swapped for a
-  ``PackedLinear`` (weights shared, only the packed copies are new; ``shared`` modules held outside the module tree
-  are kept, not copied); cached weakly per module while its weights stay the same objects.
+- ``draft_choice(weights)`` times the [out, in] weights at ``ROWS`` rows in each of ``CHOICES``: ``plain``
+  (``F.linear``), ``packed`` (oneDNN prepacked) and ``packed-bf16`` (a bfloat16 prepacked copy; activations cast
+  in and out), and returns the fastest; cached as JSON under ``cache_home()/fastpath/`` keyed like ``plan``.
+- ``fast_copy(module, choice, shared)``: a private copy with every ``nn.Linear`` swapped for a ``PackedLinear``
+  (weights and the ``shared`` modules are the originals), cached weakly per module while its weights stay the same.
 - ``row_product(weight, choice)``: ``x -> x @ weight.T`` computed the same way (a block's head rows).
 
-Overrides: ``RETROSPEC_FASTPATH`` ``off`` / ``plain`` -> ``plain`` (the reference), ``packed`` -> ``packed`` (the
-tests' forced fast path); ``RETROSPEC_DRAFT_DTYPE``: ``float32`` keeps drafts in their weights' dtype (no
-bfloat16), ``bfloat16`` takes ``packed-bf16`` without measuring (where oneDNN runs), ``auto`` (default) measures.
+Overrides: ``RETROSPEC_FASTPATH`` ``off`` / ``plain`` -> ``plain``, ``packed`` -> ``packed``;
+``RETROSPEC_DRAFT_DTYPE``: ``float32`` (no bfloat16), ``bfloat16`` (``packed-bf16`` unmeasured), ``auto`` (default).
 """
 
 from __future__ import annotations
@@ -32,7 +23,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-import json
 import os
 import time
 import weakref
@@ -41,11 +31,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 from ..paths import cache_home
 from .linear import PackedLinear, onednn_available, pack_weight, packed_matmul, packed_or_plain
-from .plan import machine_id, median_ms, mode
+from .plan import cached_json, machine_id, median_ms, mode
 
 CHOICES = ("plain", "packed", "packed-bf16")
 ROWS = (1, 4, 16)  # a chain step, a tree level of 4, a level of 16
@@ -108,22 +97,13 @@ def draft_choice(weights: Iterable[torch.Tensor], remeasure: bool = False) -> st
             allowed)
     if not remeasure and seen in _CHOICES:
         return _CHOICES[seen]
-    path = home / "fastpath" / f"draft-{_key(weights, allowed)}.json"
-    data = None
-    if not remeasure:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("version") != VERSION or data.get("choice") not in allowed:
-                data = None
-        except (OSError, ValueError, TypeError, AttributeError):
-            data = None  # absent or unreadable: measure again
-    if data is None:
+
+    def measure():
         data = measure_choice(weights, allowed)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, json.dumps(data, indent=1))
-        except OSError:
-            pass  # a read-only home: the choice holds for this process only
+        return data, data
+
+    data = cached_json(home / "fastpath" / f"draft-{_key(weights, allowed)}.json", measure, remeasure,
+                       read=lambda d: d if d.get("version") == VERSION and d.get("choice") in allowed else None)
     _CHOICES[seen] = data["choice"]
     return data["choice"]
 

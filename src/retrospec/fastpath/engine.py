@@ -1,25 +1,14 @@
 """The engine's private fast copy of a model: what the verifier (and drafters that run a model) call.
 
-Why: a verification step should cost about one decode step. Two things stand between the two on CPU, and both are
-fixed here without touching the caller's model or transformers' code:
+Why: a verification step should cost about one decode step. On CPU the copy gets there with ``attention.
+prefix_block`` (set on its own config) and decoder linears prepacked / the head in the layout ``fastpath.plan``
+measured fastest (families whose logits are plain ``lm_head(last_hidden_state)``), never touching the caller's
+model. ``engine_for`` caches the ``EngineModel`` weakly per model while its weights stay the same; the copy is a
+``deepcopy`` with every parameter and buffer memoised to itself (shared weights: only packed copies cost memory).
 
-- attention: the copy runs ``attention.prefix_block`` (every query sees the whole cached prefix, a causal block at
-  the end; no mask materialised for chains, no ``repeat_kv`` copy; a tree's ancestor block in place of the
-  causal one), set through
-  the public ``set_attn_implementation`` on the copy's own config;
-- matmuls: decoder linears prepacked for oneDNN where ``fastpath.plan`` measured that it pays on this machine, and
-  the output head in the measured layout (families whose logits are plain ``lm_head(last_hidden_state)``).
-
-What: ``engine_for(model)`` returns an ``EngineModel`` built once per model and cached (weakly) while the model's
-weights stay the same objects, storage and in-place version; any change rebuilds it. The copy is
-``copy.deepcopy(model)`` with every parameter and buffer memoised to itself: modules and config are new objects,
-weights are shared, so it costs the packed copies only (plus nothing in ``plain`` mode).
-
-Invariants (tested): the caller's model is unchanged (attention implementation, modules, weights); the copy's
-logits equal the plain forward's within float tolerance (same products, another summation order), and greedy
-decoding through it is token-identical to the oracle on the tests' models. Anything the copy cannot be built for
-(no ``get_decoder``, a non-CPU device, an attention implementation other than ``sdpa``) runs the caller's model
-as it is.
+Invariants (tested): the caller's model is unchanged; the copy's logits equal the plain forward's within float
+tolerance, and greedy decoding through it is token-identical to the oracle. A model the copy cannot be built for
+(no ``get_decoder``, a non-CPU device, attention other than ``sdpa``) runs as it is.
 """
 
 from __future__ import annotations
@@ -71,10 +60,8 @@ class EngineModel:
         self.head_weight: torch.Tensor | None = None  # [V, H]
         self.head_packed: torch.Tensor | None = None
         device = next(model.parameters()).device
-        if how == "off" or device.type != "cpu" or _plain_head(model) is None:
-            self.mode = "off"
-            return
-        if getattr(model.config, "_attn_implementation", None) not in ("sdpa", prefix_block.ATTN_NAME):
+        if (how == "off" or device.type != "cpu" or _plain_head(model) is None
+                or getattr(model.config, "_attn_implementation", None) not in ("sdpa", prefix_block.ATTN_NAME)):
             self.mode = "off"
             return
         with torch.inference_mode(False), torch.no_grad():

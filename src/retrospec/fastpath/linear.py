@@ -1,21 +1,14 @@
 """Prepacked small-M linear layers for CPU inference, and the head layouts the verifier chooses between.
 
-Why: a verification forward multiplies every weight matrix by T = 1..16 rows. On CPU the default BLAS path for
-``F.linear`` at small M can be far from the memory floor and differ wildly between CPUs (measured on a 2-core AMD
-EPYC with AVX-512: 35 ms for SmolLM2-135M's decoder linears at T = 1 and 51 ms at T = 2, where oneDNN with a
-prepacked weight takes 21-25 ms at both). Which one wins is machine-specific, so ``fastpath.plan`` measures it.
+Why: a verification forward multiplies every weight by T = 1..16 rows, where CPU BLAS ``F.linear`` can be far from
+the memory floor and differs between CPUs (2-core AMD EPYC, AVX-512: SmolLM2-135M's decoder linears take 35 ms at
+T = 1 and 51 ms at T = 2; oneDNN with a prepacked weight 21-25 ms at both), so ``fastpath.plan`` measures.
 
-What: ``PackedLinear`` holds a weight reordered once by PyTorch's oneDNN backend (``mkldnn._reorder_linear_weight``,
-the op inductor's freezing pass emits for CPU linears) and multiplies through ``mkldnn._linear_pointwise``; inputs
-with more rows than ``max_rows`` (a prompt's prefill) go to plain ``F.linear`` on the shared original weight.
-``head_logits`` computes ``hidden @ W.T`` in one of ``HEAD_LAYOUTS``. All layouts compute the same products; only
-the order of float summation differs (tested within float tolerance, greedy identical).
-
-A packed copy may be in another dtype than the weight (``pack_weight(w, torch.bfloat16)``): drafts only, see
-``fastpath.draft``. Its inputs are cast in and its outputs back, so activations keep the weight's dtype.
-
-Invariant: a ``PackedLinear`` never owns the caller's weight: it keeps a reference (for the fallback and for
-``weight.dtype`` readers) plus its own packed copy; nothing is written to the original.
+``PackedLinear`` multiplies by a weight reordered once by oneDNN (``mkldnn._reorder_linear_weight``, as inductor's
+freezing pass does) through ``mkldnn._linear_pointwise``; over ``max_rows`` rows (a prefill) it takes ``F.linear``.
+``head_logits`` computes ``hidden @ W.T`` in one of ``HEAD_LAYOUTS``. All compute the same products (tested within
+tolerance, greedy identical). A bfloat16 packed copy is for drafts only. Invariant: a ``PackedLinear`` never owns
+or writes the caller's weight.
 """
 
 from __future__ import annotations
@@ -74,10 +67,6 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return packed_or_plain(x, self.weight, self.bias, self.packed, self.packed_bias, self.max_rows)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, packed rows<={self.max_rows}, "
-                f"packed dtype={self.packed.dtype}")
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: str,

@@ -1,20 +1,15 @@
 """Which matmul path is fastest for a model's shapes on the running machine: measured once, cached on disk.
 
-Machines differ (AMD or Intel, with or without AVX-512/bf16, MKL or oneDNN underneath), and so does the fastest way
-to multiply T = 1..64 rows by a weight matrix. ``measure_plan`` times, on the model's own decoder weights:
-
-- the decoder's linear layers, plain ``F.linear`` against oneDNN prepacked (``fastpath.linear``), per row count in
-  ``ROWS``: whole layers from the first one until ``SAMPLE_BYTES`` of weights (past the last-level cache, so the
-  timing is memory-bound like the real forward), scaled to the whole decoder. Bounded time for any model size;
+Machines differ (AMD or Intel, AVX-512/bf16 or not, MKL or oneDNN), and so does the fastest way to multiply
+T = 1..64 rows by a weight matrix. ``measure_plan`` times, on the model's own weights:
+- the decoder's linear layers, plain ``F.linear`` against oneDNN prepacked, per row count in ``ROWS``: whole layers
+  until ``SAMPLE_BYTES`` of weights (past the last-level cache: memory-bound like the real forward), scaled up;
 - the output head in each of ``linear.HEAD_LAYOUTS`` per row count.
+The ``Plan`` is cached as JSON under ``cache_home()/fastpath/`` keyed by machine, torch version, threads, dtype and
+shapes. A plan only picks among computations of the same products; it never changes what is computed.
 
-The choice (``Plan``) is cached as JSON under ``cache_home()/fastpath/`` keyed by the machine (CPU model and flags),
-torch version, thread count, dtype and the weight shapes, so the next process reads it in microseconds. A plan
-only picks among computations of the same products; it never changes what is computed.
-
-``RETROSPEC_FASTPATH`` overrides the measurement: ``auto`` (default), ``packed`` (oneDNN for every row count up to
-64 and the packed head: the tests use it to exercise the fast path on any machine), ``plain`` (plain matmuls, the
-engine's attention path only) or ``off`` (the caller's model as it is: the reference the profile compares with).
+``RETROSPEC_FASTPATH``: ``auto`` (default), ``packed`` (oneDNN everywhere: the tests force the fast path with it),
+``plain`` (plain matmuls, the engine's attention only) or ``off`` (the caller's model as it is, the reference).
 """
 
 from __future__ import annotations
@@ -61,9 +56,6 @@ class Plan:
     seconds: float = 0.0  # time the measurement took (0 when read from the cache or forced)
     source: str = "measured"  # measured | cache | forced:<mode>
 
-    def linear_packed(self, rows: int) -> bool:
-        return bucket(rows) in self.packed_rows
-
     def head_layout(self, rows: int) -> str:
         b = bucket(rows)
         return self.head.get(b, "linear") if b is not None else "linear"
@@ -73,9 +65,8 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
-        ms = d.get("ms", {})
         return cls(packed_rows=[int(r) for r in d["packed_rows"]], head={int(k): v for k, v in d["head"].items()},
-                   ms=ms, key=d.get("key", ""), seconds=0.0, source="cache")
+                   ms=d.get("ms", {}), key=d.get("key", ""), seconds=0.0, source="cache")
 
 
 def mode() -> str:
@@ -186,18 +177,30 @@ def load_or_measure(decoder_linears: list[torch.nn.Linear], head_weight: torch.T
                     remeasure: bool = False) -> Plan:
     """The cached plan for these shapes on this machine, measured (and written atomically) when absent."""
     key = plan_key(decoder_linears, head_weight)
-    path = cache_home() / "fastpath" / f"{key}.json"
+
+    def measure():
+        plan = measure_plan(decoder_linears, head_weight, key)
+        return plan, plan.to_json()
+
+    return cached_json(cache_home() / "fastpath" / f"{key}.json", measure, remeasure,
+                       read=lambda d: Plan.from_json(d) if d.get("version") == PLAN_VERSION and d.get("key") == key
+                       else None)
+
+
+def cached_json(path: Path, measure, remeasure: bool, read):
+    """``read(json at path)`` unless that fails or is None (or ``remeasure``); else the value of ``measure() ->
+    (value, json data)``, the data written atomically to ``path`` (a read-only home: kept for this process only)."""
     if not remeasure:
         try:
-            data = json.loads(path.read_text())
-            if data.get("version") == PLAN_VERSION and data.get("key") == key:
-                return Plan.from_json(data)
+            hit = read(json.loads(path.read_text()))
+            if hit is not None:
+                return hit
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # absent or unreadable: measure again
-    plan = measure_plan(decoder_linears, head_weight, key)
+    value, data = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(plan.to_json(), indent=1))
+        write_text_atomic(path, json.dumps(data, indent=1))
     except OSError:
-        pass  # a read-only home: the plan is kept for this process only
-    return plan
+        pass
+    return value

@@ -1,22 +1,16 @@
 """KV cache for speculative decoding: preallocated, position-indexed, rollback by moving a length pointer.
 
-``BufferLayer`` implements transformers' public ``CacheLayerMixin`` interface over a buffer
-``[batch, kv_heads, capacity, head_dim]`` that doubles when full. ``update`` writes the new keys/values in place
-and returns views of the filled prefix, so a decode step copies only the new tokens (``DynamicLayer`` concatenates
-the whole cache every step). This is the gpt-fast layout: rejecting draft tokens is free.
+``BufferLayer`` implements transformers' public ``CacheLayerMixin`` over a buffer [batch, kv_heads, capacity,
+head_dim] that doubles when full; ``update`` writes in place and returns views of the filled prefix, so a step
+copies only the new tokens (the gpt-fast layout: rejecting draft tokens is free).
 
-``KVCache`` is the adapter the engine uses, with the two operations speculative decoding needs:
-- ``crop(length)``: forget everything past ``length`` (a rejected chain suffix);
-- ``keep(start, offsets)``: after a tree verification keep ``[0, start)`` plus ``start + o`` for each offset (the
-  root and the accepted path) and drop the scored-but-rejected siblings; a contiguous ``offsets = [0..k-1]`` is a
-  crop, otherwise one in-place gather per layer.
+``KVCache``, the engine's adapter: ``crop(length)`` forgets everything past ``length``; ``keep(start, offsets)``
+keeps ``[0, start)`` plus ``start + o`` per offset (the root and the accepted path of a tree): a crop when the
+offsets are contiguous, else one in-place gather per layer. Sliding-window or hybrid configs get transformers' own
+``DynamicCache``, where ``keep`` of a non-contiguous path is refused clearly.
 
-Models whose layers are not plain full attention (sliding-window or hybrid configs) get transformers' own
-``DynamicCache``; ``crop`` works there and ``keep`` of a non-contiguous path is refused clearly.
-
-Invariant (tested): after ``keep``, the cache equals one computed from scratch on the committed tokens, because a
-tree forward with an ancestor mask and depth-based ``position_ids`` writes exactly the keys/values a chain forward
-of the same path would.
+Invariant (tested): after ``keep``, the cache equals one computed from scratch on the committed tokens (a tree
+forward with an ancestor mask and depth-based ``position_ids`` writes exactly what a chain forward would).
 """
 
 from __future__ import annotations
@@ -94,10 +88,8 @@ class BufferLayer(CacheLayerMixin):
 
     @torch.inference_mode()
     def gather_tail(self, start: int, idx: torch.Tensor) -> None:
-        """Keep positions [0, start) followed by positions ``idx`` (all >= start); drop the rest.
-
-        Runs in inference mode: the buffers were allocated by a forward under inference mode (inference tensors),
-        which refuse in-place writes outside it, and callers such as ``Verifier.commit`` run outside it."""
+        """Keep positions [0, start) followed by positions ``idx`` (all >= start); drop the rest. In inference mode:
+        the buffers are inference tensors, which refuse in-place writes outside it (``Verifier.commit`` is)."""
         m = idx.numel()
         self._k[:, :, start : start + m] = self._k.index_select(2, idx)
         self._v[:, :, start : start + m] = self._v.index_select(2, idx)

@@ -1,19 +1,11 @@
-"""StreamingLLM KV cache: attention sinks + a recent window (Xiao et al., ICLR 2024), as used by MagicDec's
-self-speculation drafter (Chen et al., 2024: "MagicDec: breaking the latency-throughput tradeoff for long context
-generation with speculative decoding").
-
-``SinkWindowCache`` keeps the keys/values of the first ``sink`` positions and of the ``window`` most recent
-committed positions, over a plain transformers ``DynamicCache`` (``.cache`` goes into ``past_key_values``).
-Keys are stored as the model computed them (RoPE applied at their original positions), so entries keep their true
-positions after eviction and new queries use their true positions too (``position_ids``); the attention mask is
-computed by transformers from cache indices, which is what a compressed cache needs.
-
-Operations:
-- ``from_layers(layers, sink, window)``: start from another cache's tensors (the target's prefill), copying only the
-  sink and window slices;
-- ``mark_committed()`` / ``rollback()``: the drafter appends committed tokens, marks them, appends draft tokens, and
-  rolls the draft tokens back before the next step;
-- ``evict()``: drop committed entries between the sinks and the window.
+"""StreamingLLM KV cache: attention sinks + a recent window (Xiao et al., ICLR 2024), for MagicDec's drafter (Chen et
+al., 2024: "MagicDec: breaking the latency-throughput tradeoff for long context generation with speculative decoding").
+``SinkWindowCache`` keeps the keys/values of the first ``sink`` and the ``window`` most recent committed positions in a
+transformers ``DynamicCache`` (``.cache``). Keys keep RoPE at their original positions and new queries use their true
+``position_ids``; transformers computes the mask from cache indices, which a compressed cache needs.
+``from_layers`` starts from another cache's sink and window slices (the target's prefill); the drafter appends and
+marks committed tokens (``mark_committed``), appends draft tokens, ``rollback``s them before the next step, and
+``evict``s committed entries between the sinks and the window.
 
 Invariant (tested): after ``evict()``, ``positions == [0 .. sink-1] + [n - window .. n - 1]`` where n is the number
 of committed positions seen (or all of them while n <= sink + window), and ``len(self) == len(positions)``.
@@ -23,6 +15,8 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+
+from .cache import KVCache
 
 
 class SinkWindowCache:
@@ -80,9 +74,5 @@ class SinkWindowCache:
             layer.values = torch.cat([layer.values[..., : self.sink, :], layer.values[..., drop_to:, :]], dim=-2)
         self.positions = self.positions[: self.sink] + self.positions[drop_to:]
 
-    def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
-
-    def nbytes(self) -> int:
-        """Bytes of the keys/values held (sinks, window, and any draft entries not rolled back yet)."""
-        return sum(t.numel() * t.element_size() for kv in self.layer_tensors() for t in kv)
+    layer_tensors = KVCache.layer_tensors
+    nbytes = KVCache.nbytes  # sinks, window, and any draft entries not rolled back yet
