@@ -33,10 +33,10 @@ def test_cuda_greedy_identity_with_the_oracle(tmp_path):
 
     res = common.StepResult("tests", False, "cuda", {})
     stores = steps_bench.build_stores("zoo", tmp_path, 30_000)
-    methods, _ = steps_bench.runnable(steps_bench.METHODS, stores, True)
+    methods, _ = steps_bench.runnable(steps_bench.METHODS, stores)
     got = steps_bench.oracle_identity(res, load_model("zoo", device="cuda"),
                                       load_model("zoo-draft", role="draft", device="cuda"), preset("heldout", 2),
-                                      methods, steps_bench.bench_args("zoo", stores, methods), 24)
+                                      methods, {"target": "zoo", "stores": stores}, 24)
     assert not res.errors, res.errors
     assert got and all(got.values()), got
 

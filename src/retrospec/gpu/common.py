@@ -1,17 +1,11 @@
-"""Shared pieces of the GPU steps: device choice, a time budget, synchronized timing, JSON output, tiny models.
+"""Shared pieces of the GPU steps: device choice, a time budget, synchronized timing, JSON output, random models.
 
-Contracts:
-
-- ``pick_device(dry_run)``: CPU for a dry run (or ``step --cpu``); CUDA otherwise, and a ``RetrospecError`` (one
-  line, exit 2) when no
-  CUDA device is present: a real step never silently measures a CPU.
-- ``time_ms(fn, device)``: median milliseconds of ``fn()`` with a device synchronize before each clock read (CUDA
-  work is asynchronous), after warm-up calls; never asserted anywhere, only reported.
-- ``StepResult`` is written as ``<step>.json`` by ``finish``; a part that raised is recorded under ``errors``
-  (``{part: "Type: message"}``) and makes the exit code 1, the other parts' figures are kept.
-- The device-side staging folder ``stage_root()`` (``$RETROSPEC_GPU_STAGE``, default ``/tmp/rs``) holds what must
-  outlive one call on a warm machine: the GGUF parts (``g/``), the wheels' site (``site/``) and ``RETROSPEC_HOME``
-  (``home/``, the converted model).
+Contracts: a real step runs on CUDA or stops with a one-line ``RetrospecError`` (exit 2): it never silently
+measures a CPU. ``time_ms`` synchronizes the device around each clock read (CUDA work is asynchronous); its figures
+are reported, never asserted. A part that raised is recorded under ``errors`` of ``<step>.json`` (``{part: "Type:
+message"}``, exit code 1) and the other parts' figures are kept. The staging folder ``stage_root()``
+(``$RETROSPEC_GPU_STAGE``, default ``/tmp/rs``) holds what must outlive one call on a warm machine: the GGUF parts
+(``g/``), the wheels' site (``site/``) and ``RETROSPEC_HOME`` (``home/``, the converted model).
 """
 
 from __future__ import annotations
@@ -35,8 +29,8 @@ def stage_root() -> Path:
 
 
 def pick_device(dry_run: bool) -> torch.device:
-    """CPU for a dry run, or when ``$RETROSPEC_GPU_DEVICE`` is ``cpu`` (``step --cpu``: a real step, real model, on
-    this machine's CPU: a slow local rehearsal); else CUDA, which must be there."""
+    """CPU for a dry run or when ``$RETROSPEC_GPU_DEVICE`` is ``cpu`` (``step --cpu``); else CUDA, which must be
+    there."""
     if dry_run or os.environ.get("RETROSPEC_GPU_DEVICE") == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -45,57 +39,27 @@ def pick_device(dry_run: bool) -> torch.device:
     return torch.device("cuda")
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ms(fn, device: torch.device, reps: int = 7, warmup: int = 2, budget_s: float = 5.0) -> float:
     """Median ms of ``fn()`` over up to ``reps`` timed calls (at least 2; fewer than ``reps`` past ``budget_s``)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
-    sync(device)
+    sync()
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < reps and (len(times) < 2 or time.perf_counter() - start < budget_s):
-        sync(device)
+        sync()
         t0 = time.perf_counter()
         fn()
-        sync(device)
+        sync()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
 
-class Budget:
-    """Wall-clock budget of a step: ``left()`` seconds remain; parts check it before starting."""
-
-    def __init__(self, seconds: float):
-        self.seconds = float(seconds)
-        self.start = time.monotonic()
-
-    def left(self) -> float:
-        return self.seconds - (time.monotonic() - self.start)
-
-    def used(self) -> float:
-        return time.monotonic() - self.start
-
-
-def environment(device: torch.device) -> dict:
-    import transformers
-
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-           "device": str(device), "host": platform.node()}
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        env |= {"gpu": p.name, "gpu_mib": p.total_memory // 2**20, "sms": p.multi_processor_count,
-                "cuda": torch.version.cuda}
-    else:
-        env |= {"cpu_threads": torch.get_num_threads()}
-    return env
-
-
 @dataclass
 class StepResult:
+    """``<step>.json``: every field not starting with ``_``; ``left()``: seconds left of the step's budget."""
+
     step: str
     dry_run: bool
     device: str
@@ -105,6 +69,11 @@ class StepResult:
     notes: list = field(default_factory=list)
     seconds: float = 0.0
     part_seconds: dict = field(default_factory=dict)
+    _budget_s: float = 0.0
+    _t0: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self._budget_s - (time.monotonic() - self._t0)
 
     def part(self, name: str, fn, *args, **kwargs):
         """Run one part; a raise is recorded (not re-raised) so the other parts still report."""
@@ -112,7 +81,7 @@ class StepResult:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # a part that fails on CUDA must not lose the other parts' figures
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            first = (str(exc).strip().splitlines() or [""])[0]
             self.errors[name] = f"{type(exc).__name__}: {first}"[:500]
             self.notes.append(f"{name}: " + "".join(traceback.format_exception_only(type(exc), exc)).strip()[:300])
             return None
@@ -120,33 +89,56 @@ class StepResult:
             self.part_seconds[name] = round(time.perf_counter() - t0, 2)
 
 
-def start(step: str, dry_run: bool) -> tuple[StepResult, torch.device, Budget]:
+def start(step: str, dry_run: bool, budget_s: float) -> tuple[StepResult, torch.device]:
+    import transformers
+
     device = pick_device(dry_run)
     if dry_run:  # tiny models gain nothing from threads, and on a busy CPU OpenMP threads spin-wait for each other
         torch.set_num_threads(1)
-    return StepResult(step, dry_run, str(device), environment(device)), device, Budget(0)
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "device": str(device), "host": platform.node()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env |= {"gpu": p.name, "gpu_mib": p.total_memory // 2**20, "sms": p.multi_processor_count,
+                "cuda": torch.version.cuda}
+    else:
+        env |= {"cpu_threads": torch.get_num_threads()}
+    return StepResult(step, dry_run, str(device), env, _budget_s=budget_s), device
 
 
-def finish(result: StepResult, out: Path, budget: Budget) -> int:
+def finish(result: StepResult, out: Path) -> int:
     """Write ``<step>.json`` into ``out``; exit code 0, or 1 when a part failed."""
-    result.seconds = round(budget.used(), 2)
+    result.seconds = round(time.monotonic() - result._t0, 2)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{result.step}.json"
-    path.write_text(json.dumps(result.__dict__, indent=1, default=str) + "\n", encoding="utf-8")
+    data = {k: v for k, v in vars(result).items() if not k.startswith("_")}
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
     print(f"{result.step}: {'dry run, ' if result.dry_run else ''}{result.device}, {result.seconds:.1f} s, "
           f"{len(result.errors)} failed part(s){': ' + ', '.join(result.errors) if result.errors else ''}; "
           f"wrote {path}")
     return 1 if result.errors else 0
 
 
-def tiny_causal_lm(arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = 128,
-                   max_pos: int = 1024, heads: int = 4, kv_heads: int = 2):
-    """A random tiny Llama or Qwen2 (config only, nothing downloaded)."""
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def random_causal_lm(arch: str, config: dict, device="cpu", seed: int = 0):
+    """A Llama or Qwen2 (``arch``) of that config with random weights drawn on ``device`` (nothing downloaded)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(seed)
     cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    cfg = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-                  eos_token_id=vocab - 1, bos_token_id=vocab - 1, pad_token_id=vocab - 2)
-    return model_cls(cfg).eval()
+    cfg = cfg_cls(**config)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):  # built on the device: transformers' own init (N(0, 0.02)), rotary buffers right
+        torch.manual_seed(seed)
+        return model_cls(cfg).eval()
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, max_position_embeddings=1024)
+
+
+def tiny_causal_lm(arch: str = "llama", seed: int = 0):
+    """A random tiny Llama or Qwen2 on the CPU."""
+    return random_causal_lm(arch, TINY | dict(eos_token_id=127, bos_token_id=127, pad_token_id=126), seed=seed)

@@ -1,16 +1,11 @@
 """The device calls of the GPU runbook, in order, with the budget arithmetic that makes each one fit.
 
-Limits of a device ``run`` call (``/work/.library/device/README.md``; constants below): a command string of at most
-2000 characters, at most 8 carried paths, at most 64 MiB travelling in all (the tracked tree, untracked files git
-does not ignore, and the carried paths), at most 600 s per command, files back from ``$OUT``: at most 8, each at most
-16 MiB. A machine stays warm 30 s after a call; files outside the tree (the staging folder ``/tmp/rs``) survive only
-while it stays warm, so the calls are made back to back.
-
-The real model travels as its GGUF (98 MB, Q4_1: the exact source of the float32 weights the CPU uses) in parts of
-``part_bytes`` each, ``part_bytes = 64 MiB - travelling tree - the largest other carry of a call with a part - a
-1 MiB margin``. With the tree at ~52 MB that is ~8 parts: the first three ride along with the steps that need no
-model (tests, kernels, cost model), the middle ones go in short ``stage`` calls, the last one with ``model`` (which
-reassembles, checks the SHA-256, converts and checks logits against the CPU's).
+Limits of a device ``run`` call (``/work/.library/device/README.md``): the constants below. Files outside the tree
+(the staging folder ``/tmp/rs``) survive only while the machine stays warm (30 s), so the calls are made back to
+back. The real model travels as its GGUF (98 MB, Q4_1: the exact source of the float32 weights the CPU uses) in
+parts of ``part_bytes`` (64 MiB - travelling tree - the largest other carry of a call with a part - 1 MiB): the
+first ride along with the steps that need no model, the middle ones go in short ``stage`` calls, the last with
+``model``.
 
 Invariants (tested): every command is at most ``COMMAND_MAX`` characters; every carry list has at most
 ``CARRY_MAX`` paths and, with the travelling tree, at most ``TRAVEL_MAX`` bytes; every timeout is at most
@@ -90,36 +85,22 @@ def travelling_bytes(root: Path) -> int:
     """Bytes of what a ``run`` call sends without carries: tracked files plus untracked files git does not ignore."""
     try:
         names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                               capture_output=True, check=True).stdout.split(b"\0")
+                               capture_output=True, check=True).stdout.decode().split("\0")
     except (OSError, subprocess.CalledProcessError):
-        names = [str(p.relative_to(root)).encode() for p in root.rglob("*") if ".git" not in p.parts]
-    total = 0
-    for name in set(n for n in names if n):
-        p = root / name.decode()
-        if p.is_file() and not p.is_symlink():
-            total += p.stat().st_size
-    return total
-
-
-def path_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
-
-
-def estimated_bytes(rel: str) -> int:
-    """A carry's size before ``make gpu`` made it (the plan is printable on a fresh clone)."""
-    return {WHEEL_DIR: 3 * MIB, REF_DIR: 2 * MIB}.get(rel, 0)
+        names = [str(p.relative_to(root)) for p in root.rglob("*") if ".git" not in p.parts]
+    return sum(p.stat().st_size for p in {root / n for n in names if n} if p.is_file() and not p.is_symlink())
 
 
 def carry_size(root: Path, rel: str) -> int:
+    """A carry's bytes; before ``make gpu`` made it, an estimate (the plan is printable on a fresh clone)."""
     p = root / rel
-    return path_bytes(p) if p.exists() else estimated_bytes(rel)
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    return p.stat().st_size if p.is_file() else {WHEEL_DIR: 3 * MIB, REF_DIR: 2 * MIB}.get(rel, 0)
 
 
-def part_bytes(root: Path, tree: int | None = None) -> int:
+def part_bytes(root: Path, tree: int) -> int:
     """How big one GGUF part may be: what is left of a call's 64 MiB beside the tree and the call's other carry."""
-    tree = travelling_bytes(root) if tree is None else tree
     others = max(sum(carry_size(root, c) for c in SPECS[s].fixed_carry) for s in (*RIDERS, "stage", "model"))
     return TRAVEL_MAX - tree - others - MARGIN
 
@@ -132,12 +113,6 @@ def read_parts(root: Path) -> list[str] | None:
     return [f"{CARRY_DIR}/{p['dir']}" for p in json.loads(manifest.read_text())["parts"]]
 
 
-def command(step: str, extra: str = "") -> str:
-    spec = SPECS[step]
-    return (f"{PRELUDE}python3 -m retrospec.cli.gpu_cmd step {step} --budget-s {spec.budget_s} --out $OUT{extra} 2>&1"
-            f"|tee $OUT/{step}.log")
-
-
 def build_plan(root: Path, tree: int | None = None, prepared: bool = True) -> list[Call]:
     """The calls in order; ``prepared=False`` projects the parts as a fresh ``make gpu`` would cut them."""
     tree = travelling_bytes(root) if tree is None else tree
@@ -147,20 +122,22 @@ def build_plan(root: Path, tree: int | None = None, prepared: bool = True) -> li
         count = math.ceil(GGUF_BYTES / size) if size >= MIB else 1
         parts = [f"{CARRY_DIR}/p{k + 1:02d}" for k in range(count)]
     queue = list(parts)
-    steps: list[tuple[str, tuple[str, ...]]] = []
+    steps = []
     for name in RIDERS:
         steps.append((name, SPECS[name].fixed_carry + ((queue.pop(0),) if len(queue) > 1 else ())))
     while len(queue) > 1:
         steps.append(("stage", (queue.pop(0),)))
     steps.append(("model", SPECS["model"].fixed_carry + tuple(queue)))
-    steps += [("bench", SPECS["bench"].fixed_carry), ("train", SPECS["train"].fixed_carry)]
+    steps += [(s, SPECS[s].fixed_carry) for s in ("bench", "train")]
+    projected = min(max(part_bytes(root, tree), MIB), GGUF_BYTES) if len(parts) > 1 else GGUF_BYTES
     calls = []
     for i, (name, carry) in enumerate(steps, 1):
         spec = SPECS[name]
-        projected = min(max(part_bytes(root, tree), MIB), GGUF_BYTES) if len(parts) > 1 else GGUF_BYTES
         size = sum(carry_size(root, c) if not c.startswith(f"{CARRY_DIR}/p") or (prepared and (root / c).exists())
                    else projected for c in carry)
-        calls.append(Call(i, name, command(name), carry, spec.timeout_s, spec.minutes, spec.returns, size))
+        command = (f"{PRELUDE}python3 -m retrospec.cli.gpu_cmd step {name} --budget-s {spec.budget_s} --out $OUT 2>&1"
+                   f"|tee $OUT/{name}.log")
+        calls.append(Call(i, name, command, carry, spec.timeout_s, spec.minutes, spec.returns, size))
     return calls
 
 
@@ -168,28 +145,23 @@ def check_plan(calls: list[Call], tree: int) -> list[str]:
     """Every broken limit, as one line each (empty: the plan fits)."""
     bad = []
     for c in calls:
-        if len(c.command) > COMMAND_MAX:
-            bad.append(f"call {c.index} ({c.step}): command is {len(c.command)} > {COMMAND_MAX} characters")
-        if len(c.carry) > CARRY_MAX:
-            bad.append(f"call {c.index} ({c.step}): {len(c.carry)} > {CARRY_MAX} carried paths")
-        if tree + c.carry_bytes > TRAVEL_MAX:
-            bad.append(f"call {c.index} ({c.step}): tree {tree / MIB:.1f} MiB + carry {c.carry_bytes / MIB:.1f} MiB "
-                       f"> {TRAVEL_MAX // MIB} MiB (run 'make gpu' again to re-split the model)")
-        if c.timeout_s > CALL_MAX_S:
-            bad.append(f"call {c.index} ({c.step}): timeout {c.timeout_s} > {CALL_MAX_S} s")
+        checks = ((len(c.command) > COMMAND_MAX, f"command is {len(c.command)} > {COMMAND_MAX} characters"),
+                  (len(c.carry) > CARRY_MAX, f"{len(c.carry)} > {CARRY_MAX} carried paths"),
+                  (tree + c.carry_bytes > TRAVEL_MAX, f"tree {tree / MIB:.1f} MiB + carry {c.carry_bytes / MIB:.1f} "
+                   f"MiB > {TRAVEL_MAX // MIB} MiB (run 'make gpu' again to re-split the model)"),
+                  (c.timeout_s > CALL_MAX_S, f"timeout {c.timeout_s} > {CALL_MAX_S} s"))
+        bad += [f"call {c.index} ({c.step}): {message}" for broken, message in checks if broken]
     return bad
 
 
 def render(calls: list[Call], tree: int, root: Path) -> str:
-    total = sum(c.minutes for c in calls)
-    prepared = read_parts(root) is not None
     lines = [
         "# retrospec GPU runbook: device `run` calls, in order, back to back (a machine stays warm 30 s)",
         f"# travelling tree: {tree / MIB:.1f} MiB of {TRAVEL_MAX // MIB} MiB; one GGUF part: "
         f"{part_bytes(root, tree) / MIB:.1f} MiB; {sum(1 for c in calls for p in c.carry if '/p' in p)} parts"
-        + ("" if prepared else " (projected: run 'make gpu' first to make .gpu/ and .whl/)"),
-        f"# expected device time: {total:.1f} min + ~1.5 min machine start (session: {SESSION_S // 60} min); "
-        "short of time, drop 'train' first, then 'costmodel'",
+        + ("" if read_parts(root) is not None else " (projected: run 'make gpu' first to make .gpu/ and .whl/)"),
+        f"# expected device time: {sum(c.minutes for c in calls):.1f} min + ~1.5 min machine start "
+        f"(session: {SESSION_S // 60} min); short of time, drop 'train' first, then 'costmodel'",
         "# after each call: copy the files from files_at into runs/gpu/<step>/; "
         "at the end: retrospec gpu report runs/gpu/* > runs/gpu/report.md",
         "# if a call finds the machine cold (the stage/model JSON lists missing parts): start again from call 1",

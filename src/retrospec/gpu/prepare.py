@@ -1,12 +1,9 @@
 """``make gpu`` / ``retrospec gpu prepare``: the carry folders a GPU session takes along, made here on the CPU.
 
-- ``.gpu/ref/``: ``ref.pt`` (the CPU's float32 reference: prompt ids, the last position's full logits and every
-  position's argmax, per prompt), ``mbpp_sanitized.jsonl`` and ``nq_open/questions.jsonl`` (bench prompts and
-  corpus sources; ``../shared`` does not travel), ``ref.json`` (what made it).
-- ``.gpu/pNN/``: the GGUF of ``smollm2-135m`` cut into parts of ``plan.part_bytes`` bytes, each folder holding its
-  part and a copy of ``parts.json`` (sizes and SHA-256 of every part and of the whole file); ``.gpu/parts.json``.
-- ``.whl/``: the wheels the GPU image lacks (``WHEELS``); ``prepare`` lists what is missing with the pip command
-  that fetches it (it downloads only with ``download_wheels=True``).
+``.gpu/ref/``: ``ref.pt`` (the CPU's float32 reference logits, ``reference_logits``), the bench prompts and corpus
+sources (``../shared`` does not travel), ``ref.json``; ``.gpu/pNN/``: the GGUF of ``smollm2-135m`` in parts of
+``plan.part_bytes`` bytes, each beside a copy of ``parts.json`` (sizes and SHA-256 of every part and of the whole);
+``.whl/``: the wheels the GPU image lacks (listed with the pip command that fetches them; downloaded on request).
 
 Invariants: the folders are git-ignored (``.gitignore``: ``/.gpu/``, ``/.whl/``), so they travel only when carried;
 parts are remade whenever the tree or the other carries changed size (``parts.json`` records ``part_bytes``);
@@ -42,18 +39,9 @@ REF_PROMPTS = (
 SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"  # ../shared/data beside a checkout
 
 
-def sha256(path: Path, start: int = 0, length: int | None = None) -> str:
-    h = hashlib.sha256()
+def sha256(path: Path) -> str:
     with path.open("rb") as f:
-        f.seek(start)
-        left = length if length is not None else path.stat().st_size - start
-        while left > 0:
-            chunk = f.read(min(left, 1 << 22))
-            if not chunk:
-                break
-            h.update(chunk)
-            left -= len(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def split_file(src: Path, root: Path, size: int) -> dict:
@@ -61,53 +49,52 @@ def split_file(src: Path, root: Path, size: int) -> dict:
     carry = root / plan.CARRY_DIR
     for old in carry.glob("p[0-9][0-9]"):
         shutil.rmtree(old)
-    total = src.stat().st_size
     parts = []
     with src.open("rb") as f:
-        for k in range((total + size - 1) // size):
-            d = carry / f"p{k + 1:02d}"
+        while data := f.read(size):
+            d, name = carry / f"p{len(parts) + 1:02d}", f"{src.name}.part{len(parts) + 1:02d}"
             d.mkdir(parents=True)
-            name = f"{src.name}.part{k + 1:02d}"
-            data = f.read(size)
             (d / name).write_bytes(data)
             parts.append({"dir": d.name, "file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    manifest = {"file": src.name, "bytes": total, "sha256": sha256(src), "part_bytes": size, "parts": parts}
+    manifest = {"file": src.name, "bytes": src.stat().st_size, "sha256": sha256(src), "part_bytes": size,
+                "parts": parts}
     text = json.dumps(manifest, indent=1) + "\n"
-    (carry / "parts.json").write_text(text)
-    for p in parts:
-        (carry / p["dir"] / "parts.json").write_text(text)
+    for d in [carry] + [carry / p["dir"] for p in parts]:
+        (d / "parts.json").write_text(text)
     return manifest
 
 
 @torch.inference_mode()
 def reference_logits(model_dir_or_loaded) -> dict:
-    """Per prompt of ``REF_PROMPTS``: ids, last-position logits [V] float32, argmax of every position [T]."""
+    """``ref_row`` of every prompt of ``REF_PROMPTS``."""
     from ..chat import build_chat_prompt
     from ..models import load_model
 
     loaded = load_model(model_dir_or_loaded, role="target")
-    tok, model = loaded.tokenizer, loaded.model
-    rows = []
+    tok, rows = loaded.tokenizer, []
     for p in REF_PROMPTS:
         if p["chat"] and getattr(tok, "chat_template", None):
             ids = build_chat_prompt(tok, [{"role": "user", "content": p["text"]}]).prompt_ids
         else:
             ids = tok(p["text"], add_special_tokens=False)["input_ids"]
-        logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()  # [T, V]
-        rows.append({"name": p["name"], "ids": list(ids), "last": logits[-1].clone(), "argmax": logits.argmax(-1)})
+        rows.append(ref_row(loaded.model, p["name"], ids))
     return {"prompts": rows, "torch": torch.__version__, "model": str(loaded.path)}
+
+
+def ref_row(model, name: str, ids: list[int]) -> dict:
+    """One prompt's reference: its ids, the last position's logits [V] and every position's argmax [T]."""
+    logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()  # [T, V]
+    return {"name": name, "ids": list(ids), "last": logits[-1].clone(), "argmax": logits.argmax(-1)}
 
 
 def make_ref(root: Path, target="smollm2-135m", shared: Path = SHARED) -> Path:
     ref = root / plan.REF_DIR
     ref.mkdir(parents=True, exist_ok=True)
     torch.save(reference_logits(target), ref / "ref.pt")
-    copied = []
-    for rel in ("mbpp_sanitized.jsonl", "nq_open/questions.jsonl"):
-        if (shared / rel).is_file():
-            (ref / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(shared / rel, ref / rel)
-            copied.append(rel)
+    copied = [rel for rel in ("mbpp_sanitized.jsonl", "nq_open/questions.jsonl") if (shared / rel).is_file()]
+    for rel in copied:
+        (ref / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shared / rel, ref / rel)
     (ref / "ref.json").write_text(json.dumps({"target": str(target), "prompts": [p["name"] for p in REF_PROMPTS],
                                               "copied": copied, "torch": torch.__version__}, indent=1) + "\n")
     return ref
@@ -118,21 +105,10 @@ def missing_wheels(root: Path) -> list[str]:
     return [w for w in WHEELS if w.split("==")[0].lower() not in have]
 
 
-def download_wheels(root: Path, wheels: list[str]) -> None:
-    (root / plan.WHEEL_DIR).mkdir(exist_ok=True)
-    for w in wheels:
-        subprocess.run([sys.executable, *PIP.split()[1:], w], cwd=root, check=True)
-
-
 def check_ignored(root: Path) -> list[str]:
     """The carry folders git would send uncarried (they must be ignored)."""
-    bad = []
-    for rel in (plan.CARRY_DIR, plan.WHEEL_DIR):
-        probe = f"{rel}/probe"
-        r = subprocess.run(["git", "check-ignore", "-q", probe], cwd=root, capture_output=True)
-        if r.returncode != 0:
-            bad.append(rel)
-    return bad
+    return [rel for rel in (plan.CARRY_DIR, plan.WHEEL_DIR)
+            if subprocess.run(["git", "check-ignore", "-q", f"{rel}/probe"], cwd=root, capture_output=True).returncode]
 
 
 def prepare(root: Path, gguf: Path | None = None, target="smollm2-135m", wheels: bool = False,
@@ -148,7 +124,9 @@ def prepare(root: Path, gguf: Path | None = None, target="smollm2-135m", wheels:
         gguf = locate_gguf(lookup("smollm2-135m"))
     missing = missing_wheels(root)
     if missing and wheels:
-        download_wheels(root, missing)
+        (root / plan.WHEEL_DIR).mkdir(exist_ok=True)
+        for w in missing:
+            subprocess.run([sys.executable, *PIP.split()[1:], w], cwd=root, check=True)
         missing = missing_wheels(root)
     if remake_ref or not (root / plan.REF_DIR / "ref.pt").is_file():
         log(f"reference logits of {target} on the CPU -> {plan.REF_DIR}/ref.pt")

@@ -1,19 +1,11 @@
-"""Steps ``tests`` and ``bench``: greedy identity with the oracle on CUDA, and the CUDA bench with the profile.
+"""Steps ``tests`` and ``bench`` (docs/gpu.md: what each measures, known gaps).
 
-Both call the bench harness (``bench.harness.run_bench``) on models loaded with ``load_model(..., device=...)``:
-``retrospec bench`` itself loads on the CPU (it has no ``--device``), so the options it derives (rest/dresd stores,
-longspec's block, magicdec's window) are derived here through the same functions from a namespace parsed by the
-real ``retrospec bench`` parser, and the harness runs unchanged.
-
-``tests`` (zoo pair, float32): per method, the greedy tokens of every prompt equal the oracle's
-(``decode.autoregressive_generate``) token for token; plus pytest over the CUDA-relevant tests (``-k "cuda or
-triton"``: the ``test_cuda_*`` tests skip without a GPU) — a dry run only collects them.
-
-``bench`` (``smollm2-135m`` with its bundled draft and LongSpec block; a dry run: the zoo pair, 1 prompt, 4
-tokens): methods x prompt sets (chat, code = MBPP, long code = ``lcc``) x dtypes (float32 first, where lossless
-is checked; then bfloat16), each cell while the budget lasts; then ``bench.profile.run_profile`` on CUDA.
-Gaps (recorded in the JSON): dresd needs faiss and rapid needs the sentence-transformers embedder and the
-long-context harness; neither travels (see ``prepare.WHEELS``).
+Both run the bench harness (``bench.harness.run_bench``) unchanged on models loaded with ``load_model(...,
+device=...)``, with the per-label options (rest/dresd stores, longspec's block) built as ``cli.bench_cmd`` builds
+them. ``tests``: the greedy tokens of every method equal the oracle's (``decode.autoregressive_generate``) token for
+token (zoo pair, float32), and pytest over the CUDA-relevant tests (a dry run only collects them). ``bench``:
+methods x prompt sets x dtypes (float32 first, where lossless is checked), each cell while the budget lasts, then
+``bench.profile.run_profile``. Dry run: the zoo pair, 1 prompt, 4 tokens.
 """
 
 from __future__ import annotations
@@ -33,14 +25,6 @@ FP32_ONLY = {"longspec": "the block's target fingerprint is of the float32 weigh
 METHODS = ("ar", "sd", "pld", "magicdec", "longspec", "rest", "dresd", "hf-assisted", "hf-pld")
 
 
-def have(module: str) -> bool:
-    try:
-        __import__(module)
-    except Exception:  # ImportError, or a broken wheel
-        return False
-    return True
-
-
 def store_corpus(path: Path, max_bytes: int) -> Path:
     """A text corpus of stdlib training-split files, about ``max_bytes`` long (tokenizing all of the stdlib takes
     half a minute on a small CPU; the stores only need to be real, not large)."""
@@ -48,9 +32,8 @@ def store_corpus(path: Path, max_bytes: int) -> Path:
 
     parts, size = [], 0
     for f in stdlib_files("train"):
-        text = f.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        size += len(text)
+        parts.append(f.read_text(encoding="utf-8", errors="replace"))
+        size += len(parts[-1])
         if size >= max_bytes:
             break
     path.write_text("\n\n".join(parts), encoding="utf-8")
@@ -65,40 +48,37 @@ def build_stores(target: str, work: Path, max_bytes: int) -> dict[str, str]:
     from ..retrieval.corpus import open_text_corpus, tokenize
     from ..retrieval.store import target_meta, tokenizer_meta
 
+    try:
+        __import__("faiss")
+        kinds = ("suffix", "dense")
+    except Exception:  # ImportError, or a broken wheel
+        kinds = ("suffix",)
     work = work / f"stores-{Path(target).name}-{max_bytes}"  # built once per target and size, reused
     work.mkdir(parents=True, exist_ok=True)
     corpus = work / "store-corpus.txt"
-    stores = {}
-    kinds = ["suffix"] + (["dense"] if have("faiss") else [])
-    model = None
-    for kind in kinds:
-        out = work / f"store-{kind}"
-        if not (out / "meta.json").is_file():
-            if not corpus.is_file():
-                store_corpus(corpus, max_bytes)
-            model = model or load_model(target, role="target")
-            text = open_text_corpus(str(corpus))
-            docs = tokenize(text, model.tokenizer, total=len(text), progress=False)
-            eos = sorted(model.eos_ids())[0]
-            tok = tokenizer_meta(model.tokenizer, model.vocab_size, eos, source=model.path)
-            info = {"description": text.description, "corpus": str(corpus)}
+    stores = {kind: work / f"store-{kind}" for kind in kinds}
+    if todo := [kind for kind, out in stores.items() if not (out / "meta.json").is_file()]:
+        if not corpus.is_file():
+            store_corpus(corpus, max_bytes)
+        model = load_model(target, role="target")
+        text = open_text_corpus(str(corpus))
+        docs = list(tokenize(text, model.tokenizer, total=len(text), progress=False))
+        tok = tokenizer_meta(model.tokenizer, model.vocab_size, sorted(model.eos_ids())[0], source=model.path)
+        info = {"description": text.description, "corpus": str(corpus)}
+        for kind in todo:
             if kind == "suffix":
-                build_suffix_store(docs, out, tokenizer_info=tok, corpus=info, target_info={"path": model.path})
+                build_suffix_store(docs, stores[kind], tokenizer_info=tok, corpus=info,
+                                   target_info={"path": model.path})
             else:
-                build_dense_store(model.model, docs, out, tokenizer_info=tok, corpus=info,
+                build_dense_store(model.model, docs, stores[kind], tokenizer_info=tok, corpus=info,
                                   target_info=target_meta(model.model, model.path))
-        stores[kind] = str(out)
-    return stores
-
-
-def bench_args(target: str, stores: dict[str, str], methods: list[str], extra: list[str] = ()) -> dict:
-    """What the bench's method options are built from: the target, the stores by kind (``extra`` unused)."""
-    return {"target": target, "stores": dict(stores)}
+    return {kind: str(out) for kind, out in stores.items()}
 
 
 def method_options(args: dict, methods: list[str], target) -> tuple[dict, str | None]:
-    """Per-label factory options as ``retrospec bench`` builds them (``cli.bench_cmd``): the datastore of a
-    retrieval method's kind, and the target's bundled LongSpec block for longspec labels."""
+    """Per-label factory options as ``retrospec bench`` builds them (``cli.bench_cmd``) from ``args``
+    (``{"target": name, "stores": {kind: dir}}``): the datastore of a retrieval method's kind, and the target's
+    bundled LongSpec block for longspec labels."""
     from ..bench.labels import parse_label
     from ..drafters.longspec import load_block
     from ..drafters.registry import SPECS
@@ -118,19 +98,12 @@ def method_options(args: dict, methods: list[str], target) -> tuple[dict, str | 
     return options, src
 
 
-def runnable(methods, stores: dict[str, str], has_draft: bool) -> tuple[list[str], dict[str, str]]:
-    skipped = {}
-    keep = []
-    for m in methods:
-        if m == "dresd" and "dense" not in stores:
-            skipped[m] = "faiss is not installed (not carried: ~30 MB)"
-        elif m == "rest" and "suffix" not in stores:
-            skipped[m] = "no suffix store"
-        elif m in ("sd", "hf-assisted") and not has_draft:
-            skipped[m] = "no draft"
-        else:
-            keep.append(m)
-    return keep, skipped
+def runnable(methods, stores: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The methods whose store was built, and {method: why not} of the others."""
+    why = {"dresd": None if "dense" in stores else "faiss is not installed (not carried: ~30 MB)",
+           "rest": None if "suffix" in stores else "no suffix store"}
+    skipped = {m: why[m] for m in methods if why.get(m)}
+    return [m for m in methods if m not in skipped], skipped
 
 
 def run_cell(res: common.StepResult, name: str, target, draft, prompts, methods, args, cfg_kw: dict) -> dict | None:
@@ -145,19 +118,14 @@ def run_cell(res: common.StepResult, name: str, target, draft, prompts, methods,
     got = res.part(name, once, methods)
     if got is not None:
         return got
-    merged = None
-    for m in methods:
-        if m == "ar":
-            continue
+    for m in [m for m in methods if m != "ar"]:
         one = res.part(f"{name}/{m}", once, ["ar", m])
-        if one is None:
-            continue
-        if merged is None:
-            merged = one
-        else:
-            merged["summary"] += [s for s in one["summary"] if s["method"] == m]
-            merged["runs"] += [r for r in one["runs"] if r["method"] == m]
-    return merged
+        if got is None:
+            got = one
+        elif one is not None:
+            got["summary"] += [s for s in one["summary"] if s["method"] == m]
+            got["runs"] += [r for r in one["runs"] if r["method"] == m]
+    return got
 
 
 def oracle_identity(res, target, draft, prompts, methods, args, max_new: int) -> dict:
@@ -174,38 +142,32 @@ def oracle_identity(res, target, draft, prompts, methods, args, max_new: int) ->
                                            eos_ids=eos)) for ids in encoded]
     out = {}
     for r in got["runs"]:
-        same = r["token_ids"] == oracle[r["prompt_index"]]
-        out[r["method"]] = out.get(r["method"], True) and same
+        out[r["method"]] = out.get(r["method"], True) and r["token_ids"] == oracle[r["prompt_index"]]
     return out
 
 
-def pytest_part(dry_run: bool, out: Path, seconds: float) -> dict:
+def pytest_part(dry_run: bool, seconds: float) -> dict:
     files = CUDA_TESTS[:1] if dry_run else CUDA_TESTS  # a dry run collects the CUDA file only (seconds)
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-k", "cuda or triton"]
-    if dry_run:
-        cmd.append("--collect-only")
     limit = 600 if dry_run else max(seconds, 60)  # on a CPU starved by other jobs collection alone took > 60 s
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+    proc = subprocess.run(cmd + ["--collect-only"] * dry_run, capture_output=True, text=True, timeout=limit)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     return {"returncode": proc.returncode, "summary": tail[0][:300], "collect_only": dry_run}
 
 
-def run_tests(out: Path, dry_run: bool, budget_s: float) -> int:
+def run_tests(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = None) -> int:
     from ..bench.tasks import preset
     from ..models import load_model
 
-    res, device, budget = common.start("tests", dry_run)
-    budget.seconds = budget_s
+    res, device = common.start("tests", dry_run, budget_s)
     stores = res.part("stores", build_stores, "zoo", common.stage_root(), 12_000 if dry_run else 1_000_000) or {}
     target = load_model("zoo", device=device)
     draft = load_model("zoo-draft", role="draft", device=device)
-    methods, skipped = runnable(METHODS, stores, True)
-    res.figures["skipped"] = skipped
-    args = bench_args("zoo", stores, methods)
-    prompts = preset("heldout", 1 if dry_run else 4)
-    res.figures["identity_fp32"] = oracle_identity(res, target, draft, prompts, methods, args, 6 if dry_run else 48)
-    res.figures["pytest"] = res.part("pytest", pytest_part, dry_run, out, max(budget.left() - 5, 10))
-    return common.finish(res, out, budget)
+    methods, res.figures["skipped"] = runnable(METHODS, stores)
+    res.figures["identity_fp32"] = oracle_identity(res, target, draft, preset("heldout", 1 if dry_run else 4), methods,
+                                                   {"target": "zoo", "stores": stores}, 6 if dry_run else 48)
+    res.figures["pytest"] = res.part("pytest", pytest_part, dry_run, max(res.left() - 5, 10))
+    return common.finish(res, out)
 
 
 def prompt_sets(target, dry_run: bool, ref_dir: Path) -> dict[str, tuple[list[dict], bool]]:
@@ -219,10 +181,9 @@ def prompt_sets(target, dry_run: bool, ref_dir: Path) -> dict[str, tuple[list[di
         sets["chat"] = (preset("chat", n), True)
     mbpp = ref_dir / "mbpp_sanitized.jsonl"
     sets["code"] = (load_prompts(mbpp)[:n] if mbpp.is_file() else preset("heldout", n), False)
-    if dry_run:  # the same long-code rows, cut short: a 7K-token prefill per method is a minute on a small CPU
-        sets["long"] = (lcc_prompts(target.tokenizer, 1, lengths=(400,), tolerance=100), False)
-    else:
-        sets["long"] = (preset("lcc", 3, tokenizer=target.tokenizer), False)
+    # a dry run: the same long-code rows, cut short (a 7K-token prefill per method is a minute on a small CPU)
+    sets["long"] = (lcc_prompts(target.tokenizer, 1, lengths=(400,), tolerance=100) if dry_run
+                    else preset("lcc", 3, tokenizer=target.tokenizer), False)
     return sets
 
 
@@ -230,17 +191,15 @@ def run_bench_step(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Pa
     from ..bench.profile import run_profile
     from ..models import load_model, paired_draft
 
-    res, device, budget = common.start("bench", dry_run)
-    budget.seconds = budget_s
+    res, device = common.start("bench", dry_run, budget_s)
     name = "zoo" if dry_run else "smollm2-135m"
     max_new = 4 if dry_run else 128
     stores = res.part("stores", build_stores, name, common.stage_root(), 12_000 if dry_run else 2_000_000) or {}
     draft_name = str(paired_draft(name))
-    methods, skipped = runnable(METHODS, stores, True)
+    methods, skipped = runnable(METHODS, stores)
     res.figures |= {"target": name, "draft": draft_name, "max_new_tokens": max_new, "skipped": skipped
                     | {"rapid": "needs the long-context harness and its embedder (not carried: ~90 MB)"},
                     "cells": {}}
-    args = bench_args(name, stores, methods)
     for dtype in (torch.float32, torch.bfloat16):
         target = res.part(f"load/{dtype}", load_model, name, dtype=dtype, device=device)
         draft = res.part(f"load-draft/{dtype}", load_model, draft_name, role="draft", dtype=dtype, device=device)
@@ -251,28 +210,28 @@ def run_bench_step(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Pa
         if dtype != torch.float32:  # a bf16 target's fingerprint differs from the fp32 one the block/store carry
             cell_methods = [m for m in methods if m not in FP32_ONLY]
             res.figures["skipped"] |= {f"{m}@bfloat16": FP32_ONLY[m] for m in methods if m in FP32_ONLY}
-        if dry_run and dtype != torch.float32:
-            sets = {k: v for k, v in sets.items() if k == "code"}  # the bf16 path once, in seconds
+            if dry_run:  # the bf16 path once, in seconds
+                sets = {k: v for k, v in sets.items() if k == "code"}
+        if not draft:
+            cell_methods = [m for m in cell_methods if m not in ("sd", "hf-assisted")]
         for set_name, (prompts, chat) in sets.items():
-            cell = f"{set_name}/{str(dtype).replace('torch.', '')}"
-            if budget.left() < (5 if dry_run else 45):
+            cell = f"{set_name}/{common.dtype_name(dtype)}"
+            if res.left() < (5 if dry_run else 45):
                 res.notes.append(f"{cell}: skipped, out of budget")
                 continue
-            got = run_cell(res, cell, target, draft, prompts,
-                           cell_methods if draft else runnable(cell_methods, stores, False)[0],
-                           args, {"max_new_tokens": max_new, "chat": chat, "warmup": not dry_run})
+            got = run_cell(res, cell, target, draft, prompts, cell_methods, {"target": name, "stores": stores},
+                           {"max_new_tokens": max_new, "chat": chat, "warmup": not dry_run})
             if got is not None:
                 res.figures["cells"][cell] = {"prompts": len(prompts), "summary": [_row(s, got) for s in
                                                                                    got["summary"]]}
-    if budget.left() > (1 if dry_run else 40):
-        target = load_model(name, device=device)
-        draft = load_model(draft_name, role="draft", device=device)
+    if res.left() > (1 if dry_run else 40):
         kw = dict(contexts=(64,), tokens=(1, 2), reps=1, plain=False, trees=False) if dry_run else dict(
             contexts=(300, 2000), tokens=(1, 2, 4, 8, 16), reps=7)
-        res.figures["profile"] = res.part("profile", run_profile, target, draft, **kw)
+        res.figures["profile"] = res.part("profile", run_profile, load_model(name, device=device),
+                                          load_model(draft_name, role="draft", device=device), **kw)
         res.notes.append("profile: bench.profile times with a host clock and no CUDA synchronize, and measures host "
                          "memory bandwidth; CUDA figures are indicative (see docs/gpu.md)")
-    return common.finish(res, out, budget)
+    return common.finish(res, out)
 
 
 def _row(s: dict, got: dict) -> dict:

@@ -1,15 +1,10 @@
-"""Steps ``kernels`` and ``costmodel``: attention at 8K-128K, and real-size models timed by tokens and context.
+"""Steps ``kernels`` and ``costmodel`` (docs/gpu.md: what each measures).
 
-``kernels``: per attention shape (SmolLM2-135M, Llama-3.1-8B) and cache length L, the verification of a 4x16x16
-tree (q = 37 queries) through transformers' masked SDPA, ``attention.hybrid_tree`` (PyTorch), and the same split
-with the Triton tree kernel (``attention.hybrid_tree_triton``; CUDA only), plus a decode step for scale; bf16 on
-CUDA. The PyTorch rows come from ``bench.hybrid_timing.measure`` (which synchronizes CUDA); ``max_diff`` is
-|fast - masked| so a wrong fast path shows. Dry run: SmolLM2 shape, L = 256 and 512, float32, no Triton.
-
-``costmodel``: random-weight models with the shapes of Llama-3.1-8B and Qwen2.5-7B (configs written here, nothing
-downloaded; weights drawn on the device in bf16), ms per forward of T tokens (1..64) over a cache of L tokens
-(1K, 8K, 32K). ``retrospec gpu report`` turns these with the tau and tokens per forward measured on the real model
-into projected speedups, labelled as projections. Dry run: 2-layer models of the same families.
+``kernels``: tree verification attention through masked SDPA, ``attention.hybrid_tree`` (rows from
+``bench.hybrid_timing.measure``) and the Triton tree kernel (CUDA only); ``max_diff`` is |fast - masked| so a wrong
+fast path shows. Dry run: SmolLM2 shape, L = 256 and 512, float32, no Triton. ``costmodel``: random-weight models
+of real shapes (configs here, weights drawn on the device), ms per forward of T tokens over a cache of L tokens.
+Dry run: 2-layer models of the same families.
 
 Invariant: every time is a median with CUDA synchronized around it (``common.time_ms``); nothing is asserted.
 """
@@ -67,24 +62,23 @@ def triton_row(shape: str, length: int, parents: list[int], device, dtype, reps:
             "triton_max_diff": diff}
 
 
-def run_kernels(out: Path, dry_run: bool, budget_s: float) -> int:
+def run_kernels(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = None) -> int:
     from ..attention import hybrid_tree_triton
     from ..bench.hybrid_timing import measure, tree_parents
 
-    res, device, budget = common.start("kernels", dry_run)
-    budget.seconds = budget_s
+    res, device = common.start("kernels", dry_run, budget_s)
     dtype = torch.float32 if dry_run else torch.bfloat16
     parents = tree_parents(list(TREE))
     cases = [("smollm2", n) for n in (256, 512)] if dry_run else [
         (s, n) for n in LENGTHS for s in ("smollm2", "llama8b")]
     use_triton = device.type == "cuda" and hybrid_tree_triton.available()
-    res.figures |= {"dtype": str(dtype).replace("torch.", ""), "tree": list(TREE), "q": 1 + len(parents),
+    res.figures |= {"dtype": common.dtype_name(dtype), "tree": list(TREE), "q": 1 + len(parents),
                     "triton": use_triton, "rows": []}
     if not use_triton:
         res.notes.append("triton rows skipped: " + ("a dry run on CPU" if dry_run else "triton unavailable"))
     reps, each = (2, 0.5) if dry_run else (15, 3.0)
     for shape, length in cases:
-        if budget.left() < (1 if dry_run else 15):
+        if res.left() < (1 if dry_run else 15):
             res.notes.append(f"{shape} L={length}: skipped, out of budget")
             continue
         row = res.part(f"{shape}/{length}", measure, shape, length, parents, device, dtype, reps, each, chain=False)
@@ -96,23 +90,8 @@ def run_kernels(out: Path, dry_run: bool, budget_s: float) -> int:
             if "triton_ms" in row:
                 row["masked_over_triton"] = row["masked_ms"] / row["triton_ms"]
         res.figures["rows"].append(row)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return common.finish(res, out, budget)
-
-
-def random_model(arch: str, overrides: dict, device, dtype):
-    """A causal LM of that shape with random weights drawn on ``device`` (no CPU copy, nothing downloaded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    cfg = cfg_cls(**overrides, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    with torch.device(device):  # built on the device: transformers' own init (N(0, 0.02)), rotary buffers right
-        torch.manual_seed(0)
-        model = model_cls(cfg)
-    model = model.to(dtype)  # fp32 build then cast: ~3x the bf16 bytes at the peak (48 GB for 8B, fits an H100)
-    return model.eval()
+        torch.cuda.empty_cache()  # a no-op without CUDA
+    return common.finish(res, out)
 
 
 @torch.inference_mode()
@@ -143,21 +122,20 @@ def forward_ms(model, context: int, tokens: tuple[int, ...], device, reps: int, 
     return out
 
 
-def run_costmodel(out: Path, dry_run: bool, budget_s: float) -> int:
-    res, device, budget = common.start("costmodel", dry_run)
-    budget.seconds = budget_s
+def run_costmodel(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = None) -> int:
+    res, device = common.start("costmodel", dry_run, budget_s)
     dtype = torch.float32 if dry_run else torch.bfloat16
-    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024)
     contexts, tokens = ((32, 64), (1, 4)) if dry_run else (CONTEXTS, TOKENS)
     reps, each = (2, 0.5) if dry_run else (9, 2.0)
-    res.figures |= {"dtype": str(dtype).replace("torch.", ""), "contexts": list(contexts), "tokens": list(tokens),
+    res.figures |= {"dtype": common.dtype_name(dtype), "contexts": list(contexts), "tokens": list(tokens),
                     "models": {}}
     for name, (arch, shape) in REAL_SHAPES.items():
-        if budget.left() < (1 if dry_run else 30):
+        if res.left() < (1 if dry_run else 30):
             res.notes.append(f"{name}: skipped, out of budget")
             continue
-        model = res.part(f"{name}/build", random_model, arch, tiny if dry_run else shape, device, dtype)
+        # built on the device in fp32 then cast: ~3x the bf16 bytes at the peak (48 GB for 8B, fits an H100)
+        model = res.part(f"{name}/build", lambda cfg: common.random_causal_lm(arch, cfg, device).to(dtype),
+                         (common.TINY | {"vocab_size": 256} if dry_run else shape) | {"tie_word_embeddings": False})
         if model is None:
             continue
         # one untimed pass over every size first: the first forward of each new shape pays one-off costs (seen on the
@@ -166,7 +144,7 @@ def run_costmodel(out: Path, dry_run: bool, budget_s: float) -> int:
         entry = {"shape": "tiny stand-in" if dry_run else shape, "arch": arch,
                  "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "ms": {}}
         for ctx in contexts:
-            if budget.left() < (0.5 if dry_run else 20):
+            if res.left() < (0.5 if dry_run else 20):
                 res.notes.append(f"{name} context {ctx}: skipped, out of budget")
                 continue
             got = res.part(f"{name}/{ctx}", forward_ms, model, ctx, tokens, device, reps, each)
@@ -175,6 +153,5 @@ def run_costmodel(out: Path, dry_run: bool, budget_s: float) -> int:
         res.figures["models"][name] = entry
         del model
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return common.finish(res, out, budget)
+        torch.cuda.empty_cache()
+    return common.finish(res, out)

@@ -1,26 +1,14 @@
 """Step ``train``: a corpus of the target's own outputs on CUDA, the LongSpec block retrained on it, int8 back.
 
-1. Corpus (``generations.CorpusBuilder``, what ``retrospec corpus generate`` runs, with the target loaded on
-   CUDA in bfloat16): sources MBPP (rows 100+), NQ-open train questions (both carried in ``.gpu/ref``), stdlib
-   openings and self-instruct; greedy and T = 0.7. ``corpus generate`` has no time limit, so the builder is
-   grown here in whole shards (rows in multiples of ``shard_size / len(temperatures)``, which keeps every built
-   shard valid: the corpus resumes) until ``corpus_share`` of the budget is spent.
-2. LongSpec (``train.longspec_distill.distill_longspec``, what ``retrospec train longspec-distill`` runs) on the
-   corpus for the rest of the budget, less the evaluation's share: KL distillation of the target's distribution
-   over a 16K-token draft vocabulary, starting from the bundled block, with the held-out agreement learning curve.
-3. Evaluation: the new block against the bundled one, method ``longspec`` on MBPP rows (tau, acceptance rate).
-4. Back: the block re-saved with ``storage="int8"`` (``models.quant``) into ``$OUT/block-int8/`` (<= 16 MiB a
-   file, 4 files: weights, ids, meta, manifest), plus ``train.json``.
-
-Gaps (recorded in the JSON): ``retrospec zoo real-draft`` (the SD draft) cannot run on CUDA here —
-``train.real_draft.build_real_draft`` loads the target with ``load_model(cfg.target)`` on the CPU and takes no
-``device`` — and it does not read a corpus directory; the 20M-token goal needs ~10x this step's budget.
-Dry run: the zoo target on the CPU, a few stdlib rows, 8 tokens, 2 optimizer steps.
+The corpus (``generations.CorpusBuilder``) grows in whole shards (rows in multiples of ``shard_size /
+len(temperatures)``, which keeps every built shard valid) until ``corpus_share`` of the budget is spent; LongSpec
+is distilled on it (``train.longspec_distill.distill_longspec``) for the rest, less the evaluation's share; the new
+block is evaluated against the bundled one and re-saved as int8 into ``$OUT/block-int8/`` (<= 16 MiB a file).
+Gaps: docs/gpu.md. Dry run: the zoo target on the CPU, a few stdlib rows, 8 tokens, 2 optimizer steps.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -50,25 +38,10 @@ def grow_corpus(target, sources: str, out: Path, seconds: float, cfg_kw: dict, l
     return manifest
 
 
-def corpus_text(corpus: Path, tokenizer, out: Path) -> int:
-    """Write ``{"text": prompt + reply}`` per record (``train longspec --corpus FILE.jsonl``); returns records."""
-    from ..generations import read_corpus
-
-    n = 0
-    with out.open("w") as f:
-        for r in read_corpus(corpus):
-            f.write(json.dumps({"text": r["prompt"] + tokenizer.decode(r["output_ids"], skip_special_tokens=True)})
-                    + "\n")
-            n += 1
-    return n
-
-
-def evaluate_block(res, name: str, blocks: dict[str, str], prompts: list[dict], device, max_new: int) -> dict:
+def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max_new: int) -> dict:
     from ..bench.harness import BenchConfig, run_bench
     from ..drafters.longspec import load_block
-    from ..models import load_model
 
-    target = load_model(name, device=device)
     out = {}
     for label, src in blocks.items():
         block = res.part(f"eval/{label}/load", load_block, src, target)
@@ -87,41 +60,37 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
               corpus_share: float = 0.45) -> int:
     from ..bench.tasks import load_prompts, preset
     from ..drafters.longspec import load_block
+    from ..generations import read_corpus
     from ..models import load_model, paired_longspec
     from ..models.longspec.checkpoint import save_longspec
     from ..train.longspec_distill import DistillConfig, distill_longspec
 
-    res, device, budget = common.start("train", dry_run)
-    budget.seconds = budget_s
+    res, device = common.start("train", dry_run, budget_s)
     name = "zoo" if dry_run else "smollm2-135m"
+    bundled = paired_longspec(name)
     work = Path(tempfile.mkdtemp(prefix="rs-gpu-train-"))
     mbpp, nq = ref_dir / "mbpp_sanitized.jsonl", ref_dir / "nq_open" / "questions.jsonl"
-    if dry_run:
-        sources, cfg_kw = "stdlib=8", dict(max_new_tokens=8, batch_size=4, shard_size=8, temperatures=(0.0, 0.7))
-    else:
-        parts = [f"mbpp={mbpp}"] * mbpp.is_file() + [f"nq={nq}"] * nq.is_file() + ["stdlib", "self-instruct=2000"]
-        sources, cfg_kw = ",".join(parts), dict(max_new_tokens=256, batch_size=96, shard_size=192,
-                                                 temperatures=(0.0, 0.7))
+    parts = [f"mbpp={mbpp}"] * mbpp.is_file() + [f"nq={nq}"] * nq.is_file() + ["stdlib", "self-instruct=2000"]
+    sources = "stdlib=8" if dry_run else ",".join(parts)
+    cfg_kw = dict(max_new_tokens=8, batch_size=4, shard_size=8) if dry_run else dict(
+        max_new_tokens=256, batch_size=96, shard_size=192)
     gen_dtype = torch.float32 if dry_run else torch.bfloat16
     target = load_model(name, dtype=gen_dtype, device=device)
     corpus = work / "corpus"
-    manifest = res.part("corpus", grow_corpus, target, sources, corpus, budget.seconds * corpus_share, cfg_kw)
+    manifest = res.part("corpus", grow_corpus, target, sources, corpus, budget_s * corpus_share,
+                        cfg_kw | {"temperatures": (0.0, 0.7)})
     if manifest is not None:
         res.figures["corpus"] = {k: manifest.get(k) for k in ("output_tokens", "prompt_tokens", "seconds",
                                                               "by_source", "by_temperature", "complete")} | {
-            "sources": sources, "dtype": str(gen_dtype).replace("torch.", ""), "shards": len(manifest["shards"]),
+            "sources": sources, "dtype": common.dtype_name(gen_dtype), "shards": len(manifest["shards"]),
             "tokens_per_s": manifest["output_tokens"] / manifest["seconds"] if manifest["seconds"] else None}
-    tokenizer = target.tokenizer
     del target
-    text = work / "corpus.jsonl"
-    records = res.part("corpus_text", corpus_text, corpus, tokenizer, text) if manifest else None
+    records = res.part("corpus_records", lambda: len(read_corpus(corpus))) if manifest else None
     block_dir = work / "block"
-    eval_s = 4 if dry_run else 45
-    train_s = budget.left() - eval_s - (1 if dry_run else 20)
+    train_s = res.left() - (5 if dry_run else 65)  # the evaluation's share and a margin
     if records and train_s > (0 if dry_run else 30):
-        bundled_init = paired_longspec(name)
         cfg = DistillConfig(target=name, corpus=str(corpus), out=str(block_dir),
-                            init=None if bundled_init is None else str(bundled_init),
+                            init=None if bundled is None else str(bundled),
                             draft_vocab=64 if dry_run else 16384, max_len=64 if dry_run else 768,
                             batch_tokens=128 if dry_run else 16384, heldout=0.3 if dry_run else 0.04,
                             eval_records=4 if dry_run else 96, seconds=train_s, curve=(64,) if dry_run else
@@ -138,12 +107,9 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
         res.notes.append(f"longspec: not trained ({train_s:.0f} s left, {records} corpus records)")
     if (block_dir / "longspec.json").is_file():
         prompts = load_prompts(mbpp)[:3] if mbpp.is_file() and not dry_run else preset("heldout", 1)
-        blocks = {"retrained": str(block_dir)}
-        bundled = paired_longspec(name)
-        if bundled is not None:
-            blocks["bundled"] = str(bundled)
-        res.figures["eval"] = evaluate_block(res, name, blocks, prompts, device, 4 if dry_run else 64)
+        blocks = {"retrained": str(block_dir)} | ({} if bundled is None else {"bundled": str(bundled)})
         target = load_model(name, device=device)
+        res.figures["eval"] = evaluate_block(res, target, blocks, prompts, 4 if dry_run else 64)
         block = res.part("int8/load", load_block, str(block_dir), target)
         if block is not None:
             dest = out / "block-int8"
@@ -152,4 +118,4 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
             shutil.copyfile(block_dir / "manifest.json", dest / "manifest.json")
             res.figures["returned"] = {p.name: p.stat().st_size for p in sorted(dest.iterdir())}
     res.notes.append("zoo real-draft (the sd draft) is not retrained on CUDA: build_real_draft takes no device")
-    return common.finish(res, out, budget)
+    return common.finish(res, out)
