@@ -346,3 +346,15 @@ def test_merge_parts_is_token_weighted(full_bench, tmp_path):
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "results.json").write_text(json.dumps(other))
     assert merge_main([str(part), str(tmp_path / "o"), "--out", str(tmp_path / "m2")]) == 2
+
+
+def test_labels_set_any_registry_knob():
+    from retrospec.bench.labels import parse_label
+    from retrospec.errors import RetrospecError
+
+    lab = parse_label("longspec@lookup=10@gating=0")
+    assert lab.knobs == {"lookup": 10} and lab.gating is False
+    assert parse_label("pld@max_ngram=4").knobs == {"max_ngram": 4}
+    for bad in ("longspec@lookup=-1", "longspec@lookup=x", "longspec@lookup=1@lookup=2", "pld@lookup=3"):
+        with pytest.raises(RetrospecError):
+            parse_label(bad)

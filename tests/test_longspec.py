@@ -28,11 +28,11 @@ from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
 from retrospec.drafters.base import DecodeContext
-from retrospec.drafters.longspec import LongSpecDrafter, parse_tree
+from retrospec.drafters.longspec import LongSpecDrafter, graft, parse_tree
 from retrospec.errors import RetrospecError
 from retrospec.models.longspec import DraftState, LongSpecDraft, load_longspec, save_longspec
 from retrospec.sampling import probs_from_logits
-from retrospec.types import SpecStats
+from retrospec.types import DraftTree, SpecStats
 from retrospec.verify import Verifier
 
 torch.set_num_threads(1)
@@ -245,8 +245,9 @@ def mimic_pair(arch: str):
     return target, LongSpecDraft.for_target(target, window=8, init="identity")
 
 
-@pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 16, 16)}, {"tree": (2, 2, 2)}],
-                         ids=["chain", "tree", "narrow-tree"])
+@pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 16, 16)}, {"tree": (2, 2, 2)},
+                                  {"tree": (4, 16, 16), "lookup": 6}, {"gamma": 4, "lookup": 6}],
+                         ids=["chain", "tree", "narrow-tree", "tree+lookup", "chain+lookup"])
 @pytest.mark.parametrize("kind", ["random", "mimic"])
 def test_greedy_equals_oracle(arch, mode, kind):
     if kind == "random":
@@ -289,6 +290,19 @@ def test_tree_shape_and_budget():
     for bad in ("", "4,0", "a,b"):
         with pytest.raises(RetrospecError):
             parse_tree(bad)
+
+
+def test_graft_merges_a_chain_into_a_tree():
+    tree = DraftTree(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 0, 1]))  # 5 -> (7, 8), 6 -> 9
+    chain = DraftTree.chain([5, 8, 3])
+    merged = graft(chain, tree, 100)
+    assert merged.tokens.tolist() == [5, 8, 3, 6, 7, 9] and merged.parents.tolist() == [-1, 0, 1, -1, 0, 3]
+    pairs = list(zip(merged.parents.tolist(), merged.tokens.tolist()))
+    assert len(set(pairs)) == len(pairs)  # siblings stay distinct
+    for b in range(7):  # a smaller budget drafts a prefix of a larger one
+        cut = graft(chain, tree, b)
+        assert cut.tokens.tolist() == merged.tokens.tolist()[:b] and cut.parents.tolist() == merged.parents.tolist()[:b]
+    assert graft(DraftTree.empty(), tree, 100).tokens.tolist() == tree.tokens.tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -351,10 +365,12 @@ def test_tree_rule_draws_match_target(small_world):
     assert chisq_pvalue([(firsts, q1.numpy() * 20_000)]) < ALPHA
 
 
-def test_tree_sampling_end_to_end(small_world):
-    """Seeded runs through ``speculative_generate`` with tree drafts at temperature 1: (x1, x2) ~ p1 * p2."""
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_tree_sampling_end_to_end(small_world, lookup):
+    """Seeded runs through ``speculative_generate`` with tree drafts at temperature 1 (with and without the
+    prompt-lookup branch grafted in): (x1, x2) ~ p1 * p2."""
     target, block, prompt, p1, p2, _ = small_world
-    drafter = REGISTRY["longspec"](block=block, tree=(4, 6, 6))  # reused across runs: prefill() resets it
+    drafter = REGISTRY["longspec"](block=block, tree=(4, 6, 6), lookup=lookup)  # prefill() resets it
     runs = 2_000
     counts = first_pairs(target, drafter, prompt, runs)
     assert chisq_pvalue([(counts, (p1[:, None] * p2).numpy() * runs)]) > ALPHA

@@ -110,7 +110,7 @@ def _run_ours(label: str, target: LoadedModel, draft: LoadedModel | None, prompt
               cfg: BenchConfig, max_new: int, eos_ids: frozenset[int]) -> tuple[list[int], SpecStats, float]:
     parsed = parse_label(label)
     spec = SPECS[parsed.method]
-    options = label_options(parsed, cfg) | cfg.method_options.get(label, {})
+    options = label_options(parsed, cfg) | parsed.knobs | cfg.method_options.get(label, {})
     req = Request(target, draft if spec.draft == "lm" else None, parsed.method, prompt_ids, cfg.sampling,
                   DecodeConfig(max_new_tokens=max_new), options, eos_ids=eos_ids, gating=_gating(parsed, cfg))
     stats = SpecStats(method=label)
@@ -227,7 +227,7 @@ def _run_context_label(spec: MethodLabel, row: dict, retrieved, memos: dict, max
     p = plan(spec.method, row["context"], row["prompt"], target.tokenizer, cfg.sampling, opts, reuse)
     method = SPECS[spec.method]
     drf = (target if spec.self_draft or draft is None else draft) if method.draft == "lm" else None
-    options = dict(p.drafter_options)
+    options = dict(p.drafter_options) | spec.knobs
     if method.knob("gamma") is not None:
         options |= {"gamma": spec.gamma or cfg.gamma or method.context_gamma, "adaptive": spec.adaptive}
     req = Request(target, drf, spec.method, p.target_prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new),

@@ -5,6 +5,8 @@ Keys (each at most once):
 - ``gating=0|1``: this label without / with the gate (``gating``); methods that draft only;
 - ``gamma=N``: a chain of N (methods with a ``gamma`` knob; longspec drafts a tree unless given one);
 - ``tree=WxWx...``: longspec's widths per depth (``x``-separated so commas still separate labels);
+- any other knob the method declares in the registry (e.g. ``longspec@lookup=10``, ``pld@max_ngram=4``), checked
+  by the knob itself;
 - with long-context rows only: ``draft=self|default`` (a draft-LM method drafts with the target itself even when
   --draft is set), ``adaptive=0|1`` (methods with ``adaptive_gamma``) and any ``LongContextOptions`` field
   (``eta``, ``window``, ``chunk_tokens``, ...).
@@ -20,7 +22,7 @@ from ..drafters.registry import SPECS
 from ..errors import RetrospecError
 from ..long_requests import LongContextOptions
 
-SHORT_KEYS = "gating=0|1, gamma=N, tree=WxWx... (longspec)"
+SHORT_KEYS = "gating=0|1, gamma=N, tree=WxWx... (longspec), or a knob of the method"
 LONG_KEYS = "draft=self|default, gamma=N >= 1, adaptive=0|1, gating=0|1, or one of: " + \
     ", ".join(sorted(LongContextOptions.__dataclass_fields__))
 
@@ -36,6 +38,7 @@ class MethodLabel:
     self_draft: bool = False
     adaptive: bool = False
     overrides: dict = field(default_factory=dict, hash=False)  # LongContextOptions fields
+    knobs: dict = field(default_factory=dict, hash=False)  # other registry knobs of the method
     label: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -59,6 +62,7 @@ def parse_label(label: str, context: bool = False) -> MethodLabel:
     fields = set(LongContextOptions.__dataclass_fields__)
     seen: dict[str, object] = {}
     overrides: dict = {}
+    knobs: dict = {}
     if context and (spec is None or spec.context == "never"):
         names = ", ".join(m for m, s in SPECS.items() if s.context != "never")
         raise RetrospecError(f"unknown long-context method {name!r}; available: {names}")
@@ -68,8 +72,15 @@ def parse_label(label: str, context: bool = False) -> MethodLabel:
 
     for opt in opts:
         key, eq, value = opt.partition("=")
-        if key in seen or key in overrides:
+        if key in seen or key in overrides or key in knobs:
             raise RetrospecError(f"{label!r} sets {key} twice")
+        generic = ours and key not in ("gating", "gamma", "tree") and not (context and key in fields)
+        knob = spec.knob(key) if generic else None
+        if eq and knob is not None:
+            value = [int(w) if w.isdigit() else w for w in value.split("x")] if knob.kind == "widths" else \
+                (value == "1" if knob.kind == "bool" and value in ("0", "1") else _number(value))
+            knobs[knob.arg or knob.name] = knob.check(value)
+            continue
         if not eq or key not in ("gating", "gamma", "tree") and not (context and (key in ("draft", "adaptive")
                                                                                   or key in fields and value)):
             raise bad(opt, f"options are {keys}")
@@ -108,4 +119,4 @@ def parse_label(label: str, context: bool = False) -> MethodLabel:
             overrides[key] = _number(value)
     if "gamma" in seen and "tree" in seen:
         raise RetrospecError(f"{label!r}: longspec drafts a chain (gamma) or a tree (tree), not both")
-    return MethodLabel(name, overrides=overrides, label=label, **seen)
+    return MethodLabel(name, overrides=overrides, knobs=knobs, label=label, **seen)

@@ -14,6 +14,12 @@ multi-draft ``RejectionSampling`` at any temperature:
   Siblings are distinct tokens (a top-k over node x vocabulary), which makes the one-hot multi-draft rule exact
   (the seed's p/q rejection over top-k children is biased: not done here). Nothing is drafted below an EOS.
 
+Lookup branch (``lookup=K``, ours, not in the paper): the prompt-lookup chain (``pld``'s n-gram match over prompt +
+output, K tokens) is drafted first and the block's chain or tree is merged into it as a trie (a block node equal to
+a chain node at the same place is shared), so siblings stay distinct and the tree stays deterministic: the same
+rules verify it exactly. Order: chain nodes, then the block's new nodes in their own order, cut at the budget, so a
+smaller budget drafts a prefix of a larger one (what the gate assumes).
+
 Speed: the block's fast copy (``fast_block``: possibly bfloat16) changes what is proposed, never the output.
 State consistency: the ring holds every committed token but the last, like the target's cache. ``observe`` only
 gets counts and runs before the loop extends ``ctx.tokens``, so the ring catches up at the top of ``propose`` from
@@ -32,6 +38,7 @@ from ..fastpath.draft import draft_choice, fast_copy, row_product
 from ..models.longspec import DraftState, LongSpecDraft, load_longspec
 from ..types import DraftTree
 from .base import DecodeContext, as_module
+from .prompt_lookup import PromptLookupDrafter
 from .registry import Knob, MethodSpec, register
 
 DEFAULT_TREE = (4, 16, 16, 16, 16)
@@ -64,16 +71,19 @@ class LongSpecDrafter:
     name = "longspec"
     needs: frozenset[str] = frozenset({"target_kv"})
 
-    def __init__(self, block: LongSpecDraft, gamma: int | None = None, tree=None):
+    def __init__(self, block: LongSpecDraft, gamma: int | None = None, tree=None, lookup: int = 0):
         if gamma is not None and tree is not None:
             raise RetrospecError("longspec drafts a chain (gamma) or a tree (tree), not both")
         self.block = block
+        self.lookup = PromptLookupDrafter(k=lookup) if lookup > 0 else None
         self.fast = fast_block(block)  # what drafts: the block's fast copy (the same weights)
         self.gamma = gamma
         self.tree = None if gamma is not None else parse_tree(DEFAULT_TREE if tree is None else tree)
         self.state: DraftState | None = None
 
     def prefill(self, ctx: DecodeContext) -> None:
+        if self.lookup is not None:
+            self.lookup.prefill(ctx)
         self.state = DraftState(self.fast)
         self.state.append(ctx.tokens[:-1])
 
@@ -96,13 +106,16 @@ class LongSpecDrafter:
         n = min(budget, self.gamma if self.gamma is not None else sum(self.tree))
         if n <= 0:
             return DraftTree.empty()
+        chain = self.lookup.propose(ctx, budget) if self.lookup is not None else DraftTree.empty()
         try:
             logits = self.state.speculate([ctx.tokens[-1]], [-1], target_kv)[0]  # [K] after the root
             if self.gamma is not None:
-                return self._chain(logits, n, target_kv, ctx.eos_ids)
-            return self._tree(logits, n, target_kv, ctx.eos_ids)
+                tree = self._chain(logits, n, target_kv, ctx.eos_ids)
+            else:
+                tree = self._tree(logits, n, target_kv, ctx.eos_ids)
         finally:
             self.state.rollback()
+        return graft(chain, tree, budget) if len(chain) else tree
 
     def _chain(self, logits: torch.Tensor, n: int, target_kv, eos_ids) -> DraftTree:
         tokens: list[int] = []
@@ -148,6 +161,22 @@ class LongSpecDrafter:
         return self.state.nbytes() if self.state is not None else 0
 
 
+def graft(chain: DraftTree, tree: DraftTree, budget: int) -> DraftTree:
+    """``chain``'s nodes, then ``tree``'s nodes not already in it (same token below the same node), at most
+    ``budget`` nodes; parents stay before children and siblings stay distinct."""
+    tokens, parents = chain.tokens.tolist(), chain.parents.tolist()
+    where = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}  # (parent, token) -> node
+    new = []  # tree node -> merged node
+    for t, p in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        key = (new[p] if p >= 0 else -1, t)
+        if key not in where:
+            where[key] = len(tokens)
+            tokens.append(t)
+            parents.append(key[0])
+        new.append(where[key])
+    return DraftTree(torch.tensor(tokens[:budget], dtype=torch.long), torch.tensor(parents[:budget], dtype=torch.long))
+
+
 def load_block(draft, target) -> LongSpecDraft:
     """The LongSpec block for ``target`` from a block directory, a bundled block name (``smollm2-135m-longspec``)
     or a ``LongSpecDraft`` bound to this target; None is refused."""
@@ -176,14 +205,17 @@ def longspec_options(draft, target, gamma: int | None, tree) -> dict:
     return {"block": load_block(draft, target), "gamma": gamma, "tree": None if tree is None else parse_tree(tree)}
 
 
-def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=None) -> LongSpecDrafter:
+def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=None,
+                   lookup: int = 0) -> LongSpecDrafter:
     if not isinstance(block, LongSpecDraft):
         block = load_block(block, target)
-    return LongSpecDrafter(block, gamma=gamma, tree=tree)
+    return LongSpecDrafter(block, gamma=gamma, tree=tree, lookup=lookup)
 
 
 SPEC = register(MethodSpec(
     "longspec", _make_longspec, "one draft block over the target's KV cache, beam tree",
     knobs=(Knob("gamma", "int", None, "draft a chain of N tokens instead of the tree", min=1),
-           Knob("tree", "widths", None, "beam tree widths per depth (default 4,16,16,16,16)", parse=parse_tree)),
+           Knob("tree", "widths", None, "beam tree widths per depth (default 4,16,16,16,16)", parse=parse_tree),
+           Knob("lookup", "int", 0, "also draft a prompt-lookup chain of N tokens, merged into the tree (0: off)",
+                min=0)),
     draft="block", needs=frozenset({"target_kv"})))
