@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import RetrospecError
 from .train_cmd import config_from
+
+
+def _ints(text: str, flag: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RetrospecError(f"{flag} must be comma-separated {what}, got {text!r}") from None
 
 
 def add_parser(sub) -> None:
@@ -89,7 +97,6 @@ def add_parser(sub) -> None:
 
 
 def run_build(args) -> int:
-    from ..errors import RetrospecError
     from ..train.zoo import ZooBuildConfig, build_zoo
 
     if args.target_tokens <= 0 or args.draft_tokens <= 0:
@@ -105,7 +112,6 @@ def run_build(args) -> int:
 def run_long(args) -> int:
     import sys
 
-    from ..errors import RetrospecError
     from ..models import ZOO_DIR
     from ..train.common import resolve_device
     from ..train.long_zoo import LongZooConfig, build_long_zoo
@@ -128,10 +134,7 @@ def run_long(args) -> int:
     if args.stream_file and not Path(args.stream_file).is_file():
         raise RetrospecError(f"--stream-file: no such file {args.stream_file}")
     if args.lengths:
-        try:
-            lengths = tuple(sorted({int(x) for x in args.lengths.split(",") if x.strip()}))
-        except ValueError:
-            raise RetrospecError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+        lengths = tuple(sorted(set(_ints(args.lengths, "--lengths", "integers"))))
         if not lengths or min(lengths) < 256:
             raise RetrospecError("--lengths must be >= 256 each")
     else:
@@ -149,7 +152,6 @@ def run_stream(args) -> int:
 
     import numpy as np
 
-    from ..errors import RetrospecError
     from ..models import default_target, model_dir
     from ..train.long_zoo import load_tokenizer, stdlib_train_stream
 
@@ -170,13 +172,9 @@ def run_stream(args) -> int:
 
 
 def run_real_draft(args) -> int:
-    from ..errors import RetrospecError
     from ..train.real_draft import RealDraftConfig, build_real_draft
 
-    try:
-        layers = tuple(int(x) for x in args.layers.split(",") if x.strip())
-    except ValueError:
-        raise RetrospecError(f"--layers must be comma-separated block indices, got {args.layers!r}") from None
+    layers = _ints(args.layers, "--layers", "block indices")
     if not layers or args.vocab < 2 or args.seconds <= 0 or args.teacher_seconds <= 0 or args.seq_len < 2:
         raise RetrospecError("--layers, --vocab >= 2, --seconds > 0, --teacher-seconds > 0 and --seq-len >= 2 needed")
     nq = Path(args.nq_dir) if args.nq_dir else None
@@ -191,7 +189,6 @@ def run_real_draft(args) -> int:
 
 
 def run_info(args) -> int:
-    from ..errors import RetrospecError
     from ..models import ZOO_DIR
 
     path = Path(args.dir) if args.dir else ZOO_DIR

@@ -1,27 +1,25 @@
 """Distilling a small draft LM (``sd``'s draft, e.g. ``smollm2-135m-draft``) on the target's own outputs
 (``retrospec train draft-distill``, issue 19).
 
-The bundled draft was distilled on text the target never wrote (standard-library code, NQ passages) and proposed
-from a vocabulary chosen on that text. This trainer reads a corpus of the target's own replies (``retrospec corpus
-generate``; the same records, held-out split and batches as ``train.longspec_distill``) and:
+The bundled draft was first distilled on text the target never wrote, proposing from a vocabulary chosen on that
+text. This trainer reads a corpus of the target's own replies (``retrospec corpus generate``; the records, held-out
+split, batches and learning curve of ``train.longspec_distill``) and:
 
-- **re-chooses the draft vocabulary**: the ``vocab`` target ids the target emits most in the training records
-  (``longspec_distill.frequency_vocab``; every EOS / end-of-turn id first), so the draft can propose what the target
-  writes; q = 0 off it, which rejection sampling treats exactly;
-- **starts from** ``init`` (a draft directory or name; its own ``draft_vocab.json`` is read): its decoder layers as
-  they are, and for each id of the new vocabulary its trained embedding row where it had the id, else the target's
-  row (same width; else a fresh normal row);
-- **distils** KL(p_V || q) at every real position of each padded batch, p_V = the target's next-token distribution
-  renormalised over the draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q));
+- **re-chooses the draft vocabulary**: the ``vocab`` target ids the target emits most in the training records (every
+  EOS / end-of-turn id first), so the draft can propose what the target writes; q = 0 off it, which rejection
+  sampling treats exactly;
+- **starts from** ``init`` (a draft directory or name, with its ``draft_vocab.json``): its decoder layers as they
+  are; per id of the new vocabulary its trained row where it had the id, else the target's row (same width), else a
+  fresh normal row;
+- **distils** KL(p_V || q) at every real position, p_V = the target's next-token distribution renormalised over the
+  draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q));
 - **measures** on held-out records (teacher-forced, output tokens) the draft's greedy agreement with the target's
-  greedy token over the full vocabulary, per kind (chat / code), and the vocabulary's coverage of those tokens,
-  before training and at each point of ``curve`` (tokens trained).
+  greedy token per kind (chat / code) and the vocabulary's coverage of those tokens, before training and at each
+  point of ``curve`` (tokens trained).
 
-The draft trains on the target's device (load the target there; measured on CPU only, CUDA untested).
-
-Output: a Hugging Face checkpoint (float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus,
-coverage, learning curve, seconds), the same layout as ``zoo real-draft`` (``train.real_draft.save_draft``), written
-into a temporary sibling and renamed into place.
+The draft trains on the target's device (measured on CPU only, CUDA untested). Output: a Hugging Face checkpoint
+(float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve, seconds), the
+layout of ``zoo real-draft`` (``train.real_draft.save_draft``), written atomically.
 """
 
 from __future__ import annotations
@@ -167,7 +165,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
 
 
 def describe_curve(manifest: dict) -> str:
-    rows = ["| tokens trained | chat | code | all | vocabulary coverage | KL |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| tokens trained | chat | code | all | vocabulary coverage | KL |", "|" + " ---: |" * 6]
     for c in manifest["curve"]:
         rows.append(f"| {c['tokens']:,} | {c.get('chat', float('nan')):.3f} | {c.get('code', float('nan')):.3f} | "
                     f"{c['all']:.3f} | {c['vocab_coverage']:.3f} | {c.get('loss', '')} |")

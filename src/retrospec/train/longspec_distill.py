@@ -4,30 +4,28 @@ The bundled block was first trained on code windows the target never wrote; what
 target writes. This trainer reads a corpus of the target's own replies (``retrospec corpus generate``:
 ``prompt_ids`` + ``output_ids`` per record) and distils the target's next-token distribution into the block:
 
-- **sequences**: ``prompt_ids + output_ids`` of a record (the last ``max_len`` tokens), right-padded into batches of
-  similar length (at most ``batch_tokens`` tokens per batch, padding included);
-- **the target** runs frozen once per batch (its decoder with a KV cache): its last layer's cached (keys, values)
-  feed the block's cross-attention, its final hidden states [b, L, H] give p over the draft vocabulary;
+- **sequences**: the last ``max_len`` tokens of a record's prompt + output, right-padded into batches of similar
+  length (at most ``batch_tokens`` tokens per batch, padding included);
+- **the target** runs frozen once per batch: its last layer's cached (keys, values) feed the block's
+  cross-attention, its final hidden states [b, L, H] give p over the draft vocabulary;
 - **draft vocabulary** (FR-Spec, Zhao et al. 2025): the ``draft_vocab`` tokens the target emits most in the training
-  records (every EOS / end-of-turn id added); the block's logits are the head's rows for them only
-  (``LongSpecDraft.set_vocab``), so a drafted token costs a fraction of a full-head step and q = 0 elsewhere
-  (lossless: the target verifies). ``draft_vocab=0`` keeps the full head;
+  records (every EOS / end-of-turn id added); the block's logits are the head's rows for them only, so a drafted
+  token costs a fraction of a full-head step and q = 0 elsewhere (lossless: the target verifies). ``draft_vocab=0``
+  keeps the full head;
 - **loss**: KL(p_V || q) at every non-pad position, p_V = the target's distribution renormalised over the draft
-  vocabulary (the best a draft restricted to V can do for sum_x min(p, q)); a flash-noisy shift in [1, noisy_max]
-  per batch and anchor-offset positions on a share of batches (``train.longspec``) keep the block usable at long
-  contexts;
-- **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs (the two share the machine's
-  cores), taking the shards written since the last pass; when too few are new, it makes another pass over every
-  training record so far (``tokens`` in the curve counts tokens trained on, ``corpus_tokens`` the distinct corpus
-  tokens behind them); the draft vocabulary and the held-out set come from the records present at the start;
-- **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text; both temperatures of a prompt fall
-  on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the target's
-  greedy token (over the full vocabulary), per kind (chat / code), at each point of ``curve`` (corpus output tokens
-  seen). One pass over the corpus, so tokens seen = corpus size at that point (the learning rate at an early point
-  is still high: an early point under-states what a smaller corpus trained to the end would reach).
+  vocabulary; a flash-noisy shift in [1, noisy_max] per batch and anchor-offset positions on a share of batches
+  (``train.longspec``) keep the block usable at long contexts;
+- **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs, taking the shards written since
+  the last pass; when too few are new, another pass over every training record so far (``tokens`` in the curve
+  counts tokens trained on, ``corpus_tokens`` the distinct corpus tokens behind them); the draft vocabulary and the
+  held-out set come from the records present at the start;
+- **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text, so both temperatures of a prompt
+  fall on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the
+  target's greedy token per kind (chat / code) at each point of ``curve`` (corpus output tokens seen; the learning
+  rate at an early point is still high, so it under-states what a smaller corpus trained to the end would reach).
 
-Output: a block directory (``save_longspec``; ``storage`` int8 by default) plus ``manifest.json`` (config, corpus,
-draft-vocabulary coverage, learning curve, seconds), written into a temporary sibling and renamed into place.
+Output: a block directory (``storage`` int8 by default) plus ``manifest.json`` (config, corpus, draft-vocabulary
+coverage, learning curve, seconds), written atomically.
 """
 
 from __future__ import annotations
@@ -107,12 +105,8 @@ def frequency_vocab(records: list[dict], k: int, always: set[int], vocab_size: i
 
 def coverage(vocab: list[int], records: list[dict]) -> float:
     """Share of the records' output tokens inside ``vocab``."""
-    inside, total = set(vocab), 0
-    hit = 0
-    for r in records:
-        total += len(r["output_ids"])
-        hit += sum(1 for t in r["output_ids"] if t in inside)
-    return hit / max(1, total)
+    inside, total = set(vocab), sum(len(r["output_ids"]) for r in records)
+    return sum(t in inside for r in records for t in r["output_ids"]) / max(1, total)
 
 
 def sequence_of(record: dict, max_len: int) -> tuple[list[int], int]:
@@ -371,9 +365,8 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
 
 
 def describe_curve(manifest: dict) -> str:
-    rows = ["| tokens trained | corpus tokens | chat | code | all | KL |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| tokens trained | corpus tokens | chat | code | all | KL |", "|" + " ---: |" * 6]
     for c in manifest["curve"]:
         rows.append(f"| {c['tokens']:,} | {c.get('corpus_tokens', c['tokens']):,} | {c.get('chat', math.nan):.3f} | "
-                    f"{c.get('code', math.nan):.3f} | "
-                    f"{c['all']:.3f} | {c.get('loss', '')} |")
+                    f"{c.get('code', math.nan):.3f} | {c['all']:.3f} | {c.get('loss', '')} |")
     return "\n".join(rows)

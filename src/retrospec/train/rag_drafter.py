@@ -1,20 +1,19 @@
 """Instruction-tuning a Speculative RAG drafter (Wang et al., ICLR 2025, §3.2) as a LoRA adapter
 (``retrospec train rag-drafter``).
 
-The paper tunes its drafter on (question, documents, rationale, answer) with the loss on rationale and answer only,
-its rationales written by a strong LM. We have no strong LM, so rationales are **extractive**: the first sentence of
-the gold passage that contains a gold answer (case-insensitive); questions whose gold passage has no such sentence
-are skipped. Each example's documents are the gold passage and one hard negative (the passage nearest to the
-question under the sentence embedder, gold excluded) in random order — the shape of a drafting subset (k = 2).
-Only questions of the ``train`` split (``rag.data.split_of``) are used; the benchmark's ``eval`` split never is.
+The paper tunes its drafter on (question, documents, rationale, answer), loss on rationale and answer only, with
+rationales written by a strong LM. We have none, so rationales are **extractive**: the first sentence of the gold
+passage containing a gold answer (case-insensitive); questions without one are skipped. An example's documents are
+the gold passage and one hard negative (the passage nearest to the question under the sentence embedder, gold
+excluded) in random order, the shape of a drafting subset (k = 2). Only ``train``-split questions are used
+(``rag.data.split_of``); the benchmark's ``eval`` split never is.
 
 Why an adapter: a tuned 135M copy is 540 MB in float32; LoRA (peft) on every projection at rank 8 is ~2.4M
-parameters, stored in float16 (~5 MiB), small enough to ship with the package. ``models.adapters`` merges it into
-a copy of its base at load time.
+parameters, stored in float16 (~5 MiB), small enough to ship. ``models.adapters`` merges it into its base at load.
 
-Invariants: the output directory is written to a temporary sibling and renamed when complete (a failed run leaves
-nothing at ``out``); it holds peft's ``adapter_config.json`` + ``adapter_model.safetensors``, ``retrospec_adapter.json``
-(the base model and its identity, checked at load) and ``manifest.json`` (data, seed, steps, time, losses).
+Invariants: the output directory is written atomically; it holds peft's ``adapter_config.json`` +
+``adapter_model.safetensors``, ``retrospec_adapter.json`` (the base model and its identity, checked at load) and
+``manifest.json`` (data, seed, steps, time, losses).
 """
 
 from __future__ import annotations
@@ -76,7 +75,8 @@ def extractive_rationale(text: str, answers: tuple[str, ...] | list[str], max_wo
     return None
 
 
-def hard_negatives(questions: list[Question], passages: list[Passage], embedder=None, batch: int = 64) -> dict[str, str]:
+def hard_negatives(questions: list[Question], passages: list[Passage], embedder=None,
+                   batch: int = 64) -> dict[str, str]:
     """For each question, the id of the passage nearest to it (cosine, sentence embedder), its gold passage excluded."""
     from ..retrieval.embedder import load_embedder
 
@@ -143,7 +143,8 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
     if cfg.limit:
         examples = examples[: cfg.limit]
     if not examples:
-        raise RetrospecError("no training examples: no train-split question has a gold passage sentence with its answer")
+        raise RetrospecError("no training examples: no train-split question has a gold passage sentence with its "
+                             "answer")
     log(f"rag-drafter: {len(examples)} examples from {counts['questions']} train-split questions "
         f"({counts['no_rationale']} without an extractive rationale)")
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.05, target_modules=list(LORA_TARGETS),
@@ -159,10 +160,7 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
     started = time.perf_counter()
     bar = tqdm(total=cfg.steps or int(cfg.seconds), desc="tune rag drafter", unit="step" if cfg.steps else "s",
                dynamic_ncols=True)
-    while True:
-        elapsed = time.perf_counter() - started
-        if (cfg.steps is not None and step >= cfg.steps) or (cfg.seconds is not None and elapsed >= cfg.seconds):
-            break
+    while (step < cfg.steps) if cfg.steps is not None else (time.perf_counter() - started < cfg.seconds):
         set_lr(opt, warmup_cosine(step, total, cfg.lr, max(1, int(cfg.warmup * total))))
         opt.zero_grad(set_to_none=True)
         batch_loss = 0.0

@@ -1,27 +1,25 @@
 """A draft model for a real target: target-initialised blocks, a reduced vocabulary, distilled on the target's
-own distributions (``retrospec zoo real-draft``; the bundled ``smollm2-135m-draft`` was built with it).
+own distributions (``retrospec zoo real-draft``; the first stage of the bundled ``smollm2-135m-draft``).
 
-Why this shape. On a CPU a 135M target spends a large share of its forward in the 49,152-wide LM head, and a small
-draft with that head would cost almost as much per token as a third of the target. The draft here therefore:
+Why this shape. On a CPU a 135M target spends a large share of its forward in the 49,152-wide LM head; a small
+draft with that head would cost almost a third of the target per token. The draft here therefore:
 
-- keeps the target's width and copies ``layers`` of the target's decoder blocks (early-exit initialisation: it
-  starts out as a truncated target rather than from noise, which matters when training has minutes of CPU);
+- keeps the target's width and copies ``layers`` of its decoder blocks (early-exit initialisation: it starts as a
+  truncated target rather than from noise, which matters when training has minutes of CPU);
 - proposes only from a **reduced vocabulary**: the ``vocab`` most frequent target tokens of its training text
-  (specials of the chat template always included). Its embedding/head rows are copies of the target's rows for
-  those tokens. ``draft_vocab.json`` maps each draft row to its target token id; q = 0 on every other token, so
-  rejection sampling against p stays exact (the drafter scatters q into the target vocabulary). Input tokens
-  outside the vocabulary are read as ``<|endoftext|>``-style id ``unk_id`` (row of target token 0);
-- is distilled with forward KL(p_V || q), where p_V is the target's next-token distribution renormalised over
-  the draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q)).
+  (chat-template specials always included), embedding/head rows copied from the target's. ``draft_vocab.json`` maps
+  each draft row to its target id; q = 0 on every other token, so rejection sampling against p stays exact (the
+  drafter scatters q into the target vocabulary); input tokens outside it are read as row 0 (target token 0);
+- is distilled with forward KL(p_V || q), p_V = the target's next-token distribution renormalised over the draft
+  vocabulary (the best a draft restricted to V can do for sum_x min(p, q)).
 
-Training text (what the draft meets at inference): the standard library's training split (code), prose and
-questions from a passage corpus (NQ-open rows from ``nq_skip`` on: the first rows are the benchmark's), and the
-target's own greedy answers to chat prompts and continuations of code prefixes (sequence-level distillation).
+Training text (what the draft meets at inference): the stdlib's training split (code), prose and questions from a
+passage corpus (NQ-open rows from ``nq_skip`` on: the first rows are the benchmark's), and the target's own greedy
+answers to chat prompts and continuations of code prefixes (sequence-level distillation).
 
-Invariants: the saved directory is an ordinary Hugging Face checkpoint (LlamaForCausalLM, float16) plus
-``draft_vocab.json`` (which ties it to the target's token ids: the draft reads and writes target ids, so it ships
-no tokenizer of its own; the target's is the one used) and ``real_draft.json`` (recipe, data, time, metrics); it is
-written to a temporary sibling and renamed, so a failed build leaves nothing at ``out``.
+Invariants: the saved directory is an ordinary Hugging Face checkpoint (float16) plus ``draft_vocab.json`` (the
+draft reads and writes target ids, so it ships no tokenizer: the target's is used) and ``real_draft.json`` (recipe,
+data, time, metrics); it is written atomically, so a failed build leaves nothing at ``out``.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def build_zoo(cfg: ZooBuildConfig, log=print) -> dict:
 
 
 def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     started = time.perf_counter()
     train_texts = read_texts(stdlib_files("train"))
@@ -101,21 +101,15 @@ def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
     train_texts = [train_texts[i] for i in np.random.default_rng(cfg.seed).permutation(len(train_texts))]
 
     t0 = time.perf_counter()
-    if cfg.reuse_target is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(Path(cfg.reuse_target) / "target")
-    else:
-        tokenizer = train_bpe(train_texts, vocab_size=cfg.vocab_size)
+    src = Path(cfg.reuse_target) if cfg.reuse_target is not None else None
+    tokenizer = AutoTokenizer.from_pretrained(src / "target") if src else train_bpe(train_texts, cfg.vocab_size)
     train_stream = _encode_stream(tokenizer, train_texts)
     heldout_stream = _encode_stream(tokenizer, heldout_texts)
     log(f"tokenizer: vocab {len(tokenizer)}, {len(train_stream):,} training tokens, "
         f"{len(heldout_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)")
-
     vocab = len(tokenizer)
     results = {}
-    if cfg.reuse_target is not None:
-        src = Path(cfg.reuse_target)
+    if src:
         target = LlamaForCausalLM.from_pretrained(src / "target", dtype=torch.float32).eval()
         shutil.copytree(src / "target", tmp / "target")
         old = json.loads((src / "zoo.json").read_text()) if (src / "zoo.json").exists() else {}
@@ -128,7 +122,6 @@ def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
                                                      cfg.max_positions))
         tcfg = TrainConfig(tokens=cfg.target_tokens, seq_len=cfg.seq_len, batch_size=4, lr=1.5e-3, seed=cfg.seed)
         results["target"] = _train(target, train_stream, tcfg, heldout_stream, tokenizer, tmp / "target", log)
-
     torch.manual_seed(cfg.seed + 1)
     draft = LlamaForCausalLM(DRAFT_SPEC.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                                cfg.max_positions))
