@@ -10,9 +10,29 @@ Training of the other models lives under ``retrospec zoo`` (the zoo pair, ``real
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from ..errors import RetrospecError
+
+TARGET_HELP = "target model directory or name (e.g. {})"
+
+
+def config_from(cls, args, **over):
+    """``cls`` (a config dataclass) from the parsed flags named like its fields, then ``over``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names} | over)
+
+
+def add_common(p, budget: bool = False, seed: bool = True) -> None:
+    """``--steps``/``--seconds`` (exactly one), ``--seed``, ``--threads``."""
+    if budget:
+        group = p.add_mutually_exclusive_group(required=True)
+        group.add_argument("--steps", type=int, help="optimizer steps")
+        group.add_argument("--seconds", type=float, help="train for this long (wall clock)")
+    if seed:
+        p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
 
 
 def add_parser(sub) -> None:
@@ -26,9 +46,6 @@ def add_parser(sub) -> None:
                                                       "only its train split is used")
     r.add_argument("--passages", required=True, help="passages.jsonl (id, title, text)")
     r.add_argument("--out", required=True, help="adapter directory to create")
-    budget = r.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--steps", type=int, help="optimizer steps")
-    budget.add_argument("--seconds", type=float, help="train for this long (wall clock)")
     r.add_argument("--limit", type=int, default=None, help="use at most N training examples")
     r.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     r.add_argument("--lr", type=float, default=3e-4)
@@ -36,15 +53,93 @@ def add_parser(sub) -> None:
     r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="autocast dtype of the frozen base on the CPU (default bfloat16)")
     r.add_argument("--embedder", help="sentence-transformers directory for hard negatives (default: bundled MiniLM)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    add_common(r, budget=True)
     r.set_defaults(func=run_rag_drafter)
-    _add_longspec(tsub)
+
+    ls = tsub.add_parser("longspec", help="train a LongSpec draft block (one block reading the target's KV cache)")
+    ls.add_argument("--target", required=True, help=TARGET_HELP.format("zoo"))
+    ls.add_argument("--out", required=True, help="block directory to create")
+    ls.add_argument("--corpus", default=None, help="a text file, a directory of text files or a .jsonl file "
+                                                   "('text' per line); default: the stdlib training split")
+    ls.add_argument("--seq-len", type=int, default=1024, help="training window in tokens (default 1024)")
+    ls.add_argument("--batch", type=int, default=1, help="windows per step (default 1)")
+    ls.add_argument("--anchor-offset", choices=("on", "off"), default="on",
+                    help="anchor-offset positions: keep 0-4 anchor tokens, shift the rest randomly (default on)")
+    ls.add_argument("--noisy-max", type=int, default=4,
+                    help="flash-noisy training: per step a shift in [1, N] of the target KV (default 4; 1 = off)")
+    ls.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ls.add_argument("--window", type=int, default=512, help="the block's sliding self-attention window (default 512)")
+    ls.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
+    ls.add_argument("--init", choices=("identity", "random"), default="identity",
+                    help="block initialisation (default identity: the block starts as lm_head(embed(ids)))")
+    ls.add_argument("--intermediate-size", type=int, default=None,
+                    help="the block's MLP width (default the target's; narrower = a smaller block)")
+    add_common(ls, budget=True)
+    ls.set_defaults(func=run_longspec)
+
+    ev = tsub.add_parser("longspec-eval", help="LongSpec blocks' loss per position bucket on long held-out documents")
+    ev.add_argument("--target", required=True, help=TARGET_HELP.format("zoo"))
+    ev.add_argument("--draft", action="append", required=True, help="block directory (repeatable)")
+    ev.add_argument("--seq-len", type=int, default=8192, help="document length in tokens (default 8192)")
+    ev.add_argument("--docs", type=int, default=4, help="documents (default 4)")
+    ev.add_argument("--bucket", type=int, default=1024, help="positions per bucket (default 1024)")
+    ev.add_argument("--corpus", default=None, help="documents from this corpus instead of the held-out stdlib "
+                                                   "packages")
+    ev.add_argument("--anchor", action="store_true", help="evaluate at anchor-offset positions")
+    ev.add_argument("--no-target-check", action="store_true",
+                    help="skip the target's loss with normal vs anchor-offset positions")
+    ev.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_common(ev)
+    ev.add_argument("--out", help="write the results as JSON to this file")
+    ev.set_defaults(func=run_longspec_eval)
+
+    ds = _add_distill(tsub, "longspec-distill", "a LongSpec block", "block directory to create", 0.04, "1e-3",
+                      "drafting over a frequency-ranked vocabulary (FR-Spec)", "corpus output tokens")
+    ds.add_argument("--init", default=None, help="block to start from (directory or bundled name, e.g. "
+                                                 "smollm2-135m-longspec); default a fresh identity block")
+    ds.add_argument("--draft-vocab", type=int, default=16384,
+                    help="draft over the K output tokens the target emits most (default 16384; 0 = full head)")
+    ds.add_argument("--follow", action="store_true", help="keep training on the shards a running 'corpus generate' "
+                                                          "adds, until --seconds")
+    ds.add_argument("--storage", choices=("int8", "float16", "float32"), default="int8")
+    ds.set_defaults(func=run_longspec_distill)
+
+    dd = _add_distill(tsub, "draft-distill", "a small draft LM (sd's draft)", "draft directory to create", 0.06,
+                      "3e-4", "re-choosing its vocabulary from what the target writes", "tokens trained")
+    dd.add_argument("--init", required=True, help="draft to start from (directory or name, e.g. smollm2-135m-draft)")
+    dd.add_argument("--vocab", type=int, default=12288, help="draft vocabulary: the K tokens the target emits most "
+                                                            "(default 12288)")
+    dd.set_defaults(func=run_draft_distill)
+
+    pk = tsub.add_parser("longspec-pack", help="re-save a LongSpec block with another weight storage (int8: about "
+                                               "1/4 of float32, lossy; the drafter stays lossless)")
+    pk.add_argument("src", help="block directory to read")
+    pk.add_argument("--target", required=True, help="the block's " + TARGET_HELP.format("zoo"))
+    pk.add_argument("--out", required=True, help="block directory to create")
+    pk.add_argument("--storage", required=True, choices=("int8", "float16", "bfloat16", "float32"),
+                    help="int8: symmetric, one absmax scale per output row (lossy); or a float dtype")
+    pk.set_defaults(func=run_longspec_pack)
+
+
+def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, how: str, counted: str):
+    """A distiller's parser with the flags both distillers share."""
+    p = tsub.add_parser(name, help=f"distil {what} on a corpus of the target's own outputs ('retrospec corpus "
+                                   f"generate'), {how}")
+    p.add_argument("--target", required=True, help=TARGET_HELP.format("smollm2-135m"))
+    p.add_argument("--corpus", required=True, help="corpus directory written by 'retrospec corpus generate'")
+    p.add_argument("--out", required=True, help=out)
+    p.add_argument("--max-len", type=int, default=768, help="tokens per training sequence (default 768)")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch, padding included")
+    p.add_argument("--max-tokens", type=int, default=None, help=f"stop after this many {counted}")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this long (wall clock)")
+    p.add_argument("--heldout", type=float, default=heldout, help=f"share of prompts held out (default {heldout})")
+    p.add_argument("--lr", type=float, default=float(lr), help=f"peak learning rate (default {lr})")
+    add_common(p)
+    return p
 
 
 def run_rag_drafter(args) -> int:
-    import torch
-
+    from ..train.common import set_threads
     from ..train.rag_drafter import RagDrafterConfig, train_rag_drafter
 
     for name in ("questions", "passages"):
@@ -56,167 +151,49 @@ def run_rag_drafter(args) -> int:
             raise RetrospecError(f"--{name} must be at least 1, got {value}")
     if args.lr <= 0:
         raise RetrospecError(f"--lr must be positive, got {args.lr}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = RagDrafterConfig(base=args.base, questions=args.questions, passages=args.passages, out=args.out,
-                           steps=args.steps, seconds=args.seconds, limit=args.limit, rank=args.rank,
-                           alpha=2 * args.rank, lr=args.lr, accum=args.accum, dtype=args.dtype,
-                           embedder=args.embedder, seed=args.seed)
-    train_rag_drafter(cfg)
+    set_threads(args.threads)
+    train_rag_drafter(config_from(RagDrafterConfig, args, alpha=2 * args.rank))
     return 0
-
-
-def _add_longspec(tsub) -> None:
-    ls = tsub.add_parser("longspec", help="train a LongSpec draft block (one block reading the target's KV cache)")
-    ls.add_argument("--target", required=True, help="target model directory or name (e.g. zoo)")
-    ls.add_argument("--out", required=True, help="block directory to create")
-    ls.add_argument("--corpus", default=None, help="a text file, a directory of text files or a .jsonl file "
-                                                   "('text' per line); default: the stdlib training split")
-    ls.add_argument("--seq-len", type=int, default=1024, help="training window in tokens (default 1024)")
-    ls.add_argument("--batch", type=int, default=1, help="windows per step (default 1)")
-    ls.add_argument("--anchor-offset", choices=("on", "off"), default="on",
-                    help="anchor-offset positions: keep 0-4 anchor tokens, shift the rest randomly (default on)")
-    ls.add_argument("--noisy-max", type=int, default=4,
-                    help="flash-noisy training: per step a shift in [1, N] of the target KV (default 4; 1 = off)")
-    budget = ls.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--steps", type=int, help="optimizer steps")
-    budget.add_argument("--seconds", type=float, help="train for this long (wall clock)")
-    ls.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ls.add_argument("--window", type=int, default=512, help="the block's sliding self-attention window (default 512)")
-    ls.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
-    ls.add_argument("--init", choices=("identity", "random"), default="identity",
-                    help="block initialisation (default identity: the block starts as lm_head(embed(ids)))")
-    ls.add_argument("--intermediate-size", type=int, default=None,
-                    help="the block's MLP width (default the target's; narrower = a smaller block)")
-    ls.add_argument("--seed", type=int, default=0)
-    ls.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    ls.set_defaults(func=run_longspec)
-
-    ev = tsub.add_parser("longspec-eval", help="LongSpec blocks' loss per position bucket on long held-out documents")
-    ev.add_argument("--target", required=True, help="target model directory or name (e.g. zoo)")
-    ev.add_argument("--draft", action="append", required=True, help="block directory (repeatable)")
-    ev.add_argument("--seq-len", type=int, default=8192, help="document length in tokens (default 8192)")
-    ev.add_argument("--docs", type=int, default=4, help="documents (default 4)")
-    ev.add_argument("--bucket", type=int, default=1024, help="positions per bucket (default 1024)")
-    ev.add_argument("--corpus", default=None, help="documents from this corpus instead of the held-out stdlib "
-                                                   "packages")
-    ev.add_argument("--anchor", action="store_true", help="evaluate at anchor-offset positions")
-    ev.add_argument("--no-target-check", action="store_true",
-                    help="skip the target's loss with normal vs anchor-offset positions")
-    ev.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    ev.add_argument("--out", help="write the results as JSON to this file")
-    ev.set_defaults(func=run_longspec_eval)
-
-    ds = tsub.add_parser("longspec-distill", help="distil a LongSpec block on a corpus of the target's own outputs "
-                                                  "('retrospec corpus generate'), drafting over a frequency-ranked "
-                                                  "vocabulary (FR-Spec)")
-    ds.add_argument("--target", required=True, help="target model directory or name (e.g. smollm2-135m)")
-    ds.add_argument("--corpus", required=True, help="corpus directory written by 'retrospec corpus generate'")
-    ds.add_argument("--out", required=True, help="block directory to create")
-    ds.add_argument("--init", default=None, help="block to start from (directory or bundled name, e.g. "
-                                                 "smollm2-135m-longspec); default a fresh identity block")
-    ds.add_argument("--draft-vocab", type=int, default=16384,
-                    help="draft over the K output tokens the target emits most (default 16384; 0 = full head)")
-    ds.add_argument("--max-len", type=int, default=768, help="tokens per training sequence (default 768)")
-    ds.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch, padding included")
-    ds.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus output tokens")
-    ds.add_argument("--seconds", type=float, default=None, help="stop after this long (wall clock)")
-    ds.add_argument("--follow", action="store_true", help="keep training on the shards a running 'corpus generate' "
-                                                          "adds, until --seconds")
-    ds.add_argument("--heldout", type=float, default=0.04, help="share of prompts held out (default 0.04)")
-    ds.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    ds.add_argument("--storage", choices=("int8", "float16", "float32"), default="int8")
-    ds.add_argument("--seed", type=int, default=0)
-    ds.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    ds.set_defaults(func=run_longspec_distill)
-
-    dd = tsub.add_parser("draft-distill", help="distil a small draft LM (sd's draft) on a corpus of the target's own "
-                                               "outputs, re-choosing its vocabulary from what the target writes")
-    dd.add_argument("--target", required=True, help="target model directory or name (e.g. smollm2-135m)")
-    dd.add_argument("--corpus", required=True, help="corpus directory written by 'retrospec corpus generate'")
-    dd.add_argument("--init", required=True, help="draft to start from (directory or name, e.g. smollm2-135m-draft)")
-    dd.add_argument("--out", required=True, help="draft directory to create")
-    dd.add_argument("--vocab", type=int, default=12288, help="draft vocabulary: the K tokens the target emits most "
-                                                            "(default 12288)")
-    dd.add_argument("--max-len", type=int, default=768, help="tokens per training sequence (default 768)")
-    dd.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch, padding included")
-    dd.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens trained")
-    dd.add_argument("--seconds", type=float, default=None, help="stop after this long (wall clock)")
-    dd.add_argument("--heldout", type=float, default=0.06, help="share of prompts held out (default 0.06)")
-    dd.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
-    dd.add_argument("--seed", type=int, default=0)
-    dd.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    dd.set_defaults(func=run_draft_distill)
-
-    pk = tsub.add_parser("longspec-pack", help="re-save a LongSpec block with another weight storage (int8: about "
-                                               "1/4 of float32, lossy; the drafter stays lossless)")
-    pk.add_argument("src", help="block directory to read")
-    pk.add_argument("--target", required=True, help="the block's target model directory or name (e.g. zoo)")
-    pk.add_argument("--out", required=True, help="block directory to create")
-    pk.add_argument("--storage", required=True, choices=("int8", "float16", "bfloat16", "float32"),
-                    help="int8: symmetric, one absmax scale per output row (lossy); or a float dtype")
-    pk.set_defaults(func=run_longspec_pack)
-
-
-def _threads(n: int) -> None:
-    import torch
-
-    if n < 0:
-        raise RetrospecError(f"--threads must be >= 0, got {n}")
-    if n:
-        torch.set_num_threads(n)
 
 
 def run_longspec(args) -> int:
     from ..train.longspec import LongSpecTrainConfig, check_config, train_longspec
 
-    cfg = LongSpecTrainConfig(target=args.target, out=args.out, corpus=args.corpus, seq_len=args.seq_len,
-                              batch=args.batch, anchor_offset=args.anchor_offset == "on", noisy_max=args.noisy_max,
-                              steps=args.steps, seconds=args.seconds, device=args.device, window=args.window,
-                              lr=args.lr, init=args.init, seed=args.seed,
-                              intermediate_size=args.intermediate_size)
-    check_config(cfg)
-    _threads(args.threads)
-    train_longspec(cfg, log=lambda msg: print(msg, flush=True))
-    return 0
+    cfg = config_from(LongSpecTrainConfig, args, anchor_offset=args.anchor_offset == "on")
+    return _run(cfg, check_config, train_longspec, args.threads)
 
 
 def run_longspec_distill(args) -> int:
     from ..train.longspec_distill import DistillConfig, check_config, describe_curve, distill_longspec
 
-    cfg = DistillConfig(target=args.target, corpus=args.corpus, out=args.out, init=args.init,
-                        draft_vocab=args.draft_vocab, max_len=args.max_len, batch_tokens=args.batch_tokens,
-                        max_tokens=args.max_tokens, seconds=args.seconds, lr=args.lr, storage=args.storage,
-                        follow=args.follow, heldout=args.heldout,
-                        seed=args.seed)
-    return _distill(cfg, check_config, distill_longspec, describe_curve, args.threads)
+    return _run(config_from(DistillConfig, args), check_config, distill_longspec, args.threads, describe_curve)
 
 
 def run_draft_distill(args) -> int:
     from ..train.draft_distill import DraftDistillConfig, check_config, describe_curve, distill_draft
 
-    cfg = DraftDistillConfig(target=args.target, corpus=args.corpus, out=args.out, init=args.init, vocab=args.vocab,
-                             max_len=args.max_len, batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
-                             seconds=args.seconds, heldout=args.heldout, lr=args.lr, seed=args.seed)
-    return _distill(cfg, check_config, distill_draft, describe_curve, args.threads)
+    return _run(config_from(DraftDistillConfig, args), check_config, distill_draft, args.threads, describe_curve)
 
 
-def _distill(cfg, check, distill, describe, threads: int) -> int:
-    """Check a distiller's config (user errors before any loading), run it with progress lines, print its curve."""
+def _run(cfg, check, train, threads: int, describe=None) -> int:
+    """Check a trainer's config (user errors before any loading), run it with progress lines, print its curve."""
+    from ..train.common import set_threads
+
     check(cfg)
-    _threads(threads)
-    print(describe(distill(cfg, log=lambda msg: print(msg, flush=True))))
+    set_threads(threads)
+    manifest = train(cfg, log=lambda msg: print(msg, flush=True))
+    if describe is not None:
+        print(describe(manifest))
     return 0
 
 
 def run_longspec_eval(args) -> int:
     import json
 
+    from ..train.common import set_threads
     from ..train.longspec import evaluate_drafts, format_buckets
 
-    _threads(args.threads)
+    set_threads(args.threads)
     if args.out and Path(args.out).is_dir():
         raise RetrospecError(f"--out {args.out} is a directory; give a JSON file path")
     result = evaluate_drafts(args.target, args.draft, docs=args.docs, seq_len=args.seq_len, bucket=args.bucket,

@@ -11,6 +11,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import RetrospecError
+from .train_cmd import config_from
+
+
+def _ints(text: str, flag: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RetrospecError(f"{flag} must be comma-separated {what}, got {text!r}") from None
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("zoo", help="build or inspect the bundled tiny model zoo")
@@ -87,7 +97,6 @@ def add_parser(sub) -> None:
 
 
 def run_build(args) -> int:
-    from ..errors import RetrospecError
     from ..train.zoo import ZooBuildConfig, build_zoo
 
     if args.target_tokens <= 0 or args.draft_tokens <= 0:
@@ -95,17 +104,16 @@ def run_build(args) -> int:
     reuse = Path(args.reuse_target) if args.reuse_target else None
     if reuse is not None and not (reuse / "target" / "config.json").is_file():
         raise RetrospecError(f"--reuse-target: no zoo target at {reuse / 'target'}")
-    build_zoo(ZooBuildConfig(out=Path(args.out), seed=args.seed, target_tokens=args.target_tokens,
-                             draft_tokens=args.draft_tokens, reuse_target=reuse,
-                             self_distill_tokens=max(0, args.self_distill_tokens)))
+    build_zoo(config_from(ZooBuildConfig, args, out=Path(args.out), reuse_target=reuse,
+                          self_distill_tokens=max(0, args.self_distill_tokens)))
     return 0
 
 
 def run_long(args) -> int:
     import sys
 
-    from ..errors import RetrospecError
     from ..models import ZOO_DIR
+    from ..train.common import resolve_device
     from ..train.long_zoo import LongZooConfig, build_long_zoo
 
     base = Path(args.base) if args.base else ZOO_DIR
@@ -115,45 +123,27 @@ def run_long(args) -> int:
         raise RetrospecError(f"no zoo target at {base / 'target'} ({hint})")
     if args.steps == 0 and not args.init_target:
         raise RetrospecError("--steps 0 (keep the target as is) needs --init-target")
-    if args.init_draft and not (Path(args.init_draft) / "config.json").is_file():
-        raise RetrospecError(f"--init-draft: no model at {args.init_draft}")
+    for flag in ("init_draft", "init_target"):
+        if getattr(args, flag) and not (Path(getattr(args, flag)) / "config.json").is_file():
+            raise RetrospecError(f"--{flag.replace('_', '-')}: no model at {getattr(args, flag)}")
     if args.steps < 0 or args.batch_size < 1 or args.max_len < 256 or args.draft_steps < 0:
         raise RetrospecError("need --steps >= 0, --batch-size >= 1, --max-len >= 256, --draft-steps >= 0")
     if args.workers < 0 or args.seconds < 0 or args.draft_seconds < 0 or not 0 <= args.task_fraction <= 1:
         raise RetrospecError("need --workers >= 0, --seconds >= 0, --draft-seconds >= 0, 0 <= --task-fraction <= 1")
-    if args.device not in ("cpu", "cuda", "auto") and not args.device.startswith("cuda:"):
-        raise RetrospecError(f"--device must be cpu, cuda or auto, got {args.device!r}")
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RetrospecError("--device cuda: no CUDA device is available")
+    resolve_device(args.device)
     if args.stream_file and not Path(args.stream_file).is_file():
         raise RetrospecError(f"--stream-file: no such file {args.stream_file}")
     if args.lengths:
-        try:
-            lengths = tuple(sorted({int(x) for x in args.lengths.split(",") if x.strip()}))
-        except ValueError:
-            raise RetrospecError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+        lengths = tuple(sorted(set(_ints(args.lengths, "--lengths", "integers"))))
         if not lengths or min(lengths) < 256:
             raise RetrospecError("--lengths must be >= 256 each")
     else:
         lengths = tuple(sorted({max(256, args.max_len * k // 4) for k in (1, 2, 3, 4)}))
     if args.batch_tokens < 0:
         raise RetrospecError("--batch-tokens must be >= 0")
-    if args.init_target and not (Path(args.init_target) / "config.json").is_file():
-        raise RetrospecError(f"--init-target: no model at {args.init_target}")
-    build_long_zoo(LongZooConfig(base=base, out=Path(args.out) if args.out else base, seed=args.seed,
-                                 steps=args.steps, batch_size=args.batch_size, lengths=lengths, lr=args.lr,
-                                 batch_tokens=args.batch_tokens, init_target=args.init_target or "",
-                                 init_draft=args.init_draft or "", draft_labels=args.draft_labels,
-                                 draft_lr=args.draft_lr, task_weight=args.task_weight,
-                                 task_fraction=args.task_fraction, draft_steps=args.draft_steps,
-                                 draft_intermediate=args.draft_intermediate, eval_n=args.eval_n,
-                                 threads=args.threads, device=args.device, workers=args.workers,
-                                 seconds=args.seconds, draft_seconds=args.draft_seconds,
-                                 stream_file=args.stream_file or "",
-                                 command="retrospec " + " ".join(sys.argv[1:])))
+    build_long_zoo(config_from(LongZooConfig, args, base=base, out=Path(args.out) if args.out else base,
+                               lengths=lengths, init_target=args.init_target or "", init_draft=args.init_draft or "",
+                               stream_file=args.stream_file or "", command="retrospec " + " ".join(sys.argv[1:])))
     return 0
 
 
@@ -162,7 +152,6 @@ def run_stream(args) -> int:
 
     import numpy as np
 
-    from ..errors import RetrospecError
     from ..models import default_target, model_dir
     from ..train.long_zoo import load_tokenizer, stdlib_train_stream
 
@@ -183,13 +172,9 @@ def run_stream(args) -> int:
 
 
 def run_real_draft(args) -> int:
-    from ..errors import RetrospecError
     from ..train.real_draft import RealDraftConfig, build_real_draft
 
-    try:
-        layers = tuple(int(x) for x in args.layers.split(",") if x.strip())
-    except ValueError:
-        raise RetrospecError(f"--layers must be comma-separated block indices, got {args.layers!r}") from None
+    layers = _ints(args.layers, "--layers", "block indices")
     if not layers or args.vocab < 2 or args.seconds <= 0 or args.teacher_seconds <= 0 or args.seq_len < 2:
         raise RetrospecError("--layers, --vocab >= 2, --seconds > 0, --teacher-seconds > 0 and --seq-len >= 2 needed")
     nq = Path(args.nq_dir) if args.nq_dir else None
@@ -198,16 +183,12 @@ def run_real_draft(args) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise RetrospecError(f"--out {out} exists and is not empty")
-    cfg = RealDraftConfig(out=out, target=args.target, layers=layers, vocab=args.vocab, seconds=args.seconds,
-                          teacher_seconds=args.teacher_seconds, seq_len=args.seq_len, batch_size=args.batch_size,
-                          lr=args.lr, seed=args.seed, nq_dir=nq, nq_skip=args.nq_skip, chat_answers=args.chat_answers,
-                          code_continuations=args.code_continuations, threads=args.threads)
-    build_real_draft(cfg, log=lambda msg: print(msg, flush=True))
+    build_real_draft(config_from(RealDraftConfig, args, out=out, layers=layers, nq_dir=nq),
+                     log=lambda msg: print(msg, flush=True))
     return 0
 
 
 def run_info(args) -> int:
-    from ..errors import RetrospecError
     from ..models import ZOO_DIR
 
     path = Path(args.dir) if args.dir else ZOO_DIR

@@ -1,46 +1,42 @@
 """Distilling a small draft LM (``sd``'s draft, e.g. ``smollm2-135m-draft``) on the target's own outputs
 (``retrospec train draft-distill``, issue 19).
 
-The bundled draft was distilled on text the target never wrote (standard-library code, NQ passages) and proposed
-from a vocabulary chosen on that text. This trainer reads a corpus of the target's own replies (``retrospec corpus
-generate``; the same records, held-out split and batches as ``train.longspec_distill``) and:
+The bundled draft was first distilled on text the target never wrote, proposing from a vocabulary chosen on that
+text. This trainer reads a corpus of the target's own replies (``retrospec corpus generate``; the records, held-out
+split, batches and learning curve of ``train.longspec_distill``) and:
 
-- **re-chooses the draft vocabulary**: the ``vocab`` target ids the target emits most in the training records
-  (``longspec_distill.frequency_vocab``; every EOS / end-of-turn id first), so the draft can propose what the target
-  writes; q = 0 off it, which rejection sampling treats exactly;
-- **starts from** ``init`` (a draft directory or name; its own ``draft_vocab.json`` is read): its decoder layers as
-  they are, and for each id of the new vocabulary its trained embedding row where it had the id, else the target's
-  row (same width; else a fresh normal row);
-- **distils** KL(p_V || q) at every real position of each padded batch, p_V = the target's next-token distribution
-  renormalised over the draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q));
+- **re-chooses the draft vocabulary**: the ``vocab`` target ids the target emits most in the training records (every
+  EOS / end-of-turn id first), so the draft can propose what the target writes; q = 0 off it, which rejection
+  sampling treats exactly;
+- **starts from** ``init`` (a draft directory or name, with its ``draft_vocab.json``): its decoder layers as they
+  are; per id of the new vocabulary its trained row where it had the id, else the target's row (same width), else a
+  fresh normal row;
+- **distils** KL(p_V || q) at every real position, p_V = the target's next-token distribution renormalised over the
+  draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q));
 - **measures** on held-out records (teacher-forced, output tokens) the draft's greedy agreement with the target's
-  greedy token over the full vocabulary, per kind (chat / code), and the vocabulary's coverage of those tokens,
-  before training and at each point of ``curve`` (tokens trained).
+  greedy token per kind (chat / code) and the vocabulary's coverage of those tokens, before training and at each
+  point of ``curve`` (tokens trained).
 
-The draft trains on the target's device (load the target there; measured on CPU only, CUDA untested).
-
-Output: a Hugging Face checkpoint (float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus,
-coverage, learning curve, seconds), the same layout as ``zoo real-draft`` (``train.real_draft.save_draft``), written
-into a temporary sibling and renamed into place.
+The draft trains on the target's device (measured on CPU only, CUDA untested). Output: a Hugging Face checkpoint
+(float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve, seconds), the
+layout of ``zoo real-draft`` (``train.real_draft.save_draft``), written atomically.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import RetrospecError
 from ..models.loading import load_model
 from ..models.vocab import VocabMap
-from .common import adamw, warmup_cosine
-from .longspec_distill import (Tally, coverage, frequency_vocab, load_split, make_batches, pad_batch, sequence_of,
-                               teacher_forced)
-from .real_draft import save_draft
+from .common import adamw, jsonable, kl, optimizer_step
+from .longspec_distill import (Tally, check_distill, coverage, frequency_vocab, load_split, pad_batch, sequence_of,
+                               teacher_forced, train_curve)
+from .real_draft import blank_draft, save_draft
 
 
 @dataclass
@@ -65,30 +61,15 @@ class DraftDistillConfig:
 
 
 def check_config(cfg: DraftDistillConfig) -> None:
-    if not Path(cfg.corpus).is_dir():
-        raise RetrospecError(f"corpus directory not found: {cfg.corpus}")
-    if Path(cfg.out).exists():
-        raise RetrospecError(f"{cfg.out} already exists; choose another --out")
-    if cfg.vocab < 2 or cfg.max_len < 2 or cfg.batch_tokens < cfg.max_len or not 0 < cfg.heldout < 1:
-        raise RetrospecError("need --vocab >= 2, --max-len >= 2, --batch-tokens >= --max-len and a held-out share "
-                             "in (0, 1)")
-    if not cfg.lr > 0:
-        raise RetrospecError(f"--lr must be positive, got {cfg.lr}")
-    if (cfg.max_tokens is not None and cfg.max_tokens < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
-        raise RetrospecError("--max-tokens / --seconds must be positive")
+    check_distill(cfg, cfg.vocab >= 2, "--vocab >= 2")
 
 
 def revocab(draft, old_ids: list[int], new_ids: list[int], target) -> torch.nn.Module:
     """A copy of the causal LM ``draft`` (rows = target ids ``old_ids``) whose rows are target ids ``new_ids``:
     layers as they are; each row the draft's own where it had the id, else the target's (same width), else a fresh
     normal row. ``draft`` is left as it is."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = copy.deepcopy(draft.config)
-    cfg.vocab_size = len(new_ids)
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):  # rows are not target ids now
-        setattr(cfg, attr, None)
-    new = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    new = blank_draft(draft.config, len(new_ids))
+    cfg = new.config
     state = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
     missing, unexpected = new.load_state_dict(state, strict=False)
     if unexpected or any("embed_tokens" not in k and "lm_head" not in k for k in missing):
@@ -96,11 +77,9 @@ def revocab(draft, old_ids: list[int], new_ids: list[int], target) -> torch.nn.M
     where = {t: i for i, t in enumerate(old_ids)}
     std = getattr(cfg, "initializer_range", 0.02)
     with torch.no_grad():
-        pairs = [(draft.get_input_embeddings().weight, target.get_input_embeddings().weight,
-                  new.get_input_embeddings().weight)]
+        pairs = [[m.get_input_embeddings().weight for m in (draft, target, new)]]
         if not getattr(cfg, "tie_word_embeddings", True):
-            pairs.append((draft.get_output_embeddings().weight, target.get_output_embeddings().weight,
-                          new.get_output_embeddings().weight))
+            pairs.append([m.get_output_embeddings().weight for m in (draft, target, new)])
         for own, theirs, dest in pairs:
             for row, t in enumerate(new_ids):
                 if t in where:
@@ -122,8 +101,7 @@ def distill_loss(draft, target, vmap: VocabMap, head_rows: torch.Tensor, ids, ma
     """Mean KL(p_V || q) over the real positions of one batch (ids [b, L] target ids, mask [b, L])."""
     log_p = (_teacher(target, ids, mask) @ head_rows.T).float().log_softmax(-1)  # [b, L, K]
     log_q = draft(input_ids=vmap.to_draft[ids], attention_mask=mask).logits.float().log_softmax(-1)  # [b, L, K]
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [b, L]
-    return kl[mask.bool()].mean()
+    return kl(log_p, log_q)[mask.bool()].mean()
 
 
 @torch.no_grad()
@@ -161,70 +139,33 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     head_rows = tmodel.get_output_embeddings().weight[vmap.ids].detach()  # [K, H]: p_V's logits
     log(f"corpus {cfg.corpus}: {len(train)} training records, {len(held)} held out; draft vocabulary {len(new_ids)} "
         f"(held-out output coverage {coverage(new_ids, held):.4f}, the init draft's {coverage(old_ids, held):.4f})")
-    draft.eval()
-    curve = [{**agreement(draft, tmodel, vmap, held, cfg.max_len), "tokens": 0}]
-    log(f"before: {curve[0]}")
     total = sum(min(cfg.max_len, len(r["prompt_ids"]) + len(r["output_ids"])) for r in train)
     budget = cfg.max_tokens or (10**12 if cfg.seconds else total)
-    points = [c for c in cfg.curve if c < budget]
     pad = min(eos) if eos else 0
     opt = adamw(draft.parameters(), cfg.lr, cfg.weight_decay)
-    draft.train()
-    started, seen, step, losses = time.perf_counter(), 0, 0, []
-    bar = tqdm(total=None if cfg.seconds else budget, unit="tok", desc="distil draft", mininterval=5.0)
-    done = False
-    while not done:
-        for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
-            progress = seen / budget if cfg.seconds is None else (time.perf_counter() - started) / cfg.seconds
-            if seen >= budget or progress >= 1:
-                done = True
-                break
-            for g in opt.param_groups:
-                g["lr"] = warmup_cosine(min(1.0, progress), 1.0, cfg.lr, cfg.warmup, ramp=0)
-            ids, mask = pad_batch([sequence_of(train[i], cfg.max_len)[0] for i in batch], pad)
-            ids, mask = ids.to(device), mask.to(device)
-            loss = distill_loss(draft, tmodel, vmap, head_rows, ids, mask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
-            opt.step()
-            step, n = step + 1, int(mask.sum())
-            seen += n
-            losses.append(float(loss.detach()))
-            bar.update(n)
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-            if points and seen >= points[0]:
-                while points and seen >= points[0]:
-                    points.pop(0)
-                draft.eval()
-                row = {**agreement(draft, tmodel, vmap, held, cfg.max_len), "tokens": seen, "step": step,
-                       "loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
-                       "seconds": round(time.perf_counter() - started, 1)}
-                draft.train()
-                curve.append(row)
-                log(f"after {seen} tokens: {row}")
-        if cfg.seconds is None and cfg.max_tokens is None:
-            break  # one pass
-    bar.close()
-    draft.eval()
-    if curve[-1]["tokens"] != seen:
-        curve.append({**agreement(draft, tmodel, vmap, held, cfg.max_len), "tokens": seen, "step": step,
-                      "seconds": round(time.perf_counter() - started, 1)})
-    log(f"after: {curve[-1]}")
+
+    def step(batch: list[dict]) -> tuple[float, int]:
+        ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in batch], pad)
+        ids, mask = ids.to(device), mask.to(device)
+        loss = distill_loss(draft, tmodel, vmap, head_rows, ids, mask)
+        return optimizer_step(opt, loss, draft.parameters(), cfg.grad_clip), int(mask.sum())
+
+    result = train_curve(draft, opt, train, cfg, budget, [c for c in cfg.curve if c < budget], rng, log, step=step,
+                         evaluate=lambda: agreement(draft, tmodel, vmap, held, cfg.max_len), desc="distil draft",
+                         next_pass=lambda: None if cfg.seconds is None and cfg.max_tokens is None else train)
     manifest = {"kind": "retrospec real-model draft", "what": "draft distilled on the target's own outputs",
-                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-                "target": getattr(loaded, "path", cfg.target), "init": getattr(init, "path", cfg.init),
+                "config": jsonable(cfg), "target": getattr(loaded, "path", cfg.target),
+                "init": getattr(init, "path", cfg.init),
                 "corpus": {"path": cfg.corpus, "records": len(records), "heldout_records": len(held)},
                 "draft_params": sum(p.numel() for p in draft.parameters()),
-                "heldout_coverage": round(coverage(new_ids, held), 4), "steps": step, "tokens_seen": seen,
-                "seconds": round(time.perf_counter() - started, 1), "curve": curve,
+                "heldout_coverage": round(coverage(new_ids, held), 4), **result,
                 "date": time.strftime("%Y-%m-%d %H:%M")}
     save_draft(draft.cpu(), new_ids, V, manifest, Path(cfg.out))
     return manifest
 
 
 def describe_curve(manifest: dict) -> str:
-    rows = ["| tokens trained | chat | code | all | vocabulary coverage | KL |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| tokens trained | chat | code | all | vocabulary coverage | KL |", "|" + " ---: |" * 6]
     for c in manifest["curve"]:
         rows.append(f"| {c['tokens']:,} | {c.get('chat', float('nan')):.3f} | {c.get('code', float('nan')):.3f} | "
                     f"{c['all']:.3f} | {c['vocab_coverage']:.3f} | {c.get('loss', '')} |")

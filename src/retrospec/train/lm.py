@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .common import adamw, warmup_cosine
+from .common import adamw, optimizer_step, set_lr, warmup_cosine
 
 
 @dataclass
@@ -50,37 +50,26 @@ class TrainResult:
 Streams = np.ndarray | list[tuple[np.ndarray, float]]
 
 
-def _as_mixture(streams: Streams, seq_len: int) -> tuple[list[np.ndarray], np.ndarray]:
-    pairs = [(streams, 1.0)] if isinstance(streams, np.ndarray) else list(streams)
-    for s, _ in pairs:
-        if len(s) <= seq_len + 1:
-            raise ValueError(f"token stream of {len(s)} tokens is shorter than seq_len + 1 = {seq_len + 1}")
-    weights = np.array([w for _, w in pairs], dtype=np.float64)
-    return [s for s, _ in pairs], weights / weights.sum()
-
-
 def _batch(streams: list[np.ndarray], weights: np.ndarray, gen: np.random.Generator,
            cfg: TrainConfig) -> torch.Tensor:
-    """Random windows; each row's source stream is drawn with the mixture weights."""
-    sources = gen.choice(len(streams), size=cfg.batch_size, p=weights)
+    """Random windows [batch, seq_len + 1]; each row's source stream is drawn with the mixture weights."""
     rows = []
-    for src in sources:
-        s = streams[src]
-        start = int(gen.integers(0, len(s) - cfg.seq_len - 1))
-        rows.append(s[start : start + cfg.seq_len + 1])
-    return torch.from_numpy(np.stack(rows).astype(np.int64))  # [batch, seq_len + 1]
+    for src in gen.choice(len(streams), size=cfg.batch_size, p=weights):
+        start = int(gen.integers(0, len(streams[src]) - cfg.seq_len - 1))
+        rows.append(streams[src][start : start + cfg.seq_len + 1])
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
-def train_lm(
-    model: torch.nn.Module,
-    stream: Streams,
-    cfg: TrainConfig,
-    teacher: torch.nn.Module | None = None,
-    desc: str = "train",
-) -> TrainResult:
+def train_lm(model: torch.nn.Module, stream: Streams, cfg: TrainConfig, teacher: torch.nn.Module | None = None,
+             desc: str = "train") -> TrainResult:
     """Train ``model`` in place for ``cfg.tokens`` tokens on random windows of ``stream`` (1-D token ids), or of
     a weighted mixture ``[(stream, weight), ...]``."""
-    streams, weights = _as_mixture(stream, cfg.seq_len)
+    pairs = [(stream, 1.0)] if isinstance(stream, np.ndarray) else list(stream)
+    for s, _ in pairs:
+        if len(s) <= cfg.seq_len + 1:
+            raise ValueError(f"token stream of {len(s)} tokens is shorter than seq_len + 1 = {cfg.seq_len + 1}")
+    streams, weights = [s for s, _ in pairs], np.array([w for _, w in pairs], dtype=np.float64)
+    weights /= weights.sum()
     torch.manual_seed(cfg.seed)
     gen = np.random.default_rng(cfg.seed)
     opt = adamw(model.parameters(), cfg.lr, cfg.weight_decay)
@@ -93,43 +82,27 @@ def train_lm(
     bar = tqdm(range(total_steps), desc=desc, unit="step", dynamic_ncols=True)
     running = None
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = warmup_cosine(step, total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+        set_lr(opt, warmup_cosine(step, total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio))
         rows = _batch(streams, weights, gen, cfg)
         inputs, targets = rows[:, :-1], rows[:, 1:]
         logits = model(input_ids=inputs).logits  # [batch, seq, vocab]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        if teacher is None:
-            loss = ce
-        else:
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if teacher is not None:
             with torch.no_grad():
                 p_logits = teacher(input_ids=inputs).logits  # [batch, seq, vocab]
-            kl = F.kl_div(
-                F.log_softmax(logits, -1).reshape(-1, logits.shape[-1]),
-                F.log_softmax(p_logits, -1).reshape(-1, logits.shape[-1]),
-                log_target=True,
-                reduction="batchmean",
-            )
-            loss = cfg.distill_alpha * kl + (1 - cfg.distill_alpha) * ce
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        value = float(loss.detach())
+            kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), F.log_softmax(p_logits, -1).flatten(0, 1),
+                          log_target=True, reduction="batchmean")
+            loss = cfg.distill_alpha * kl + (1 - cfg.distill_alpha) * loss
+        value = optimizer_step(opt, loss, model.parameters(), cfg.grad_clip)
         running = value if running is None else 0.98 * running + 0.02 * value
         if step % cfg.log_every == 0 or step == total_steps - 1:
             losses.append(running)
             elapsed = time.perf_counter() - t0
             bar.set_postfix(loss=f"{running:.3f}", tok_s=f"{(step + 1) * cfg.batch_size * cfg.seq_len / elapsed:.0f}")
     model.eval()
-    seconds = time.perf_counter() - t0
-    return TrainResult(
-        steps=total_steps,
-        tokens=total_steps * cfg.batch_size * cfg.seq_len,
-        seconds=seconds,
-        final_loss=running if running is not None else float("nan"),
-        losses=losses,
-    )
+    return TrainResult(steps=total_steps, tokens=total_steps * cfg.batch_size * cfg.seq_len,
+                       seconds=time.perf_counter() - t0, final_loss=running if running is not None else float("nan"),
+                       losses=losses)
 
 
 @torch.no_grad()
@@ -142,6 +115,5 @@ def eval_loss(model: torch.nn.Module, stream: np.ndarray, seq_len: int = 512, ma
     total = 0.0
     for i in range(n):
         rows = torch.from_numpy(stream[i * seq_len : (i + 1) * seq_len + 1].astype(np.int64))[None]
-        logits = model(input_ids=rows[:, :-1]).logits
-        total += float(F.cross_entropy(logits[0], rows[0, 1:]))
+        total += float(F.cross_entropy(model(input_ids=rows[:, :-1]).logits[0], rows[0, 1:]))
     return total / n

@@ -1,29 +1,25 @@
 """``retrospec zoo long``: extend the bundled zoo with a long-context target for RAPID (Chen, Feng, Ni, Li,
 Shieh, ICML 2025) benchmarks.
 
-The zoo target is trained on 512-token windows of standard-library code and never saw a retrieval question. This
-step continues training a copy of it (same architecture and tokenizer, so the zoo draft still shares its
-vocabulary) on a mix of
-- standard-library code windows (the zoo's training split; language-modelling loss on every token), and
-- long-context task examples from ``bench.tasks`` (kv retrieval, passkey, fact QA; never ``repo``, whose
-  packages are held out), rendered with the default template ``{context}\\n\\n{query}`` followed by the reference
-  completion and EOS; the loss is on the completion tokens only,
-with every batch at one length drawn from ``lengths`` (at most 2048 tokens: the training length). The saved config
-allows ``max_positions`` (default 65536) positions, so the model can be *run* beyond its training length, which is
-where RAPID's drafter over a short retrieved context is meant to help.
+The zoo target saw 512-token windows of stdlib code and never a retrieval question. This step continues training a
+copy of it (same architecture and tokenizer, so the zoo draft still shares its vocabulary) on a mix of stdlib code
+windows (loss on every token) and long-context task examples from ``bench.tasks`` (kv retrieval, passkey, fact QA;
+never ``repo``, whose packages are held out) rendered as ``{context}\n\n{query}`` + reference completion + EOS
+(loss on the completion only), every batch at one length drawn from ``lengths`` (at most 2048: the training
+length). The saved config allows ``max_positions`` (default 65536) positions, so the model can *run* beyond its
+training length, which is where RAPID's drafter over a short retrieved context is meant to help.
 
-Optionally (``draft_steps > 0``) a small ``draft-long`` is distilled from the new target on the same mix
-(forward KL on every non-padding position), initialised from the zoo draft with its MLP cut to
-``draft_intermediate`` units so that the bundled weights stay small (the bundle's budget: 48 MiB in all).
+Optionally (``draft_steps > 0``) a small ``draft-long`` is distilled from the new target on the same mix (forward KL
+on every non-padding position), initialised from the zoo draft with its MLP cut to ``draft_intermediate`` units so
+that the bundled weights stay small (the bundle's budget: 48 MiB in all).
 
-Runs on the CPU by default; ``device="cuda"`` trains on a GPU in bfloat16 autocast (weights and optimiser state stay
-float32), ``workers > 0`` renders task examples in background processes (the order of examples, hence the build,
-does not depend on the number of workers), and ``seconds``/``draft_seconds`` replace the step counts by a wall-clock
-budget (the cosine schedule runs over elapsed time; the steps taken are written to the manifest).
+CPU by default; ``device="cuda"`` trains in bfloat16 autocast (weights and optimiser state float32); ``workers > 0``
+renders task examples in background processes (the batches do not depend on the number of workers);
+``seconds``/``draft_seconds`` replace the step counts by a wall-clock budget (the cosine runs over elapsed time).
 
 Outputs (atomic: written next to the destination, renamed into place): ``out/target-long``, optionally
 ``out/draft-long``, and ``out/long.json`` (command, seed, steps, wall time, losses, task accuracy of the base and the
-new target at each evaluation length). Weights are stored in float16, like the rest of the zoo.
+new target at each evaluation length), weights in float16 like the rest of the zoo.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +40,7 @@ from tqdm.auto import tqdm
 from ..bench.tasks import make_tasks, score
 from ..long_requests import DEFAULT_TEMPLATE
 from ..stdlib_corpus import read_texts, stdlib_files
-from .common import adamw, resolve_device, warmup_cosine
+from .common import adamw, jsonable, optimizer_step, resolve_device, set_lr, set_threads, warmup_cosine, write_json
 
 TRAIN_TASKS = ("kv", "passkey", "facts")
 BUNDLE_LIMIT_BYTES = 48 * 2**20  # all bundled weights (the zoo pair and smollm2-135m-draft)
@@ -94,10 +90,14 @@ def _encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def _prompt(tok, row: dict) -> list[int]:
+    return _encode(tok, DEFAULT_TEMPLATE.replace("{context}", row["context"]).replace("{query}", row["prompt"]))
+
+
 def task_example(tok, kind: str, length: int, seed: int) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of one rendered task example of at most ``length + 1`` tokens; loss on the completion."""
     row = make_tasks(kind, max(256, length - 48), 1, seed, tok)[0]
-    prompt = _encode(tok, DEFAULT_TEMPLATE.replace("{context}", row["context"]).replace("{query}", row["prompt"]))
+    prompt = _prompt(tok, row)
     completion = _encode(tok, row["completion"]) + [tok.eos_token_id]
     ids = (prompt + completion)[-(length + 1):]
     mask = ([0] * len(prompt) + [1] * len(completion))[-(length + 1):][1:]  # mask over targets ids[1:]
@@ -223,9 +223,7 @@ def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooCon
     while (time.perf_counter() - t0 < seconds) if timed else step < steps:
         # timed runs: the cosine over elapsed / budget, after the same warm-up steps
         progress = (time.perf_counter() - t0) / seconds if timed else None
-        lr_now = warmup_cosine(step, steps, lr, warmup, 0.1, progress=progress)
-        for group in opt.param_groups:
-            group["lr"] = lr_now
+        set_lr(opt, warmup_cosine(step, steps, lr, warmup, 0.1, progress=progress))
         b = sampler.next()
         ids, bmask, is_task = b.ids.to(device), b.mask.to(device), b.is_task.to(device)
         x, y = ids[:, :-1], ids[:, 1:]
@@ -247,11 +245,7 @@ def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooCon
             # every position, plus the task completions again (the answers a RAG drafter must copy are a tiny
             # share of the positions, and they are what RAPID's acceptance depends on)
             loss = _masked_mean(kl, keep) + cfg.task_weight * _masked_mean(kl[is_task], bmask[is_task])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        value = float(loss.detach())
+        value = optimizer_step(opt, loss, model.parameters(), 1.0)
         running = value if running is None else 0.95 * running + 0.05 * value
         if step % cfg.log_every == 0 or step == steps - 1:
             losses.append(round(running, 4))
@@ -280,11 +274,10 @@ def eval_tasks(model, tok, lengths, n: int, seed: int = 12345) -> dict:
             rows = make_tasks(kind, length, n, seed, tok)
             hits = 0
             for row in rows:
-                ids = _encode(tok, DEFAULT_TEMPLATE.replace("{context}", row["context"]).replace("{query}",
-                                                                                                 row["prompt"]))
                 budget = len(_encode(tok, row["completion"])) + 4
-                gen = [t for chunk in speculative_generate(model, NoDraft(), ids, sampling=SamplingConfig(),
-                                                           max_new_tokens=budget) for t in chunk]
+                gen = [t for chunk in speculative_generate(model, NoDraft(), _prompt(tok, row),
+                                                           sampling=SamplingConfig(), max_new_tokens=budget)
+                       for t in chunk]
                 hits += score(row, tok.decode(gen, skip_special_tokens=True))
             out[f"{kind}@{length}"] = hits / len(rows)
     return out
@@ -306,31 +299,27 @@ def _shrunk_draft(base_draft, intermediate: int):
     return student
 
 
-def _weights_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.glob("*/*.safetensors"))
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
 
 
 def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = None) -> dict:
     """Train and write target-long (and draft-long); ``stream`` overrides the code corpus (tests)."""
-    from transformers import AutoModelForCausalLM
-
     from .zoo import _save_model
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     device = resolve_device(cfg.device)
     started = time.perf_counter()
     base, out = Path(cfg.base), Path(cfg.out)
     tok = load_tokenizer(base / "target")
     start = Path(cfg.init_target) if cfg.init_target else base / "target"
-    target = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32, local_files_only=True)
-    if stream is None and cfg.stream_file:
-        stream = np.load(cfg.stream_file)
+    target = _load(start)
     if stream is None:
-        stream = stdlib_train_stream(tok)
+        stream = np.load(cfg.stream_file) if cfg.stream_file else stdlib_train_stream(tok)
     log(f"code stream: {len(stream):,} tokens; lengths {cfg.lengths}; {cfg.steps} steps of {cfg.batch_size} rows")
-    manifest: dict = {"command": cfg.command, "config": {k: (str(v) if isinstance(v, Path) else v)
-                                                          for k, v in asdict(cfg).items()}}
+    manifest: dict = {"command": cfg.command, "config": jsonable(cfg)}
     if cfg.init_target and (start.parent / "long.json").is_file():  # the earlier stage this one continues
         manifest["previous_stage"] = json.loads((start.parent / "long.json").read_text())
     if (base / "zoo.json").is_file():  # the base zoo's manifest travels with the pair (zoo info reads it here)
@@ -349,17 +338,12 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
         manifest["target_long"]["accuracy"] = eval_tasks(target, tok, cfg.eval_lengths, cfg.eval_n)
         log(f"target-long accuracy: {manifest['target_long']['accuracy']}")
     staging = out.with_name(f".{out.name}.long.tmp-{os.getpid()}")
-    if staging.exists():
-        shutil.rmtree(staging)
+    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     _save_model(target, tok, staging / "target-long")
     if cfg.draft_steps > 0 or cfg.draft_seconds > 0:
-        if cfg.init_draft:
-            student = AutoModelForCausalLM.from_pretrained(cfg.init_draft, dtype=torch.float32, local_files_only=True)
-        else:
-            base_draft = AutoModelForCausalLM.from_pretrained(base / "draft", dtype=torch.float32,
-                                                              local_files_only=True)
-            student = _shrunk_draft(base_draft, cfg.draft_intermediate)
+        student = _load(cfg.init_draft) if cfg.init_draft else _shrunk_draft(_load(base / "draft"),
+                                                                                 cfg.draft_intermediate)
         student.config.max_position_embeddings = cfg.max_positions
         sampler = MixSampler(tok, stream, cfg, salt=2, tok_dir=base / "target")
         manifest["draft_long"] = train_mix(student.to(device), sampler, max(1, cfg.draft_steps), cfg.draft_lr, cfg,
@@ -373,19 +357,17 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
         _save_model(student, tok, staging / "draft-long")
     manifest.update(build_seconds=round(time.perf_counter() - started, 1), torch_threads=torch.get_num_threads(),
                     machine=platform.machine(), python=platform.python_version())
-    (staging / "long.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json(staging / "long.json", manifest, indent=2)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("target-long", "draft-long", "long.json"):
+    for name in ("target-long", "draft-long", "long.json"):  # long.json, the marker of a complete zoo, last
         src, dst = staging / name, out / name
-        if not src.exists():
-            continue
-        if dst.is_dir():
-            shutil.rmtree(dst)
-        elif dst.exists():
-            dst.unlink()
-        src.rename(dst)
+        if src.exists():
+            if dst.is_dir():
+                shutil.rmtree(dst)
+            dst.unlink(missing_ok=True)
+            src.rename(dst)
     shutil.rmtree(staging, ignore_errors=True)
-    total = _weights_bytes(out)
+    total = sum(p.stat().st_size for p in out.glob("*/*.safetensors"))
     log(f"bundled weights under {out}: {total / 2**20:.2f} MiB" + (" (OVER the 48 MiB budget)"
                                                                   if total > BUNDLE_LIMIT_BYTES else ""))
     return manifest

@@ -5,47 +5,36 @@ Paper: Yang et al., "LongSpec: Long-Context Lossless Speculative Decoding with E
 (sail-sg, 2025). The block (``models.longspec``) sits between the target's frozen embedding and head and
 cross-attends to the target's last-layer K/V. Training, per batch of token windows ``ids`` [b, L]:
 
-1. positions [b, L]: 0..L-1, or **anchor-offset** positions (``anchor_offset_positions``): the first s in [0, 4]
-   tokens keep positions 0..s-1 (the attention sinks), the rest are shifted by o in [0, max_positions - L], so a
-   block trained on short windows sees the large position indices of long contexts;
-2. the target runs frozen (eval, no grad) over ``ids`` at those positions with a KV cache (``kv.KVCache``, filled
-   by an ordinary ``use_cache=True`` forward of its decoder) and hands over its last layer's cached (keys, values),
-   post-RoPE at those positions;
-3. **flash-noisy** training: one shift delta in [1, noisy_max] per batch (``sample_shift``); query i sees the
-   target's K/V at indices j <= i - delta only (delta = 1 is inference: the cache holds every committed token but
-   the newest), so the block learns to draft from a cache that lags by a few tokens;
-4. loss: next-token cross-entropy of the block's logits (through the target's frozen head) on the same window.
+1. positions [b, L]: 0..L-1, or **anchor-offset** positions: the first s in [0, 4] tokens keep positions 0..s-1 (the
+   attention sinks), the rest are shifted by o in [0, max_positions - L], so a block trained on short windows sees
+   the large position indices of long contexts;
+2. the frozen target runs over ``ids`` at those positions with a KV cache (``kv.KVCache``) and hands over its last
+   layer's cached (keys, values), post-RoPE at those positions;
+3. **flash-noisy** training: one shift delta in [1, noisy_max] per batch; query i sees the target's K/V at indices
+   j <= i - delta only (delta = 1 is inference: the cache holds every committed token but the newest);
+4. loss: next-token cross-entropy of the block's logits (through the target's frozen head).
 
-Visibility is by INDEX in the window for the cross-attention (``cross_visible`` on indices 0..L-1, not on the
-positions: with anchor-offset positions the two differ) and by position for the block's sliding window
-(``self_visible``, as at inference). ``draft_logits`` builds these masks and calls ``LongSpecDraft.run``; in
-chunks of queries for long evaluation sequences (a token's self-attention K/V depend only on token and position,
-so a chunk's past keys are ``token_kv`` of the window before it: chunked equals unchunked, tested).
+Visibility is by INDEX in the window for the cross-attention (``cross_visible``; with anchor-offset positions index
+and position differ) and by position for the block's sliding window (``self_visible``, as at inference). Long
+evaluation sequences run in chunks of queries (a token's self-attention K/V depend only on token and position, so a
+chunk's past keys are ``token_kv`` of the window before it: chunked equals unchunked, tested).
 
-Optimiser as the paper: AdamW, lr 5e-4, betas (0.9, 0.95), weight decay 0.1 (on weight matrices; not on norms and
-biases, as transformers' Trainer does), cosine schedule to 0 with 10 % linear warm-up, gradient clipping at 1.0.
-With a wall-clock budget (``seconds``) the schedule runs over elapsed time.
+Optimiser as the paper: AdamW, lr 5e-4, betas (0.9, 0.95), weight decay 0.1 on weight matrices, cosine schedule to 0
+with 10 % linear warm-up (over elapsed time with a ``seconds`` budget), gradient clipping at 1.0.
 
-Data: a token stream (documents joined by the target's EOS) from the standard library's training split
-(``corpus.stdlib_files("train")``; its held-out packages never enter training) or any ``--corpus`` the datastores
-take (``retrieval.corpus.open_text_corpus``: a text file, a directory, a ``.jsonl`` file); windows of L tokens at
-uniform random starts.
+Data: windows at uniform random starts of a token stream (documents joined by EOS) from the stdlib's training split
+(its held-out packages never enter training) or any ``--corpus`` the datastores take. Output (atomic): a block
+directory ``load_longspec`` reads, plus ``manifest.json`` (data, seed, steps, tokens, seconds, loss history, config).
 
-Output (atomic: ``save_longspec`` into a temporary sibling, ``manifest.json`` added, then renamed into place): a
-block directory ``load_longspec`` reads, plus ``manifest.json`` (data, seed, steps, tokens seen, seconds, loss
-history, config, target).
-
-Evaluation: ``evaluate_position_buckets`` (the block's loss per position bucket on long held-out documents, delta
-= 1, next to the target's own loss and the draft/target top-1 agreement), ``target_loss_under_offset`` (the
-target's loss with normal vs anchor-offset positions: the paper reports +0.001 for its targets).
+Evaluation: the block's loss per position bucket on long held-out documents (delta = 1), next to the target's own
+loss and their top-1 agreement; the target's loss with normal vs anchor-offset positions (the paper: +0.001).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +49,8 @@ from ..models.longspec import LongSpecDraft, cross_visible, save_longspec, self_
 from ..models.loading import as_module
 from ..models.longspec.checkpoint import META_FILE
 from ..stdlib_corpus import HELDOUT_PACKAGES, read_texts, stdlib_files
-from .common import adamw, resolve_device, warmup_cosine
+from .common import (adamw, check_budget, check_new, jsonable, optimizer_step, resolve_device, set_lr, warmup_cosine,
+                     write_json)
 
 MANIFEST = "manifest.json"
 MAX_ANCHOR = 4
@@ -91,7 +81,6 @@ class LongSpecTrainConfig:
     intermediate_size: int | None = None  # the block's MLP width (None: the target's)
     seed: int = 0
     log_every: int = 10
-    extra: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------ positions, shift
@@ -136,26 +125,24 @@ def sample_shift(rng, noisy_max: int) -> int:
 
 
 @torch.no_grad()
+def target_logits(target, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+                  head: bool = True) -> tuple[torch.Tensor, tuple]:
+    """The frozen target over ``ids`` [b, L] at ``positions`` [b, L], one ``use_cache=True`` forward: (logits
+    [b, L, V], or with ``head=False`` its decoder's final hidden states [b, L, H]; its last layer's cached (keys,
+    values), each [b, kv_heads, L, head_dim], post-RoPE). ``mask`` [b, L]: 1 on real tokens (right padding)."""
+    model = as_module(target)
+    cache = KVCache(model)
+    # an explicit attention mask and a cache: transformers then never reads a position jump as the start of a
+    # packed sequence (it would hide the anchors from the other tokens)
+    out = (model if head else model.get_decoder())(
+        input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids) if mask is None else mask,
+        past_key_values=cache.cache, use_cache=True)
+    return out.logits if head else out.last_hidden_state, cache.layer_tensors()[-1]
+
+
 def target_last_kv(target, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen target's last-layer cached (keys, values), each [b, kv_heads, L, head_dim] (post-RoPE at
-    ``positions`` [b, L]), from one ``use_cache=True`` forward of its decoder (no LM head) over ``ids`` [b, L]."""
-    model = as_module(target)
-    cache = KVCache(model)
-    # an explicit all-ones attention mask and a cache: transformers then never reads a position jump as the start
-    # of a packed sequence (it would hide the anchors from the other tokens)
-    model.get_decoder()(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids),
-                        past_key_values=cache.cache, use_cache=True)
-    return cache.layer_tensors()[-1]
-
-
-@torch.no_grad()
-def target_logits(target, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """(logits [b, L, V], last-layer (keys, values)) of the frozen target over ``ids`` at ``positions``."""
-    model = as_module(target)
-    cache = KVCache(model)
-    out = model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids),
-                past_key_values=cache.cache, use_cache=True)
-    return out.logits, cache.layer_tensors()[-1]
+    """The frozen target's last-layer cached (keys, values) over ``ids`` (its decoder only, no LM head)."""
+    return target_logits(target, ids, positions, head=False)[1]
 
 
 def draft_logits(draft: LongSpecDraft, ids: torch.Tensor, positions: torch.Tensor,
@@ -203,15 +190,10 @@ def corpus_texts(spec: str | None, split: str = "train") -> tuple[list[str], dic
     import sys
 
     if spec is None:
-        files = stdlib_files(split)
-        texts = read_texts(files)
-        desc = {"source": f"python {sys.version_info.major}.{sys.version_info.minor} stdlib, {split} split",
-                "files": len(texts)}
-        if split == "heldout":
-            desc["packages"] = list(HELDOUT_PACKAGES)
-        else:
-            desc["excluded_packages"] = list(HELDOUT_PACKAGES)
-        return texts, desc
+        texts = read_texts(stdlib_files(split))
+        return texts, {"source": f"python {sys.version_info.major}.{sys.version_info.minor} stdlib, {split} split",
+                       "files": len(texts), "packages" if split == "heldout" else "excluded_packages":
+                       list(HELDOUT_PACKAGES)}
     from ..retrieval.corpus import open_text_corpus  # lazy: the datastores' corpus reader
 
     path = Path(spec).expanduser()
@@ -249,26 +231,20 @@ def long_documents(stream: np.ndarray, n: int, length: int) -> list[torch.Tensor
 
 def check_config(cfg: LongSpecTrainConfig) -> None:
     """Refuse bad knobs (one ``RetrospecError`` line) before anything is loaded."""
-    if (cfg.steps is None) == (cfg.seconds is None):
-        raise RetrospecError("give exactly one of --steps or --seconds")
-    if (cfg.steps is not None and cfg.steps < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
-        raise RetrospecError("--steps / --seconds must be positive")
+    check_budget(cfg.steps, cfg.seconds)
     for name, value, low in (("seq-len", cfg.seq_len, 2), ("batch", cfg.batch, 1), ("noisy-max", cfg.noisy_max, 1),
-                             ("window", cfg.window, 1)):
-        if value < low:
+                             ("window", cfg.window, 1), ("intermediate-size", cfg.intermediate_size, 1)):
+        if value is not None and value < low:
             raise RetrospecError(f"--{name} must be at least {low}, got {value}")
     if not cfg.lr > 0:
         raise RetrospecError(f"--lr must be positive, got {cfg.lr}")
-    if cfg.intermediate_size is not None and cfg.intermediate_size < 1:
-        raise RetrospecError(f"--intermediate-size must be at least 1, got {cfg.intermediate_size}")
     if cfg.init not in ("identity", "random"):
         raise RetrospecError(f"--init must be identity or random, got {cfg.init!r}")
     if cfg.max_anchor < 0 or not 0 <= cfg.warmup < 1 or cfg.log_every < 1:
         raise RetrospecError("max_anchor must be >= 0, warmup in [0, 1), log_every >= 1")
     if cfg.corpus is not None and not Path(cfg.corpus).expanduser().exists():
         raise RetrospecError(f"--corpus not found: {cfg.corpus}")
-    if Path(cfg.out).expanduser().exists():
-        raise RetrospecError(f"{cfg.out} already exists; choose another --out")
+    check_new(cfg.out)
 
 
 def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.ndarray | None = None,
@@ -307,6 +283,12 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
     last_line = started
     bar = tqdm(total=cfg.steps or int(cfg.seconds), desc="train longspec", unit="step" if cfg.steps else "s",
                dynamic_ncols=True, disable=None)
+
+    def record() -> None:
+        history.append({"step": step, "loss": round(float(np.mean(window_losses)), 4),
+                        "seconds": round(time.perf_counter() - started, 1), "lr": float(f"{lr:.3g}")})
+        window_losses.clear()
+
     try:
         while True:
             elapsed = time.perf_counter() - started
@@ -314,30 +296,22 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
                 break
             if cfg.steps is not None:
                 progress = (step + 0.5) / cfg.steps
-            else:
+            else:  # the middle of this step, in elapsed time at the pace so far
                 pace = elapsed / step if step else 0.0
                 progress = max((elapsed + 0.5 * pace) / cfg.seconds, 0.01 * cfg.warmup)
-            lr = warmup_cosine(min(1.0, max(0.0, progress)), 1.0, cfg.lr, cfg.warmup, ramp=0)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            lr = set_lr(opt, warmup_cosine(min(1.0, max(0.0, progress)), 1.0, cfg.lr, cfg.warmup, ramp=0))
             ids = random_windows(stream, cfg.batch, cfg.seq_len, rng).to(device)  # [b, L]
             pos = sample_positions(cfg.batch, cfg.seq_len, max_positions, rng, cfg.anchor_offset,
                                    cfg.max_anchor).to(device)  # [b, L]
             shift = sample_shift(rng, cfg.noisy_max)
-            kv = target_last_kv(model, ids, pos)
-            loss = draft_token_losses(block, ids, pos, kv, shift).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
-            opt.step()
+            loss = draft_token_losses(block, ids, pos, target_last_kv(model, ids, pos), shift).mean()
+            value = optimizer_step(opt, loss, block.parameters(), cfg.grad_clip)
             step += 1
             tokens += ids.numel()
-            value = float(loss.detach())
             window_losses.append(value)
             shifts.append(shift)
             if len(window_losses) == cfg.log_every:
-                history.append(_record(step, window_losses, started, lr))
-                window_losses = []
+                record()
             running = value if running is None else 0.95 * running + 0.05 * value
             bar.set_postfix(loss=f"{running:.3f}", delta=shift)
             if bar.disable and time.perf_counter() - last_line >= LOG_SECONDS:  # no terminal: a line a minute
@@ -350,20 +324,17 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
         for p, flag in frozen:
             p.requires_grad_(flag)
     if window_losses:
-        history.append(_record(step, window_losses, started, lr))
+        record()
     seconds = time.perf_counter() - started
     block.eval()
     manifest = {
         "what": "LongSpec draft block (Yang et al. 2025): one block, cross-attention to the target's last-layer KV",
-        "target": {"name": cfg.target, "path": loaded.path},
-        "data": data,
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "extra"}
-        | {"max_positions": max_positions},
+        "target": {"name": cfg.target, "path": loaded.path}, "data": data,
+        "config": jsonable(cfg) | {"max_positions": max_positions},
         "seed": cfg.seed, "steps": step, "tokens_seen": tokens, "seconds": round(seconds, 1),
         "shift_counts": {str(d): shifts.count(d) for d in range(1, cfg.noisy_max + 1)},
         "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
-        "loss_history": history,
-        "device": str(device), "torch_threads": torch.get_num_threads(),
+        "loss_history": history, "device": str(device), "torch_threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     save_block(block, loaded, manifest, Path(cfg.out).expanduser())
@@ -372,19 +343,12 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
     return manifest
 
 
-def _record(step: int, losses: list[float], started: float, lr: float) -> dict:
-    return {"step": step, "loss": round(float(np.mean(losses)), 4), "seconds": round(time.perf_counter() - started, 1),
-            "lr": float(f"{lr:.3g}")}
-
-
-def save_block(block: LongSpecDraft, target, manifest: dict, out: Path) -> Path:
-    """``save_longspec`` plus ``manifest.json``, written into a temporary sibling and renamed into place
-    (``atomic.atomic_build``: nothing at ``out`` on failure)."""
-    if out.exists():
-        raise RetrospecError(f"{out} already exists; choose another --out")
+def save_block(block: LongSpecDraft, target, manifest: dict, out: Path, storage: str | None = None) -> Path:
+    """``save_longspec`` (weights in ``storage``) plus ``manifest.json``, written into a temporary sibling and
+    renamed into place (``atomic.atomic_build``: nothing at ``out`` on failure)."""
     with atomic_build(out, required=META_FILE) as tmp:
-        save_longspec(block, target, tmp, target_path=getattr(target, "path", None), overwrite=True)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        save_longspec(block, target, tmp, target_path=getattr(target, "path", None), overwrite=True, storage=storage)
+        write_json(tmp / MANIFEST, manifest)
     return out
 
 
@@ -397,12 +361,6 @@ def _docs(docs, max_len: int) -> list[torch.Tensor]:
     if not out:
         raise RetrospecError("no evaluation document has 2 tokens or more")
     return out
-
-
-def _eval_positions(n: int, model, anchor: bool, rng) -> torch.Tensor:
-    if not anchor:
-        return torch.arange(n, dtype=torch.long)
-    return anchor_offset_positions(n, getattr(model.config, "max_position_embeddings", None) or n, rng)
 
 
 @torch.no_grad()
@@ -423,7 +381,9 @@ def evaluate_position_buckets(draft: LongSpecDraft, target, docs, bucket: int = 
     try:
         for doc in _docs(docs, max_len):
             ids = doc[None].to(device)  # [1, L]
-            pos = _eval_positions(ids.shape[1], model, anchor, rng)[None].to(device)
+            n = ids.shape[1]
+            pos = (anchor_offset_positions(n, getattr(model.config, "max_position_embeddings", None) or n, rng)
+                   if anchor else torch.arange(n))[None].to(device)
             t_logits, kv = target_logits(model, ids, pos)
             d_logits = draft_logits(draft, ids, pos, kv, 1, chunk)
             gold = ids[0, 1:]

@@ -4,56 +4,51 @@ The bundled block was first trained on code windows the target never wrote; what
 target writes. This trainer reads a corpus of the target's own replies (``retrospec corpus generate``:
 ``prompt_ids`` + ``output_ids`` per record) and distils the target's next-token distribution into the block:
 
-- **sequences**: ``prompt_ids + output_ids`` of a record (the last ``max_len`` tokens), right-padded into batches of
-  similar length (at most ``batch_tokens`` tokens per batch, padding included);
-- **the target** runs frozen once per batch (its decoder with a KV cache): its last layer's cached (keys, values)
-  feed the block's cross-attention, its final hidden states [b, L, H] give p over the draft vocabulary;
+- **sequences**: the last ``max_len`` tokens of a record's prompt + output, right-padded into batches of similar
+  length (at most ``batch_tokens`` tokens per batch, padding included);
+- **the target** runs frozen once per batch: its last layer's cached (keys, values) feed the block's
+  cross-attention, its final hidden states [b, L, H] give p over the draft vocabulary;
 - **draft vocabulary** (FR-Spec, Zhao et al. 2025): the ``draft_vocab`` tokens the target emits most in the training
-  records (every EOS / end-of-turn id added); the block's logits are the head's rows for them only
-  (``LongSpecDraft.set_vocab``), so a drafted token costs a fraction of a full-head step and q = 0 elsewhere
-  (lossless: the target verifies). ``draft_vocab=0`` keeps the full head;
+  records (every EOS / end-of-turn id added); the block's logits are the head's rows for them only, so a drafted
+  token costs a fraction of a full-head step and q = 0 elsewhere (lossless: the target verifies). ``draft_vocab=0``
+  keeps the full head;
 - **loss**: KL(p_V || q) at every non-pad position, p_V = the target's distribution renormalised over the draft
-  vocabulary (the best a draft restricted to V can do for sum_x min(p, q)); a flash-noisy shift in [1, noisy_max]
-  per batch and anchor-offset positions on a share of batches (``train.longspec``) keep the block usable at long
-  contexts;
-- **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs (the two share the machine's
-  cores), taking the shards written since the last pass; when too few are new, it makes another pass over every
-  training record so far (``tokens`` in the curve counts tokens trained on, ``corpus_tokens`` the distinct corpus
-  tokens behind them); the draft vocabulary and the held-out set come from the records present at the start;
-- **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text; both temperatures of a prompt fall
-  on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the target's
-  greedy token (over the full vocabulary), per kind (chat / code), at each point of ``curve`` (corpus output tokens
-  seen). One pass over the corpus, so tokens seen = corpus size at that point (the learning rate at an early point
-  is still high: an early point under-states what a smaller corpus trained to the end would reach).
+  vocabulary; a flash-noisy shift in [1, noisy_max] per batch and anchor-offset positions on a share of batches
+  (``train.longspec``) keep the block usable at long contexts;
+- **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs, taking the shards written since
+  the last pass; when too few are new, another pass over every training record so far (``tokens`` in the curve
+  counts tokens trained on, ``corpus_tokens`` the distinct corpus tokens behind them); the draft vocabulary and the
+  held-out set come from the records present at the start;
+- **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text, so both temperatures of a prompt
+  fall on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the
+  target's greedy token per kind (chat / code) at each point of ``curve`` (corpus output tokens seen; the learning
+  rate at an early point is still high, so it under-states what a smaller corpus trained to the end would reach).
 
-Output: a block directory (``save_longspec``; ``storage`` int8 by default) plus ``manifest.json`` (config, corpus,
-draft-vocabulary coverage, learning curve, seconds), written into a temporary sibling and renamed into place.
+Output: a block directory (``storage`` int8 by default) plus ``manifest.json`` (config, corpus, draft-vocabulary
+coverage, learning curve, seconds), written atomically.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_build
 from ..drafters.longspec import load_block
 from ..errors import RetrospecError
 from ..generations import read_corpus
-from ..kv import KVCache
 from ..models.loading import as_module, load_model
-from ..models.longspec import LongSpecDraft, save_longspec
-from ..models.longspec.checkpoint import META_FILE
-from .common import adamw, warmup_cosine
-from .longspec import MANIFEST, draft_logits, sample_positions
+from ..models.longspec import LongSpecDraft
+from .common import adamw, check_new, kl, optimizer_step, set_lr, warmup_cosine
+from .longspec import draft_logits, sample_positions, save_block, target_logits
 
 CHAT_SOURCES = ("self-instruct", "nq")  # the rest (mbpp, stdlib) are code
 
@@ -110,12 +105,8 @@ def frequency_vocab(records: list[dict], k: int, always: set[int], vocab_size: i
 
 def coverage(vocab: list[int], records: list[dict]) -> float:
     """Share of the records' output tokens inside ``vocab``."""
-    inside, total = set(vocab), 0
-    hit = 0
-    for r in records:
-        total += len(r["output_ids"])
-        hit += sum(1 for t in r["output_ids"] if t in inside)
-    return hit / max(1, total)
+    inside, total = set(vocab), sum(len(r["output_ids"]) for r in records)
+    return sum(t in inside for r in records for t in r["output_ids"]) / max(1, total)
 
 
 def sequence_of(record: dict, max_len: int) -> tuple[list[int], int]:
@@ -206,25 +197,12 @@ def pad_batch(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-@torch.no_grad()
-def target_pass(target, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
-    """The frozen target over ``ids`` [b, L]: (final hidden states [b, L, H] after its last norm, its last layer's
-    cached (keys, values) [b, kv_heads, L, d]). Right padding: real tokens never see a pad."""
-    model = as_module(target)
-    cache = KVCache(model)
-    out = model.get_decoder()(input_ids=ids, position_ids=positions, attention_mask=mask,
-                              past_key_values=cache.cache, use_cache=True)
-    return out.last_hidden_state, cache.layer_tensors()[-1]
-
-
 def distill_loss(block: LongSpecDraft, target, ids, positions, mask, shift: int) -> torch.Tensor:
     """Mean KL(p_V || q) over the real positions of one batch."""
-    hidden, kv = target_pass(target, ids, positions, mask)
+    hidden, kv = target_logits(target, ids, positions, mask, head=False)  # [b, L, H], last layer's K/V
     log_p = block.head(hidden).float().log_softmax(-1)  # [b, L, K]: p renormalised over the draft vocabulary
     log_q = draft_logits(block, ids, positions, kv, shift).float().log_softmax(-1)  # [b, L, K]
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [b, L]
-    real = mask.bool()
-    return kl[real].mean()
+    return kl(log_p, log_q)[mask.bool()].mean()
 
 
 # ------------------------------------------------------------------------------------------------------ evaluation
@@ -244,7 +222,7 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
     for r, seq, first in teacher_forced(records, max_len):
         ids = torch.tensor(seq, device=dev)[None]
         pos = torch.arange(len(seq), device=dev)[None]
-        hidden, kv = target_pass(target, ids, pos, torch.ones_like(ids))
+        hidden, kv = target_logits(target, ids, pos, head=False)
         greedy = model.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n] the target's next tokens
         drafted = block.token_ids(draft_logits(block, ids, pos, kv, 1)[0, first - 1:-1].argmax(-1))  # [n]
         tally.add(r, drafted, greedy, inside)
@@ -254,38 +232,86 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
 # -------------------------------------------------------------------------------------------------------- training
 
 
-def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng: random.Random, progress: float,
-               pad: int) -> float:
-    """One optimizer step on ``records``; returns the batch's KL."""
-    for g in opt.param_groups:
-        g["lr"] = warmup_cosine(min(1.0, max(0.0, progress)), 1.0, cfg.lr, cfg.warmup, ramp=0)
+def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng: random.Random,
+               pad: int) -> tuple[float, int]:
+    """One optimizer step on ``records``; returns (the batch's KL, its output tokens)."""
     ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in records], pad)
     anchored = rng.random() < cfg.anchor_share
     positions = sample_positions(ids.shape[0], ids.shape[1], cfg.max_positions, rng, anchor_offset=anchored)
     dev = block.norm1.weight.device  # the target's device (the block lives beside it)
     ids, mask, positions = ids.to(dev), mask.to(dev), positions.to(dev)
     loss = distill_loss(block, target, ids, positions, mask, rng.randint(1, cfg.noisy_max))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
-    opt.step()
-    return float(loss.detach())
+    return optimizer_step(opt, loss, block.parameters(), cfg.grad_clip), sum(len(r["output_ids"]) for r in records)
+
+
+def check_distill(cfg, vocab_ok: bool, vocab_rule: str) -> None:
+    """The checks both distillers share (``vocab_rule``: what the vocabulary flag needs)."""
+    if not Path(cfg.corpus).is_dir():
+        raise RetrospecError(f"corpus directory not found: {cfg.corpus}")
+    check_new(cfg.out)
+    if not vocab_ok or cfg.max_len < 2 or cfg.batch_tokens < cfg.max_len or not 0 < cfg.heldout < 1:
+        raise RetrospecError(f"need {vocab_rule}, --max-len >= 2, --batch-tokens >= --max-len and a held-out share "
+                             "in (0, 1)")
+    if not cfg.lr > 0:
+        raise RetrospecError(f"--lr must be positive, got {cfg.lr}")
+    if (cfg.max_tokens is not None and cfg.max_tokens < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
+        raise RetrospecError("--max-tokens / --seconds must be positive")
 
 
 def check_config(cfg: DistillConfig) -> None:
-    if not Path(cfg.corpus).is_dir():
-        raise RetrospecError(f"corpus directory not found: {cfg.corpus}")
-    if Path(cfg.out).exists():
-        raise RetrospecError(f"{cfg.out} already exists; choose another --out")
-    if cfg.draft_vocab < 0 or cfg.max_len < 2 or cfg.batch_tokens < cfg.max_len or not 0 < cfg.heldout < 1:
-        raise RetrospecError("need --draft-vocab >= 0, --max-len >= 2, --batch-tokens >= --max-len and a held-out "
-                             "share in (0, 1)")
-    if not cfg.lr > 0 or cfg.noisy_max < 1 or not 0 <= cfg.anchor_share <= 1:
-        raise RetrospecError("need --lr > 0, --noisy-max >= 1 and an anchor share in [0, 1]")
+    check_distill(cfg, cfg.draft_vocab >= 0, "--draft-vocab >= 0")
+    if cfg.noisy_max < 1 or not 0 <= cfg.anchor_share <= 1:
+        raise RetrospecError("need --noisy-max >= 1 and an anchor share in [0, 1]")
     if cfg.follow and cfg.seconds is None:
         raise RetrospecError("--follow trains until --seconds run out: give --seconds")
-    if (cfg.max_tokens is not None and cfg.max_tokens < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
-        raise RetrospecError("--max-tokens / --seconds must be positive")
+
+
+def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[int], rng: random.Random, log, *,
+                step: Callable[[list[dict]], tuple[float, int]], evaluate: Callable[[], dict], desc: str,
+                next_pass: Callable[[], list[dict] | None], extra: Callable[[], dict] = dict):
+    """The distillers' loop: passes over ``make_batches(train)``, each batch one ``step`` (returning its loss and
+    the tokens it counts), the learning rate on ``cfg.warmup`` + cosine over tokens counted / ``budget`` (or over
+    elapsed / ``cfg.seconds``); stops at the budget, or when ``next_pass()`` (after each pass) gives no records.
+    ``evaluate`` runs (``model`` in eval mode) before training, once the tokens counted pass each of ``points``,
+    and at the end. Returns the manifest's ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
+    model.eval()
+    curve = [{**evaluate(), "tokens": 0}]
+    log(f"before: {curve[0]}")
+    started, seen, n_steps, losses = time.perf_counter(), 0, 0, []
+    bar = tqdm(total=None if cfg.seconds else budget, unit="tok", desc=desc, mininterval=5.0)
+
+    def row(**more) -> dict:
+        model.eval()
+        out = {**evaluate(), "tokens": seen, **extra(), "step": n_steps, **more,
+               "seconds": round(time.perf_counter() - started, 1)}
+        model.train()
+        return out
+
+    model.train()
+    while train:
+        for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
+            progress = seen / budget if cfg.seconds is None else (time.perf_counter() - started) / cfg.seconds
+            if seen >= budget or progress >= 1:
+                train = None
+                break
+            set_lr(opt, warmup_cosine(min(1.0, progress), 1.0, cfg.lr, cfg.warmup, ramp=0))
+            loss, n = step([train[i] for i in batch])
+            n_steps, seen = n_steps + 1, seen + n
+            losses.append(loss)
+            bar.update(n)
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            if points and seen >= points[0]:
+                while points and seen >= points[0]:
+                    points.pop(0)
+                curve.append(row(loss=round(sum(losses[-50:]) / len(losses[-50:]), 4)))
+                log(f"after {seen} tokens: {curve[-1]}")
+        train = train and next_pass()
+    bar.close()
+    if curve[-1]["tokens"] != seen:
+        curve.append(row())
+    model.eval()
+    log(f"after: {curve[-1]}")
+    return {"steps": n_steps, "tokens_seen": seen, "seconds": round(time.perf_counter() - started, 1), "curve": curve}
 
 
 def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
@@ -293,96 +319,54 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     check_config(cfg)
     train, held, records, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
                                                     target)
-    model = as_module(target)
     block = load_block(cfg.init, target) if cfg.init else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
-    vocab_size = model.get_output_embeddings().weight.shape[0]
-    if cfg.draft_vocab:
-        block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size))
-    else:
-        block.set_vocab(None)
+    vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
+    block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size) if cfg.draft_vocab else None)
     pad = eos and min(eos) or 0
     total_out = sum(len(r["output_ids"]) for r in train)
     budget = cfg.max_tokens or (10**12 if cfg.follow else total_out)
+    held_coverage = None if block.vocab is None else round(coverage(block.vocab.tolist(), held), 4)
     log(f"corpus {cfg.corpus}: {len(train)} training records ({total_out} output tokens), {len(held)} held out; "
-        f"draft vocabulary {block.draft_vocab_size}" + (f", held-out coverage {coverage(block.vocab.tolist(), held):.4f}"
+        f"draft vocabulary {block.draft_vocab_size}" + (f", held-out coverage {held_coverage:.4f}"
                                                       if block.vocab is not None else ""))
-    block.train()
     for p in block.parameters():
         p.requires_grad_(True)
-
     opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
-    curve = [{**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": 0}]
-    block.train()
-    log(f"before: agreement {curve[0]}")
-    points = [c for c in cfg.curve if c < budget] + ([] if cfg.follow else [budget])
-    started, seen, losses, step = time.perf_counter(), 0, [], 0
-    bar = tqdm(total=None if cfg.follow else budget, unit="tok", desc="distill", mininterval=5.0)
-    read = len(records)  # corpus records consumed into ``train`` / ``held`` so far
-    pool, unique = list(train), total_out  # every training record so far; their output tokens
-    while True:
-        done = False
-        for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
-            progress = seen / budget if cfg.seconds is None else (time.perf_counter() - started) / cfg.seconds
-            if seen >= budget or progress >= 1:
-                done = True
-                break
-            step, loss = step + 1, train_step(block, target, opt, [train[i] for i in batch], cfg, rng, progress, pad)
-            losses.append(loss)
-            n_out = sum(len(train[i]["output_ids"]) for i in batch)
-            seen += n_out
-            bar.update(n_out)
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-            if points and seen >= points[0]:
-                while points and seen >= points[0]:
-                    points.pop(0)
-                row = {**agreement(block.eval(), target, held, cfg.max_len, pad), "tokens": seen,
-                       "corpus_tokens": unique, "step": step,
-                       "loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
-                       "seconds": round(time.perf_counter() - started, 1)}
-                block.train()
-                curve.append(row)
-                log(f"after {seen} tokens: {row}")
-        if done or not cfg.follow:
-            break
-        # follow a corpus still being generated: train on the shards written since; with none new yet, another
-        # pass over every training record so far (the corpus then counts each token once, ``seen`` every pass)
+    read, pool, unique = len(records), list(train), total_out  # corpus records read; training records; their tokens
+
+    def next_pass() -> list[dict] | None:
+        """Following a corpus still being generated: the shards written since; with too few new tokens, another
+        pass over every training record so far (``corpus_tokens`` counts each token once, ``tokens`` every pass)."""
+        nonlocal read, unique
+        if not cfg.follow:
+            return None
         latest = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
         fresh, read = [r for r in latest[read:] if not is_heldout(r, cfg.heldout)], len(latest)
-        pool += fresh
+        pool.extend(fresh)
         unique += sum(len(r["output_ids"]) for r in fresh)
         train = fresh if sum(len(r["output_ids"]) for r in fresh) >= 4 * cfg.batch_tokens else pool
         log(f"followed the corpus: {len(fresh)} new training records; next pass over {len(train)} records")
-    bar.close()
-    block.eval()
+        return train
+
+    result = train_curve(
+        block, opt, train, cfg, budget, [c for c in cfg.curve if c < budget] + ([] if cfg.follow else [budget]), rng,
+        log, step=lambda batch: train_step(block, target, opt, batch, cfg, rng, pad), desc="distill",
+        evaluate=lambda: agreement(block, target, held, cfg.max_len, pad), next_pass=next_pass,
+        extra=lambda: {"corpus_tokens": unique})
     for p in block.parameters():
         p.requires_grad_(False)
-    if curve[-1]["tokens"] != seen:
-        curve.append({**agreement(block, target, held, cfg.max_len, pad), "tokens": seen, "corpus_tokens": unique,
-                      "step": step,
-                      "seconds": round(time.perf_counter() - started, 1)})
     manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
                 "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
                 "corpus": {"path": cfg.corpus, "records": read, "heldout_records": len(held)},
-                "draft_vocab": block.draft_vocab_size,
-                "heldout_coverage": None if block.vocab is None else round(coverage(block.vocab.tolist(), held), 4),
-                "steps": step, "tokens_seen": seen, "seconds": round(time.perf_counter() - started, 1),
-                "curve": curve}
-    save_distilled(block, target, manifest, Path(cfg.out), cfg.storage)
+                "draft_vocab": block.draft_vocab_size, "heldout_coverage": held_coverage, **result}
+    save_block(block, target, manifest, Path(cfg.out), cfg.storage)
     return manifest
 
 
-def save_distilled(block: LongSpecDraft, target, manifest: dict, out: Path, storage: str | None) -> Path:
-    with atomic_build(out, required=META_FILE) as tmp:
-        save_longspec(block, target, tmp, target_path=getattr(target, "path", None), overwrite=True, storage=storage)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return out
-
-
 def describe_curve(manifest: dict) -> str:
-    rows = ["| tokens trained | corpus tokens | chat | code | all | KL |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| tokens trained | corpus tokens | chat | code | all | KL |", "|" + " ---: |" * 6]
     for c in manifest["curve"]:
         rows.append(f"| {c['tokens']:,} | {c.get('corpus_tokens', c['tokens']):,} | {c.get('chat', math.nan):.3f} | "
-                    f"{c.get('code', math.nan):.3f} | "
-                    f"{c['all']:.3f} | {c.get('loss', '')} |")
+                    f"{c.get('code', math.nan):.3f} | {c['all']:.3f} | {c.get('loss', '')} |")
     return "\n".join(rows)

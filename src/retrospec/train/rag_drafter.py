@@ -1,30 +1,30 @@
 """Instruction-tuning a Speculative RAG drafter (Wang et al., ICLR 2025, §3.2) as a LoRA adapter
 (``retrospec train rag-drafter``).
 
-The paper tunes its drafter on (question, documents, rationale, answer) with the loss on rationale and answer only,
-its rationales written by a strong LM. We have no strong LM, so rationales are **extractive**: the first sentence of
-the gold passage that contains a gold answer (case-insensitive); questions whose gold passage has no such sentence
-are skipped. Each example's documents are the gold passage and one hard negative (the passage nearest to the
-question under the sentence embedder, gold excluded) in random order — the shape of a drafting subset (k = 2).
-Only questions of the ``train`` split (``rag.data.split_of``) are used; the benchmark's ``eval`` split never is.
+The paper tunes its drafter on (question, documents, rationale, answer), loss on rationale and answer only, with
+rationales written by a strong LM. We have none, so rationales are **extractive**: the first sentence of the gold
+passage containing a gold answer (case-insensitive); questions without one are skipped. An example's documents are
+the gold passage and one hard negative (the passage nearest to the question under the sentence embedder, gold
+excluded) in random order, the shape of a drafting subset (k = 2). Only ``train``-split questions are used
+(``rag.data.split_of``); the benchmark's ``eval`` split never is.
 
 Why an adapter: a tuned 135M copy is 540 MB in float32; LoRA (peft) on every projection at rank 8 is ~2.4M
-parameters, stored in float16 (~5 MiB), small enough to ship with the package. ``models.adapters`` merges it into
-a copy of its base at load time.
+parameters, stored in float16 (~5 MiB), small enough to ship. ``models.adapters`` merges it into its base at load.
 
-Invariants: the output directory is written to a temporary sibling and renamed when complete (a failed run leaves
-nothing at ``out``); it holds peft's ``adapter_config.json`` + ``adapter_model.safetensors``, ``retrospec_adapter.json``
-(the base model and its identity, checked at load) and ``manifest.json`` (data, seed, steps, time, losses).
+Invariants: the output directory is written atomically; it holds peft's ``adapter_config.json`` +
+``adapter_model.safetensors``, ``retrospec_adapter.json`` (the base model and its identity, checked at load) and
+``manifest.json`` (data, seed, steps, time, losses).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,7 @@ from ..models.adapters import ADAPTER_META, write_adapter_meta
 from ..models.loading import load_model
 from ..rag.data import Passage, Question, read_passages, read_questions, select
 from ..rag.prompts import draft_spans, drafter_prompt
-from .common import adamw, warmup_cosine
+from .common import adamw, check_budget, check_new, set_lr, warmup_cosine, write_json
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
@@ -63,7 +63,6 @@ class RagDrafterConfig:
     dtype: str = "bfloat16"  # autocast dtype for the frozen base on the CPU ("float32" to disable)
     embedder: str | None = None
     log_every: int = 10
-    extra: dict = field(default_factory=dict)
 
 
 def extractive_rationale(text: str, answers: tuple[str, ...] | list[str], max_words: int = 60) -> str | None:
@@ -76,7 +75,8 @@ def extractive_rationale(text: str, answers: tuple[str, ...] | list[str], max_wo
     return None
 
 
-def hard_negatives(questions: list[Question], passages: list[Passage], embedder=None, batch: int = 64) -> dict[str, str]:
+def hard_negatives(questions: list[Question], passages: list[Passage], embedder=None,
+                   batch: int = 64) -> dict[str, str]:
     """For each question, the id of the passage nearest to it (cosine, sentence embedder), its gold passage excluded."""
     from ..retrieval.embedder import load_embedder
 
@@ -126,20 +126,12 @@ def build_examples(tokenizer, questions: list[Question], passages: list[Passage]
                       "examples": len(examples)}
 
 
-
-
-
 def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
     """Tune, save and return the manifest (also written to ``OUT/manifest.json``)."""
     from peft import LoraConfig, get_peft_model
 
-    if (cfg.steps is None) == (cfg.seconds is None):
-        raise RetrospecError("give exactly one of --steps or --seconds")
-    if (cfg.steps is not None and cfg.steps < 1) or (cfg.seconds is not None and cfg.seconds <= 0):
-        raise RetrospecError("--steps / --seconds must be positive")
-    out = Path(cfg.out)
-    if out.exists():
-        raise RetrospecError(f"{out} already exists; choose another --out")
+    check_budget(cfg.steps, cfg.seconds)
+    check_new(cfg.out)
     torch.manual_seed(cfg.seed)
     base = load_model(cfg.base)
     if base.tokenizer is None:
@@ -151,16 +143,13 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
     if cfg.limit:
         examples = examples[: cfg.limit]
     if not examples:
-        raise RetrospecError("no training examples: no train-split question has a gold passage sentence with its answer")
+        raise RetrospecError("no training examples: no train-split question has a gold passage sentence with its "
+                             "answer")
     log(f"rag-drafter: {len(examples)} examples from {counts['questions']} train-split questions "
         f"({counts['no_rationale']} without an extractive rationale)")
-
-    import copy
-
-    model = copy.deepcopy(base.model).train()
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.05, target_modules=list(LORA_TARGETS),
                       task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
+    model = get_peft_model(copy.deepcopy(base.model).train(), lora)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(params, cfg.lr)
     autocast = cfg.dtype == "bfloat16"
@@ -171,12 +160,8 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
     started = time.perf_counter()
     bar = tqdm(total=cfg.steps or int(cfg.seconds), desc="tune rag drafter", unit="step" if cfg.steps else "s",
                dynamic_ncols=True)
-    while True:
-        elapsed = time.perf_counter() - started
-        if (cfg.steps is not None and step >= cfg.steps) or (cfg.seconds is not None and elapsed >= cfg.seconds):
-            break
-        for group in opt.param_groups:
-            group["lr"] = warmup_cosine(step, total, cfg.lr, max(1, int(cfg.warmup * total)))
+    while (step < cfg.steps) if cfg.steps is not None else (time.perf_counter() - started < cfg.seconds):
+        set_lr(opt, warmup_cosine(step, total, cfg.lr, max(1, int(cfg.warmup * total))))
         opt.zero_grad(set_to_none=True)
         batch_loss = 0.0
         for _ in range(cfg.accum):
@@ -184,10 +169,8 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
                 order = list(range(len(examples)))
                 rng.shuffle(order)
             ex = examples[order.pop()]
-            ids = torch.tensor([ex["ids"]])  # [1, T]
-            labels = torch.tensor([ex["labels"]])  # [1, T]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=ids, labels=labels).loss / cfg.accum
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # ids, labels [1, T]
+                loss = model(input_ids=torch.tensor([ex["ids"]]), labels=torch.tensor([ex["labels"]])).loss / cfg.accum
             loss.backward()
             batch_loss += float(loss)
             tokens += len(ex["ids"])
@@ -207,7 +190,7 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
     seconds = time.perf_counter() - started
     manifest = {
         "what": "Speculative RAG drafter: LoRA adapter tuned on extractive rationales",
-        "base": cfg.base, "config": {k: v for k, v in asdict(cfg).items() if k not in ("extra",)},
+        "base": cfg.base, "config": asdict(cfg),
         "data": {"questions": os.fspath(cfg.questions), "passages": os.fspath(cfg.passages), "split": "train",
                  **counts, "used": len(examples)},
         "steps": step, "examples_seen": seen, "tokens_seen": tokens, "seconds": round(seconds, 1),
@@ -215,9 +198,9 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
         "loss_last": round(float(np.mean(losses[-cfg.log_every:])), 4), "history": history,
         "torch_threads": torch.get_num_threads(),
     }
-    save_adapter(model, base, cfg.base, manifest, out)
+    save_adapter(model, base, cfg.base, manifest, Path(cfg.out))
     log(f"rag-drafter: {step} steps, {seen} examples, {tokens} tokens in {seconds:.0f} s; "
-        f"loss {manifest['loss_first']} -> {manifest['loss_last']}; saved {out}")
+        f"loss {manifest['loss_first']} -> {manifest['loss_last']}; saved {cfg.out}")
     return manifest
 
 
@@ -229,9 +212,7 @@ def save_adapter(peft_model, base, base_name: str, manifest: dict, out: Path) ->
         peft_model.save_pretrained(tmp)
         weights = tmp / "adapter_model.safetensors"
         save_file({k: v.to(torch.float16).contiguous() for k, v in load_file(weights).items()}, weights)
-        cfg_file = tmp / "adapter_config.json"
-        cfg = json.loads(cfg_file.read_text())
-        cfg["base_model_name_or_path"] = base_name
-        cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
+        cfg = json.loads((tmp / "adapter_config.json").read_text())
+        write_json(tmp / "adapter_config.json", cfg | {"base_model_name_or_path": base_name}, indent=2)
         write_adapter_meta(tmp, base, base_name)
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        write_json(tmp / "manifest.json", manifest)

@@ -1,36 +1,34 @@
 """A draft model for a real target: target-initialised blocks, a reduced vocabulary, distilled on the target's
-own distributions (``retrospec zoo real-draft``; the bundled ``smollm2-135m-draft`` was built with it).
+own distributions (``retrospec zoo real-draft``; the first stage of the bundled ``smollm2-135m-draft``).
 
-Why this shape. On a CPU a 135M target spends a large share of its forward in the 49,152-wide LM head, and a small
-draft with that head would cost almost as much per token as a third of the target. The draft here therefore:
+Why this shape. On a CPU a 135M target spends a large share of its forward in the 49,152-wide LM head; a small
+draft with that head would cost almost a third of the target per token. The draft here therefore:
 
-- keeps the target's width and copies ``layers`` of the target's decoder blocks (early-exit initialisation: it
-  starts out as a truncated target rather than from noise, which matters when training has minutes of CPU);
+- keeps the target's width and copies ``layers`` of its decoder blocks (early-exit initialisation: it starts as a
+  truncated target rather than from noise, which matters when training has minutes of CPU);
 - proposes only from a **reduced vocabulary**: the ``vocab`` most frequent target tokens of its training text
-  (specials of the chat template always included). Its embedding/head rows are copies of the target's rows for
-  those tokens. ``draft_vocab.json`` maps each draft row to its target token id; q = 0 on every other token, so
-  rejection sampling against p stays exact (the drafter scatters q into the target vocabulary). Input tokens
-  outside the vocabulary are read as ``<|endoftext|>``-style id ``unk_id`` (row of target token 0);
-- is distilled with forward KL(p_V || q), where p_V is the target's next-token distribution renormalised over
-  the draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q)).
+  (chat-template specials always included), embedding/head rows copied from the target's. ``draft_vocab.json`` maps
+  each draft row to its target id; q = 0 on every other token, so rejection sampling against p stays exact (the
+  drafter scatters q into the target vocabulary); input tokens outside it are read as row 0 (target token 0);
+- is distilled with forward KL(p_V || q), p_V = the target's next-token distribution renormalised over the draft
+  vocabulary (the best a draft restricted to V can do for sum_x min(p, q)).
 
-Training text (what the draft meets at inference): the standard library's training split (code), prose and
-questions from a passage corpus (NQ-open rows from ``nq_skip`` on: the first rows are the benchmark's), and the
-target's own greedy answers to chat prompts and continuations of code prefixes (sequence-level distillation).
+Training text (what the draft meets at inference): the stdlib's training split (code), prose and questions from a
+passage corpus (NQ-open rows from ``nq_skip`` on: the first rows are the benchmark's), and the target's own greedy
+answers to chat prompts and continuations of code prefixes (sequence-level distillation).
 
-Invariants: the saved directory is an ordinary Hugging Face checkpoint (LlamaForCausalLM, float16) plus
-``draft_vocab.json`` (which ties it to the target's token ids: the draft reads and writes target ids, so it ships
-no tokenizer of its own; the target's is the one used) and ``real_draft.json`` (recipe, data, time, metrics); it is
-written to a temporary sibling and renamed, so a failed build leaves nothing at ``out``.
+Invariants: the saved directory is an ordinary Hugging Face checkpoint (float16) plus ``draft_vocab.json`` (the
+draft reads and writes target ids, so it ships no tokenizer: the target's is used) and ``real_draft.json`` (recipe,
+data, time, metrics); it is written atomically, so a failed build leaves nothing at ``out``.
 """
 
 from __future__ import annotations
 
 import collections
-import json
+import copy
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +37,10 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_build
 from ..batched import generate_batch
+from ..errors import RetrospecError
 from ..models.vocab import VocabMap
 from ..rag.data import read_passages, read_questions
-from .common import adamw, warmup_cosine
+from .common import adamw, jsonable, kl, optimizer_step, set_lr, set_threads, warmup_cosine, write_json
 
 # chat prompts the draft is trained on (the target answers them); the bench's and demo's prompts are not here
 _TRAIN_INSTRUCTIONS = [
@@ -94,9 +93,6 @@ def _encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-
-
-
 def chat_prompts(n: int, seed: int, questions: list[str]) -> list[str]:
     """``n`` user prompts: templated instructions and (when given) corpus questions, deterministic in ``seed``."""
     rng = random.Random(seed)
@@ -133,27 +129,24 @@ def build_streams(cfg: RealDraftConfig, target, tok, log=print) -> dict[str, np.
     streams: dict[str, np.ndarray] = {}
 
     def join(docs: list[list[int]]) -> np.ndarray:
-        flat: list[int] = []
-        for d in docs:
-            flat.extend(d)
-            flat.append(eos)
-        return np.asarray(flat, dtype=np.int32)
+        return np.asarray([t for d in docs for t in (*d, eos)], dtype=np.int32)
 
     texts = read_texts(stdlib_files("train"))
     rng.shuffle(texts)
     n_prefix_files = max(1, len(texts) // 10)  # continuation prefixes come from files kept out of the code stream
     prefix_texts, texts = texts[:n_prefix_files], texts[n_prefix_files:]
     streams["code"] = join([_encode(tok, t) for t in texts])
-    passages, questions = [], []
+    questions = []
     if cfg.nq_dir is not None:
-        passages = [p.title + "\n" + p.text for p in read_passages(Path(cfg.nq_dir) / "passages.jsonl")[cfg.nq_skip:]]
-        questions = [q.question for q in read_questions(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]]
-        streams["prose"] = join([_encode(tok, t) for t in passages + questions])
+        all_passages = read_passages(Path(cfg.nq_dir) / "passages.jsonl")
+        qa = read_questions(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]
+        questions = [q.question for q in qa]
+        streams["prose"] = join([_encode(tok, t) for t in [p.title + "\n" + p.text for p in all_passages[cfg.nq_skip:]]
+                                 + questions])
     if questions and getattr(tok, "chat_template", None):
         # chat-formatted turns without generating: a corpus question, its passage as the answer (the target's soft
         # labels on it are what the draft learns; the template's tokens are what it must learn to read)
-        qa = read_questions(Path(cfg.nq_dir) / "questions.jsonl")[cfg.nq_skip:]
-        by_id = {p.id: p.text for p in read_passages(Path(cfg.nq_dir) / "passages.jsonl")}
+        by_id = {p.id: p.text for p in all_passages}
         turns = [[{"role": "user", "content": q.question}, {"role": "assistant", "content": by_id[q.gold_passage]}]
                  for q in qa if q.gold_passage in by_id]
         streams["chatqa"] = join([_encode(tok, tok.apply_chat_template(t, tokenize=False)) for t in turns])
@@ -198,28 +191,30 @@ def select_vocab(streams: dict[str, np.ndarray], weights: dict[str, float], size
 # ---------------------------------------------------------------------------------------------------------- model
 
 
+def blank_draft(config, n_rows: int, **changes):
+    """A float32 causal LM of a copy of ``config`` with ``changes`` and ``n_rows`` vocabulary rows; its rows are
+    target ids, so it has no special ids of its own."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(config)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        setattr(cfg, attr, None)
+    for attr, value in {**changes, "vocab_size": n_rows}.items():
+        setattr(cfg, attr, value)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
 def init_from_target(target, layers: tuple[int, ...], vocab_ids: list[int]):
     """A model of the target's class and width with copies of ``layers``, the final norm and the target's embedding
     (and head, when untied) rows for ``vocab_ids``."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
     n_layers = target.config.num_hidden_layers
     if not layers or any(not 0 <= i < n_layers for i in layers):
-        from ..errors import RetrospecError
-
         raise RetrospecError(f"draft blocks {list(layers)} must be indices of the target's {n_layers} blocks")
-    cfg = copy.deepcopy(target.config)
-    cfg.num_hidden_layers = len(layers)
-    cfg.vocab_size = len(vocab_ids)
     tied = target.get_output_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
-    cfg.tie_word_embeddings = tied
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):  # ids are the target's, not ours
-        setattr(cfg, attr, None)
-    if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
-        cfg.layer_types = [cfg.layer_types[i] for i in layers]
-    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    changes = {"num_hidden_layers": len(layers), "tie_word_embeddings": tied}
+    if getattr(target.config, "layer_types", None) is not None:
+        changes["layer_types"] = [target.config.layer_types[i] for i in layers]
+    draft = blank_draft(target.config, len(vocab_ids), **changes)
     idx = torch.tensor(vocab_ids)
     with torch.no_grad():
         draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight[idx])
@@ -235,9 +230,6 @@ def init_from_target(target, layers: tuple[int, ...], vocab_ids: list[int]):
 # ------------------------------------------------------------------------------------------------------- training
 
 
-
-
-
 def _windows(streams: dict[str, np.ndarray], mix: dict[str, float], rng: np.random.Generator, n: int,
              seq_len: int) -> torch.Tensor:
     names = [k for k in streams if mix.get(k, 0) > 0 and len(streams[k]) > seq_len + 1]
@@ -250,20 +242,10 @@ def _windows(streams: dict[str, np.ndarray], mix: dict[str, float], rng: np.rand
     return torch.from_numpy(np.stack(rows).astype(np.int64))  # [n, seq_len]
 
 
-@torch.no_grad()
-def teacher_logits(target, ids: torch.Tensor, head_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(full-vocabulary log p [B, L, V], draft-vocabulary logits [B, L, Vd]) of the frozen target."""
-    hidden = target.get_decoder()(input_ids=ids).last_hidden_state  # [B, L, H]
-    full = target.get_output_embeddings()(hidden)  # [B, L, V]
-    return full.log_softmax(-1), full[..., head_rows]
-
-
 def distill_loss(draft, ids: torch.Tensor, mapper: VocabMap, target_sub_logits: torch.Tensor) -> torch.Tensor:
     """KL(p_V || q) averaged over positions; p_V = target softmax over the draft vocabulary."""
-    logits = draft(input_ids=mapper.to_draft[ids]).logits  # [B, L, Vd]
-    log_q = logits.float().log_softmax(-1)
-    log_p = target_sub_logits.float().log_softmax(-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    log_q = draft(input_ids=mapper.to_draft[ids]).logits.float().log_softmax(-1)  # [B, L, Vd]
+    return kl(target_sub_logits.float().log_softmax(-1), log_q).mean()
 
 
 @torch.no_grad()
@@ -274,8 +256,8 @@ def evaluate(draft, target, mapper: VocabMap, batches: list[torch.Tensor]) -> di
     draft.eval()
     overlap = agree = cover = n = 0.0
     for ids in batches:
-        log_p, _ = teacher_logits(target, ids, mapper.ids)
-        p = log_p.exp()  # [B, L, V]
+        hidden = target.get_decoder()(input_ids=ids).last_hidden_state  # [B, L, H]
+        p = target.get_output_embeddings()(hidden).log_softmax(-1).exp()  # [B, L, V]
         q_sub = draft(input_ids=mapper.to_draft[ids]).logits.float().softmax(-1)  # [B, L, Vd]
         q = torch.zeros_like(p)
         q[..., mapper.ids] = q_sub
@@ -298,10 +280,8 @@ def cache_teacher(target, streams: dict[str, np.ndarray], mix: dict[str, float],
     bar = tqdm(total=int(seconds), desc="target soft labels", unit="s", dynamic_ncols=True)
     with torch.no_grad():
         while time.time() - t0 < seconds:
-            ids = _windows(streams, mix, rng, batch, seq_len)
-            hidden = target.get_decoder()(input_ids=ids).last_hidden_state  # [b, L, H]
-            ids_list.append(ids)
-            hid_list.append(hidden.to(torch.float16))
+            ids_list.append(_windows(streams, mix, rng, batch, seq_len))
+            hid_list.append(target.get_decoder()(input_ids=ids_list[-1]).last_hidden_state.to(torch.float16))
             bar.n = min(int(time.time() - t0), int(seconds))
             bar.set_postfix(tokens=sum(i.numel() for i in ids_list))
     bar.close()
@@ -312,8 +292,7 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     """Build, train and save the draft; returns the manifest written to ``real_draft.json``."""
     from ..models import load_model
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t_start = time.time()
     loaded = load_model(cfg.target, role="target")
@@ -345,19 +324,14 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     bar = tqdm(total=int(cfg.seconds), desc="distil draft", unit="s", dynamic_ncols=True)
     while time.time() - t0 < cfg.seconds:
         frac = (time.time() - t0) / cfg.seconds
-        for g in opt.param_groups:
-            g["lr"] = warmup_cosine(step, 0, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, progress=frac)
-        if pos + cfg.batch_size > len(order):
+        set_lr(opt, warmup_cosine(step, 0, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, progress=frac))
+        if pos + cfg.batch_size > len(order):  # a new epoch over the cache
             order, pos = torch.randperm(len(ids_all), generator=torch.Generator().manual_seed(cfg.seed + step)), 0
         rows = order[pos : pos + cfg.batch_size]
         pos += cfg.batch_size
-        sub = hid_all[rows].float() @ head.T  # [b, L, Vd]
-        loss = distill_loss(draft, ids_all[rows], mapper, sub)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+        loss = distill_loss(draft, ids_all[rows], mapper, hid_all[rows].float() @ head.T)  # p_V's logits [b, L, Vd]
+        value = optimizer_step(opt, loss, draft.parameters(), 1.0)
+        running = value if running is None else 0.95 * running + 0.05 * value
         step += 1
         if step % 10 == 0:
             losses.append(round(running, 4))
@@ -367,33 +341,22 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     draft.eval()
     after = evaluate(draft, target, mapper, eval_batches)
     log(f"after training: {after}")
-    manifest = {
-        "kind": "retrospec real-model draft",
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-        "target": loaded.path,
-        "draft_params": sum(p.numel() for p in draft.parameters()),
-        "streams": {k: int(len(v)) for k, v in streams.items()},
-        "teacher_tokens": int(ids_all.numel()),
-        "steps": step,
-        "train_token_passes": step * cfg.batch_size * cfg.seq_len,
-        "data_seconds": round(t_data, 1),
-        "teacher_seconds": cfg.teacher_seconds,
-        "train_seconds": round(time.time() - t0, 1),
-        "loss_curve": losses,
-        "heldout_before": before,
-        "heldout_after": after,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
+    manifest = {"kind": "retrospec real-model draft", "config": jsonable(cfg), "target": loaded.path,
+                "draft_params": sum(p.numel() for p in draft.parameters()),
+                "streams": {k: int(len(v)) for k, v in streams.items()}, "teacher_tokens": int(ids_all.numel()),
+                "steps": step, "train_token_passes": step * cfg.batch_size * cfg.seq_len,
+                "data_seconds": round(t_data, 1), "teacher_seconds": cfg.teacher_seconds,
+                "train_seconds": round(time.time() - t0, 1), "loss_curve": losses, "heldout_before": before,
+                "heldout_after": after, "date": time.strftime("%Y-%m-%d %H:%M")}
     save_draft(draft, vocab_ids, V, manifest, Path(cfg.out))
     return manifest
 
 
 def save_draft(draft, vocab_ids: list[int], target_vocab: int, manifest: dict, out: Path) -> None:
     """Write the draft atomically: fp16 safetensors, draft_vocab.json, real_draft.json (no tokenizer: see above)."""
-    out = Path(out)
-    with atomic_build(out, overwrite=True, required="real_draft.json") as tmp:
+    with atomic_build(Path(out), overwrite=True, required="real_draft.json") as tmp:
         draft.to(torch.float16).save_pretrained(tmp)
         draft.to(torch.float32)
-        (tmp / "draft_vocab.json").write_text(json.dumps({"target_vocab_size": target_vocab,
-                                                          "token_ids": list(map(int, vocab_ids))}) + "\n")
-        (tmp / "real_draft.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        write_json(tmp / "draft_vocab.json", {"target_vocab_size": target_vocab,
+                                              "token_ids": list(map(int, vocab_ids))}, indent=None)
+        write_json(tmp / "real_draft.json", manifest)

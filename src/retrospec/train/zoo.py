@@ -25,6 +25,7 @@ import torch
 
 from ..atomic import atomic_build
 from ..stdlib_corpus import HELDOUT_PACKAGES, read_texts, stdlib_files, stdlib_root
+from .common import set_threads, write_json
 from .lm import TrainConfig, eval_loss, train_lm
 from .tokenizer import train_bpe
 
@@ -40,19 +41,8 @@ class LlamaSpec:
     def config(self, vocab_size: int, eos_id: int, pad_id: int, max_positions: int):
         from transformers import LlamaConfig
 
-        return LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=True,
-            bos_token_id=eos_id,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-        )
+        return LlamaConfig(vocab_size=vocab_size, **asdict(self), max_position_embeddings=max_positions,
+                           tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
 
 
 TARGET_SPEC = LlamaSpec(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -96,40 +86,30 @@ def _save_model(model, tokenizer, path: Path) -> None:
 def build_zoo(cfg: ZooBuildConfig, log=print) -> dict:
     """Train tokenizer, target and draft; write them atomically to ``cfg.out`` (``atomic.atomic_build``: the old
     directory, if any, is replaced only when ``zoo.json`` is written). Returns the manifest."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     with atomic_build(cfg.out, overwrite=True, required="zoo.json") as tmp:
         return _build_into(tmp, cfg, Path(cfg.out), log)
 
 
 def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     started = time.perf_counter()
-
     train_texts = read_texts(stdlib_files("train"))
     heldout_texts = read_texts(stdlib_files("heldout"))
     log(f"corpus: {len(train_texts)} training files, {len(heldout_texts)} held-out files from {stdlib_root()}")
-    rng = np.random.default_rng(cfg.seed)
-    order = rng.permutation(len(train_texts))
-    train_texts = [train_texts[i] for i in order]
+    train_texts = [train_texts[i] for i in np.random.default_rng(cfg.seed).permutation(len(train_texts))]
 
     t0 = time.perf_counter()
-    if cfg.reuse_target is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(Path(cfg.reuse_target) / "target")
-    else:
-        tokenizer = train_bpe(train_texts, vocab_size=cfg.vocab_size)
+    src = Path(cfg.reuse_target) if cfg.reuse_target is not None else None
+    tokenizer = AutoTokenizer.from_pretrained(src / "target") if src else train_bpe(train_texts, cfg.vocab_size)
     train_stream = _encode_stream(tokenizer, train_texts)
     heldout_stream = _encode_stream(tokenizer, heldout_texts)
     log(f"tokenizer: vocab {len(tokenizer)}, {len(train_stream):,} training tokens, "
         f"{len(heldout_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)")
-
     vocab = len(tokenizer)
     results = {}
-    if cfg.reuse_target is not None:
-        src = Path(cfg.reuse_target)
+    if src:
         target = LlamaForCausalLM.from_pretrained(src / "target", dtype=torch.float32).eval()
         shutil.copytree(src / "target", tmp / "target")
         old = json.loads((src / "zoo.json").read_text()) if (src / "zoo.json").exists() else {}
@@ -141,13 +121,7 @@ def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
         target = LlamaForCausalLM(TARGET_SPEC.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                                      cfg.max_positions))
         tcfg = TrainConfig(tokens=cfg.target_tokens, seq_len=cfg.seq_len, batch_size=4, lr=1.5e-3, seed=cfg.seed)
-        res = train_lm(target, train_stream, tcfg, desc="target")
-        results["target"] = {"train": asdict(res) | {"losses": None},
-                             "heldout_loss": eval_loss(target, heldout_stream)}
-        _save_model(target, tokenizer, tmp / "target")
-        log(f"target: {res.tokens:,} tokens in {res.seconds:.0f}s, "
-            f"held-out loss {results['target']['heldout_loss']:.3f}")
-
+        results["target"] = _train(target, train_stream, tcfg, heldout_stream, tokenizer, tmp / "target", log)
     torch.manual_seed(cfg.seed + 1)
     draft = LlamaForCausalLM(DRAFT_SPEC.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                                cfg.max_positions))
@@ -162,10 +136,7 @@ def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
         results["self_generation"] = {"tokens": int(len(gen_stream)), "seconds": time.perf_counter() - t0}
         draft_data = [(train_stream, 0.5), (gen_stream, 0.5)]
         log(f"self-generation: {len(gen_stream):,} target tokens in {time.perf_counter() - t0:.0f}s")
-    res = train_lm(draft, draft_data, dcfg, teacher=target, desc="draft (distil)")
-    results["draft"] = {"train": asdict(res) | {"losses": None}, "heldout_loss": eval_loss(draft, heldout_stream)}
-    _save_model(draft, tokenizer, tmp / "draft")
-    log(f"draft: {res.tokens:,} tokens in {res.seconds:.0f}s, held-out loss {results['draft']['heldout_loss']:.3f}")
+    results["draft"] = _train(draft, draft_data, dcfg, heldout_stream, tokenizer, tmp / "draft", log, teacher=target)
 
     manifest = {
         "command": f"retrospec zoo build --out {out} --seed {cfg.seed} --target-tokens {cfg.target_tokens} "
@@ -187,25 +158,14 @@ def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
-    (tmp / "zoo.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json(tmp / "zoo.json", manifest, indent=2)
     return manifest
 
 
-def main(argv: list[str] | None = None) -> None:  # `python -m retrospec.train.zoo`
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-tokens", type=int, default=ZooBuildConfig.target_tokens)
-    ap.add_argument("--draft-tokens", type=int, default=ZooBuildConfig.draft_tokens)
-    ap.add_argument("--reuse-target", type=Path, default=None)
-    ap.add_argument("--self-distill-tokens", type=int, default=0)
-    args = ap.parse_args(argv)
-    build_zoo(ZooBuildConfig(out=args.out, seed=args.seed, target_tokens=args.target_tokens,
-                             draft_tokens=args.draft_tokens, reuse_target=args.reuse_target,
-                             self_distill_tokens=args.self_distill_tokens))
-
-
-if __name__ == "__main__":
-    main()
+def _train(model, data, tcfg: TrainConfig, heldout: np.ndarray, tokenizer, path: Path, log, teacher=None) -> dict:
+    """``train_lm``, the held-out loss, the model saved at ``path``; the manifest's entry."""
+    res = train_lm(model, data, tcfg, teacher=teacher, desc=path.name + (" (distil)" if teacher is not None else ""))
+    out = {"train": asdict(res) | {"losses": None}, "heldout_loss": eval_loss(model, heldout)}
+    _save_model(model, tokenizer, path)
+    log(f"{path.name}: {res.tokens:,} tokens in {res.seconds:.0f}s, held-out loss {out['heldout_loss']:.3f}")
+    return out
