@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
-        from ..models import _load_tokenizer, model_dir
+        from ..models import model_dir
+        from ..models.loading import _load_tokenizer
 
         path = model_dir(args.target)
         tokenizer = _load_tokenizer(path) if path.is_dir() else None

@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
 def run_make(args) -> int:
     from ..bench.tasks import make_tasks, write_jsonl
     from ..errors import RetrospecError
-    from ..models import _load_tokenizer, default_target, model_dir
+    from ..models import default_target, model_dir
+    from ..models.loading import _load_tokenizer
 
     src = model_dir(args.tokenizer) if args.tokenizer else default_target()
     if not src.is_dir():
