@@ -21,7 +21,7 @@ from retrospec.stdlib_corpus import stdlib_root
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-LONG_METHODS = ["longspec", "longspec@gamma=3", "longspec@tree=2x2", "magicdec"]
+LONG_METHODS = ["longspec", "longspec@gamma=3@lookup=0", "longspec@tree=2x2@lookup=0", "magicdec"]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,8 @@ def test_longspec_and_magicdec_are_lossless(long_bench):
     runs = {(r["method"], r["prompt_index"]): r["stats"] for r in res["runs"]}
     for m in LONG_METHODS:  # --no-gating: every step drafted
         assert runs[(m, 0)]["drafted_tokens"] > 0, m
-    assert len(runs[("longspec@gamma=3", 0)]["per_position_drafted"]) == 3  # a chain of 3
-    assert len(runs[("longspec@tree=2x2", 0)]["per_position_drafted"]) == 2  # a tree of depth 2
+    assert len(runs[("longspec@gamma=3@lookup=0", 0)]["per_position_drafted"]) == 3  # a chain of 3
+    assert len(runs[("longspec@tree=2x2@lookup=0", 0)]["per_position_drafted"]) == 2  # a tree of depth 2
     assert len(runs[("longspec", 0)]["per_position_drafted"]) >= 2  # the default tree (4 + 7 nodes within 12 tokens)
     assert res["config"]["longspec_draft"].endswith("blk")
     assert res["config"]["method_options"]["longspec"]["block"] == "LongSpecDraft"
@@ -69,7 +69,7 @@ def test_memory_figures(long_bench, saved_models):
     for m in ("sd", "pld", *LONG_METHODS):
         assert by[m]["draft_state_bytes"] > 0, m
     # longspec's state is its fixed ring buffer: the same whatever the labels' chain or tree
-    assert by["longspec"]["draft_state_bytes"] == by["longspec@gamma=3"]["draft_state_bytes"]
+    assert by["longspec"]["draft_state_bytes"] == by["longspec@gamma=3@lookup=0"]["draft_state_bytes"]
     # the target's cache at the end: every committed token but the last, 2 layers x (k, v) x 2 kv heads x 8 x fp32
     from retrospec.models import load_model
 
