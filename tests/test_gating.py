@@ -60,6 +60,17 @@ def test_gated_off_request_picks_speculation_back_up_when_it_turns_acceptable():
     assert all(min(b, 5) == 5 for b in budgets[-100:])  # acceptance returned: the full chain again (5 nodes)
 
 
+def test_always_accepted_draft_that_is_too_slow_is_not_probed_every_step():
+    # MagicDec-like at a context where the draft is nearly the target: every drafted token is accepted, but one costs
+    # more than a plain step, so no budget pays. A fully accepted probe climbs (1, 2, 4, ...) instead of repeating.
+    gate = Gate(GateProfile(), "magicdec")
+    budgets = simulate(gate, 300, natural=5, accept=lambda i: 10, draft_per_node=0.012)
+    tail = budgets[50:]
+    assert tail.count(0) / len(tail) > 0.85, tail
+    probes = [b for b in tail if b]
+    assert probes and max(probes) >= 4  # the climb reached the drafter's size, and then stopped
+
+
 def test_cheap_bursty_draft_that_pays_is_never_gated():
     # prompt-lookup-like: the whole draft is accepted on two steps in three, nothing on the third
     rng = random.Random(0)

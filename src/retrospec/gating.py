@@ -18,8 +18,9 @@ Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried. At the top
 drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the engine's room). Below the top, a probe
 refreshes the estimates as often as its extra cost over a plain step fits in 3 % of plain decoding time (every 2
 to 128 steps): at the top budget when that costs at most a quarter of a plain step more, else at 2 b* (at least 1);
-a probe that wins, or whose whole draft is accepted, is followed at once by the next one, so a request that turns
-speculable climbs back in a few steps. A request starts from the last request's estimates for the same method and
+a probe that wins is followed at once by the next one, and so is a probe whose whole draft is accepted, at twice its
+budget, so a request that turns speculable climbs back in a few steps while a drafter that is always right but too
+slow is not probed on every step. A request starts from the last request's estimates for the same method and
 target (``GateProfile.carried``, each budget worth at most 1 step); the very first one starts the ramp at 1.
 
 Invariant: gating changes only the budget handed to the drafter; acceptance is untouched, so greedy output stays
@@ -226,8 +227,12 @@ class Gate:
         if cost > CHEAP_PROBE * plain:
             probe = min(max(1, 2 * best), probe)
             cost = extra(probe)
-        # the last probe won, or its whole draft was accepted: keep climbing at once
-        climbing = self.last_probe > 0 and (best == self.last_probe or self.last_full)
+        # keep climbing at once while the last probe won, or while its whole draft was accepted; in the second case
+        # the next probe doubles it (the same probe again would tell nothing new and may lose on every step)
+        climbing = self.last_probe > 0 and best == self.last_probe
+        if self.last_probe > 0 and self.last_full and not climbing:
+            probe = max(probe, 2 * self.last_probe)
+            climbing = True
         self.since_probe += 1
         if not climbing and self.since_probe < min(PROBE_MAX, max(2.0, cost / (PROBE_OVERHEAD * plain))):
             self.last_probe = 0
