@@ -77,9 +77,8 @@ def parse_label(label: str, context: bool = False) -> MethodLabel:
         generic = ours and key not in ("gating", "gamma", "tree") and not (context and key in fields)
         knob = spec.knob(key) if generic else None
         if eq and knob is not None:
-            value = [int(w) if w.isdigit() else w for w in value.split("x")] if knob.kind == "widths" else \
-                (value == "1" if knob.kind == "bool" and value in ("0", "1") else _number(value))
-            knobs[knob.arg or knob.name] = knob.check(value)
+            value = value == "1" if knob.kind == "bool" and value in ("0", "1") else _number(value)
+            knobs[knob.arg or knob.name] = knob.check(value)  # tree (widths) has its own branch
             continue
         if not eq or key not in ("gating", "gamma", "tree") and not (context and (key in ("draft", "adaptive")
                                                                                   or key in fields and value)):

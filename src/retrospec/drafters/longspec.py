@@ -108,6 +108,8 @@ class LongSpecDrafter:
         if n <= 0:
             return DraftTree.empty()
         chain = self.lookup.propose(ctx, budget) if self.lookup is not None else DraftTree.empty()
+        if len(chain) >= budget:  # the lookup chain fills the budget: graft would cut every block node
+            return chain
         try:
             logits = self.state.speculate([ctx.tokens[-1]], [-1], target_kv)[0]  # [K] after the root
             if self.gamma is not None:
