@@ -185,3 +185,26 @@ def test_after_a_request_that_did_not_pay_the_next_one_that_does_climbs_back_fas
     budgets = simulate(Gate(prof, "pld"), 60, natural=10, accept=lambda i: 10, draft_per_node=0.00001,
                        verify_per_node=0.0005)
     assert min(budgets[12:]) >= 10, budgets
+
+
+def test_verify_costs_never_fall_as_nodes_grow():
+    """One lucky timing (4 nodes verified faster than the plain step) must not make a draft nothing accepts look
+    faster than plain decoding: costs are read on the points' non-decreasing least-squares fit."""
+    prof = GateProfile()
+    prof.record_verify(300, 0, 0.042)
+    prof.record_verify(300, 1, 0.055)
+    prof.record_verify(300, 4, 0.040)  # noise: below the plain step and below 1 node
+    assert prof.verify_cost(300, 0) == pytest.approx(0.042)
+    assert prof.verify_cost(300, 1) == pytest.approx(0.0475)  # 1 and 4 nodes pooled: (0.055 + 0.040) / 2
+    assert prof.verify_cost(300, 3) == pytest.approx(0.0475)
+    assert prof.verify_cost(300, 16) == pytest.approx(0.0475)  # flat beyond the last point
+    costs = [prof.verify_cost(300, n) for n in (0, 0.5, 1, 2, 3, 4, 8)]
+    assert costs == sorted(costs)
+    prof.record_verify(300, 8, 0.060)  # a later point: the fit is rebuilt
+    assert prof.verify_cost(300, 6) == pytest.approx(0.05375)
+    gate = Gate(prof, "sd")  # with zero acceptance at budget 4, drafting must not win over a plain step
+    gate.context = 300
+    for _ in range(20):
+        gate.update(4, 4, [], 0.001, 0.040, 300)
+    rates = gate.rates()
+    assert max(rates, key=lambda b: (rates[b], b)) == 0

@@ -6,8 +6,8 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
 
 - cost(b) = draft(b) + verify(n(b)). draft(b): moving average of seconds in ``propose`` per budget tried, linear
   between them (budget 0 drafts nothing). verify(n): seconds to verify, accept and commit n nodes (n = 0: a plain
-  step), kept per target across requests (``GateProfile``, by context-length bucket, linear between node counts)
-  and measured once per bucket when unknown. n(b): expected node count with budget b, estimated like E(b).
+  step), kept per target across requests (``GateProfile``, by context-length bucket, linear between node counts,
+  read so it never falls as n grows) and measured once per bucket when unknown. n(b): expected node count with budget b, estimated like E(b).
 - E(b): expected tokens committed per step. A step with budget B also tells what any b <= B would have committed:
   the accepted path's node indices increase (parents precede children), so the first b nodes keep exactly the
   accepted nodes with index < b (exact for chains; for breadth-first trees an approximation). E(b) = 1 + decayed
@@ -64,11 +64,7 @@ class Curve(dict):
     def __init__(self, *args):
         super().__init__(*args)
         self.xs = sorted(self)
-
-    def __setitem__(self, x, y) -> None:
-        if x not in self:
-            bisect.insort(self.xs, x)
-        super().__setitem__(x, y)
+        self._fit: Curve | None = None  # ``rising``'s fit, rebuilt after a change
 
     def ema(self, x, value: float) -> None:
         old = self.get(x)
@@ -87,6 +83,26 @@ class Curve(dict):
         lo, hi = xs[i - 1], xs[i]
         return self[lo] + (x - lo) / (hi - lo) * (self[hi] - self[lo])
 
+    def rising(self, x: float) -> float | None:
+        """``at(x)`` on the points' non-decreasing least-squares fit (pool adjacent violators), for a cost that cannot
+        fall as x grows: one lucky low timing must not make more work look cheaper than less."""
+        if self._fit is None:
+            blocks: list[list[float]] = []  # [sum, count] of pooled neighbours, means non-decreasing
+            for x_ in self.xs:
+                blocks.append([self[x_], 1])
+                while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+                    total, count = blocks.pop()
+                    blocks[-1][0] += total
+                    blocks[-1][1] += count
+            self._fit = Curve(zip(self.xs, [b[0] / b[1] for b in blocks for _ in range(b[1])]))
+        return self._fit.at(x)
+
+    def __setitem__(self, x, y) -> None:
+        self._fit = None
+        if x not in self:
+            bisect.insort(self.xs, x)
+        dict.__setitem__(self, x, y)
+
 
 @dataclass
 class GateProfile:
@@ -100,7 +116,9 @@ class GateProfile:
 
     def verify_cost(self, context_tokens: int, nodes: float) -> float | None:
         """Seconds to verify ``nodes`` nodes (0 = a plain step); None before the bucket's first plain step. Beyond
-        this bucket's node counts, the nearest bucket that measured them lends its ratio to its plain step."""
+        this bucket's node counts, the nearest bucket that measured them lends its ratio to its plain step. Read
+        non-decreasing in ``nodes`` (``Curve.rising``): verifying more nodes never costs less than fewer, whatever
+        one noisy timing said (else a draft nothing accepts could look faster than a plain step)."""
         here = _bucket(context_tokens)
         table = self.verify_s.get(here, Curve())
         if 0 not in table:
@@ -109,8 +127,8 @@ class GateProfile:
             for other_bucket in sorted(self.verify_s, key=lambda k: abs(k - here)):
                 other = self.verify_s[other_bucket]
                 if other_bucket != here and 0 in other and other[0] > 0 and other.xs[-1] >= nodes:
-                    return table[0] * other.at(nodes) / other[0]
-        return table.at(nodes)
+                    return max(table.rising(nodes), table[0] * other.rising(nodes) / other[0])
+        return table.rising(nodes)
 
 
 _PROFILES: "weakref.WeakKeyDictionary[object, GateProfile]" = weakref.WeakKeyDictionary()
