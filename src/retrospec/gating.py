@@ -7,7 +7,8 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
 - cost(b) = draft(b) + verify(n(b)). draft(b): moving average of seconds in ``propose`` per budget tried, linear
   between them (budget 0 drafts nothing). verify(n): seconds to verify, accept and commit n nodes (n = 0: a plain
   step), kept per target across requests (``GateProfile``, by context-length bucket, linear between node counts,
-  read so it never falls as n grows) and measured once per bucket when unknown. n(b): expected node count with budget b, estimated like E(b).
+  read so it never falls as n grows) and measured once per bucket when unknown. n(b): expected node count with
+  budget b, estimated like E(b).
 - E(b): expected tokens committed per step. A step with budget B also tells what any b <= B would have committed:
   the accepted path's node indices increase (parents precede children), so the first b nodes keep exactly the
   accepted nodes with index < b (exact for chains; for breadth-first trees an approximation). E(b) = 1 + decayed
@@ -126,8 +127,8 @@ class GateProfile:
         if nodes > table.xs[-1]:
             for other_bucket in sorted(self.verify_s, key=lambda k: abs(k - here)):
                 other = self.verify_s[other_bucket]
-                if other_bucket != here and 0 in other and other[0] > 0 and other.xs[-1] >= nodes:
-                    return max(table.rising(nodes), table[0] * other.rising(nodes) / other[0])
+                if other_bucket != here and 0 in other and other.rising(0) > 0 and other.xs[-1] >= nodes:
+                    return max(table.rising(nodes), table.rising(0) * other.rising(nodes) / other.rising(0))
         return table.rising(nodes)
 
 
