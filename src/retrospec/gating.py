@@ -127,8 +127,11 @@ class GateProfile:
         if nodes > table.xs[-1]:
             for other_bucket in sorted(self.verify_s, key=lambda k: abs(k - here)):
                 other = self.verify_s[other_bucket]
-                if other_bucket != here and 0 in other and other.rising(0) > 0 and other.xs[-1] >= nodes:
-                    return max(table.rising(nodes), table.rising(0) * other.rising(nodes) / other.rising(0))
+                if other_bucket == here or 0 not in other or other.xs[-1] < nodes:
+                    continue
+                plain = other.rising(0)
+                if plain > 0:
+                    return max(table.rising(nodes), table.rising(0) * other.rising(nodes) / plain)
         return table.rising(nodes)
 
 
