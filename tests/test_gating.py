@@ -208,3 +208,16 @@ def test_verify_costs_never_fall_as_nodes_grow():
         gate.update(4, 4, [], 0.001, 0.040, 300)
     rates = gate.rates()
     assert max(rates, key=lambda b: (rates[b], b)) == 0
+
+
+def test_ramp_slows_to_2x_where_verifying_more_nodes_is_costly():
+    """At a long context each verified node costs a large share of a plain step: the ramp grows 2x there (4 -> 8
+    -> 16 ...), where verification is cheap it grows 4x (test_first_step_...). A drafter always right still climbs."""
+    costly = simulate(Gate(GateProfile(), "longspec"), 12, natural=64, accept=lambda i: 64, draft_per_node=0.0001,
+                      verify_per_node=0.004)
+    assert costly[1:3] == [1, 4]  # the first growth (from 1) knows nothing about costs yet: 4x
+    assert 8 in costly and 16 in costly and costly.index(8) < costly.index(16), costly  # then 2x
+    cheap = simulate(Gate(GateProfile(), "longspec"), 12, natural=64, accept=lambda i: 64, draft_per_node=0.0001,
+                     verify_per_node=0.0002)
+    assert cheap[1:4] == [1, 4, 16], cheap
+    assert max(costly) >= 64 and max(cheap) >= 64  # both reach the drafter's size (64 nodes)

@@ -16,7 +16,10 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
   position for the first budgets, and a larger budget starts from the largest one known.
 
 Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried. At the top of what was tried, while the
-drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the engine's room). Below the top, a probe
+drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the engine's room), or 2x where the larger
+step is predicted to cost more than twice the top's (verify read on the curve, or extrapolated linearly from the
+plain step through the top's node count beyond what was measured; drafting scaled with the budget): at a long
+context a 64-node verification costs several plain steps, and such a probe rarely pays. Below the top, a probe
 refreshes the estimates as often as its extra cost over a plain step fits in 3 % of plain decoding time (every 2
 to 128 steps): at the top budget when that costs at most a quarter of a plain step more, else at 2 b* (at least 1);
 a probe that wins is followed at once by the next one, and so is a probe whose whole draft is accepted, at twice its
@@ -40,6 +43,8 @@ COST_DECAY = 0.7  # timing averages: faster, timings are less noisy than accepta
 PRIOR_WEIGHT = 0.5  # pseudo-steps of the optimistic prior
 PRIOR_ACCEPT = 0.5  # prior acceptance per position
 GROWTH = 4  # ramp factor at the top of the budgets tried
+SLOW_GROWTH = 2  # ... where a GROWTH step is predicted to cost more than GROWTH_COST x the top's step
+GROWTH_COST = 2.0
 PROBE_OVERHEAD = 0.03  # probes below the top may cost this share of plain decoding time
 PROBE_MAX = 128  # steps between probes at most
 CARRY_WEIGHT = 1.0  # a request starts from the last one's estimates, worth this many steps per budget
@@ -231,9 +236,26 @@ class Gate:
         if best == self.top:
             self.since_probe = 0
             if self.filled_top:  # the drafter used the whole budget: try a larger one
-                return min(room, self.top * GROWTH)
+                return min(room, self._grown())
             return min(room, best)
         return self._probe(room, best)
+
+    def _grown(self) -> int:
+        """The next budget above the top: ``GROWTH`` x, or ``SLOW_GROWTH`` x when that step is predicted to cost more
+        than ``GROWTH_COST`` x the top's (module docstring). Never below 2 x: a drafter that keeps filling its budget
+        still climbs."""
+        top = self.top
+        now, plain = self.step_cost(top), self.profile.verify_cost(self.context, 0)
+        if top < 2 or not now or plain is None:
+            return top * GROWTH
+        nodes = self.nodes[top] / self.wgt[top]  # expected nodes at the top budget
+        verify_top = self.profile.verify_cost(self.context, nodes)
+        grown = nodes * GROWTH
+        verify = self.profile.verify_cost(self.context, grown)  # measured, lent by a neighbour bucket, or flat
+        if nodes > 0 and verify_top is not None:  # at least linear in the nodes beyond what was measured
+            verify = max(verify, plain + (verify_top - plain) * GROWTH)
+        draft = (self.draft_s.at(top) or 0.0) * GROWTH
+        return top * (GROWTH if draft + verify <= GROWTH_COST * now else SLOW_GROWTH)
 
     def _probe(self, room: int, best: int) -> int:
         """``best``, or every so often a probe (module docstring)."""
