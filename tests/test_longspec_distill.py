@@ -16,7 +16,8 @@ from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
 from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec
 from retrospec.train.longspec_distill import (DistillConfig, check_config, coverage, distill_longspec,
-                                              frequency_vocab, is_heldout, make_batches, sequence_of)
+                                              frequency_vocab, heldout_sample, is_heldout, make_batches,
+                                              sequence_of)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -39,6 +40,10 @@ def test_vocabulary_split_and_batches():
                for b in batches)
     rec = _record([1], [2])
     assert is_heldout(rec, 0.5) == is_heldout(dict(rec, temperature=0.7), 0.5)  # by prompt, not by item
+    sample = heldout_sample(many, 0.5, 5)  # the evaluated records: the same after the corpus grows (appended)
+    assert len(sample) == 5 and all(is_heldout(r, 0.5) for r in sample)
+    grown = many + [_record([100 + i], [1, 2]) for i in range(40)]
+    assert heldout_sample(grown, 0.5, 5) == sample
 
 
 def tiny_corpus(target, out) -> None:

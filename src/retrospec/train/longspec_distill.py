@@ -88,6 +88,12 @@ def is_heldout(record: dict, share: float) -> bool:
     return digest / 0xFFFFFFFF < share
 
 
+def heldout_sample(records: list[dict], share: float, n: int) -> list[dict]:
+    """The first ``n`` held-out records in corpus order: a corpus grows only by appending shards, so the sample of a
+    larger corpus is the same (learning curves of runs on a growing corpus compare)."""
+    return [r for r in records if is_heldout(r, share)][:n]
+
+
 def kind_of(record: dict) -> str:
     return "chat" if record.get("source") in CHAT_SOURCES else "code"
 
@@ -118,7 +124,8 @@ def sequence_of(record: dict, max_len: int) -> tuple[list[int], int]:
 
 def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_records: int, target=None):
     """What every distiller starts from: (training records, ``eval_records`` held-out records, all records with
-    outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded."""
+    outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded.
+    The evaluated records: ``heldout_sample``."""
     records = [r for r in read_corpus(corpus) if r.get("output_ids")]
     if not records:
         raise RetrospecError(f"corpus {corpus} holds no generated outputs yet")
@@ -129,9 +136,7 @@ def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_rec
     for p in model.parameters():
         p.requires_grad_(False)
     train = [r for r in records if not is_heldout(r, heldout)]
-    held = [r for r in records if is_heldout(r, heldout)]
-    rng.shuffle(held)
-    return train, held[:eval_records], records, target, rng
+    return train, heldout_sample(records, heldout, eval_records), records, target, rng
 
 
 def teacher_forced(records: list[dict], max_len: int):
