@@ -133,8 +133,9 @@ def _run(args) -> int:
     for piece in s:
         console.print(piece, end="", style="green", markup=False, highlight=False)
     st = s.result.stats
-    console.print(f"\n[{streamed}] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, tau {st.mean_accepted_tokens:.2f}, "
-                  f"acceptance {st.acceptance_rate:.2f}", markup=False, highlight=False)
+    console.print(f"\n[{streamed}] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, "
+                  f"tau {st.mean_accepted_tokens:.2f}, acceptance {st.acceptance_rate:.2f}", markup=False,
+                  highlight=False)
 
     from .bench.profile import render_plot as render_profile_plot
     from .bench.profile import run_profile

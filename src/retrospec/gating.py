@@ -249,11 +249,9 @@ class Gate:
         if top < 2 or not now or plain is None:
             return top * GROWTH
         nodes = self.nodes[top] / self.wgt[top]  # expected nodes at the top budget
-        verify_top = self.profile.verify_cost(self.context, nodes)
-        grown = nodes * GROWTH
-        verify = self.profile.verify_cost(self.context, grown)  # measured, lent by a neighbour bucket, or flat
-        if nodes > 0 and verify_top is not None:  # at least linear in the nodes beyond what was measured
-            verify = max(verify, plain + (verify_top - plain) * GROWTH)
+        verify_top = self.profile.verify_cost(self.context, nodes)  # not None: the bucket has its plain step
+        # measured, lent by a neighbour bucket, or flat; at least linear in the nodes beyond what was measured
+        verify = max(self.profile.verify_cost(self.context, nodes * GROWTH), plain + (verify_top - plain) * GROWTH)
         draft = (self.draft_s.at(top) or 0.0) * GROWTH
         return top * (GROWTH if draft + verify <= GROWTH_COST * now else SLOW_GROWTH)
 
