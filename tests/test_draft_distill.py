@@ -41,8 +41,9 @@ def test_distil_on_a_tiny_corpus_saves_a_lossless_draft(saved_models, tmp_path):
     out = tmp_path / "draft"
     cfg = DraftDistillConfig(target=str(saved_models.target), corpus=str(tmp_path / "corpus"), out=str(out),
                              init=str(saved_models.draft), vocab=40, max_len=48, batch_tokens=96, heldout=0.3,
-                             eval_records=4, curve=(40,), max_tokens=400)
+                             eval_records=4, curve=(40,), max_tokens=400, precision="bfloat16")
     manifest = distill_draft(cfg, log=lambda *_: None, target=target)
+    assert manifest["precision"] == "bfloat16"  # forwards under autocast; the saved draft loads as ever
     assert manifest["steps"] >= 1 and manifest["curve"][0]["tokens"] == 0 and len(manifest["curve"]) >= 2
     assert all(0 <= c["all"] <= 1 and 0 <= c["vocab_coverage"] <= 1 for c in manifest["curve"])
     assert json.loads((out / "real_draft.json").read_text())["steps"] == manifest["steps"]

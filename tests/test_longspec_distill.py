@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
@@ -15,6 +16,7 @@ from retrospec.errors import RetrospecError
 from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
 from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec
+from retrospec.train.common import pick_precision
 from retrospec.train.longspec_distill import (DistillConfig, check_config, coverage, distill_longspec,
                                               frequency_vocab, heldout_sample, is_heldout, make_batches,
                                               sequence_of)
@@ -61,6 +63,7 @@ def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path)
                        draft_vocab=24, max_len=48, batch_tokens=96, heldout=0.3, eval_records=4, curve=(40,),
                        max_positions=256, storage=None)
     manifest = distill_longspec(dc, log=lambda *_: None, target=target)
+    assert manifest["precision"] in ("float32", "bfloat16")  # auto: measured here
     assert manifest["steps"] >= 1 and manifest["curve"][0]["tokens"] == 0 and len(manifest["curve"]) >= 2
     assert all(0 <= c["all"] <= 1 for c in manifest["curve"])
     assert json.loads((out / "manifest.json").read_text())["draft_vocab"] == 24
@@ -75,12 +78,31 @@ def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path)
     with pytest.raises(RetrospecError, match="already exists"):
         check_config(dc)
     # following a corpus that stops growing: one pass, then waits for new shards until the seconds run out
+    # (its forwards under bfloat16 autocast: the block's parameters and the saved weights stay float32)
     follow = DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "followed"), "follow": True, "seconds": 4.0,
-                              "curve": ()})
+                              "curve": (), "precision": "bfloat16"})
     m2 = distill_longspec(follow, log=lambda *_: None, target=target)
-    assert m2["steps"] >= 1 and m2["corpus"]["records"] == 24 and load_longspec(tmp_path / "followed", target)
+    assert m2["steps"] >= 1 and m2["corpus"]["records"] == 24 and m2["precision"] == "bfloat16"
+    followed = load_longspec(tmp_path / "followed", target)
+    assert all(p.dtype == torch.float32 for p in followed.parameters())
     with pytest.raises(RetrospecError, match="--seconds"):
         check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"), "follow": True}))
+    with pytest.raises(RetrospecError, match="--precision"):
+        check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"), "precision": "fp8"}))
+
+
+def test_pick_precision_measures_only_when_asked():
+    calls = []
+    for asked in ("float32", "bfloat16"):
+        assert pick_precision(asked, torch.device("cpu"), lambda: calls.append(1), log=calls.append) == asked
+    assert calls == []  # an explicit precision is not measured
+    seen = []
+    chosen = pick_precision("auto", torch.device("cpu"),
+                            lambda: seen.append(torch.is_autocast_enabled("cpu")), log=calls.append)
+    assert chosen in ("float32", "bfloat16") and seen == [False, True, False, True]  # twice each, alternating
+    assert len(calls) == 1 and chosen in calls[0]  # one log line saying what was chosen
+    with pytest.raises(RetrospecError, match="--precision"):
+        pick_precision("half", torch.device("cpu"), lambda: None)
 
 
 def test_cli_refuses_bad_input(cli, saved_models, tmp_path):

@@ -134,6 +134,9 @@ def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, 
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (wall clock)")
     p.add_argument("--heldout", type=float, default=heldout, help=f"share of prompts held out (default {heldout})")
     p.add_argument("--lr", type=float, default=float(lr), help=f"peak learning rate (default {lr})")
+    p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="training forwards in float32 or under bfloat16 autocast; auto (default) times one batch "
+                        "both ways here and keeps the faster")
     add_common(p)
     return p
 

@@ -7,6 +7,10 @@ the distillation loss, budget and output checks, manifests.
   are not decayed).
 - ``warmup_cosine``: linear warm-up, then a cosine from the peak down to ``min_ratio`` x peak.
 - ``kl``: forward KL(p || q) per position, what a draft minimises (acceptance is ``sum_x min(p, q) = 1 - TV``).
+- ``pick_precision`` / ``autocast``: the distillers' forward passes (the frozen teacher's above all) in float32 or
+  under bfloat16 autocast; ``auto`` times one batch's forward both ways on the running machine and keeps the faster
+  (bfloat16 only where it is at least ``BF16_MARGIN`` faster: CPUs without bf16 units run it slower). Parameters,
+  gradients, optimiser state and every evaluation stay float32.
 
 Datasets are read with the readers of the data they are (``rag.data``, ``stdlib_corpus``, ``retrieval.corpus``);
 output directories are written with ``atomic.atomic_build``.
@@ -14,9 +18,11 @@ output directories are written with ``atomic.atomic_build``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -88,6 +94,44 @@ def warmup_cosine(done: float, total: float, peak: float, warmup: float, min_rat
 def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """KL(p || q) [...] from log-probabilities [..., K]."""
     return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+PRECISIONS = ("auto", "float32", "bfloat16")
+BF16_MARGIN = 0.9  # auto keeps bfloat16 only when its forward takes at most this share of float32's
+
+
+def autocast(precision: str, device: torch.device):
+    """The context a training forward runs in: bfloat16 autocast on ``device``'s type, or nothing (float32)."""
+    if precision == "bfloat16":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise RetrospecError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
+def pick_precision(precision: str, device: torch.device, forward: Callable[[], object], log=print) -> str:
+    """``float32`` / ``bfloat16`` as asked; ``auto``: time ``forward()`` (one batch's loss, no gradient) twice per
+    precision, alternating, and keep the faster (module docstring)."""
+    check_precision(precision)
+    if precision != "auto":
+        return precision
+    best = {"float32": math.inf, "bfloat16": math.inf}
+    with torch.no_grad():
+        for _ in range(2):
+            for name in best:
+                with autocast(name, device):
+                    start = time.perf_counter()
+                    forward()
+                    if torch.device(device).type == "cuda":
+                        torch.cuda.synchronize(device)
+                    best[name] = min(best[name], time.perf_counter() - start)
+    chosen = "bfloat16" if best["bfloat16"] <= BF16_MARGIN * best["float32"] else "float32"
+    log(f"precision auto: one batch's forward {best['float32']:.2f} s in float32, {best['bfloat16']:.2f} s under "
+        f"bfloat16 autocast -> {chosen}")
+    return chosen
 
 
 def check_budget(steps: int | None, seconds: float | None) -> None:

@@ -15,7 +15,9 @@ split, batches and learning curve of ``train.longspec_distill``) and:
   draft vocabulary (the best a draft restricted to V can do for sum_x min(p, q));
 - **measures** on held-out records (teacher-forced, output tokens) the draft's greedy agreement with the target's
   greedy token per kind (chat / code) and the vocabulary's coverage of those tokens, before training and at each
-  point of ``curve`` (tokens trained).
+  point of ``curve`` (tokens trained);
+- **precision**: the training forwards in float32 or under bfloat16 autocast (``train.common.pick_precision``;
+  ``auto`` measures which is faster here); agreement is measured in float32.
 
 The draft trains on the target's device (measured on CPU only, CUDA untested). Output: a Hugging Face checkpoint
 (float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve, seconds), the
@@ -24,6 +26,7 @@ layout of ``zoo real-draft`` (``train.real_draft.save_draft``), written atomical
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +36,9 @@ import torch
 from ..errors import RetrospecError
 from ..models.loading import load_model
 from ..models.vocab import VocabMap
-from .common import adamw, jsonable, kl, optimizer_step
-from .longspec_distill import (Tally, check_distill, coverage, frequency_vocab, load_split, pad_batch, sequence_of,
-                               teacher_forced, train_curve)
+from .common import adamw, autocast, check_precision, jsonable, kl, optimizer_step, pick_precision
+from .longspec_distill import (Tally, check_distill, coverage, frequency_vocab, load_split, make_batches, pad_batch,
+                               sequence_of, teacher_forced, train_curve)
 from .real_draft import blank_draft, save_draft
 
 
@@ -55,6 +58,7 @@ class DraftDistillConfig:
     weight_decay: float = 0.0
     warmup: float = 0.05
     grad_clip: float = 1.0
+    precision: str = "auto"  # training forwards: float32, bfloat16 (autocast) or auto (the faster here)
     curve: tuple[int, ...] = (125_000, 250_000, 500_000, 1_000_000, 2_000_000)
     eval_records: int = 96
     seed: int = 0
@@ -62,6 +66,7 @@ class DraftDistillConfig:
 
 def check_config(cfg: DraftDistillConfig) -> None:
     check_distill(cfg, cfg.vocab >= 2, "--vocab >= 2")
+    check_precision(cfg.precision)
 
 
 def revocab(draft, old_ids: list[int], new_ids: list[int], target) -> torch.nn.Module:
@@ -144,11 +149,18 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     pad = min(eos) if eos else 0
     opt = adamw(draft.parameters(), cfg.lr, cfg.weight_decay)
 
-    def step(batch: list[dict]) -> tuple[float, int]:
+    def loss_of(batch: list[dict], how: str) -> tuple[torch.Tensor, int]:
         ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in batch], pad)
         ids, mask = ids.to(device), mask.to(device)
-        loss = distill_loss(draft, tmodel, vmap, head_rows, ids, mask)
-        return optimizer_step(opt, loss, draft.parameters(), cfg.grad_clip), int(mask.sum())
+        with autocast(how, device):
+            return distill_loss(draft, tmodel, vmap, head_rows, ids, mask), int(mask.sum())
+
+    first = [train[i] for i in make_batches(train, cfg.max_len, cfg.batch_tokens, random.Random(cfg.seed))[0]]
+    precision = pick_precision(cfg.precision, device, lambda: loss_of(first, "float32"), log)
+
+    def step(batch: list[dict]) -> tuple[float, int]:
+        loss, n = loss_of(batch, precision)
+        return optimizer_step(opt, loss, draft.parameters(), cfg.grad_clip), n
 
     result = train_curve(draft, opt, train, cfg, budget, [c for c in cfg.curve if c < budget], rng, log, step=step,
                          evaluate=lambda: agreement(draft, tmodel, vmap, held, cfg.max_len), desc="distil draft",
@@ -158,7 +170,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
                 "init": getattr(init, "path", cfg.init),
                 "corpus": {"path": cfg.corpus, "records": len(records), "heldout_records": len(held)},
                 "draft_params": sum(p.numel() for p in draft.parameters()),
-                "heldout_coverage": round(coverage(new_ids, held), 4), **result,
+                "heldout_coverage": round(coverage(new_ids, held), 4), "precision": precision, **result,
                 "date": time.strftime("%Y-%m-%d %H:%M")}
     save_draft(draft.cpu(), new_ids, V, manifest, Path(cfg.out))
     return manifest

@@ -19,6 +19,9 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
   the last pass; when too few are new, another pass over every training record so far (``tokens`` in the curve
   counts tokens trained on, ``corpus_tokens`` the distinct corpus tokens behind them); the draft vocabulary and the
   held-out set come from the records present at the start;
+- **precision** (``train.common.pick_precision``): the training forwards run in float32 or under bfloat16 autocast,
+  measured on the running machine by default (``auto``); the agreement is always measured in float32, as drafting
+  runs;
 - **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text, so both temperatures of a prompt
   fall on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the
   target's greedy token per kind (chat / code) at each point of ``curve`` (corpus output tokens seen; the learning
@@ -47,7 +50,8 @@ from ..errors import RetrospecError
 from ..generations import read_corpus
 from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
-from .common import adamw, check_new, kl, optimizer_step, set_lr, warmup_cosine
+from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
+                     warmup_cosine)
 from .longspec import draft_logits, sample_positions, save_block, target_logits
 
 CHAT_SOURCES = ("self-instruct", "nq")  # the rest (mbpp, stdlib) are code
@@ -78,6 +82,7 @@ class DistillConfig:
     storage: str | None = "int8"
     seed: int = 0
     follow: bool = False  # keep training on shards a running ``corpus generate`` adds (needs ``seconds``)
+    precision: str = "auto"  # training forwards: float32, bfloat16 (autocast) or auto (the faster here)
 
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -237,15 +242,22 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
 # -------------------------------------------------------------------------------------------------------- training
 
 
-def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng: random.Random,
-               pad: int) -> tuple[float, int]:
-    """One optimizer step on ``records``; returns (the batch's KL, its output tokens)."""
+def batch_loss(block, target, records: list[dict], cfg: DistillConfig, rng: random.Random, pad: int,
+               precision: str) -> torch.Tensor:
+    """The distillation loss of one batch of ``records`` (positions and shift drawn from ``rng``)."""
     ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in records], pad)
     anchored = rng.random() < cfg.anchor_share
     positions = sample_positions(ids.shape[0], ids.shape[1], cfg.max_positions, rng, anchor_offset=anchored)
     dev = block.norm1.weight.device  # the target's device (the block lives beside it)
     ids, mask, positions = ids.to(dev), mask.to(dev), positions.to(dev)
-    loss = distill_loss(block, target, ids, positions, mask, rng.randint(1, cfg.noisy_max))
+    with autocast(precision, dev):
+        return distill_loss(block, target, ids, positions, mask, rng.randint(1, cfg.noisy_max))
+
+
+def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng: random.Random,
+               pad: int, precision: str = "float32") -> tuple[float, int]:
+    """One optimizer step on ``records``; returns (the batch's KL, its output tokens)."""
+    loss = batch_loss(block, target, records, cfg, rng, pad, precision)
     return optimizer_step(opt, loss, block.parameters(), cfg.grad_clip), sum(len(r["output_ids"]) for r in records)
 
 
@@ -269,6 +281,7 @@ def check_config(cfg: DistillConfig) -> None:
         raise RetrospecError("need --noisy-max >= 1 and an anchor share in [0, 1]")
     if cfg.follow and cfg.seconds is None:
         raise RetrospecError("--follow trains until --seconds run out: give --seconds")
+    check_precision(cfg.precision)
 
 
 def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[int], rng: random.Random, log, *,
@@ -338,6 +351,9 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     for p in block.parameters():
         p.requires_grad_(True)
     opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
+    first = [train[i] for i in make_batches(train, cfg.max_len, cfg.batch_tokens, random.Random(cfg.seed))[0]]
+    precision = pick_precision(cfg.precision, block.norm1.weight.device,
+                               lambda: batch_loss(block, target, first, cfg, random.Random(0), pad, "float32"), log)
     read, pool, unique = len(records), list(train), total_out  # corpus records read; training records; their tokens
 
     def next_pass() -> list[dict] | None:
@@ -356,7 +372,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
 
     result = train_curve(
         block, opt, train, cfg, budget, [c for c in cfg.curve if c < budget] + ([] if cfg.follow else [budget]), rng,
-        log, step=lambda batch: train_step(block, target, opt, batch, cfg, rng, pad), desc="distill",
+        log, step=lambda batch: train_step(block, target, opt, batch, cfg, rng, pad, precision), desc="distill",
         evaluate=lambda: agreement(block, target, held, cfg.max_len, pad), next_pass=next_pass,
         extra=lambda: {"corpus_tokens": unique})
     for p in block.parameters():
@@ -364,7 +380,8 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
                 "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
                 "corpus": {"path": cfg.corpus, "records": read, "heldout_records": len(held)},
-                "draft_vocab": block.draft_vocab_size, "heldout_coverage": held_coverage, **result}
+                "draft_vocab": block.draft_vocab_size, "heldout_coverage": held_coverage, "precision": precision,
+                **result}
     save_block(block, target, manifest, Path(cfg.out), cfg.storage)
     return manifest
 
