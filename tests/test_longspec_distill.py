@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -17,9 +18,9 @@ from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
 from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec
 from retrospec.train.common import pick_precision
-from retrospec.train.longspec_distill import (DistillConfig, check_config, coverage, distill_longspec,
-                                              frequency_vocab, heldout_sample, is_heldout, make_batches,
-                                              sequence_of)
+from retrospec.train.longspec_distill import (DistillConfig, check_config, corpus_records, coverage,
+                                              distill_longspec, frequency_vocab, heldout_sample, is_heldout,
+                                              make_batches, sequence_of)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -89,6 +90,14 @@ def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path)
         check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"), "follow": True}))
     with pytest.raises(RetrospecError, match="--precision"):
         check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"), "precision": "fp8"}))
+    # several corpora, comma-separated: read in the order given; each must exist
+    shutil.copytree(tmp_path / "corpus", tmp_path / "corpus2")
+    one = corpus_records(str(tmp_path / "corpus"))
+    both = corpus_records(f"{tmp_path / 'corpus'},{tmp_path / 'corpus2'}")
+    assert both == one + one and heldout_sample(both, 0.3, 2) == heldout_sample(one, 0.3, 2)
+    with pytest.raises(RetrospecError, match="corpus directory not found.*nowhere"):
+        check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"),
+                                      "corpus": f"{tmp_path / 'corpus'},{tmp_path / 'nowhere'}"}))
 
 
 def test_pick_precision_measures_only_when_asked():

@@ -126,7 +126,8 @@ def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, 
     p = tsub.add_parser(name, help=f"distil {what} on a corpus of the target's own outputs ('retrospec corpus "
                                    f"generate'), {how}")
     p.add_argument("--target", required=True, help=TARGET_HELP.format("smollm2-135m"))
-    p.add_argument("--corpus", required=True, help="corpus directory written by 'retrospec corpus generate'")
+    p.add_argument("--corpus", required=True, help="corpus directory written by 'retrospec corpus generate', or "
+                                                    "several, comma-separated (read in that order)")
     p.add_argument("--out", required=True, help=out)
     p.add_argument("--max-len", type=int, default=768, help="tokens per training sequence (default 768)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch, padding included")

@@ -15,6 +15,8 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
 - **loss**: KL(p_V || q) at every non-pad position, p_V = the target's distribution renormalised over the draft
   vocabulary; a flash-noisy shift in [1, noisy_max] per batch and anchor-offset positions on a share of batches
   (``train.longspec``) keep the block usable at long contexts;
+- **corpora**: ``corpus`` names one corpus directory or several, comma-separated, read in that order (a new corpus
+  of new prompts extends an old one whose prompts ran out; the held-out sample stays the same);
 - **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs, taking the shards written since
   the last pass; when too few are new, another pass over every training record so far (``tokens`` in the curve
   counts tokens trained on, ``corpus_tokens`` the distinct corpus tokens behind them); the draft vocabulary and the
@@ -131,7 +133,7 @@ def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_rec
     """What every distiller starts from: (training records, ``eval_records`` held-out records, all records with
     outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded.
     The evaluated records: ``heldout_sample``."""
-    records = [r for r in read_corpus(corpus) if r.get("output_ids")]
+    records = corpus_records(corpus)
     if not records:
         raise RetrospecError(f"corpus {corpus} holds no generated outputs yet")
     torch.manual_seed(seed)
@@ -142,6 +144,17 @@ def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_rec
         p.requires_grad_(False)
     train = [r for r in records if not is_heldout(r, heldout)]
     return train, heldout_sample(records, heldout, eval_records), records, target, rng
+
+
+def corpus_dirs(spec: str) -> list[str]:
+    """``--corpus A[,B ...]``: one corpus directory, or several read in the order given."""
+    return [d for d in (part.strip() for part in str(spec).split(",")) if d]
+
+
+def corpus_records(spec: str) -> list[dict]:
+    """The records with outputs of every corpus in ``spec``, corpus after corpus (each in shard order): a held-out
+    sample, the first held-out records, stays the same when a corpus is appended to the list or grows at the end."""
+    return [r for d in corpus_dirs(spec) for r in read_corpus(d) if r.get("output_ids")]
 
 
 def teacher_forced(records: list[dict], max_len: int):
@@ -263,8 +276,9 @@ def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng:
 
 def check_distill(cfg, vocab_ok: bool, vocab_rule: str) -> None:
     """The checks both distillers share (``vocab_rule``: what the vocabulary flag needs)."""
-    if not Path(cfg.corpus).is_dir():
-        raise RetrospecError(f"corpus directory not found: {cfg.corpus}")
+    for d in corpus_dirs(cfg.corpus) or [""]:
+        if not Path(d).is_dir():
+            raise RetrospecError(f"corpus directory not found: {d or cfg.corpus!r}")
     check_new(cfg.out)
     if not vocab_ok or cfg.max_len < 2 or cfg.batch_tokens < cfg.max_len or not 0 < cfg.heldout < 1:
         raise RetrospecError(f"need {vocab_rule}, --max-len >= 2, --batch-tokens >= --max-len and a held-out share "
@@ -362,7 +376,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
         nonlocal read, unique
         if not cfg.follow:
             return None
-        latest = [r for r in read_corpus(cfg.corpus) if r.get("output_ids")]
+        latest = corpus_records(cfg.corpus)  # only the last corpus listed may still be growing
         fresh, read = [r for r in latest[read:] if not is_heldout(r, cfg.heldout)], len(latest)
         pool.extend(fresh)
         unique += sum(len(r["output_ids"]) for r in fresh)
