@@ -26,7 +26,6 @@ layout of ``zoo real-draft`` (``train.real_draft.save_draft``), written atomical
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +35,8 @@ import torch
 from ..errors import RetrospecError
 from ..models.loading import load_model
 from ..models.vocab import VocabMap
-from .common import adamw, autocast, check_precision, jsonable, kl, optimizer_step, pick_precision
-from .longspec_distill import (Tally, check_distill, coverage, frequency_vocab, load_split, make_batches, pad_batch,
+from .common import adamw, autocast, jsonable, kl, optimizer_step, pick_precision
+from .longspec_distill import (Tally, check_distill, coverage, first_batch, frequency_vocab, load_split, pad_batch,
                                sequence_of, teacher_forced, train_curve)
 from .real_draft import blank_draft, save_draft
 
@@ -66,7 +65,6 @@ class DraftDistillConfig:
 
 def check_config(cfg: DraftDistillConfig) -> None:
     check_distill(cfg, cfg.vocab >= 2, "--vocab >= 2")
-    check_precision(cfg.precision)
 
 
 def revocab(draft, old_ids: list[int], new_ids: list[int], target) -> torch.nn.Module:
@@ -155,7 +153,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
         with autocast(how, device):
             return distill_loss(draft, tmodel, vmap, head_rows, ids, mask), int(mask.sum())
 
-    first = [train[i] for i in make_batches(train, cfg.max_len, cfg.batch_tokens, random.Random(cfg.seed))[0]]
+    first = first_batch(train, cfg)
     precision = pick_precision(cfg.precision, device, lambda: loss_of(first, "float32"), log)
 
     def step(batch: list[dict]) -> tuple[float, int]:

@@ -209,6 +209,12 @@ def make_batches(records: list[dict], max_len: int, batch_tokens: int, rng: rand
     return batches
 
 
+def first_batch(records: list[dict], cfg) -> list[dict]:
+    """The batch ``pick_precision`` times: the first of ``make_batches`` under the config's seed (its own generator, so
+    the training draws stay what they are whatever the precision)."""
+    return [records[i] for i in make_batches(records, cfg.max_len, cfg.batch_tokens, random.Random(cfg.seed))[0]]
+
+
 def pad_batch(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [b, L] right-padded with ``pad``, mask [b, L]: 1 on real tokens)."""
     n = max(len(s) for s in seqs)
@@ -287,6 +293,7 @@ def check_distill(cfg, vocab_ok: bool, vocab_rule: str) -> None:
         raise RetrospecError(f"--lr must be positive, got {cfg.lr}")
     if (cfg.max_tokens is not None and cfg.max_tokens < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
         raise RetrospecError("--max-tokens / --seconds must be positive")
+    check_precision(cfg.precision)
 
 
 def check_config(cfg: DistillConfig) -> None:
@@ -295,7 +302,6 @@ def check_config(cfg: DistillConfig) -> None:
         raise RetrospecError("need --noisy-max >= 1 and an anchor share in [0, 1]")
     if cfg.follow and cfg.seconds is None:
         raise RetrospecError("--follow trains until --seconds run out: give --seconds")
-    check_precision(cfg.precision)
 
 
 def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[int], rng: random.Random, log, *,
@@ -365,7 +371,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     for p in block.parameters():
         p.requires_grad_(True)
     opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
-    first = [train[i] for i in make_batches(train, cfg.max_len, cfg.batch_tokens, random.Random(cfg.seed))[0]]
+    first = first_batch(train, cfg)
     precision = pick_precision(cfg.precision, block.norm1.weight.device,
                                lambda: batch_loss(block, target, first, cfg, random.Random(0), pad, "float32"), log)
     read, pool, unique = len(records), list(train), total_out  # corpus records read; training records; their tokens
