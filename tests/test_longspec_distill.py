@@ -95,6 +95,13 @@ def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path)
     one = corpus_records(str(tmp_path / "corpus"))
     both = corpus_records(f"{tmp_path / 'corpus'},{tmp_path / 'corpus2'}")
     assert both == one + one and heldout_sample(both, 0.3, 2) == heldout_sample(one, 0.3, 2)
+    # --follow on a corpus `corpus generate` has only just started (no manifest until its first shard): no records
+    # from it yet, where a plain read refuses it
+    (tmp_path / "starting").mkdir()
+    starting = f"{tmp_path / 'corpus'},{tmp_path / 'starting'}"
+    assert corpus_records(starting, growing=True) == one
+    with pytest.raises(RetrospecError, match="not a corpus directory"):
+        corpus_records(starting)
     with pytest.raises(RetrospecError, match="corpus directory not found.*nowhere"):
         check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"),
                                       "corpus": f"{tmp_path / 'corpus'},{tmp_path / 'nowhere'}"}))

@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from ..drafters.longspec import load_block
 from ..errors import RetrospecError
 from ..generations import read_corpus
+from ..generations.build import MANIFEST
 from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
@@ -129,11 +130,12 @@ def sequence_of(record: dict, max_len: int) -> tuple[list[int], int]:
     return ids[cut:], max(0, len(record["prompt_ids"]) - cut)
 
 
-def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_records: int, target=None):
+def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_records: int, target=None,
+               growing: bool = False):
     """What every distiller starts from: (training records, ``eval_records`` held-out records, all records with
     outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded.
-    The evaluated records: ``heldout_sample``."""
-    records = corpus_records(corpus)
+    The evaluated records: ``heldout_sample``; ``growing``: see ``corpus_records``."""
+    records = corpus_records(corpus, growing)
     if not records:
         raise RetrospecError(f"corpus {corpus} holds no generated outputs yet")
     torch.manual_seed(seed)
@@ -151,10 +153,16 @@ def corpus_dirs(spec: str) -> list[str]:
     return [d for d in (part.strip() for part in str(spec).split(",")) if d]
 
 
-def corpus_records(spec: str) -> list[dict]:
+def corpus_records(spec: str, growing: bool = False) -> list[dict]:
     """The records with outputs of every corpus in ``spec``, corpus after corpus (each in shard order): a held-out
-    sample, the first held-out records, stays the same when a corpus is appended to the list or grows at the end."""
-    return [r for d in corpus_dirs(spec) for r in read_corpus(d) if r.get("output_ids")]
+    sample, the first held-out records, stays the same when a corpus is appended to the list or grows at the end.
+    ``growing`` (``--follow``): the last corpus may be one ``corpus generate`` has only just started (its directory,
+    without a manifest until the first shard lands); it then adds no records."""
+    dirs = corpus_dirs(spec)
+    last = Path(dirs[-1]) if dirs else None
+    if growing and last is not None and last.is_dir() and not (last / MANIFEST).is_file():
+        dirs = dirs[:-1]
+    return [r for d in dirs for r in read_corpus(d) if r.get("output_ids")]
 
 
 def teacher_forced(records: list[dict], max_len: int):
@@ -356,7 +364,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest."""
     check_config(cfg)
     train, held, records, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
-                                                    target)
+                                                    target, growing=cfg.follow)
     block = load_block(cfg.init, target) if cfg.init else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
@@ -382,7 +390,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
         nonlocal read, unique
         if not cfg.follow:
             return None
-        latest = corpus_records(cfg.corpus)  # only the last corpus listed may still be growing
+        latest = corpus_records(cfg.corpus, growing=True)  # only the last corpus listed may still be growing
         fresh, read = [r for r in latest[read:] if not is_heldout(r, cfg.heldout)], len(latest)
         pool.extend(fresh)
         unique += sum(len(r["output_ids"]) for r in fresh)
