@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +15,10 @@ torch.set_num_threads(1)  # tiny models gain nothing from threads; a busy CI mac
 # Every test runs the engine's fast path (prepacked linears, packed head, prefix + block attention: ``fastpath``)
 # whatever this machine would measure, so the oracle tests prove it; test_fastpath covers the other modes.
 os.environ.setdefault("RETROSPEC_FASTPATH", "packed")
+# Nothing a test runs writes into the user's cache home (converted models, measured plans, saved profiles that seed
+# the gate of every later process): one private home per test run, removed at exit; tests that need their own set it.
+os.environ["RETROSPEC_HOME"] = tempfile.mkdtemp(prefix="retrospec-tests-")
+atexit.register(shutil.rmtree, os.environ["RETROSPEC_HOME"], True)
 
 VOCAB = 96
 

@@ -51,7 +51,7 @@ def test_tree_shapes_and_gamma_choice():
 def test_a_saved_profile_seeds_the_gate_of_a_new_process(cli, saved_models, tmp_path, monkeypatch):
     import copy
 
-    from retrospec.gating import profile_for, saved_verify_costs
+    from retrospec.gating import _bucket, profile_for, saved_verify_costs
     from retrospec.models import load_model
 
     monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
@@ -62,8 +62,10 @@ def test_a_saved_profile_seeds_the_gate_of_a_new_process(cli, saved_models, tmp_
     fresh = copy.deepcopy(load_model(saved_models.target).model)  # another module of the same shapes
     costs = saved_verify_costs(fresh)
     assert sorted((c, n) for c, n, _ in costs) == [(20, 0), (20, 2)]
-    gate_profile = profile_for(fresh)
-    assert gate_profile.verify_cost(20, 0) == pytest.approx(costs[0][2] if costs[0][1] == 0 else costs[1][2])
+    gate_profile = profile_for(fresh)  # its curve holds the saved points as measured (read non-decreasing)
+    assert dict(gate_profile.verify_s[_bucket(20)]) == pytest.approx({n: s for _, n, s in costs})
+    plain, three = (dict((n, s) for _, n, s in costs)[k] for k in (0, 2))
+    assert gate_profile.verify_cost(20, 0) == pytest.approx(plain if plain <= three else (plain + three) / 2)
 
 
 def test_a_longspec_block_is_profiled_as_a_draft(cli, saved_models, tmp_path):
