@@ -221,3 +221,33 @@ def test_ramp_slows_to_2x_where_verifying_more_nodes_is_costly():
                      verify_per_node=0.0002)
     assert cheap[1:4] == [1, 4, 16], cheap
     assert max(costly) >= 64 and max(cheap) >= 64  # both reach the drafter's size (64 nodes)
+
+
+@pytest.mark.parametrize("accepted", [3, 5, 8])
+def test_a_request_that_fails_after_a_paying_one_does_not_climb_through_carried_budgets(accepted):
+    """Request 1 pays at budgets of 10-20; request 2's drafts are never accepted. Its rejections also lower the
+    carried estimates of larger budgets it has not tried (a chain would have stopped at the same node), so it does
+    not try them one by one (before: 10, 11, 12, ..., 23, then 64) and is gated off within a dozen steps."""
+    rng = random.Random(0)
+    prof = GateProfile()
+    simulate(Gate(prof, "longspec"), 60, natural=64, accept=lambda i: rng.choice([0, accepted, 2 * accepted, 64]),
+             draft_per_node=0.0002, verify_per_node=0.0004)
+    budgets = simulate(Gate(prof, "longspec"), 30, natural=64, accept=lambda i: 0, draft_per_node=0.0004,
+                       verify_per_node=0.0005)
+    assert budgets[0] >= 4  # it starts from the paying request's estimates
+    assert max(budgets) <= 2 * budgets[0], budgets
+    assert 0 in budgets[:13], budgets
+
+
+def test_a_rejection_lowers_untried_larger_budgets_only():
+    gate = Gate(GateProfile(), "sd")
+    gate.profile.record_verify(CTX, 0, PLAIN)
+    gate.update(8, 8, list(range(8)), 0.001, PLAIN, CTX)  # budget 8 tried and fully accepted
+    gate.update(2, 2, [0], 0.001, PLAIN, CTX)  # budget 2: node 1 rejected
+    assert gate.acc[8] == pytest.approx(0.9 * 0.5 * sum(0.5 ** k for k in range(1, 9)) + 8)  # tried: left as it was
+    fresh = Gate(GateProfile(), "sd")
+    fresh.update(8, 8, list(range(8)), 0.001, PLAIN, CTX)
+    fresh.tried = 0  # as if carried from an earlier request
+    fresh.update(2, 2, [0], 0.001, PLAIN, CTX)
+    assert fresh.acc[8] == pytest.approx(0.9 * (0.9 * 0.5 * sum(0.5 ** k for k in range(1, 9)) + 8) + 1)
+    assert fresh.nodes[8] == pytest.approx(0.9 * (0.9 * 0.5 * 8 + 8) + 8)  # a chain of 8 would have been drafted

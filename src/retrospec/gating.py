@@ -25,7 +25,10 @@ to 128 steps): at the top budget when that costs at most a quarter of a plain st
 a probe that wins is followed at once by the next one, and so is a probe whose whole draft is accepted, at twice its
 budget, so a request that turns speculable climbs back in a few steps while a drafter that is always right but too
 slow is not probed on every step. A request starts from the last request's estimates for the same method and
-target (``GateProfile.carried``, each budget worth at most 1 step); the very first one starts the ramp at 1.
+target (``GateProfile.carried``, each budget worth at most 1 step); the very first one starts the ramp at 1. A step
+that does not commit its whole draft also counts for the larger budgets this request has not tried yet: they would
+have stopped at the same node (exact for chains and for a drafter that ran short; a lower bound for trees), so
+optimistic carried estimates fall together instead of being tried one budget at a time.
 
 Invariant: gating changes only the budget handed to the drafter; acceptance is untouched, so greedy output stays
 token-identical to plain decoding and sampling stays exact. Decisions follow wall-clock timings, so drafted shapes
@@ -187,6 +190,7 @@ class Gate:
         self.nodes: list[float] = [0.0]  # drafted nodes (what verification pays for)
         self.wgt: list[float] = [0.0]  # observations
         self.top = 0  # largest budget tried
+        self.tried = 0  # largest budget tried by this request (carried estimates may reach above it)
         self.filled_top = False  # the drafter filled the top budget at least once (it may want more)
         self.since_probe = 0
         self.last_probe = 0  # budget of the last probe while it may still be climbing (0: none)
@@ -304,16 +308,21 @@ class Gate:
             self.acc.append(PRIOR_WEIGHT * prior_acc)
             self.nodes.append(PRIOR_WEIGHT * prior_nodes)
             self.wgt.append(PRIOR_WEIGHT)
-        self.top = max(self.top, budget)
+        self.top, self.tried = max(self.top, budget), max(self.tried, budget)
         if budget == self.top and nodes >= budget:
             self.filled_top = True
-        # counterfactual: with budget b the tree's first b nodes, of which the accepted ones have index < b
+        # counterfactual: with budget b the tree's first b nodes, of which the accepted ones have index < b; after a
+        # rejection, an untried larger budget would have drafted b nodes (nodes, if the drafter ran short) and
+        # committed no more than this step's path
+        rejected = len(accepted_nodes) < nodes
         j = 0
-        for b in range(1, budget + 1):
+        for b in range(1, len(self.acc) if rejected else budget + 1):
+            if b > budget and b <= self.tried:
+                continue  # tried by this request: its own steps there say more
             while j < len(accepted_nodes) and accepted_nodes[j] < b:
                 j += 1
             self.acc[b] = DECAY * self.acc[b] + j
-            self.nodes[b] = DECAY * self.nodes[b] + min(nodes, b)
+            self.nodes[b] = DECAY * self.nodes[b] + (min(nodes, b) if b <= budget or nodes < budget else b)
             self.wgt[b] = DECAY * self.wgt[b] + 1.0
 
     def finish(self) -> None:
