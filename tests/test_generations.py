@@ -72,6 +72,45 @@ def test_corpus_shards_manifest_and_resume_after_a_kill(saved_models, tmp_path):
     assert read_corpus(part) == records and resumed["complete"] and len(resumed["shards"]) == 3
 
 
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after the raise runs (BaseException, so no ``except Exception`` catches it)."""
+
+
+@pytest.mark.parametrize("at", ["shard 0 written, manifest not yet", "shard 1 half written", "manifest half written"])
+def test_a_build_interrupted_anywhere_resumes_to_the_same_corpus(saved_models, tmp_path, monkeypatch, at):
+    import retrospec.generations.build as build_mod
+
+    rows = _rows(5)
+    full = _build(saved_models, tmp_path / "full", rows).build(progress=False)
+    writes, real = [], build_mod.write_text_atomic
+
+    def dying(path, text):  # the atomic writes, killed at the chosen one
+        writes.append(path.name)
+        shards = [w for w in writes if w.startswith("shard-")]
+        if at == "shard 1 half written" and path.name == "shard-00001.jsonl":
+            path.with_name(f".{path.name}.tmp-999").write_text(text[: len(text) // 2])
+            raise _Killed
+        if at == "manifest half written" and path.name == "manifest.json" and len(shards) == 2:
+            path.with_name(f".{path.name}.tmp-999").write_text(text[:10])
+            raise _Killed
+        real(path, text)
+        if at == "shard 0 written, manifest not yet" and shards == ["shard-00000.jsonl"]:
+            raise _Killed
+
+    monkeypatch.setattr(build_mod, "write_text_atomic", dying)
+    with pytest.raises(_Killed):
+        _build(saved_models, tmp_path / "part", rows).build(progress=False)
+    monkeypatch.setattr(build_mod, "write_text_atomic", real)
+    resumed = _build(saved_models, tmp_path / "part", rows).build(progress=False)
+    assert read_corpus(tmp_path / "part") == read_corpus(tmp_path / "full")
+    visible = sorted(p.name for p in (tmp_path / "part").iterdir() if not p.name.startswith("."))
+    assert visible == ["manifest.json", "shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+    drop = ("seconds", "shards")
+    same = [json.loads(json.dumps({k: v for k, v in m.items() if k not in drop})) for m in (resumed, full)]
+    assert same[0] == same[1]  # the totals count every record once
+    assert [s["records"] for s in resumed["shards"].values()] == [s["records"] for s in full["shards"].values()]
+
+
 def test_another_config_is_refused_not_mixed(saved_models, tmp_path):
     _build(saved_models, tmp_path / "c", _rows(2)).build(progress=False)
     with pytest.raises(RetrospecError, match="another config"):

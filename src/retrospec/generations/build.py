@@ -157,6 +157,8 @@ class CorpusBuilder:
     def build(self, progress: bool = True) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
         manifest = self._manifest()
+        if not (self.out / MANIFEST).is_file():  # a corpus directory from now on: a kill after shard 0 resumes
+            write_text_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         shards = [self.items[k:k + self.cfg.shard_size] for k in range(0, len(self.items), self.cfg.shard_size)]
         # done = listed in the manifest (written after its shard file); a shard file without its manifest entry
         # (killed between the two renames) is generated again: the same seed gives the same records
@@ -186,8 +188,6 @@ class CorpusBuilder:
             bar.update(len(shards[k]))
             bar.set_postfix_str(f"{manifest['output_tokens']:,} tokens")
         bar.close()
-        if not todo and not (self.out / MANIFEST).is_file():
-            write_text_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         return manifest
 
 
