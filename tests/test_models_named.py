@@ -265,7 +265,11 @@ def test_zoo_names_and_aliases():
     assert draft is load_model("zoo-long-draft", role="draft")
     check_same_vocab(zoo, draft)
     assert named.paired_draft(None) == named.paired_draft("zoo") == named.ZOO_DIR / "draft-long"
-    assert named.paired_draft("zoo-draft") is None and named.paired_draft(zoo.path) is None
+    assert named.paired_draft("zoo-draft") is None
+    # loaded once and reused (the README's pattern): a named model's directory, or the model loaded from it, finds
+    # the same draft (as paired_longspec finds its block)
+    assert named.paired_draft(zoo.path) == named.paired_draft(zoo) == named.paired_draft("zoo")
+    assert named.paired_draft(draft) is None
 
 
 def test_the_default_is_the_zoo_pair(tmp_path, cli):
@@ -384,3 +388,21 @@ def test_bundled_weights_fit_the_budget():
     for m in named.NAMED:  # every bundled name that is ready holds its weights under zoo/
         if m.kind == "bundled" and m.ready():
             assert any(m.location().glob("*.safetensors")), m.name
+
+
+def test_the_bundled_real_drafts_load_and_draft_over_valid_vocabularies():
+    """The two drafts ``sd`` and ``longspec`` use with ``--target smollm2-135m`` (no conversion of the target needed):
+    the sd draft loads with its reduced vocabulary mapped into the target's, the block's vocabulary is distinct ids
+    of the target's, and the block records the target it was trained for (so a loaded target finds it)."""
+    draft = load_model("smollm2-135m-draft", role="draft")
+    vocab = json.loads((named.resolve_name("smollm2-135m-draft") / "draft_vocab.json").read_text())
+    assert draft.target_vocab_size == vocab["target_vocab_size"] == 49152
+    assert draft.vocab_size == len(vocab["token_ids"]) == len(draft.vocab_map) == 12288
+    assert draft.vocab_map.tolist() == vocab["token_ids"]
+    block = named.resolve_name("smollm2-135m-longspec")
+    meta = json.loads((block / "longspec.json").read_text())
+    ids = json.loads((block / "draft_vocab.json").read_text())
+    assert len(ids) == len(set(ids)) == meta["block"]["draft_vocab"] and all(0 <= i < 49152 for i in ids)
+    assert meta["target"]["vocab_size"] == 49152 and meta["target"]["fingerprint"]
+    # both were ranked by what the target writes: the sd draft's 12,288 ids are (nearly all) the block's top ones
+    assert len(set(ids) & set(vocab["token_ids"])) >= 0.99 * len(vocab["token_ids"])

@@ -145,10 +145,12 @@ def default_target() -> Path:
 
 def paired_draft(target) -> Path | None:
     """Directory of the draft paired with ``target``: None (the default target) or a model name that has one
-    (``zoo`` -> ``zoo-draft``); None for anything else, a path included. Resolving may raise (not built yet)."""
-    if target is not None and (not isinstance(target, str) or Path(target).expanduser().exists()):
-        return None
-    return _named_pair(target, "draft")
+    (``zoo`` -> ``zoo-draft``), or the directory of such a model, or a model loaded from it; None for anything
+    else. Resolving may raise (not built yet)."""
+    if target is None or isinstance(target, str) and not Path(target).expanduser().exists():
+        return _named_pair(target, "draft")
+    named = _named_at(_location(target)[0])
+    return resolve_name(named.draft) if named is not None and named.draft else None
 
 
 def _named_pair(target: str | None, role: str) -> Path | None:
@@ -167,21 +169,14 @@ def paired_longspec(target) -> Path | None:
     None when no bundled block fits."""
     if target is None or isinstance(target, str) and not Path(target).expanduser().exists():
         return _named_pair(target, "longspec")
-    if isinstance(target, (str, Path)):
-        where, module = Path(target).expanduser(), None
-    else:
-        module = target if hasattr(target, "named_parameters") else getattr(target, "model", None)
-        where = getattr(target, "path", None) or getattr(module, "name_or_path", None)
-        where = Path(where).expanduser() if where else None
-    pairs = [(m, lookup(m.longspec)) for m in NAMED if m.longspec]
-    if where is not None and where.is_dir():
-        for m, block in pairs:
-            if m.ready() and where.resolve() == m.location().resolve():
-                return resolve_name(block.name)
+    where, module = _location(target)
+    named = _named_at(where)
+    if named is not None and named.longspec:
+        return resolve_name(named.longspec)
     if module is None:
         return None
     want = model_identity(module)["fingerprint"]
-    for _, block in pairs:
+    for block in (lookup(m.longspec) for m in NAMED if m.longspec):
         meta = block.location() / "longspec.json"
         try:
             recorded = json.loads(meta.read_text())["target"]["fingerprint"] if meta.is_file() else None
@@ -190,6 +185,22 @@ def paired_longspec(target) -> Path | None:
         if recorded == want:
             return block.location()
     return None
+
+
+def _location(target) -> tuple[Path | None, object]:
+    """(checkpoint directory or None, module or None) of a path, a ``LoadedModel`` or a transformers model."""
+    if isinstance(target, (str, Path)):
+        return Path(target).expanduser(), None
+    module = target if hasattr(target, "named_parameters") else getattr(target, "model", None)
+    where = getattr(target, "path", None) or getattr(module, "name_or_path", None)
+    return (Path(where).expanduser() if where else None), module
+
+
+def _named_at(where: Path | None):
+    """The named model whose (ready) checkpoint directory is ``where``, or None."""
+    if where is None or not where.is_dir():
+        return None
+    return next((m for m in NAMED if m.ready() and where.resolve() == m.location().resolve()), None)
 
 
 def longspec_dir(spec) -> Path:
