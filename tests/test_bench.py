@@ -155,6 +155,21 @@ def test_preset_heldout(cli, saved_models, tmp_path):
     check_lossless(results, methods=("pld",))
 
 
+def test_knob_flags_reach_the_labels_that_take_them_and_no_others(cli, saved_models, tmp_path):
+    """As in ``generate``: a knob flag no benched method takes is an error (not silently dropped), and ``--gamma``
+    sets pld's draft length when ``--pld-k`` is not given."""
+    base = ("bench", "--target", saved_models.target, "--preset", "heldout", "--limit", "1", "--max-new-tokens", "8",
+            "--no-warmup", "--out")
+    cli(*base, tmp_path / "a", "--methods", "ar,pld", "--num-drafts", "3").assert_user_error(
+        "--num-drafts applies to none of the methods benched")
+    res = cli(*base, tmp_path / "b", "--methods", "pld", "--gamma", "3")
+    assert res.rc == 0, res.err
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert results["config"]["pld_k"] == 3
+    pld = next(r for r in results["runs"] if r["method"] == "pld")
+    assert len(pld["stats"]["per_position_drafted"]) <= 3  # never drafted deeper than 3
+
+
 def test_sampling_bench_has_no_lossless_verdict(cli, saved_models, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": PROMPTS[0]}])
     out = tmp_path / "out"

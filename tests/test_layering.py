@@ -5,7 +5,7 @@ circle can come back through a function-level import. A *unit* is a top-level mo
 (``retrieval``); a module may import its own unit's modules and units of a strictly lower rank, nothing else.
 A new top-level module or package must be given a rank here.
 
-Why this order (docs: DESIGN.md "Layers by rank"): shared I/O and data sources (atomic writes and directory builds,
+Why this order (docs/architecture.md, "Layers"): shared I/O and data sources (atomic writes and directory builds,
 model identity, the stdlib corpus) sit at the bottom, so every layer can build and check artefacts; the core
 (kv, tree, attention -> models -> verify / acceptance / sampling -> drafters -> decode) sits below the request layer
 and the API; ``rag`` is a client of retrieval and models beside the API; ``bench`` and ``serve`` run requests;
@@ -143,3 +143,14 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     lazy = imported_modules(SRC / "cli" / "__init__.py")
     assert any(unit(m) == "cli" and m != "retrospec.cli" for m in lazy)
     assert unit("retrospec.retrieval.store") == "retrieval" and unit("retrospec") == "__init__"
+
+
+def test_the_architecture_doc_shows_this_rank_table():
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    shown = {}
+    for line in doc.split("## Layers", 1)[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            for unit in cells[1].split(","):
+                shown[unit.strip().strip("`").rstrip("/")] = int(cells[0])
+    assert shown == {u: r for u, r in RANKS.items() if u != "__init__"}

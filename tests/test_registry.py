@@ -52,6 +52,8 @@ def test_every_method_is_one_spec_with_a_checked_factory():
     with pytest.raises(RetrospecError, match="'max_ngarm' does not apply to method 'pld'.*max_ngram"):
         REGISTRY["pld"](max_ngarm=4)  # factories take no stray options
     assert REGISTRY["pld"](gamma=3, max_ngram=2).k == 3
+    with pytest.raises(RetrospecError, match="gamma must be >= 1"):
+        REGISTRY["pld"](gamma=0)  # values are checked as the API checks them
     with pytest.raises(RetrospecError, match="needs a draft model"):
         REGISTRY["sd"](gamma=2)  # a user error, not a ValueError
 
@@ -122,6 +124,23 @@ def test_the_callers_model_is_left_as_it_was(saved_models, method, kw):
     assert _snapshot(target.model) == before
 
 
+def test_a_model_in_train_mode_runs_in_eval_mode_and_is_given_back_in_train_mode(saved_models):
+    from transformers import AutoModelForCausalLM
+
+    target, draft = (AutoModelForCausalLM.from_pretrained(str(p)) for p in (saved_models.target, saved_models.draft))
+    tok = load_model(str(saved_models.target)).tokenizer
+    want = retrospec.generate("def f(x):", target=str(saved_models.target), method="ar", max_new_tokens=8).token_ids
+    modes = []
+    hook = target.register_forward_pre_hook(lambda m, a: modes.append(m.training))  # seen if the engine is off
+    target.train(), draft.train()
+    res = retrospec.generate("def f(x):", target=load_model(target, tokenizer=tok), draft=draft, method="sd",
+                             max_new_tokens=8)
+    hook.remove()
+    assert res.token_ids == want
+    assert target.training and draft.training  # given back as it came
+    assert not any(modes)
+
+
 def test_the_run_restores_the_attention_implementation(saved_models):
     from retrospec.run import Run
 
@@ -178,6 +197,14 @@ def test_api_and_server_cut_before_the_stop_string(saved_models):
         assert exc.value.code == 400
         err = json.load(exc.value)["error"]
         assert err["param"] == "prompt" and "cannot be encoded" in err["message"]
+        # ... nor in a field's name, which the 400 quotes back (rendered with non-ASCII escaped)
+        bad = json.dumps({"prompt": "x", BAD_TEXT: 1}).encode()
+        req = urllib.request.Request(f"{srv.url}/v1/completions", bad, {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(req, timeout=60)
+        assert exc.value.code == 400
+        err = json.load(exc.value)["error"]
+        assert err["param"] == BAD_TEXT and "unknown field" in err["message"]
 
 
 # --- text that cannot be encoded ---------------------------------------------------------------------------------
@@ -196,3 +223,21 @@ def test_unencodable_text_is_a_user_error(saved_models, cli):
 def test_cli_names_itself_once(cli):
     line = cli("nope").assert_user_error("invalid choice")
     assert line.count("retrospec") == 1
+
+
+def test_the_architecture_doc_method_table_follows_the_registry():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in SPECS:
+            rows[cells[0]] = cells
+    assert list(rows) == list(SPECS)  # every method, in registry order
+    for name, spec in SPECS.items():
+        _, _, _, knobs, gamma, lossless = rows[name]
+        assert knobs == (", ".join(spec.knob_names) or "-"), name
+        want_gamma = "/".join(dict.fromkeys(str(g) for g in (spec.default_gamma, spec.context_gamma) if g))
+        assert gamma == (want_gamma or "-"), name
+        assert (lossless == "yes") == (spec.lossless and not spec.lossy_when), name

@@ -72,9 +72,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
             best = torch.multinomial(probs_from_logits(logits, sampling), 1, generator=generator)[:, 0]  # [b]
         picked = logp.gather(-1, best[:, None])[:, 0]  # [b]
         keep = []
-        best_list, picked_list = best.tolist(), picked.tolist()  # one host sync per step
+        best_list, picked_list = torch.stack([best.double(), picked.double()]).tolist()  # one host sync per step
         for b, row in enumerate(live):
-            t = best_list[b]
+            t = int(best_list[b])
             tokens[row].append(t)
             logprobs[row].append(picked_list[b])
             if not (t in eos_ids or len(tokens[row]) >= max_new_tokens or (stop is not None and stop(tokens[row]))):

@@ -15,7 +15,6 @@ what is drafted, never what is accepted, so every output guarantee holds with or
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
@@ -27,19 +26,7 @@ from .gating import Gate, profile_for
 from .sampling import make_generator, probs_from_logits
 from .tree import depths
 from .types import SpecStats
-from .verify import PrefillMemo, Verifier
-
-
-def device_clock(device: torch.device):
-    """``perf_counter``, after ``torch.cuda.synchronize`` on CUDA (a region measures the work, not its launches)."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def now() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
+from .verify import PrefillMemo, Verifier, device_clock
 
 
 def default_rule(sampling: SamplingConfig) -> AcceptanceRule:

@@ -39,7 +39,7 @@ STREAM_PROMPT = 7  # index in the chat preset of the streamed prompt (not among 
 
 
 def build_parser():
-    from .cli import _Parser
+    from .cli.common import _Parser
 
     p = _Parser(prog="python -m retrospec.demo",
                 description="Stream a chat reply from SmolLM2-135M-Instruct with speculative decoding, then bench "
@@ -69,7 +69,7 @@ def _describe(loaded) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import guarded
+    from .cli.common import guarded
 
     return guarded(lambda: _run(build_parser().parse_args(argv)))
 

@@ -6,8 +6,9 @@
   (with stop strings, up to the token that completed one), ``text`` the final text.
 - However iteration ends (closing or breaking out of it included), the decode loop stops and ``text`` and
   ``stopped`` are final.
-- The caller's model leaves as it came in: the engine verifies on a private copy, and the config's attention
-  implementation is restored around the run (``_kept_as_is``).
+- The caller's models leave as they came in: the engine verifies on a private copy, and the config's attention
+  implementation and the train/eval mode are restored around the run (``_kept_as_is``); the run itself is in eval
+  mode (no dropout).
 """
 
 from __future__ import annotations
@@ -24,12 +25,18 @@ from .verify import PrefillMemo
 
 @contextmanager
 def _kept_as_is(model):
-    """Restore per-model engine settings (the config's attention implementation) after the block."""
+    """Run the block with ``model`` (None: nothing) in eval mode; restore its train/eval mode and per-model engine
+    settings (the config's attention implementation) after it."""
     config = getattr(model, "config", None)
     attn = getattr(config, "_attn_implementation", None)
+    training = getattr(model, "training", False)
     try:
+        if training:
+            model.eval()
         yield
     finally:
+        if training:
+            model.train()
         if config is not None and attn is not None and config._attn_implementation != attn:
             config._attn_implementation = attn
 
@@ -64,7 +71,7 @@ class Run:
     def __iter__(self) -> Iterator[tuple[list[int], str]]:
         req, stream = self.request, self.stream
         per_token = stream is not None and bool(stream.stops)  # find the token that completes a stop string
-        with _kept_as_is(req.target.model):
+        with _kept_as_is(req.target.model), _kept_as_is(req.draft.model if req.draft is not None else None):
             steps = speculative_generate(req.target.model, req.drafter(), req.prompt_ids, sampling=req.sampling,
                                          max_new_tokens=self.max_new_tokens, eos_ids=req.stop_ids(),
                                          stats=self.stats, rule=req.rule, prefill_memo=self.memo,

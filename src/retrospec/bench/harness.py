@@ -247,10 +247,10 @@ def _run_context_rows(target: LoadedModel, draft: LoadedModel | None, rows: list
     methods = [parse_label(m, context=True) for m in with_baseline(cfg.methods, "lc")]
     tok = target.tokenizer
     torch.manual_seed(0)
-    needs_retrieval = any(SPECS[m.method].retrieval for m in methods)
+    retriever = next((m.method for m in methods if SPECS[m.method].retrieval), None)  # one retrieval per row
 
     def fetch(row: dict):
-        return retrieve("rapid", row["context"], row["prompt"], tok, cfg.options) if needs_retrieval else None
+        return retrieve(retriever, row["context"], row["prompt"], tok, cfg.options) if retriever else None
 
     if cfg.warmup and rows:
         first = min(rows, key=lambda r: len(r["context"]))

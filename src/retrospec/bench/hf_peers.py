@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 import weakref
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from ..config import SamplingConfig
 from ..models.vocab import VocabMap
 from ..types import SpecStats
+from ..verify import device_clock
 
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-assisted-default", "hf-pld")
 
@@ -42,14 +42,15 @@ class ForwardProbe:
         self.lengths: list[int] = []  # input length of each call
         self.durations: list[float] = []  # seconds inside each call
         self._t, self._handles = 0.0, []
+        self.clock = device_clock(next(module.parameters()).device)  # waits for CUDA: the work, not its launches
 
     def _pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.lengths.append(int(ids.shape[1]) if ids is not None else 0)
-        self._t = time.perf_counter()
+        self._t = self.clock()
 
     def _post(self, module, args, kwargs, output):
-        self.durations.append(time.perf_counter() - self._t)
+        self.durations.append(self.clock() - self._t)
 
     @property
     def seconds(self) -> float:
@@ -93,7 +94,7 @@ def run_hf(method: str, target, draft, prompt_ids: list[int], *, sampling: Sampl
         gen_kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=next(target.parameters()).device)
     mask = torch.ones_like(ids)
     stats = SpecStats(method=method, prompt_tokens=len(prompt_ids))
     probes = [ForwardProbe(target)] + ([ForwardProbe(draft)] if method.startswith("hf-assisted") else [])
@@ -114,9 +115,9 @@ def run_hf(method: str, target, draft, prompt_ids: list[int], *, sampling: Sampl
     with ctx, contextlib.ExitStack() as stack:
         for p in probes:
             stack.enter_context(p)
-        t0 = time.perf_counter()
+        t0 = probes[0].clock()
         out = target.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
-        total = time.perf_counter() - t0
+        total = probes[0].clock() - t0
     tp = probes[0]
     new = out[0, len(prompt_ids):].tolist()
     stats.new_tokens = len(new)

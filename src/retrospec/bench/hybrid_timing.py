@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import types
 from pathlib import Path
 
 import torch
 
 from ..types import DraftTree
-from ..verify import PrefillMemo, Verifier
+from ..verify import PrefillMemo, Verifier, device_clock
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # heads, key/value heads, head dim
 
@@ -59,22 +58,16 @@ def verification_mask(parents: list[int], cached: int, dtype: torch.dtype) -> to
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_call(fn, device: torch.device, reps: int, budget_s: float) -> float:
     """Median milliseconds of ``fn()`` over up to ``reps`` calls (at least 3) after one warm-up call."""
+    clock = device_clock(device)
     fn()
-    _sync(device)
     times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
+    start = clock()
+    while len(times) < reps and (len(times) < 3 or clock() - start < budget_s):
+        t0 = clock()
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return 1e3 * statistics.median(times)
 
 
@@ -181,11 +174,12 @@ def verify_cost(target: torch.nn.Module, prompt_ids: list[int], gamma: int = 10,
             continue
         ver.prefill(prompt_ids[:-1], memo)  # the decode loop's invariant: the cache holds all but the root
         times: dict[int, list[float]] = {0: [], gamma: []}
+        clock = device_clock(ver.device)
         for _ in range(reps):
             for n, tree in ((0, DraftTree.empty()), (gamma, chain)):
-                t = time.perf_counter()
+                t = clock()
                 ver.score(root, tree)
-                times[n].append(time.perf_counter() - t)
+                times[n].append(clock() - t)
                 ver.commit([])
                 ver.kv.crop(len(prompt_ids))
         t1, tg = statistics.median(times[0]), statistics.median(times[gamma])

@@ -37,17 +37,11 @@ from pathlib import Path
 
 from ..atomic import write_text_atomic
 from ..errors import RetrospecError
+from ..rag.data import Passage, Question, read_passages, read_questions
 
 DEFAULT_NQ_DIR = "../shared/data/nq_open"  # relative to the repository root, where the bench commands run
 _TOP_LEVEL = ("def ", "class ", "async def ")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise RetrospecError(f"NQ-open file not found: {path} (pass --nq-dir, e.g. {DEFAULT_NQ_DIR})")
-    with path.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def code_piece(text: str, rng: random.Random, piece_chars: int) -> str | None:
@@ -145,34 +139,35 @@ def build_store_corpus(tokenizer, *, nq_dir: str | Path = DEFAULT_NQ_DIR, code_t
 
     # NQ-open: passages and chat turns from disjoint rows >= skip, away from the bench's rows
     nq = Path(nq_dir)
-    passages = _jsonl(nq / "passages.jsonl")
-    by_id = {p["id"]: p for p in passages}
-    held_texts = {p["text"] for p in passages[:skip]}
-    held_titles = {p.get("title") for p in passages[:skip]} - {None, ""}
-    usable = [p for p in passages[skip:] if p["text"] not in held_texts and p.get("title") not in held_titles
-              and p["text"].strip()]
-    usable_ids = {p["id"] for p in usable}
+    if not (nq / "passages.jsonl").is_file():
+        raise RetrospecError(f"NQ-open file not found: {nq / 'passages.jsonl'} (pass --nq-dir, e.g. {DEFAULT_NQ_DIR})")
+    passages = read_passages(nq / "passages.jsonl")
+    by_id = {p.id: p for p in passages}
+    held_texts = {p.text for p in passages[:skip]}
+    held_titles = {p.title for p in passages[:skip]} - {None, ""}
+    usable = [p for p in passages[skip:] if p.text not in held_texts and p.title not in held_titles and p.text.strip()]
+    usable_ids = {p.id for p in usable}
     rng.shuffle(usable)
     taken: set[str] = set()
 
-    def chat_row(q: dict) -> dict | None:
-        pid = q.get("gold_passage")
-        if pid not in usable_ids or pid in taken or not str(q.get("question", "")).strip():
+    def chat_row(q: Question) -> dict | None:
+        pid = q.gold_passage
+        if pid not in usable_ids or pid in taken or not q.question.strip():
             return None
         taken.add(pid)
-        answer = first_sentences(by_id[pid]["text"], answer_chars)
-        return row(tokenizer.apply_chat_template([{"role": "user", "content": q["question"]},
+        answer = first_sentences(by_id[pid].text, answer_chars)
+        return row(tokenizer.apply_chat_template([{"role": "user", "content": q.question},
                                                   {"role": "assistant", "content": answer}], tokenize=False),
-                   "chat", q["id"])
+                   "chat", q.id)
 
-    def passage_row(p: dict) -> dict | None:
-        if p["id"] in taken:
+    def passage_row(p: Passage) -> dict | None:
+        if p.id in taken:
             return None
-        taken.add(p["id"])
-        return row(p["text"], "passage", p["id"])
+        taken.add(p.id)
+        return row(p.text, "passage", p.id)
 
     if chat_tokens:
-        questions = _jsonl(nq / "questions.jsonl")[skip:]
+        questions = read_questions(nq / "questions.jsonl")[skip:]
         rng.shuffle(questions)
         take(questions, chat_tokens, chat_row)
     take(usable, passage_tokens, passage_row)

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
                    help="LongSpec draft block of method longspec (labels longspec@gamma=N, longspec@tree=4x16x16); "
                         "default: the named target's bundled block (smollm2-135m -> smollm2-135m-longspec)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--pld-k", type=int, default=10, help="pld / hf-pld draft length")
+    p.add_argument("--pld-k", type=int, default=None, help="pld / hf-pld draft length (default: --gamma, else pld's default)")
     p.add_argument("--pld-ngram", type=int, default=3, help="pld / hf-pld maximum n-gram size")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-warmup", action="store_true")
@@ -69,9 +69,11 @@ def run(args) -> int:
             raise RetrospecError("--chat applies to prompt rows; long-context rows already use the chat "
                                  "template when the model has one (--no-chat-template turns it off)")
         return _finish(args, _context_run(args, rows[: args.limit], common), "long_context.png")
-    if args.pld_k < 1 or args.pld_ngram < 1:
+    pld_k = args.pld_k if args.pld_k is not None else args.gamma or SPECS["pld"].default_gamma
+    if pld_k < 1 or args.pld_ngram < 1:
         raise RetrospecError("--pld-k and --pld-ngram must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    _check_knob_flags(args, methods, context=False)
     needs_draft = any(m in SPECS and SPECS[m].draft == "lm" or m.startswith("hf-assisted")
                       for m in (parse_label(label).method for label in methods))
     # default/named target: its paired draft
@@ -92,7 +94,7 @@ def run(args) -> int:
     longspec_src = _longspec_options(args, methods, target, options)
     prompts = (load_prompts(args.prompts) if args.prompts
                else preset(args.preset, args.limit or 20, tokenizer=target.tokenizer))
-    cfg = BenchConfig(methods=methods, pld_k=args.pld_k, pld_ngram=args.pld_ngram, method_options=options,
+    cfg = BenchConfig(methods=methods, pld_k=pld_k, pld_ngram=args.pld_ngram, method_options=options,
                       chat=args.chat, longspec_draft=longspec_src, **common)
     return _finish(args, run_bench(target, draft, prompts[: args.limit], cfg), "speedup.png")
 
@@ -116,11 +118,25 @@ def _context_run(args, rows: list[dict], common: dict) -> dict:
 
     spec = args.methods if args.methods != args.default_methods else DEFAULT_CONTEXT_METHODS
     methods = [m.strip() for m in spec.split(",") if m.strip()]
-    for m in methods:
-        parse_label(m, context=True)  # a bad label fails before any model loads
+    _check_knob_flags(args, methods, context=True)  # a bad label or a knob no label takes fails before any load
     options = LongContextOptions.pop_from(long_context_kwargs(args, knobs=True))
     target, draft = _models(args, args.draft or None)
     return run_bench(target, draft, rows, BenchConfig(methods=methods, options=options, **common))
+
+
+def _check_knob_flags(args, methods: list[str], context: bool) -> None:
+    """Every knob flag given must be declared by the method of at least one label (as ``generate`` refuses a knob
+    its method does not take); transformers' peers take ``--gamma``."""
+    from ..bench.labels import parse_label
+    from ..drafters.registry import all_knobs
+
+    names = [parse_label(m, context=context).method for m in methods]
+    for name, knob in all_knobs().items():
+        if getattr(args, name, None) in (None, False, []):
+            continue
+        if not any(n in SPECS and SPECS[n].knob(name) is not None or name == "gamma" and n.startswith("hf-")
+                   for n in names):
+            raise RetrospecError(f"{knob.flag} applies to none of the methods benched ({', '.join(methods)})")
 
 
 def _finish(args, result: dict, chart: str) -> int:

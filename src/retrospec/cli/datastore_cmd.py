@@ -157,7 +157,10 @@ def summary(path, meta: dict) -> str:
             f"{path}: RAG passage index (retrospec rag)",
             f"  passages {c.get('passages', 0):,} from {p.get('source')}; embedder {e.get('name')} "
             f"({e.get('dim')}-d, fingerprint {e.get('fingerprint')}); exact inner-product index", built])
-    lines = [f"{path}: {meta['kind']} datastore ({'rest' if meta['kind'] == 'suffix' else 'dresd'})"]
+    from ..drafters.registry import SPECS
+
+    users = ", ".join(s.name for s in SPECS.values() if s.store == meta["kind"])
+    lines = [f"{path}: {meta['kind']} datastore ({users})"]
     if meta["kind"] == "suffix":
         lines.append(f"  tokens {c.get('tokens', 0):,} in {c.get('documents', 0):,} documents")
     else:

@@ -82,7 +82,7 @@ def run_report(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m retrospec.cli.gpu_cmd``: this command alone, under the CLI's contract (one error line, exit 2)."""
-    from . import _dispatch, _Parser, guarded
+    from .common import _dispatch, _Parser, guarded
 
     def call():
         parser = _Parser(prog="retrospec")

@@ -113,13 +113,15 @@ class MethodSpec:
         return out
 
     def build(self, **options):
-        """A fresh drafter; of the request's models, only those the factory takes are passed on."""
+        """A fresh drafter; of the request's models, only those the factory takes are passed on. Knob values are
+        checked here too, so a factory called directly refuses what the API would (``REGISTRY["pld"](gamma=0)``)."""
         params = inspect.signature(self.factory).parameters
         unknown = sorted(set(options) - set(params) - set(MODEL_ARGS))
         if unknown:
             raise RetrospecError(f"'{unknown[0]}' does not apply to method {self.name!r} "
                                  f"(its options: {', '.join(self.knob_names) or 'none'})")
-        return self.factory(**{k: v for k, v in options.items() if k in params})
+        knobs = {k.arg or k.name: k for k in self.knobs}
+        return self.factory(**{k: knobs[k].check(v) if k in knobs else v for k, v in options.items() if k in params})
 
 
 SPECS: dict[str, MethodSpec] = {}

@@ -94,7 +94,7 @@ def model_dir(src) -> Path:
 def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> LoadedModel:
     """Load (or wrap) a causal LM. ``src``: a directory path, a model name (``retrospec models list``), a
-    ``LoadedModel``, or a transformers model."""
+    ``LoadedModel``, or a transformers model (wrapped as it is: a run puts it in eval mode and back, ``run``)."""
     if isinstance(src, LoadedModel):
         return src
     if isinstance(src, torch.nn.Module):
@@ -102,7 +102,7 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
         home = Path(name) if name and Path(name).is_dir() else None
         if tokenizer is None and home is not None:
             tokenizer = _load_tokenizer(home)
-        loaded = LoadedModel(src.eval(), tokenizer, str(name or "<in-memory model>"))
+        loaded = LoadedModel(src, tokenizer, str(name or "<in-memory model>"))
         return _attach_vocab_map(loaded, home) if home is not None else loaded
     path = model_dir(src)
     key = (str(path.resolve()), str(dtype), str(device))

@@ -62,14 +62,14 @@ def build_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_request, exc: ProtocolError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return ErrorResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         msg = (f"unknown route: {request.method} {request.url.path}" if exc.status_code == 404
                else f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405
                else str(exc.detail))
-        return JSONResponse(error_body(msg, code="not_found" if exc.status_code == 404 else None),
+        return ErrorResponse(error_body(msg, code="not_found" if exc.status_code == 404 else None),
                             status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -153,10 +153,18 @@ async def _next_event(job: Job, request: Request):
             getter.cancel()
 
 
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error may quote what the client sent, lone surrogates included, which UTF-8
+    cannot encode (a plain ``JSONResponse`` would fail while rendering the 400)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _failure(kind: str, exc: Exception) -> JSONResponse:
     if kind == "error":  # a RetrospecError from prepare / the drafter: the user's to fix
-        return JSONResponse(error_body(str(exc), param=param_of(str(exc))), status_code=400)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
+        return ErrorResponse(error_body(str(exc), param=param_of(str(exc))), status_code=400)
+    return ErrorResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
                         status_code=500)
 
 
