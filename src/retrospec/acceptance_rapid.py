@@ -26,6 +26,7 @@ import torch
 from .acceptance import AcceptanceRule, GreedyMatch, RejectionSampling
 from .config import SamplingConfig
 from .errors import RetrospecError
+from .sampling import draw
 from .types import DraftTree, StepResult
 
 TAIL = 0.1  # tail preservation threshold relative to max p_hat (RAPID)
@@ -83,8 +84,8 @@ class RetrievalAugmentedRule:
             for i, x in enumerate(toks):
                 if not u[i] * float(q[i, x]) < float(p_hat[i, x]):  # reject: u >= min(1, p_hat(x) / q(x))
                     r = recovery_distribution(p[i], p_hat[i], q[i])
-                    return StepResult(list(range(i)), int(torch.multinomial(r, 1, generator=generator)), bonus=False)
-        return StepResult(list(range(n)), int(torch.multinomial(p[n], 1, generator=generator)), bonus=True)
+                    return StepResult(list(range(i)), int(draw(r, generator)), bonus=False)
+        return StepResult(list(range(n)), int(draw(p[n], generator)), bonus=True)
 
 
 def make_rapid_rule(eta: float, sampling: SamplingConfig) -> AcceptanceRule:

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from .config import SamplingConfig
 from .errors import RetrospecError
 from .fastpath import engine_for
-from .sampling import probs_from_logits
+from .sampling import draw, probs_from_logits
 
 
 @dataclass
@@ -69,7 +69,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
         if sampling.greedy:
             best = logp.argmax(dim=-1)  # [b]
         else:
-            best = torch.multinomial(probs_from_logits(logits, sampling), 1, generator=generator)[:, 0]  # [b]
+            best = draw(probs_from_logits(logits, sampling), generator)[:, 0]  # [b]
         picked = logp.gather(-1, best[:, None])[:, 0]  # [b]
         keep = []
         best_list, picked_list = torch.stack([best.double(), picked.double()]).tolist()  # one host sync per step

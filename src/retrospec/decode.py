@@ -26,7 +26,8 @@ from .gating import Gate, profile_for
 from .sampling import make_generator, probs_from_logits
 from .tree import depths
 from .types import SpecStats
-from .verify import PrefillMemo, Verifier, device_clock
+from .fastpath import device_clock
+from .verify import PrefillMemo, Verifier
 
 
 def default_rule(sampling: SamplingConfig) -> AcceptanceRule:

@@ -33,6 +33,15 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
     return logits.softmax(-1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``torch.multinomial(probs, 1, generator=generator)``, [..., V] -> [..., 1] on ``probs``' device, drawn on the
+    generator's device (the decode loop's generator is a CPU one: CUDA probabilities are drawn from on the CPU, so a
+    seed gives the same tokens on every device)."""
+    if generator is None or generator.device == probs.device:
+        return torch.multinomial(probs, 1, generator=generator)
+    return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:

@@ -13,26 +13,13 @@ caller's model as it is. A tree's block mask and position offsets are cached per
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 
-from .fastpath import engine_for
+from .fastpath import device_clock, engine_for
 from .kv import KVCache
 from .tree import ancestor_mask, depths
 from .types import DraftTree
-
-
-def device_clock(device: torch.device):
-    """``perf_counter``, after ``torch.cuda.synchronize`` on CUDA (a region measures the work, not its launches)."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def now() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
 
 
 class Verifier:

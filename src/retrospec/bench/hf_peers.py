@@ -29,7 +29,7 @@ import torch
 from ..config import SamplingConfig
 from ..models.vocab import VocabMap
 from ..types import SpecStats
-from ..verify import device_clock
+from ..fastpath import device_clock
 
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-assisted-default", "hf-pld")
 
@@ -156,5 +156,5 @@ def full_vocab_draft(draft, target_vocab: int) -> torch.nn.Module:
             head = draft.model.get_output_embeddings().weight  # [Vd, H]
             full.get_output_embeddings().weight.copy_(vmap.scatter(head.T.cpu(), fill=0.0).T)  # [V, H], zero rows
         full.generation_config = copy.deepcopy(draft.model.generation_config)
-        built[target_vocab] = full.eval()
+        built[target_vocab] = full.to(draft.model.get_input_embeddings().weight.device).eval()  # the draft's device
     return built[target_vocab]

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from ..types import DraftTree
-from ..verify import PrefillMemo, Verifier, device_clock
+from ..fastpath import device_clock
+from ..verify import PrefillMemo, Verifier
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # heads, key/value heads, head dim
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import platform
 import statistics
-import time
 import timeit
 
 import torch
 
-from ..fastpath import engine_for, machine_id
+from ..fastpath import device_clock, engine_for, machine_id
 from ..fastpath.linear import PackedLinear, head_logits
 from ..fastpath.plan import median_ms
 from ..kv import KVCache
@@ -64,7 +63,7 @@ def verify_ms(model, paths: dict[str, tuple[str | None, dict[str, DraftTree]]], 
     turn), so slow drift of the machine hits all alike."""
     gen = torch.Generator().manual_seed(context)
     prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    verifiers = {}
+    verifiers, clock = {}, device_clock(next(model.parameters()).device)
     for name, (how, _) in paths.items():
         verifiers[name] = Verifier(model, fastpath=how)
         verifiers[name].prefill(prompt[:-1])
@@ -72,12 +71,12 @@ def verify_ms(model, paths: dict[str, tuple[str | None, dict[str, DraftTree]]], 
     for rep in range(reps + 1):  # the first repetition warms up
         for name, ver in verifiers.items():
             for shape, tree in paths[name][1].items():
-                t = time.perf_counter()
+                t = clock()
                 ver.score(prompt[-1], tree)
                 ver.commit([])
                 ver.kv.crop(context - 1)
                 if rep:
-                    times[name][shape].append(time.perf_counter() - t)
+                    times[name][shape].append(clock() - t)
     return {name: {shape: statistics.median(ts) * 1e3 for shape, ts in row.items()} for name, row in times.items()}
 
 
@@ -91,8 +90,8 @@ def linear_ms(model, tokens: tuple[int, ...], reps: int) -> dict[int, float]:
     head_w = module.get_output_embeddings().weight
     out = {}
     for t in tokens:
-        xs = {m.in_features: torch.randn(1, t, m.in_features, dtype=head_w.dtype) for m in lins}
-        h = torch.randn(t, head_w.shape[1], dtype=head_w.dtype)
+        xs = {m.in_features: torch.randn(1, t, m.in_features, dtype=head_w.dtype, device=head_w.device) for m in lins}
+        h = torch.randn(t, head_w.shape[1], dtype=head_w.dtype, device=head_w.device)
         layout = engine.plan.head_layout(t) if engine.plan is not None else "linear"
 
         def run():
@@ -100,7 +99,7 @@ def linear_ms(model, tokens: tuple[int, ...], reps: int) -> dict[int, float]:
                 m(xs[m.in_features])
             head_logits(h, head_w, layout, engine.head_packed)
 
-        out[t] = median_ms(run, reps)
+        out[t] = median_ms(run, reps, head_w.device)
     return out
 
 
@@ -110,15 +109,16 @@ def draft_step_ms(draft, context: int, reps: int) -> float:
     the draft's engine as ``sd`` runs it (``engine_for(draft, draft=True)``)."""
     engine = engine_for(draft, draft=True)
     kv = KVCache(draft)
-    ids = torch.randint(0, draft.config.vocab_size, (1, context))
-    engine.forward(ids, torch.arange(context)[None], None, kv.cache, last_only=True)
-    one = torch.tensor([[1]])
+    device = next(draft.parameters()).device
+    ids = torch.randint(0, draft.config.vocab_size, (1, context), device=device)
+    engine.forward(ids, torch.arange(context, device=device)[None], None, kv.cache, last_only=True)
+    one, pos = torch.tensor([[1]], device=device), torch.tensor([[context]], device=device)
 
     def step():
-        engine.forward(one, torch.tensor([[context]]), None, kv.cache, last_only=True)
+        engine.forward(one, pos, None, kv.cache, last_only=True)
         kv.crop(context)
 
-    return median_ms(step, reps)
+    return median_ms(step, reps, device)
 
 
 @torch.inference_mode()
@@ -133,7 +133,7 @@ def block_step_ms(block, target_model, context: int, reps: int) -> float:
     heads = cfg.num_key_value_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     ref = next(target_model.parameters())
-    kv = (torch.randn(1, heads, context, dim, dtype=ref.dtype), torch.randn(1, heads, context, dim, dtype=ref.dtype))
+    kv = tuple(torch.randn(1, heads, context, dim, dtype=ref.dtype, device=ref.device) for _ in range(2))
     state = DraftState(fast_block(block))
     state.append(torch.randint(0, cfg.vocab_size, (context,)))
 
@@ -141,7 +141,7 @@ def block_step_ms(block, target_model, context: int, reps: int) -> float:
         state.speculate([1], [-1], kv)
         state.rollback()
 
-    return median_ms(step, reps)
+    return median_ms(step, reps, ref.device)
 
 
 def best_gamma(step_ms: dict[int, float], draft_ms: float, alpha: float, max_gamma: int) -> tuple[int, float]:

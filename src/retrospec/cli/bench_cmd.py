@@ -112,7 +112,6 @@ def _models(args, draft_src):
 
 def _context_run(args, rows: list[dict], common: dict) -> dict:
     from ..bench.harness import BenchConfig, run_bench
-    from ..bench.labels import parse_label
     from ..long_requests import LongContextOptions
     from .long_args import long_context_kwargs
 

@@ -42,7 +42,7 @@ def draft_chain(logits: torch.Tensor, gamma: int, ctx: DecodeContext, advance: C
     (softmax(logits)) only with ``keep_q``; sampling: drawn from the processed q, always kept. The chain stops after
     an EOS token, which changes no output (every chain length is valid for the acceptance rules).
     """
-    from ..sampling import probs_from_logits
+    from ..sampling import draw, probs_from_logits
 
     tokens: list[int] = []
     qs: list[torch.Tensor] = []
@@ -53,7 +53,7 @@ def draft_chain(logits: torch.Tensor, gamma: int, ctx: DecodeContext, advance: C
                 qs.append(logits.float().softmax(-1))  # [V]
         else:
             q = probs_from_logits(logits, ctx.sampling)  # [V]
-            tok = int(torch.multinomial(q, 1, generator=ctx.generator))
+            tok = int(draw(q, ctx.generator))
             qs.append(q)
         tokens.append(tok)
         if tok in ctx.eos_ids:

@@ -2,6 +2,6 @@
 attention, on a private copy of the model (``engine``), chosen by measurement and cached (``plan``)."""
 
 from .engine import EngineModel, engine_for
-from .plan import Plan, machine_id
+from .plan import Plan, device_clock, machine_id
 
-__all__ = ["EngineModel", "engine_for", "Plan", "machine_id"]
+__all__ = ["EngineModel", "engine_for", "Plan", "device_clock", "machine_id"]

@@ -121,14 +121,27 @@ def model_plan_key(model: torch.nn.Module) -> str | None:
     return plan_key(linear_layers(decoder), head.weight)
 
 
-def median_ms(fn, reps: int = REPS) -> float:
-    """Median milliseconds of ``reps`` calls of ``fn`` after one warm-up call."""
+def device_clock(device: torch.device):
+    """``perf_counter``, after ``torch.cuda.synchronize`` on CUDA (a region measures the work, not its launches)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
+def median_ms(fn, reps: int = REPS, device: torch.device | None = None) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` after one warm-up call (on CUDA ``device``: synchronised)."""
+    clock = device_clock(device or torch.device("cpu"))
     fn()  # warm-up
     ts = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        ts.append(time.perf_counter() - t)
+        ts.append(clock() - t)
     return statistics.median(ts) * 1e3
 
 

@@ -81,8 +81,11 @@ def tests_section(r: dict) -> tuple[str, list[str]]:
 def bench_section(r: dict) -> tuple[str, list[str]]:
     f, lines = r["figures"], []
     for cell, got in f.get("cells", {}).items():
-        lines += [f"**{cell}** ({got['prompts']} prompts)", ""]
-        lines += table(["method", "tokens/s", "speedup", "τ", "acceptance", "tokens/forward", "lossless"],
+        low = cell.endswith("bfloat16")  # bf16 rounding differs by shape: divergence from ar is expected
+        lines += [f"**{cell}** ({got['prompts']} prompts)" + (" (identical to ar: informational in bfloat16)"
+                                                              if low else ""), ""]
+        lines += table(["method", "tokens/s", "speedup", "τ", "acceptance", "tokens/forward",
+                        "same as ar" if low else "lossless"],
                        [[s[k] for k in ("method", "tokens_per_s", "speedup", "mean_accepted_tokens", "acceptance_rate",
                                         "tokens_per_forward", "lossless")] for s in got["summary"]]) + [""]
     if f.get("skipped"):

@@ -115,7 +115,8 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
             dest = out / "block-int8"
             shutil.rmtree(dest, ignore_errors=True)
             res.part("int8/save", save_longspec, block, target, dest, target_path=name, storage="int8")
-            shutil.copyfile(block_dir / "manifest.json", dest / "manifest.json")
-            res.figures["returned"] = {p.name: p.stat().st_size for p in sorted(dest.iterdir())}
+            if dest.is_dir():  # a failed save is in res already; the figures above still get written
+                shutil.copyfile(block_dir / "manifest.json", dest / "manifest.json")
+                res.figures["returned"] = {p.name: p.stat().st_size for p in sorted(dest.iterdir())}
     res.notes.append("zoo real-draft (the sd draft) is not retrained on CUDA: build_real_draft takes no device")
     return common.finish(res, out)

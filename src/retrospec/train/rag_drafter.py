@@ -38,7 +38,7 @@ from ..models.adapters import ADAPTER_META, write_adapter_meta
 from ..models.loading import load_model
 from ..rag.data import Passage, Question, read_passages, read_questions, select
 from ..rag.prompts import draft_spans, drafter_prompt
-from .common import adamw, check_budget, check_new, set_lr, warmup_cosine, write_json
+from .common import adamw, autocast, check_budget, check_new, set_lr, warmup_cosine, write_json
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
@@ -152,7 +152,7 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
     model = get_peft_model(copy.deepcopy(base.model).train(), lora)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(params, cfg.lr)
-    autocast = cfg.dtype == "bfloat16"
+    cpu = torch.device("cpu")
     total = cfg.steps or max(1, int(cfg.seconds / 6))  # schedule length for --seconds: a guess, refined below
     rng = random.Random(cfg.seed)
     order: list[int] = []
@@ -169,7 +169,7 @@ def train_rag_drafter(cfg: RagDrafterConfig, log=print) -> dict:
                 order = list(range(len(examples)))
                 rng.shuffle(order)
             ex = examples[order.pop()]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # ids, labels [1, T]
+            with autocast(cfg.dtype, cpu):  # ids, labels [1, T]
                 loss = model(input_ids=torch.tensor([ex["ids"]]), labels=torch.tensor([ex["labels"]])).loss / cfg.accum
             loss.backward()
             batch_loss += float(loss)
