@@ -311,19 +311,21 @@ class Gate:
         self.top, self.tried = max(self.top, budget), max(self.tried, budget)
         if budget == self.top and nodes >= budget:
             self.filled_top = True
-        # counterfactual: with budget b the tree's first b nodes, of which the accepted ones have index < b; after a
-        # rejection, an untried larger budget would have drafted b nodes (nodes, if the drafter ran short) and
-        # committed no more than this step's path
-        rejected = len(accepted_nodes) < nodes
+        # counterfactual: with budget b the tree's first b nodes, of which the accepted ones have index < b
         j = 0
-        for b in range(1, len(self.acc) if rejected else budget + 1):
-            if b > budget and b <= self.tried:
-                continue  # tried by this request: its own steps there say more
+        for b in range(1, budget + 1):
             while j < len(accepted_nodes) and accepted_nodes[j] < b:
                 j += 1
             self.acc[b] = DECAY * self.acc[b] + j
-            self.nodes[b] = DECAY * self.nodes[b] + (min(nodes, b) if b <= budget or nodes < budget else b)
+            self.nodes[b] = DECAY * self.nodes[b] + min(nodes, b)
             self.wgt[b] = DECAY * self.wgt[b] + 1.0
+        if len(accepted_nodes) < nodes:  # a rejection: a larger budget this request has not tried (only carried
+            # estimates there) would have drafted b nodes (as many as now, if the drafter ran short) and committed
+            # no more than this step's path; budgets it did try keep what their own steps said
+            for b in range(self.tried + 1, len(self.acc)):
+                self.acc[b] = DECAY * self.acc[b] + len(accepted_nodes)
+                self.nodes[b] = DECAY * self.nodes[b] + (b if nodes >= budget else nodes)
+                self.wgt[b] = DECAY * self.wgt[b] + 1.0
 
     def finish(self) -> None:
         """Hand this request's estimates to the next one of this drafter and target, capped at ``CARRY_WEIGHT``."""

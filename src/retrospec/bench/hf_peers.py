@@ -27,9 +27,9 @@ import weakref
 import torch
 
 from ..config import SamplingConfig
+from ..fastpath import device_clock
 from ..models.vocab import VocabMap
 from ..types import SpecStats
-from ..fastpath import device_clock
 
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-assisted-default", "hf-pld")
 

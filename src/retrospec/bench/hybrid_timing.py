@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ..types import DraftTree
 from ..fastpath import device_clock
+from ..types import DraftTree
 from ..verify import PrefillMemo, Verifier
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # heads, key/value heads, head dim

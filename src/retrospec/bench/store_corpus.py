@@ -144,7 +144,7 @@ def build_store_corpus(tokenizer, *, nq_dir: str | Path = DEFAULT_NQ_DIR, code_t
     passages = read_passages(nq / "passages.jsonl")
     by_id = {p.id: p for p in passages}
     held_texts = {p.text for p in passages[:skip]}
-    held_titles = {p.title for p in passages[:skip]} - {None, ""}
+    held_titles = {p.title for p in passages[:skip]} - {""}
     usable = [p for p in passages[skip:] if p.text not in held_texts and p.title not in held_titles and p.text.strip()]
     usable_ids = {p.id for p in usable}
     rng.shuffle(usable)

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
                    help="LongSpec draft block of method longspec (labels longspec@gamma=N, longspec@tree=4x16x16); "
                         "default: the named target's bundled block (smollm2-135m -> smollm2-135m-longspec)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--pld-k", type=int, default=None, help="pld / hf-pld draft length (default: --gamma, else pld's default)")
+    p.add_argument("--pld-k", type=int, default=None,
+                   help="pld / hf-pld draft length (default: --gamma, else pld's default)")
     p.add_argument("--pld-ngram", type=int, default=3, help="pld / hf-pld maximum n-gram size")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-warmup", action="store_true")
