@@ -60,3 +60,32 @@ def test_cuda_triton_hybrid_equals_masked_sdpa():
         pytest.skip("triton is not installed")
     row = triton_row("smollm2", 2048, tree_parents([4, 8]), torch.device("cuda"), torch.float32, 2, 1.0)
     assert row["triton_max_diff"] < 5e-3  # Triton's float32 dot runs in tf32 by default
+
+
+@cuda
+def test_cuda_engine_verifies_through_the_triton_kernel_token_identically(monkeypatch):
+    """The run path on CUDA: with the crossover forced to 0 every multi-token verification goes through hybrid tree
+    attention and its Triton tree part; greedy ``sd`` equals the oracle."""
+    from retrospec.attention import hybrid_tree, hybrid_tree_triton
+    from retrospec.bench.tasks import preset
+    from retrospec.config import SamplingConfig
+    from retrospec.decode import autoregressive_generate, speculative_generate
+    from retrospec.drafters import REGISTRY
+    from retrospec.fastpath import engine as engine_mod
+    from retrospec.models import load_model
+
+    if not hybrid_tree_triton.available():
+        pytest.skip("triton is not installed")
+    assert hybrid_tree.triton_ready(torch.device("cuda"), torch.float32)
+    monkeypatch.setattr(engine_mod, "hybrid_min_length", lambda *shape: 0)
+    calls, real = [], hybrid_tree_triton.tree_attention_triton
+    monkeypatch.setattr(hybrid_tree_triton, "tree_attention_triton", lambda *a: calls.append(1) or real(*a))
+    target, draft = load_model("zoo", device="cuda"), load_model("zoo-draft", role="draft", device="cuda")
+    assert engine_mod.engine_for(target.model).mode == "hybrid-tree"
+    ids = target.tokenizer.encode(preset("heldout", 1)[0]["prompt"])
+    greedy = SamplingConfig()
+    ref = autoregressive_generate(target.model, ids, sampling=greedy, max_new_tokens=32)
+    sd = REGISTRY["sd"](target=target.model, draft_model=draft.model, gamma=4)
+    out = [t for chunk in speculative_generate(target.model, sd, ids, sampling=greedy, max_new_tokens=32)
+           for t in chunk]
+    assert out == ref and calls

@@ -10,9 +10,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import sharpen, tiny_llama
+from retrospec.attention import hybrid_tree, hybrid_tree_triton
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
+from retrospec.fastpath import engine as engine_mod
 from retrospec.fastpath import engine_for
 from retrospec.fastpath.linear import HEAD_LAYOUTS, PackedLinear, head_logits, onednn_available, pack_weight
 from retrospec.fastpath.plan import ROWS, Plan, load_or_measure, linear_layers
@@ -174,3 +176,71 @@ def test_a_request_through_the_api_leaves_the_loaded_model_as_it_was(saved_model
         generate("def dedent(text):\n    ", target=saved_models.target, draft=saved_models.draft, method=method,
                  max_new_tokens=8)
     assert _snapshot(model) == before and model.config._attn_implementation == "sdpa"
+
+
+def _stand_in_kernel(calls):
+    def kernel(q, k, v, mask, scaling):  # the Triton kernel's contract, computed by its PyTorch reference
+        assert mask.dtype == torch.bool and mask.ndim == 3
+        calls.append(tuple(q.shape))
+        out, lse = hybrid_tree.tree_attention(q, k, v, mask, scaling)
+        return out.to(q.dtype), lse
+    return kernel
+
+
+def test_on_cuda_with_triton_the_engine_verifies_through_hybrid_tree_attention(monkeypatch):
+    """The CUDA branch, run here with its device check patched and the Triton kernel stood in for by its reference
+    (the kernel itself: test_hybrid_tree_attention): the engine's private copy verifies through hybrid tree attention
+    from the measured length on, the tree part goes to the kernel, logits equal the model's as it is, greedy decoding
+    equals the oracle, and the caller's model is unchanged."""
+    calls = []
+    monkeypatch.setattr(engine_mod, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(hybrid_tree, "triton_ready", lambda device, dtype: True)
+    monkeypatch.setattr(hybrid_tree, "use_triton", lambda query: True)
+    monkeypatch.setattr(hybrid_tree_triton, "tree_attention_triton", _stand_in_kernel(calls))
+    monkeypatch.setattr(engine_mod, "hybrid_min_length", lambda *shape: 12)
+    target, draft = sharpen(tiny_llama(seed=3, layers=2)), tiny_llama(seed=4, layers=1)
+    before = _snapshot(target)
+    engine = engine_for(target)
+    assert engine.mode == "hybrid-tree" and engine.module is not target
+    assert engine.describe()["attention"] == hybrid_tree.ATTN_NAME and engine.describe()["hybrid_min_length"] == 12
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    trees = [DraftTree.empty(), DraftTree.chain([4, 5, 6, 7]),
+             DraftTree(torch.tensor([4, 9, 5, 6, 2]), torch.tensor([-1, -1, 0, 0, 2]))]
+    for got, ref in zip(_scores(target, None, prompt, trees), _scores(target, "off", prompt, trees)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert calls == [(1, 4, 5, 8)] * 2 + [(1, 4, 6, 8)] * 2  # chain, tree: each layer; prefill, 1 query: sdpa
+    calls.clear()
+    greedy = SamplingConfig()
+    ref = autoregressive_generate(target, prompt[:4], sampling=greedy, max_new_tokens=24)
+    sd = REGISTRY["sd"](target=target, draft_model=draft, gamma=4)
+    out = [t for chunk in speculative_generate(target, sd, prompt[:4], sampling=greedy, max_new_tokens=24)
+           for t in chunk]
+    assert out == ref
+    assert calls  # the tree part of sd's chains went to the kernel
+    assert _snapshot(target) == before
+
+
+@pytest.mark.parametrize("why", ["self-check", "never-faster"])
+def test_on_cuda_without_a_working_kernel_or_a_win_the_model_runs_as_it_is(monkeypatch, why):
+    monkeypatch.setattr(engine_mod, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(hybrid_tree, "triton_ready", lambda device, dtype: why != "self-check")
+    monkeypatch.setattr(engine_mod, "hybrid_min_length", lambda *shape: None)
+    target = tiny_llama(seed=3, layers=1)
+    engine = engine_for(target)
+    assert engine.mode == "off" and engine.module is target
+
+
+def test_the_crossover_is_the_shortest_length_from_which_hybrid_always_wins(monkeypatch):
+    def scripted(*ms):  # (sdpa, hybrid) per length in CROSSOVER_LENGTHS
+        times = iter(ms)
+        monkeypatch.setattr(engine_mod, "median_ms", lambda fn, device=None: next(times))
+        return engine_mod.hybrid_min_length.__wrapped__(4, 2, 16, torch.float32, torch.device("cpu"))
+
+    assert engine_mod.CROSSOVER_LENGTHS == (256, 1024, 4096, 16384)
+    assert scripted(1, 2, 1, 2, 2, 1, 3, 1) == 4096
+    assert scripted(2, 1, 1, 2, 2, 1, 3, 1) == 4096  # a win at 256 alone does not count
+    assert scripted(2, 1, 2, 1, 2, 1, 3, 1) == 256
+    assert scripted(2, 1, 2, 1, 2, 1, 1, 3) is None  # loses at the longest length
+    monkeypatch.undo()
+    measured = engine_mod.hybrid_min_length(4, 2, 16, torch.float32, torch.device("cpu"))  # really timed
+    assert measured is None or measured in engine_mod.CROSSOVER_LENGTHS

@@ -168,10 +168,11 @@ _CHILD = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"  # before triton builds the kernel
     import torch
+    from retrospec.attention.hybrid_tree import triton_self_check
     from retrospec.attention.hybrid_tree_triton import tree_attention_triton
     cases = torch.load(sys.argv[1])
-    torch.save([tree_attention_triton(*c["args"], block_m=c["block"], block_n=c["block"]) for c in cases],
-               sys.argv[2])
+    torch.save(dict(outs=[tree_attention_triton(*c["args"], block_m=c["block"], block_n=c["block"]) for c in cases],
+                    self_check=triton_self_check(torch.device("cpu"), torch.float32)), sys.argv[2])
 """)
 
 
@@ -204,12 +205,14 @@ def test_triton_kernel_equals_reference_tree_part(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for case, (out, lse) in zip(cases, torch.load(tmp_path / "out.pt")):
+    result = torch.load(tmp_path / "out.pt")
+    assert result["self_check"] is True  # what the engine asks before dispatching to the kernel on CUDA
+    for case, (out, lse) in zip(cases, result["outs"]):
         ref_out, ref_lse = hybrid_tree.tree_attention(*case["args"])
         assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
         assert torch.allclose(out, ref_out, atol=1e-5, rtol=0)
         assert torch.allclose(lse, ref_lse, atol=1e-5, rtol=0)  # -inf rows compare equal
-    out2, lse2 = torch.load(tmp_path / "out.pt")[1]
+    out2, lse2 = result["outs"][1]
     assert torch.all(lse2[1, :, 4] == float("-inf")) and torch.all(out2[1, :, 4] == 0)
 
 
@@ -291,3 +294,40 @@ def test_tree_part_dispatches_plain_masks_to_the_triton_kernel(monkeypatch):
     assert hybrid_tree.use_triton(query) is True  # (patched); unpatched, CPU tensors never take the kernel:
     monkeypatch.undo()
     assert hybrid_tree.use_triton(query) is False
+
+
+@pytest.mark.parametrize("kernel", ["raises", "wrong", "right"])
+def test_the_triton_self_check_keeps_the_pytorch_path_unless_the_kernel_is_right(monkeypatch, kernel):
+    def stand_in(q, k, v, mask, scaling):
+        if kernel == "raises":
+            raise RuntimeError("no CUDA driver")
+        out, lse = hybrid_tree.tree_attention(q, k, v, mask, scaling)
+        return (out + 0.01 if kernel == "wrong" else out), lse
+
+    monkeypatch.setattr(hybrid_tree_triton, "available", lambda: True)
+    monkeypatch.setattr(hybrid_tree_triton, "tree_attention_triton", stand_in)
+    if kernel == "right":
+        assert hybrid_tree.triton_self_check(torch.device("cpu"), torch.float32) is True
+    else:
+        with pytest.warns(RuntimeWarning, match="PyTorch tree part"):
+            assert hybrid_tree.triton_self_check(torch.device("cpu"), torch.float32) is False
+    monkeypatch.setattr(hybrid_tree_triton, "available", lambda: False)
+    assert hybrid_tree.triton_self_check(torch.device("cpu"), torch.float32) is False
+
+
+def test_below_the_configured_length_the_hybrid_function_is_sdpa(monkeypatch):
+    """``MIN_LENGTH`` on the module's config (the engine sets it from the measured crossover on its copy)."""
+    calls = []
+    real = hybrid_tree._hybrid_forward
+    monkeypatch.setattr(hybrid_tree, "_hybrid_forward", lambda *a: calls.append(a[1].shape[2]) or real(*a))
+    gen = torch.Generator().manual_seed(2)
+    h, kvh, q, length = 4, 2, 5, 30
+    query, key, value = qkv(1, h, kvh, q, length, 16, gen)
+    mask = full_mask(tree_block(random_parents(q - 1, gen)), length - q, "float")
+    want = sdpa_attention_forward(fake_module(h, kvh), query, key, value, mask, scaling=0.2)[0]
+    for min_length, hybrid in ((length + 1, False), (length, True)):
+        module = fake_module(h, kvh)
+        module.config = types.SimpleNamespace(**{hybrid_tree.MIN_LENGTH: min_length})
+        out, _ = hybrid_tree.hybrid_tree_attention(module, query, key, value, mask, scaling=0.2)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+        assert calls == ([length] if hybrid else [])

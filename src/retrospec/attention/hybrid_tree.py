@@ -30,14 +30,17 @@ otherwise the call goes unchanged to transformers' ``sdpa_attention_forward``:
 Masks: the engine passes a 4D additive float mask for a tree. For a chain transformers builds the mask: ``ATTN_NAME``
 is also registered in ``AttentionMaskInterface`` with ``sdpa_mask``, so the function gets exactly sdpa's mask.
 
-``enable`` / ``disable`` switch the model through the public ``set_attn_implementation``. On CUDA with Triton, the
-tree part runs ``hybrid_tree_triton.tree_attention_triton`` when the block is a plain visible / hidden mask
-(``tree_part``); otherwise the PyTorch ``tree_attention``.
+``enable`` / ``disable`` switch the model through the public ``set_attn_implementation``. On CUDA, when Triton is
+installed and its kernel passed ``triton_ready``'s self-check on that device and dtype, the tree part runs
+``hybrid_tree_triton.tree_attention_triton`` for a plain visible / hidden block (``tree_part``); otherwise the PyTorch
+``tree_attention``. A model's config may carry ``MIN_LENGTH`` (set by the engine from a measured crossover): below
+that many keys the call goes to sdpa.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from transformers import AttentionInterface
@@ -48,6 +51,7 @@ from . import hybrid_tree_triton, prefix_block
 from .common import hybrid_mask_block, restore, switch
 
 ATTN_NAME = "retrospec_hybrid_tree"
+MIN_LENGTH = "retrospec_hybrid_min_length"  # config attribute: fewer keys than this -> sdpa (absent: 0)
 _EXTRAS = ("position_bias", "softcap", "s_aux", "sinks", "cache")  # handled (or refused) by sdpa: never hybrid
 
 
@@ -102,12 +106,45 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     return torch.lerp(out_b, out_a, w)  # out_b + w * (out_a - out_b) = w * out_a + (1 - w) * out_b
 
 
-_triton_importable = functools.cache(hybrid_tree_triton.available)
+def triton_self_check(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernel runs on ``device`` in ``dtype`` and equals ``tree_attention`` on a random GQA tree
+    with an empty row (the cases the verifier sends); any failure is False."""
+    if not hybrid_tree_triton.available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q, h, kvh, d = 9, 4, 2, 64
+    query, key, value = (torch.randn(1, n, q, d, generator=gen).to(device, dtype) for n in (h, kvh, kvh))
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6]  # the root's 8 descendants, two branches
+    mask = torch.eye(q, dtype=torch.bool)
+    for i, p in enumerate(parents, start=1):
+        mask[i] |= mask[p + 1] if p >= 0 else mask[0]
+    mask[4] = False  # a row that sees nothing: out 0, lse -inf
+    mask = mask[None].to(device)  # [1, q, q]
+    try:
+        out, lse = hybrid_tree_triton.tree_attention_triton(query, key, value, mask, 0.125)
+        ref_out, ref_lse = tree_attention(query, key, value, mask, 0.125)
+    except Exception as exc:  # no driver, a compiler error, an unsupported dtype: the PyTorch path stays
+        warnings.warn(f"Triton tree kernel unusable on {device} ({dtype}): {type(exc).__name__}: {exc}; "
+                      "using the PyTorch tree part", RuntimeWarning, stacklevel=2)
+        return False
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    ok = bool(torch.allclose(out.float(), ref_out, atol=tol, rtol=tol) and torch.equal(lse.isinf(), ref_lse.isinf())
+              and torch.allclose(lse[~lse.isinf()], ref_lse[~ref_lse.isinf()], atol=tol, rtol=tol))
+    if not ok:
+        warnings.warn(f"Triton tree kernel differs from the PyTorch reference on {device} ({dtype}); using the "
+                      "PyTorch tree part", RuntimeWarning, stacklevel=2)
+    return ok
+
+
+@functools.cache
+def triton_ready(device: torch.device, dtype: torch.dtype) -> bool:
+    """``triton_self_check``, once per device and dtype."""
+    return triton_self_check(device, dtype)
 
 
 def use_triton(query: torch.Tensor) -> bool:
-    """Whether the tree part runs the Triton kernel: on CUDA tensors, when Triton is installed."""
-    return query.is_cuda and _triton_importable()
+    """Whether the tree part runs the Triton kernel: on CUDA tensors, when the kernel passed its self-check there."""
+    return query.is_cuda and triton_ready(query.device, query.dtype)
 
 
 def binary_block(block: torch.Tensor) -> torch.Tensor | None:
@@ -150,7 +187,8 @@ def hybrid_tree_attention(module, query, key, value, attention_mask, dropout: fl
     """``AttentionInterface`` function: hybrid when ``hybrid_mask_block`` applies, else transformers' ``sdpa``.
     query [b, h, q, d]; key/value [b, kvh, L, d] (after the cache update) -> ([b, q, h, d], None)."""
     block = None
-    if not dropout and not any(kwargs.get(k) is not None for k in _EXTRAS):
+    min_length = getattr(getattr(module, "config", None), MIN_LENGTH, 0)
+    if not dropout and key.shape[2] >= min_length and not any(kwargs.get(k) is not None for k in _EXTRAS):
         block = hybrid_mask_block(attention_mask, query, key)  # [mb, mh, q, q] or None
     if block is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -6,23 +6,33 @@ measured fastest (families whose logits are plain ``lm_head(last_hidden_state)``
 model. ``engine_for`` caches the ``EngineModel`` weakly per model while its weights stay the same; the copy is a
 ``deepcopy`` with every parameter and buffer memoised to itself (shared weights: only packed copies cost memory).
 
+On CUDA the copy verifies through ``attention.hybrid_tree`` (LongSpec's hybrid tree attention, its tree part the
+Triton kernel) when Triton is installed, the kernel passed its self-check on that device and dtype
+(``hybrid_tree.triton_ready``), and ``hybrid_min_length`` measured it faster than sdpa from some cache length on;
+shorter caches still go to sdpa inside it. Otherwise a CUDA model runs as it is.
+
 Invariants (tested): the caller's model is unchanged; the copy's logits equal the plain forward's within float
 tolerance, and greedy decoding through it is token-identical to the oracle. A model the copy cannot be built for
-(no ``get_decoder``, a non-CPU device, attention other than ``sdpa``) runs as it is.
+(no ``get_decoder``, another device, attention other than ``sdpa``) runs as it is.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+import types
 import weakref
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention import prefix_block
+from ..attention import hybrid_tree, prefix_block
 from .draft import draft_choice, pack_linears
 from .linear import head_logits, pack_weight
-from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, mode
+from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode
+
+CROSSOVER_LENGTHS = (256, 1024, 4096, 16384)  # cache lengths at which hybrid tree attention is timed against sdpa
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})  # logits = lm_head(last_hidden_state)
 _ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, bool], tuple[tuple, EngineModel]]]" = \
@@ -45,6 +55,43 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
     return tuple((id(p), p.data_ptr(), p._version, p.dtype) for p in model.parameters())
 
 
+def _private_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """New modules and config over the same weight tensors (every parameter and buffer memoised to itself)."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+@functools.cache
+@torch.inference_mode()
+def hybrid_min_length(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                      queries: int = 8) -> int | None:
+    """The fewest cached keys from which ``hybrid_tree`` measured faster than sdpa with the 4D mask transformers
+    passes, for a ``queries``-token verification of one attention layer of this shape on ``device``: the shortest of
+    ``CROSSOVER_LENGTHS`` from which it wins at every longer one; None when it never does. Once per process."""
+    gen = torch.Generator().manual_seed(0)
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    causal = torch.ones(queries, queries, dtype=torch.bool, device=device).triu(1)  # [q, q] hidden entries
+    wins = []
+    for length in CROSSOVER_LENGTHS:
+        query = torch.randn(1, heads, queries, head_dim, generator=gen).to(device, dtype)  # [1, h, q, d]
+        key, value = (torch.randn(1, kv_heads, length, head_dim, generator=gen).to(device, dtype) for _ in "kv")
+        mask = torch.zeros(1, 1, queries, length, dtype=dtype, device=device)  # [1, 1, q, L] additive
+        mask[..., length - queries:].masked_fill_(causal, torch.finfo(dtype).min)
+        sdpa, hybrid = (median_ms(lambda f=f: f(module, query, key, value, mask, scaling=0.125), device=device)
+                        for f in (sdpa_attention_forward, hybrid_tree.hybrid_tree_attention))
+        wins.append(hybrid < sdpa)
+    best = None
+    for length, win in zip(reversed(CROSSOVER_LENGTHS), reversed(wins)):
+        if not win:
+            break
+        best = length
+    return best
+
+
 class EngineModel:
     """One model as the engine runs it: ``forward`` -> (logits [T, V], last hidden states [T, H] or None)."""
 
@@ -59,14 +106,17 @@ class EngineModel:
         self.decoder: torch.nn.Module | None = None  # set when the head is applied here (plain-head families)
         self.head_weight: torch.Tensor | None = None  # [V, H]
         self.head_packed: torch.Tensor | None = None
+        self.hybrid_min_length: int | None = None
         device = next(model.parameters()).device
+        if _on_cuda(device) and how != "off" and attention == "prefix_block" and not draft:
+            self._hybrid_tree_copy(model, device)
+            return
         if (how == "off" or device.type != "cpu" or _plain_head(model) is None
                 or getattr(model.config, "_attn_implementation", None) not in ("sdpa", prefix_block.ATTN_NAME)):
             self.mode = "off"
             return
         with torch.inference_mode(False), torch.no_grad():
-            memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-            clone = copy.deepcopy(model, memo)  # new modules and config, the same weight tensors
+            clone = _private_copy(model)
             if attention == "prefix_block" and not prefix_block.enable(clone):
                 self.mode = "off"
                 return
@@ -89,6 +139,25 @@ class EngineModel:
             if "packed" in self.plan.head.values():
                 self.head_packed = pack_weight(head.weight, pack_dtype)
         self.module, self.decoder = clone, decoder
+
+    def _hybrid_tree_copy(self, model: torch.nn.Module, device: torch.device) -> None:
+        """CUDA: the copy in hybrid tree attention from the measured crossover on (see the module docstring);
+        mode ``off`` (the model as it is) when Triton fails its self-check or hybrid never wins."""
+        self.mode = "off"
+        cfg, dtype = model.config, next(model.parameters()).dtype
+        if getattr(cfg, "_attn_implementation", None) != "sdpa" or not hybrid_tree.triton_ready(device, dtype):
+            return
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        min_length = hybrid_min_length(heads, kv_heads, head_dim, dtype, device)
+        if min_length is None:
+            return
+        clone = _private_copy(model)
+        if not hybrid_tree.enable(clone):
+            return
+        setattr(clone.config, hybrid_tree.MIN_LENGTH, min_length)
+        self.module, self.mode, self.hybrid_min_length = clone, "hybrid-tree", min_length
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 cache, *, want_hidden: bool = False, last_only: bool = False
@@ -114,6 +183,8 @@ class EngineModel:
     def describe(self) -> dict:
         """What runs, for reports: mode, attention, the packed row counts and head layouts, where the plan came from."""
         d = {"mode": self.mode, "attention": getattr(self.module.config, "_attn_implementation", None)}
+        if self.hybrid_min_length is not None:
+            d["hybrid_min_length"] = self.hybrid_min_length
         if self.plan is not None:
             d.update(packed_rows=self.plan.packed_rows, head=self.plan.head, plan=self.plan.source,
                      plan_seconds=round(self.plan.seconds, 2))
