@@ -192,7 +192,7 @@ def test_import_gguf_failure_midway_leaves_nothing(tiny, tmp_path, cli, monkeypa
     from retrospec.models import gguf as gguf_mod
 
     def broken(file, staging):
-        staging.mkdir()
+        staging.mkdir(exist_ok=True)  # atomic_build made it
         (staging / "config.json").write_text("{}")
         raise OSError("No space left on device")
 
@@ -202,6 +202,24 @@ def test_import_gguf_failure_midway_leaves_nothing(tiny, tmp_path, cli, monkeypa
     assert res.rc == 2 and progress.startswith("converting") and "Traceback" not in res.err
     assert error.startswith("retrospec: error: could not convert tiny.gguf") and "No space left" in error
     assert list(tmp_path.iterdir()) == []
+
+
+def test_import_gguf_leaves_an_out_that_appeared_meanwhile(tiny, tmp_path, cli, monkeypatch):
+    """Another process filled ``out`` while this one converted (``atomic_build`` without overwrite): its directory
+    stays as it is, this conversion is discarded, and the error says so."""
+    from retrospec.models import gguf as gguf_mod
+
+    out = tmp_path / "out"
+
+    def racing(file, staging):
+        (staging / "config.json").write_text("{}")
+        out.mkdir()
+        (out / "theirs.txt").write_text("another process's model")
+
+    monkeypatch.setattr(gguf_mod, "convert", racing)
+    res = cli("models", "import-gguf", tiny[0], "--out", out)
+    assert res.rc == 2 and res.err.splitlines()[-1] == f"retrospec: error: {out} appeared while building; left it as it is"
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and leftovers(tmp_path) == []
 
 
 # --- named models ----------------------------------------------------------------------------------------------------

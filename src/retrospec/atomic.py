@@ -4,6 +4,8 @@
 sees the old file or the new one, never half of one. ``atomic_build`` does the same for a directory (datastores,
 LongSpec blocks, adapters, zoo models): it is renamed into place only after the block completes and wrote its
 marker file (``meta.json`` by default); the next build of the same destination removes a dead process's leftovers.
+Without ``overwrite``, a destination that another process filled while this one built is left as it is (this build
+is discarded, a ``RetrospecError`` says so): a reader of that directory never sees it swapped away.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def atomic_build(dest: str | Path, overwrite: bool = False, required: str = META
     if not (tmp / required).is_file():
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"build of {dest} finished without writing {required}")
+    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RetrospecError(f"{dest} appeared while building; left it as it is")
     trash = dest.parent / f".{dest.name}.old-{os.getpid()}"
     if dest.exists():
         dest.rename(trash)

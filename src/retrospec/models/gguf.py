@@ -9,8 +9,9 @@ Contracts:
 
 - Checks come first and are cheap (no tensor is read): the file exists, starts with the magic bytes ``GGUF``, has
   a readable header, and names an architecture transformers can load; ``out`` is absent or an empty directory.
-- Atomic: everything is written into a temporary sibling of ``out`` renamed to ``out`` at the very end; on any
-  failure (or Ctrl-C) nothing is left at ``out``.
+- Atomic (``atomic.atomic_build``): everything is written into a temporary sibling of ``out`` renamed to ``out`` at
+  the very end; on any failure (or Ctrl-C) nothing is left at ``out``, and an ``out`` that another process filled
+  meanwhile is left as it is.
 - Every failure a user can cause is a one-line ``RetrospecError``; transformers' progress bars and log lines are
   kept off the terminal, and one progress message goes to ``log`` (stderr by default).
 """
@@ -18,12 +19,11 @@ Contracts:
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from ..atomic import atomic_build
 from ..errors import RetrospecError
 from .files import first_line, quiet_transformers
 
@@ -103,29 +103,19 @@ def import_gguf(file, out, *, log: Callable[[str], None] | None = _stderr, messa
         raise RetrospecError(f"output path exists and is not a directory: {out}")
     if out.is_dir() and any(out.iterdir()):
         raise RetrospecError(f"output directory already exists and is not empty: {out}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RetrospecError(f"cannot create {out.parent}: {exc.strerror or exc}") from exc
-    staging = out.parent / f".{out.name}.gguf-import-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if log is not None:
         size = file.stat().st_size / 2**20
         log(message or f"converting {file.name} ({arch}, {size:.1f} MiB) into {out} (tens of seconds for a "
                        "100M-parameter model)...")
     try:
-        convert(file, staging)
-        if out.is_dir():  # empty (checked above): rename() cannot replace it on every platform
-            out.rmdir()
-        try:
-            staging.rename(out)
-        except OSError as exc:
-            raise RetrospecError(f"{out} appeared while converting; left it as it is") from exc
+        with atomic_build(out, required="config.json") as staging:
+            convert(file, staging)
     except RetrospecError:
         raise
-    except Exception as exc:  # tokenizer or model conversion, disk full, ...
+    except OSError as exc:  # cannot create out's parent, disk full, ...
+        raise RetrospecError(f"could not convert {file.name} into {out}: {exc.strerror or exc}") from exc
+    except Exception as exc:  # tokenizer or model conversion
         raise RetrospecError(f"could not convert {file.name}: {first_line(exc)}") from exc
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; removes the remains of a failure
     if log is not None and message is None:
         log(f"wrote {out}")
     return out
