@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 
 
@@ -153,4 +154,5 @@ def jsonable(cfg) -> dict:
 
 
 def write_json(path: Path, obj, indent: int | None = 1) -> None:
-    Path(path).write_text(json.dumps(obj, indent=indent) + "\n")
+    """``obj`` as JSON at ``path``, atomically (a reader sees the old file or the new one)."""
+    write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")

@@ -17,17 +17,16 @@ CPU by default; ``device="cuda"`` trains in bfloat16 autocast (weights and optim
 renders task examples in background processes (the batches do not depend on the number of workers);
 ``seconds``/``draft_seconds`` replace the step counts by a wall-clock budget (the cosine runs over elapsed time).
 
-Outputs (atomic: written next to the destination, renamed into place): ``out/target-long``, optionally
-``out/draft-long``, and ``out/long.json`` (command, seed, steps, wall time, losses, task accuracy of the base and the
-new target at each evaluation length), weights in float16 like the rest of the zoo.
+Outputs (``atomic``: each written next to its destination and renamed into place, only after training and
+evaluation succeeded, ``long.json`` last): ``out/target-long``, optionally ``out/draft-long``, and ``out/long.json``
+(command, seed, steps, wall time, losses, task accuracy of the base and the new target at each evaluation length),
+weights in float16 like the rest of the zoo.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +36,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_build
 from ..bench.tasks import make_tasks, score
+from ..config import DecodeConfig, SamplingConfig
 from ..long_requests import DEFAULT_TEMPLATE
+from ..models import LoadedModel
+from ..request import Request
+from ..run import Run
 from ..stdlib_corpus import read_texts, stdlib_files
 from .common import adamw, jsonable, optimizer_step, resolve_device, set_lr, set_threads, warmup_cosine, write_json
 
@@ -260,14 +264,11 @@ def train_mix(model, sampler: MixSampler, steps: int, lr: float, cfg: LongZooCon
             "final_task_loss": task_running, "losses": losses, "device": str(device)}
 
 
-@torch.inference_mode()
 def eval_tasks(model, tok, lengths, n: int, seed: int = 12345) -> dict:
     """Greedy accuracy per (task, length) on fresh seeded rows (the tasks' own scoring), target reading the full
-    context; 'repo' is left out (first-line exact match is near zero for models this small)."""
-    from ..config import SamplingConfig
-    from ..decode import speculative_generate
-    from ..drafters.base import NoDraft
-
+    context, each row an ``ar`` request through ``run.Run`` (no EOS stop: the completion budget decides); 'repo' is
+    left out (first-line exact match is near zero for models this small)."""
+    target = LoadedModel(model, tok, "")
     out: dict = {}
     for length in lengths:
         for kind in TRAIN_TASKS:
@@ -275,10 +276,9 @@ def eval_tasks(model, tok, lengths, n: int, seed: int = 12345) -> dict:
             hits = 0
             for row in rows:
                 budget = len(_encode(tok, row["completion"])) + 4
-                gen = [t for chunk in speculative_generate(model, NoDraft(), _prompt(tok, row),
-                                                           sampling=SamplingConfig(), max_new_tokens=budget)
-                       for t in chunk]
-                hits += score(row, tok.decode(gen, skip_special_tokens=True))
+                req = Request(target, None, "ar", _prompt(tok, row), SamplingConfig(),
+                              DecodeConfig(max_new_tokens=budget), eos_ids=frozenset())
+                hits += score(row, tok.decode(Run(req, text=False).run(), skip_special_tokens=True))
             out[f"{kind}@{length}"] = hits / len(rows)
     return out
 
@@ -337,10 +337,7 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
     if cfg.eval_n:
         manifest["target_long"]["accuracy"] = eval_tasks(target, tok, cfg.eval_lengths, cfg.eval_n)
         log(f"target-long accuracy: {manifest['target_long']['accuracy']}")
-    staging = out.with_name(f".{out.name}.long.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    _save_model(target, tok, staging / "target-long")
+    student = None
     if cfg.draft_steps > 0 or cfg.draft_seconds > 0:
         student = _load(cfg.init_draft) if cfg.init_draft else _shrunk_draft(_load(base / "draft"),
                                                                                  cfg.draft_intermediate)
@@ -354,19 +351,15 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
         student.to("cpu")
         target.to("cpu")
         manifest["draft_long"]["intermediate_size"] = cfg.draft_intermediate
-        _save_model(student, tok, staging / "draft-long")
     manifest.update(build_seconds=round(time.perf_counter() - started, 1), torch_threads=torch.get_num_threads(),
                     machine=platform.machine(), python=platform.python_version())
-    write_json(staging / "long.json", manifest, indent=2)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("target-long", "draft-long", "long.json"):  # long.json, the marker of a complete zoo, last
-        src, dst = staging / name, out / name
-        if src.exists():
-            if dst.is_dir():
-                shutil.rmtree(dst)
-            dst.unlink(missing_ok=True)
-            src.rename(dst)
-    shutil.rmtree(staging, ignore_errors=True)
+    # nothing is written before every phase succeeded; each model directory lands whole, long.json (the marker of
+    # a complete long zoo) last
+    for name, model in (("target-long", target), ("draft-long", student)):
+        if model is not None:
+            with atomic_build(out / name, overwrite=True, required="config.json") as tmp:
+                _save_model(model, tok, tmp)
+    write_json(out / "long.json", manifest, indent=2)
     total = sum(p.stat().st_size for p in out.glob("*/*.safetensors"))
     log(f"bundled weights under {out}: {total / 2**20:.2f} MiB" + (" (OVER the 48 MiB budget)"
                                                                   if total > BUNDLE_LIMIT_BYTES else ""))
