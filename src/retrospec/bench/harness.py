@@ -90,16 +90,17 @@ def with_baseline(labels: list[str], base: str) -> list[str]:
 
 
 def label_options(label: MethodLabel, cfg: BenchConfig) -> dict:
-    """Factory options of one label: the chain length (or longspec's tree) from the label, else the run's."""
+    """Factory options of one label: the chain length (or longspec's tree) from the label, else the run's, checked
+    by the method's spec (which fills in its default gamma, as for the API)."""
     spec = SPECS[label.method]
     if spec.knob("gamma") is None:
         return {}
     if spec.knob("tree") is not None:  # a tree unless a chain length is given (by the label, else by --gamma)
         gamma = label.gamma if label.gamma is not None else (cfg.gamma if label.tree is None else None)
-        return {"gamma": gamma, "tree": label.tree}
+        return spec.check({"gamma": gamma, "tree": label.tree})
     if spec.knob("max_ngram") is not None:  # pld: --pld-k / --pld-ngram
-        return {"gamma": label.gamma or cfg.pld_k, "max_ngram": cfg.pld_ngram}
-    return {"gamma": label.gamma or cfg.gamma or spec.default_gamma}
+        return spec.check({"gamma": label.gamma or cfg.pld_k, "max_ngram": cfg.pld_ngram})
+    return spec.check({"gamma": label.gamma or cfg.gamma})
 
 
 def _gating(label: MethodLabel, cfg: BenchConfig) -> bool:
@@ -228,8 +229,8 @@ def _run_context_label(spec: MethodLabel, row: dict, retrieved, memos: dict, max
     method = SPECS[spec.method]
     drf = (target if spec.self_draft or draft is None else draft) if method.draft == "lm" else None
     options = dict(p.drafter_options) | spec.knobs
-    if method.knob("gamma") is not None:
-        options |= {"gamma": spec.gamma or cfg.gamma or method.context_gamma, "adaptive": spec.adaptive}
+    if method.knob("gamma") is not None:  # the spec fills in its long-context default gamma
+        options |= method.check({"gamma": spec.gamma or cfg.gamma, "adaptive_gamma": spec.adaptive}, context=True)
     req = Request(target, drf, spec.method, p.target_prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new),
                   options, rule=p.rule, info=p.info, gating=_gating(spec, cfg),
                   fastpath=None if opts.prefix_attention else "off")
