@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean gpu gpu-dry-run
+.PHONY: demo test install bench clean gpu gpu-done gpu-dry-run
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,16 +30,22 @@ bench: $(STAMP)
 	$(VENV)/bin/retrospec bench --prompts ../shared/data/mbpp_sanitized.jsonl --limit 20 --max-new-tokens 128 \
 		--methods ar,hf-ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld --out runs/bench-mbpp
 
-# The GPU runbook (docs/gpu.md). `make gpu`: the carry folders (.gpu/: the real model's GGUF in parts that fit a device
-# call beside the tree, the CPU's reference logits, bench prompts; .whl/: wheels the GPU image lacks, listed with the
-# pip command if missing) and the device calls a GPU session makes, in order. `make gpu-dry-run`: every step on the
-# CPU with tiny models (the rehearsal tests/test_gpu_runbook.py also runs), then the report of the dry run.
+# The GPU runbook (docs/gpu.md). `make gpu`: the bundled weights out of git's index so that a device call sends only
+# what it carries (`make gpu-done` puts them back: a hook refuses commits until then), the carry folders (.gpu/: the
+# real model's GGUF in parts that fit a device call beside the tree, the CPU's reference logits, bench prompts; .whl/:
+# wheels the GPU image lacks, listed with the pip command if missing) and the device calls a GPU session makes, in
+# order. `make gpu-dry-run`: every step on the CPU with tiny models (the rehearsal tests/test_gpu_runbook.py also
+# runs), then the report of the dry run.
 GPU_DRY := runs/gpu-dry
 GPU_STEPS := tests kernels costmodel stage model bench train
 
 gpu: $(STAMP)
+	$(PY) -m retrospec.cli.gpu_cmd slim
 	$(PY) -m retrospec.cli.gpu_cmd prepare
 	$(PY) -m retrospec.cli.gpu_cmd plan
+
+gpu-done: $(STAMP)
+	$(PY) -m retrospec.cli.gpu_cmd slim --undo
 
 gpu-dry-run: $(STAMP)
 	rm -rf $(GPU_DRY)

@@ -13,7 +13,7 @@ import pytest
 
 from retrospec.cli import main
 from retrospec.errors import RetrospecError
-from retrospec.gpu import plan, prepare, report, steps_model
+from retrospec.gpu import plan, prepare, report, slim, steps_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -28,10 +28,20 @@ def _git_root(tmp_path: Path, tracked_bytes: int = 1000) -> Path:
     return root
 
 
-def test_the_plan_of_this_repository_fits_every_device_limit():
-    tree = plan.travelling_bytes(ROOT)
+def test_the_plan_of_this_repository_fits_every_device_limit(monkeypatch):
+    """As 'make gpu' makes it: slim (simulated: this checkout's index is left alone), then the parts cut fresh."""
+    heavy = slim.heavy_files(ROOT)
+    whole = plan.travelling_bytes(ROOT)
+    assert plan.check_plan(plan.build_plan(ROOT, whole, prepared=False), whole)  # not slim: too many calls
+    monkeypatch.setattr(plan, "slimmed", lambda root: heavy)
+    tree = whole - sum((ROOT / p).stat().st_size for p in heavy)
     calls = plan.build_plan(ROOT, tree, prepared=False)  # as a fresh 'make gpu' cuts the parts
     assert plan.check_plan(calls, tree) == []
+    assert [c.step for c in calls if not c.optional] == ["tests", "model", "bench", "train"]  # two parts, no stage
+    for c in calls:  # each step carries the bundled weights it loads
+        for w in plan.SPECS[c.step].weights:
+            assert any(p.startswith(f"{plan.ZOO}/{w}/") for p in c.carry) == any(h.startswith(f"{plan.ZOO}/{w}/")
+                                                                                 for h in heavy)
     for c in calls:
         assert len(c.command) <= plan.COMMAND_MAX and len(c.carry) <= plan.CARRY_MAX
         assert tree + c.carry_bytes <= plan.TRAVEL_MAX and c.timeout_s <= plan.CALL_MAX_S
@@ -42,7 +52,45 @@ def test_the_plan_of_this_repository_fits_every_device_limit():
     steps = [c.step for c in calls]
     with_parts = [i for i, c in enumerate(calls) if any(p.startswith(".gpu/p") for p in c.carry)]
     assert with_parts[-1] == steps.index("model")  # the model step takes the last part: all are staged by then
-    assert steps[-2:] == ["bench", "train"] and sum(c.minutes for c in calls) <= plan.SESSION_S / 60
+    assert plan.expected_minutes(calls) <= plan.SESSION_S / 60
+    assert all(c.optional for c in calls[steps.index("train") + 1:])
+
+
+def _committed_zoo(root: Path) -> None:
+    zoo = root / plan.ZOO / "m"
+    zoo.mkdir(parents=True)
+    (zoo / "model.safetensors").write_bytes(os.urandom(slim.MIN_BYTES + 10))
+    (zoo / "config.json").write_text("{}")
+    for cmd in (["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "zoo"]):
+        subprocess.run(["git", *cmd], cwd=root, check=True)
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root, capture_output=True,
+                          text=True)
+
+
+def test_slim_keeps_heavy_bundled_files_out_of_the_tree_until_undone(tmp_path):
+    root = _git_root(tmp_path)
+    _committed_zoo(root)
+    big = f"{plan.ZOO}/m/model.safetensors"
+    data = (root / big).read_bytes()
+    hooks = root / ".git" / "hooks"
+    assert slim.slim(root) == [big] and slim.slim(root) == [big]  # idempotent
+    assert (root / big).read_bytes() == data  # the file on disk is untouched
+    sent = _git(root, "ls-files", "--cached", "--others", "--exclude-standard").stdout.split()
+    assert big not in sent and f"{plan.ZOO}/m/config.json" in sent  # only the heavy file stays behind
+    assert plan.travelling_bytes(root) < slim.MIN_BYTES
+    assert _git(root, "check-ignore", "-q", big).returncode == 0  # so a call can carry it
+    refused = _git(root, "commit", "-qm", "would delete the weights")
+    assert refused.returncode != 0 and "make gpu-done" in refused.stderr
+    assert slim.unslim(root) == [big] and slim.unslim(root) == []
+    assert _git(root, "status", "--porcelain").stdout == ""  # index and exclude as before
+    assert not (hooks / "pre-commit").exists() and slim.slimmed(root) == []
+    (hooks / "pre-commit").write_text("#!/bin/sh\nexit 0\n")  # someone's own hook is neither replaced nor removed
+    slim.slim(root)
+    slim.unslim(root)
+    assert (hooks / "pre-commit").read_text() == "#!/bin/sh\nexit 0\n"
 
 
 def test_carry_folders_are_ignored_by_git():
@@ -140,8 +188,14 @@ def test_report_refuses_a_folder_without_results(tmp_path):
         report.load([str(tmp_path)])
 
 
-def test_plan_command_prints_every_call(capsys):
+def test_plan_command_prints_every_call(capsys, monkeypatch):
+    assert main(["gpu", "plan", "--json", "--root", str(ROOT)]) == 2  # this checkout is not slim: too many calls
+    assert capsys.readouterr().err.strip().endswith("('retrospec gpu slim' first?)")
+    heavy, whole = slim.heavy_files(ROOT), plan.travelling_bytes(ROOT)
+    monkeypatch.setattr(plan, "slimmed", lambda root: heavy)
+    monkeypatch.setattr(plan, "travelling_bytes", lambda root: whole - sum((ROOT / p).stat().st_size for p in heavy))
     assert main(["gpu", "plan", "--json", "--root", str(ROOT)]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [c["index"] for c in got["calls"]] == list(range(1, len(got["calls"]) + 1))
-    assert got["calls"][0]["step"] == "tests" and got["calls"][-1]["step"] == "train"
+    assert [c["step"] for c in got["calls"] if not c["optional"]] == ["tests", "model", "bench", "train"]
+    assert got["minutes"] <= plan.SESSION_S / 60

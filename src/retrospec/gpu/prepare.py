@@ -1,13 +1,14 @@
 """``make gpu`` / ``retrospec gpu prepare``: the carry folders a GPU session takes along, made here on the CPU.
 
 ``.gpu/ref/``: ``ref.pt`` (the CPU's float32 reference logits, ``reference_logits``), the bench prompts and corpus
-sources (``../shared`` does not travel), ``ref.json``; ``.gpu/pNN/``: the GGUF of ``smollm2-135m`` in parts of
-``plan.part_bytes`` bytes, each beside a copy of ``parts.json`` (sizes and SHA-256 of every part and of the whole);
-``.whl/``: the wheels the GPU image lacks (listed with the pip command that fetches them; downloaded on request).
+sources (``../shared`` does not travel), ``ref.json``; ``.gpu/pNN/``: the GGUF of ``smollm2-135m`` in the parts
+``plan.part_sizes`` gives for the tree as it is (slim or not), each beside a copy of ``parts.json`` (sizes and
+SHA-256 of every part and of the whole); ``.whl/``: the wheels the GPU image lacks (listed with the pip command that
+fetches them; downloaded on request).
 
 Invariants: the folders are git-ignored (``.gitignore``: ``/.gpu/``, ``/.whl/``), so they travel only when carried;
-parts are remade whenever the tree or the other carries changed size (``parts.json`` records ``part_bytes``);
-reassembling the parts in order gives the GGUF byte for byte (its SHA-256 is checked on the device).
+parts are cut anew on every ``prepare`` (the tree or the other carries may have changed size); reassembling the
+parts in order gives the GGUF byte for byte (its SHA-256 is checked on the device).
 """
 
 from __future__ import annotations
@@ -44,20 +45,21 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def split_file(src: Path, root: Path, size: int) -> dict:
-    """Cut ``src`` into ``.gpu/pNN/<name>.partNN`` of at most ``size`` bytes; returns (and writes) parts.json."""
+def split_file(src: Path, root: Path, sizes: int | list[int]) -> dict:
+    """Cut ``src`` into ``.gpu/pNN/<name>.partNN`` of ``sizes`` bytes in order (an int: all of that size, the last
+    shorter); returns (and writes) parts.json."""
     carry = root / plan.CARRY_DIR
     for old in carry.glob("p[0-9][0-9]"):
         shutil.rmtree(old)
     parts = []
+    sizes = [sizes] if isinstance(sizes, int) else list(sizes)
     with src.open("rb") as f:
-        while data := f.read(size):
+        while data := f.read(sizes[min(len(parts), len(sizes) - 1)]):
             d, name = carry / f"p{len(parts) + 1:02d}", f"{src.name}.part{len(parts) + 1:02d}"
             d.mkdir(parents=True)
             (d / name).write_bytes(data)
             parts.append({"dir": d.name, "file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    manifest = {"file": src.name, "bytes": src.stat().st_size, "sha256": sha256(src), "part_bytes": size,
-                "parts": parts}
+    manifest = {"file": src.name, "bytes": src.stat().st_size, "sha256": sha256(src), "parts": parts}
     text = json.dumps(manifest, indent=1) + "\n"
     for d in [carry] + [carry / p["dir"] for p in parts]:
         (d / "parts.json").write_text(text)
@@ -132,15 +134,15 @@ def prepare(root: Path, gguf: Path | None = None, target="smollm2-135m", wheels:
         log(f"reference logits of {target} on the CPU -> {plan.REF_DIR}/ref.pt")
         make_ref(root, target, shared)
     tree = plan.travelling_bytes(root)
-    size = plan.part_bytes(root, tree)
-    if size < 4 * plan.MIB:
-        raise RetrospecError(f"the travelling tree is {tree / plan.MIB:.1f} MiB: only {size / plan.MIB:.1f} MiB "
-                             "left per call for the model; shrink the tree (untracked files?) first")
-    manifest = split_file(Path(gguf), root, size)
-    log(f"{gguf.name}: {manifest['bytes'] / plan.MIB:.1f} MiB in {len(manifest['parts'])} parts of "
-        f"<= {size / plan.MIB:.1f} MiB (tree {tree / plan.MIB:.1f} MiB)")
+    sizes = plan.part_sizes(root, tree, Path(gguf).stat().st_size)
+    if not sizes or len(sizes) > 12:
+        raise RetrospecError(f"the travelling tree is {tree / plan.MIB:.1f} MiB: too little is left per call for the "
+                             "model; run 'retrospec gpu slim' or shrink the tree (untracked files?) first")
+    manifest = split_file(Path(gguf), root, sizes)
+    log(f"{gguf.name}: {manifest['bytes'] / plan.MIB:.1f} MiB in {len(sizes)} parts of "
+        f"{', '.join(f'{b / plan.MIB:.1f}' for b in sizes)} MiB (tree {tree / plan.MIB:.1f} MiB)")
     if missing:
         log("wheels the GPU machine lacks, not in .whl/ yet (fetch them here, where pip reaches PyPI):")
         for w in missing:
             log(f"  {PIP} {w}")
-    return {"tree_bytes": tree, "part_bytes": size, "parts": len(manifest["parts"]), "missing_wheels": missing}
+    return {"tree_bytes": tree, "part_bytes": sizes, "parts": len(manifest["parts"]), "missing_wheels": missing}

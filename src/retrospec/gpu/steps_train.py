@@ -57,7 +57,7 @@ def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max
 
 
 def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".gpu/ref"),
-              corpus_share: float = 0.45) -> int:
+              corpus_share: float = 0.4) -> int:
     from ..bench.tasks import load_prompts, preset
     from ..drafters.longspec import load_block
     from ..generations import read_corpus
@@ -87,7 +87,7 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     del target
     records = res.part("corpus_records", lambda: len(read_corpus(corpus))) if manifest else None
     block_dir = work / "block"
-    train_s = res.left() - (5 if dry_run else 65)  # the evaluation's share and a margin
+    train_s = res.left() - (5 if dry_run else 45)  # the evaluation's share and a margin
     if records and train_s > (0 if dry_run else 30):
         cfg = DistillConfig(target=name, corpus=str(corpus), out=str(block_dir),
                             init=None if bundled is None else str(bundled),
