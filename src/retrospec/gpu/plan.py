@@ -66,10 +66,10 @@ SPECS = {
     "stage": StepSpec("stage", 20, 60, 0.4, "stage.json (which GGUF parts are staged on the machine)"),
     "model": StepSpec("model", 75, 160, 1.5, "model.json (GGUF reassembled, SHA-256, converted; logits vs the CPU's "
                       "reference, fp32 and bf16), model.log", (REF_DIR,)),
-    "bench": StepSpec("bench", 180, 270, 3.7, "bench.json (methods x chat/code/long-code x fp32/bf16: tokens/s, "
+    "bench": StepSpec("bench", 210, 300, 4.2, "bench.json (methods x chat/code/long-code x fp32/bf16: tokens/s, "
                       "speedup, tau, lossless; profile on CUDA), bench.log", (REF_DIR,),
                       ("smollm2-135m-draft", "smollm2-135m-longspec")),
-    "train": StepSpec("train", 190, 280, 3.8, "train.json (corpus tokens, LongSpec retrained on it: loss, "
+    "train": StepSpec("train", 160, 250, 3.4, "train.json (corpus tokens, LongSpec retrained on it: loss, "
                       "agreement), block files (int8, <= 16 MiB each), train.log", (REF_DIR,),
                       ("smollm2-135m-longspec",)),
     "kernels": StepSpec("kernels", 100, 180, 2.0, "kernels.json (hybrid tree attention PyTorch/Triton vs masked SDPA "

@@ -175,7 +175,7 @@ def prompt_sets(target, dry_run: bool, ref_dir: Path) -> dict[str, tuple[list[di
     functions), long (``lcc``: 4K-7K-token code files)."""
     from ..bench.tasks import lcc_prompts, load_prompts, preset
 
-    n = 1 if dry_run else 5
+    n = 1 if dry_run else 3  # a 15-minute session: 3 prompts a set, so that the bf16 cells fit too
     sets = {}
     if getattr(target.tokenizer, "chat_template", None):
         sets["chat"] = (preset("chat", n), True)
