@@ -84,6 +84,8 @@ def bench_section(r: dict) -> tuple[str, list[str]]:
         low = cell.endswith("bfloat16")  # bf16 rounding differs by shape: divergence from ar is expected
         lines += [f"**{cell}** ({got['prompts']} prompts)" + (" (identical to ar: informational in bfloat16)"
                                                               if low else ""), ""]
+        if got.get("engine"):  # the target's verification path: mode, attention, hybrid_min_length on CUDA
+            lines += ["engine: " + ", ".join(f"{k} {v}" for k, v in got["engine"].items()), ""]
         lines += table(["method", "tokens/s", "speedup", "τ", "acceptance", "tokens/forward",
                         "same as ar" if low else "lossless"],
                        [[s[k] for k in ("method", "tokens_per_s", "speedup", "mean_accepted_tokens", "acceptance_rate",

@@ -221,9 +221,10 @@ def run_bench_step(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Pa
                 continue
             got = run_cell(res, cell, target, draft, prompts, cell_methods, {"target": name, "stores": stores},
                            {"max_new_tokens": max_new, "chat": chat, "warmup": not dry_run})
-            if got is not None:
+            if got is not None:  # "engine": what verified (on CUDA: hybrid tree + Triton from a measured length?)
                 res.figures["cells"][cell] = {"prompts": len(prompts), "summary": [_row(s, got) for s in
-                                                                                   got["summary"]]}
+                                                                                   got["summary"]],
+                                              "engine": got.get("config", {}).get("engine")}
     if res.left() > (1 if dry_run else 40):
         kw = dict(contexts=(64,), tokens=(1, 2), reps=1, plain=False, trees=False) if dry_run else dict(
             contexts=(300, 2000), tokens=(1, 2, 4, 8, 16), reps=7)
