@@ -194,8 +194,8 @@ def test_on_cuda_with_triton_the_engine_verifies_through_hybrid_tree_attention(m
     equals the oracle, and the caller's model is unchanged."""
     calls = []
     monkeypatch.setattr(engine_mod, "_on_cuda", lambda device: True)
-    monkeypatch.setattr(hybrid_tree, "triton_ready", lambda device, dtype: True)
-    monkeypatch.setattr(hybrid_tree, "use_triton", lambda query: True)
+    monkeypatch.setattr(hybrid_tree, "triton_ready", lambda device, dtype, *dims: True)
+    monkeypatch.setattr(hybrid_tree, "use_triton", lambda query, value: True)
     monkeypatch.setattr(hybrid_tree_triton, "tree_attention_triton", _stand_in_kernel(calls))
     monkeypatch.setattr(engine_mod, "hybrid_min_length", lambda *shape: 12)
     target, draft = sharpen(tiny_llama(seed=3, layers=2)), tiny_llama(seed=4, layers=1)
@@ -220,13 +220,22 @@ def test_on_cuda_with_triton_the_engine_verifies_through_hybrid_tree_attention(m
     assert _snapshot(target) == before
 
 
-@pytest.mark.parametrize("why", ["self-check", "never-faster"])
+@pytest.mark.parametrize("why", ["self-check", "never-faster", "timing-fails"])
 def test_on_cuda_without_a_working_kernel_or_a_win_the_model_runs_as_it_is(monkeypatch, why):
+    def timing(*shape):
+        if why == "timing-fails":
+            raise RuntimeError("CUDA out of memory")
+        return None
+
     monkeypatch.setattr(engine_mod, "_on_cuda", lambda device: True)
-    monkeypatch.setattr(hybrid_tree, "triton_ready", lambda device, dtype: why != "self-check")
-    monkeypatch.setattr(engine_mod, "hybrid_min_length", lambda *shape: None)
+    monkeypatch.setattr(hybrid_tree, "triton_ready", lambda device, dtype, *dims: why != "self-check")
+    monkeypatch.setattr(engine_mod, "hybrid_min_length", timing)
     target = tiny_llama(seed=3, layers=1)
-    engine = engine_for(target)
+    if why == "timing-fails":
+        with pytest.warns(RuntimeWarning, match="out of memory"):
+            engine = engine_for(target)
+    else:
+        engine = engine_for(target)
     assert engine.mode == "off" and engine.module is target
 
 

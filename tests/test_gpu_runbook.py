@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -84,13 +85,48 @@ def test_slim_keeps_heavy_bundled_files_out_of_the_tree_until_undone(tmp_path):
     assert _git(root, "check-ignore", "-q", big).returncode == 0  # so a call can carry it
     refused = _git(root, "commit", "-qm", "would delete the weights")
     assert refused.returncode != 0 and "make gpu-done" in refused.stderr
+    shutil.rmtree(root / ".gpu", ignore_errors=True)  # the record lives in git's own directory
     assert slim.unslim(root) == [big] and slim.unslim(root) == []
     assert _git(root, "status", "--porcelain").stdout == ""  # index and exclude as before
     assert not (hooks / "pre-commit").exists() and slim.slimmed(root) == []
-    (hooks / "pre-commit").write_text("#!/bin/sh\nexit 0\n")  # someone's own hook is neither replaced nor removed
-    slim.slim(root)
+    (hooks / "pre-commit").write_text("#!/bin/sh\nexit 0\n")  # someone's own hook would let a deletion through:
+    with pytest.raises(RetrospecError, match="pre-commit exists"):  # refused, and left as it is
+        slim.slim(root)
+    assert (hooks / "pre-commit").read_text() == "#!/bin/sh\nexit 0\n" and slim.slimmed(root) == []
+
+
+def test_unslim_restores_staged_edits_and_a_half_done_slim_is_finished(tmp_path):
+    root = _git_root(tmp_path)
+    _committed_zoo(root)
+    big = root / plan.ZOO / "m" / "model.safetensors"
+    big.write_bytes(os.urandom(slim.MIN_BYTES + 20))
+    _git(root, "add", str(big))  # a staged edit...
+    big.write_bytes(os.urandom(slim.MIN_BYTES + 30))  # ...and a newer one on disk (git rm --cached alone refuses)
+    before = _git(root, "status", "--porcelain").stdout
+    staged = _git(root, "ls-files", "-s").stdout
+    real_git = slim._git
+    calls = []
+
+    def crash_before_rm(r, *args, **kw):  # killed after the record, before the index changed
+        calls.append(args[0])
+        if args[0] == "rm":
+            raise KeyboardInterrupt
+        return real_git(r, *args, **kw)
+
+    slim._git = crash_before_rm
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            slim.slim(root)
+    finally:
+        slim._git = real_git
+    assert "rm" in calls and slim.slimmed(root) == [f"{plan.ZOO}/m/model.safetensors"]
+    assert slim.slim(root) == slim.slimmed(root)  # the next run finishes it
+    assert f"{plan.ZOO}/m/model.safetensors" not in _git(root, "ls-files").stdout
+    exclude = root / ".git" / "info" / "exclude"
+    exclude.write_text(exclude.read_text().replace(slim.END + "\n", ""))  # someone cut the block's end
     slim.unslim(root)
-    assert (hooks / "pre-commit").read_text() == "#!/bin/sh\nexit 0\n"
+    assert _git(root, "ls-files", "-s").stdout == staged and _git(root, "status", "--porcelain").stdout == before
+    assert slim.BEGIN not in exclude.read_text() and plan.ZOO not in exclude.read_text()
 
 
 def test_carry_folders_are_ignored_by_git():

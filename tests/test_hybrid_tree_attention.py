@@ -273,7 +273,7 @@ def test_tree_part_dispatches_plain_masks_to_the_triton_kernel(monkeypatch):
         out, lse = hybrid_tree.tree_attention(q, k, v, mask, scaling)
         return out.to(q.dtype), lse
 
-    monkeypatch.setattr(hybrid_tree, "use_triton", lambda query: True)
+    monkeypatch.setattr(hybrid_tree, "use_triton", lambda query, value: True)
     monkeypatch.setattr(hybrid_tree_triton, "tree_attention_triton", kernel)
     gen = torch.Generator().manual_seed(5)
     block = tree_block(random_parents(9, gen))  # [q, q] bool
@@ -291,9 +291,9 @@ def test_tree_part_dispatches_plain_masks_to_the_triton_kernel(monkeypatch):
     want = sdpa_attention_forward(fake_module(h, kvh), query, key, value, biased, scaling=0.2)[0]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
     assert len(calls) == 2
-    assert hybrid_tree.use_triton(query) is True  # (patched); unpatched, CPU tensors never take the kernel:
+    assert hybrid_tree.use_triton(query, value) is True  # (patched); unpatched, CPU tensors never take the kernel:
     monkeypatch.undo()
-    assert hybrid_tree.use_triton(query) is False
+    assert hybrid_tree.use_triton(query, value) is False
 
 
 @pytest.mark.parametrize("kernel", ["raises", "wrong", "right"])

@@ -106,14 +106,16 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     return torch.lerp(out_b, out_a, w)  # out_b + w * (out_a - out_b) = w * out_a + (1 - w) * out_b
 
 
-def triton_self_check(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton kernel runs on ``device`` in ``dtype`` and equals ``tree_attention`` on a random GQA tree
-    with an empty row (the cases the verifier sends); any failure is False."""
+def triton_self_check(device: torch.device, dtype: torch.dtype, head_dim: int = 64, value_dim: int | None = None
+                      ) -> bool:
+    """Whether the Triton kernel runs on ``device`` in ``dtype`` at these head sizes and equals ``tree_attention`` on
+    a random GQA tree with an empty row (the cases the verifier sends); any failure is False."""
     if not hybrid_tree_triton.available():
         return False
     gen = torch.Generator().manual_seed(0)
-    q, h, kvh, d = 9, 4, 2, 64
-    query, key, value = (torch.randn(1, n, q, d, generator=gen).to(device, dtype) for n in (h, kvh, kvh))
+    q, h, kvh = 9, 4, 2
+    query, key = (torch.randn(1, n, q, head_dim, generator=gen).to(device, dtype) for n in (h, kvh))
+    value = torch.randn(1, kvh, q, value_dim or head_dim, generator=gen).to(device, dtype)
     parents = [-1, 0, 0, 1, 1, 2, 3, 6]  # the root's 8 descendants, two branches
     mask = torch.eye(q, dtype=torch.bool)
     for i, p in enumerate(parents, start=1):
@@ -137,14 +139,15 @@ def triton_self_check(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def triton_ready(device: torch.device, dtype: torch.dtype) -> bool:
-    """``triton_self_check``, once per device and dtype."""
-    return triton_self_check(device, dtype)
+def triton_ready(device: torch.device, dtype: torch.dtype, head_dim: int = 64, value_dim: int | None = None) -> bool:
+    """``triton_self_check``, once per device, dtype and head sizes."""
+    return triton_self_check(device, dtype, head_dim, value_dim)
 
 
-def use_triton(query: torch.Tensor) -> bool:
-    """Whether the tree part runs the Triton kernel: on CUDA tensors, when the kernel passed its self-check there."""
-    return query.is_cuda and triton_ready(query.device, query.dtype)
+def use_triton(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the tree part runs the Triton kernel: on CUDA tensors, when the kernel passed its self-check there at
+    these head sizes."""
+    return query.is_cuda and triton_ready(query.device, query.dtype, query.shape[-1], value.shape[-1])
 
 
 def binary_block(block: torch.Tensor) -> torch.Tensor | None:
@@ -164,7 +167,7 @@ def tree_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``tree_attention``, dispatched to the Triton kernel (``hybrid_tree_triton``, same contract) when
     ``use_triton`` holds and the block is a plain mask; out [b, h, q, dv] float32, lse [b, h, q]."""
-    mask = binary_block(block) if use_triton(query) else None  # [mb, q, q] bool or None
+    mask = binary_block(block) if use_triton(query, value) else None  # [mb, q, q] bool or None
     if mask is None:
         return tree_attention(query, key, value, block, scaling)
     out, lse = hybrid_tree_triton.tree_attention_triton(query, key, value, mask, scaling)

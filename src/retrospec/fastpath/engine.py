@@ -22,6 +22,7 @@ import copy
 import functools
 import itertools
 import types
+import warnings
 import weakref
 
 import torch
@@ -145,12 +146,18 @@ class EngineModel:
         mode ``off`` (the model as it is) when Triton fails its self-check or hybrid never wins."""
         self.mode = "off"
         cfg, dtype = model.config, next(model.parameters()).dtype
-        if getattr(cfg, "_attn_implementation", None) != "sdpa" or not hybrid_tree.triton_ready(device, dtype):
-            return
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        min_length = hybrid_min_length(heads, kv_heads, head_dim, dtype, device)
+        if (getattr(cfg, "_attn_implementation", None) != "sdpa"
+                or not hybrid_tree.triton_ready(device, dtype, head_dim, head_dim)):
+            return
+        try:
+            min_length = hybrid_min_length(heads, kv_heads, head_dim, dtype, device)
+        except Exception as exc:  # out of memory at 16K keys, a kernel that fails at a length: keep the model as it is
+            warnings.warn(f"hybrid tree attention not timed on {device}: {type(exc).__name__}: {exc}; verifying "
+                          "with the model's own attention", RuntimeWarning, stacklevel=2)
+            return
         if min_length is None:
             return
         clone = _private_copy(model)

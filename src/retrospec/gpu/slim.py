@@ -9,9 +9,12 @@ git's index (``git rm --cached``: the file stays on disk, untouched) and lists i
 ~3 MiB and the GGUF goes in two parts.
 
 Invariants (tested on a scratch repository): files on disk are never touched; ``unslim`` restores exactly the index
-entries ``slim`` removed (``git reset -- paths``, from HEAD) and the exclude file as it was; while slim, a
-``pre-commit`` hook refuses every commit (one would delete the weights from the repository); both are idempotent.
-The list of slimmed paths is ``.gpu/slim.json``.
+entries ``slim`` removed (mode, blob and path, recorded before any change: a staged edit comes back staged) and the
+exclude file as it was, and fails loudly if a path is not back; while slim, a ``pre-commit`` hook refuses every commit
+(one would delete the weights from the repository), and ``slim`` refuses to start when someone else's hook is in the
+way; both are idempotent, and a ``slim`` interrupted half-way is finished by the next one. The record
+(``info/retrospec-slim.json`` in git's own directory, beside the exclude file and the hook: ``rm -rf .gpu`` or
+``git clean`` cannot lose it) names the worktree that was slimmed; ``unslim`` elsewhere refuses.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..errors import RetrospecError
 
 ZOO = "src/retrospec/zoo"
 MIN_BYTES = 1 << 20
-LIST = ".gpu/slim.json"
+RECORD = "info/retrospec-slim.json"  # under git's common directory (``git rev-parse --git-path``)
 BEGIN, END = "# retrospec gpu slim: begin", "# retrospec gpu slim: end"
 HOOK = """#!/bin/sh
 # retrospec gpu slim
@@ -33,8 +36,8 @@ exit 1
 """
 
 
-def _git(root: Path, *args: str) -> str:
-    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+def _git(root: Path, *args: str, stdin: str | None = None) -> str:
+    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, input=stdin)
     if proc.returncode:
         raise RetrospecError(f"git {args[0]} failed in {root}: {(proc.stderr or proc.stdout).strip()[:300]}")
     return proc.stdout
@@ -44,10 +47,15 @@ def _git_path(root: Path, rel: str) -> Path:
     return root / _git(root, "rev-parse", "--git-path", rel).strip()
 
 
+def _record(root: Path) -> dict | None:
+    path = _git_path(root, RECORD)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def slimmed(root: Path) -> list[str]:
-    """The paths ``slim`` took out of the index ([] when the tree is whole)."""
-    path = root / LIST
-    return json.loads(path.read_text())["paths"] if path.is_file() else []
+    """The paths ``slim`` took out of this worktree's index ([] when the tree is whole)."""
+    rec = _record(root)
+    return rec["paths"] if rec and Path(rec["worktree"]) == root.resolve() else []
 
 
 def heavy_files(root: Path) -> list[str]:
@@ -57,10 +65,16 @@ def heavy_files(root: Path) -> list[str]:
 
 
 def _set_exclude(root: Path, paths: list[str]) -> None:
+    """Replace the block between BEGIN and END (a lost END: the zoo lines after BEGIN) by ``paths``' block."""
     exclude = _git_path(root, "info/exclude")
     lines = exclude.read_text().splitlines() if exclude.is_file() else []
     if BEGIN in lines:
-        lines = lines[:lines.index(BEGIN)] + lines[lines.index(END) + 1:]
+        start = lines.index(BEGIN)
+        stop = start + 1
+        while stop < len(lines) and lines[stop].startswith(f"/{ZOO}/"):
+            stop += 1
+        stop += stop < len(lines) and lines[stop] == END
+        lines = lines[:start] + lines[stop:]
     if paths:
         lines += [BEGIN, *(f"/{p}" for p in paths), END]
     exclude.parent.mkdir(parents=True, exist_ok=True)
@@ -69,31 +83,47 @@ def _set_exclude(root: Path, paths: list[str]) -> None:
 
 def slim(root: Path) -> list[str]:
     """Take the heavy bundled files out of the index (see the module docstring); returns their paths."""
-    if done := slimmed(root):
-        return done
-    paths = heavy_files(root)
-    if not paths:
-        return []
-    (root / LIST).parent.mkdir(parents=True, exist_ok=True)
-    (root / LIST).write_text(json.dumps({"paths": paths}, indent=1) + "\n")  # first: unslim knows what to restore
-    _set_exclude(root, paths)
+    root = root.resolve()
+    rec = _record(root)
+    if rec and Path(rec["worktree"]) != root:
+        raise RetrospecError(f"{rec['worktree']} is slim: run 'make gpu-done' there first")
     hook = _git_path(root, "hooks/pre-commit")
-    if not hook.exists():
-        hook.parent.mkdir(parents=True, exist_ok=True)
-        hook.write_text(HOOK)
-        hook.chmod(0o755)
-    _git(root, "rm", "-q", "--cached", "--", *paths)
-    return paths
+    if hook.exists() and hook.read_text() != HOOK:
+        raise RetrospecError(f"{hook} exists: it would not stop a commit that deletes the weights; move it aside "
+                             "for the GPU session")
+    if rec is None:
+        paths = heavy_files(root)
+        if not paths:
+            return []
+        entries = _git(root, "ls-files", "-s", "--", *paths)  # "mode blob stage\tpath" lines, as they are now
+        rec = {"worktree": str(root), "paths": paths, "entries": entries}
+        path = _git_path(root, RECORD)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rec, indent=1) + "\n")  # first: an interrupted slim is finished or undone from it
+    _set_exclude(root, rec["paths"])
+    hook.parent.mkdir(parents=True, exist_ok=True)
+    hook.write_text(HOOK)
+    hook.chmod(0o755)
+    _git(root, "rm", "-q", "-f", "--cached", "--ignore-unmatch", "--", *rec["paths"])  # the record restores any edit
+    return rec["paths"]
 
 
 def unslim(root: Path) -> list[str]:
-    """Put the slimmed paths back into the index from HEAD, drop the exclude block and the hook; returns the paths."""
-    paths = slimmed(root)
-    if paths:
-        _git(root, "reset", "-q", "--", *paths)
+    """Put the recorded index entries back, drop the exclude block and the hook; returns the paths."""
+    root = root.resolve()
+    rec = _record(root)
+    if rec is None:
+        return []
+    if Path(rec["worktree"]) != root:
+        raise RetrospecError(f"{rec['worktree']} is slim, not {root}: run 'make gpu-done' there")
+    _git(root, "update-index", "--add", "--index-info", stdin=rec["entries"])
+    missing = set(rec["paths"]) - set(_git(root, "ls-files", "-z", "--", *rec["paths"]).split("\0"))
+    if missing:
+        raise RetrospecError(f"not back in git's index: {', '.join(sorted(missing))} (the hook stays; restore them "
+                             "with 'git reset -q -- src/retrospec/zoo')")
     _set_exclude(root, [])
     hook = _git_path(root, "hooks/pre-commit")
     if hook.is_file() and hook.read_text() == HOOK:
         hook.unlink()
-    (root / LIST).unlink(missing_ok=True)
-    return paths
+    _git_path(root, RECORD).unlink()
+    return rec["paths"]
