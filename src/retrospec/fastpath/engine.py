@@ -146,7 +146,9 @@ class EngineModel:
         mode ``off`` (the model as it is) when Triton fails its self-check or hybrid never wins."""
         self.mode = "off"
         cfg, dtype = model.config, next(model.parameters()).dtype
-        heads = cfg.num_attention_heads
+        heads = getattr(cfg, "num_attention_heads", None)
+        if not heads or not getattr(cfg, "hidden_size", None):  # not a shape the timing can stand in for
+            return
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         if (getattr(cfg, "_attn_implementation", None) != "sdpa"
@@ -160,7 +162,8 @@ class EngineModel:
             return
         if min_length is None:
             return
-        clone = _private_copy(model)
+        with torch.inference_mode(False), torch.no_grad():
+            clone = _private_copy(model)
         if not hybrid_tree.enable(clone):
             return
         setattr(clone.config, hybrid_tree.MIN_LENGTH, min_length)
