@@ -190,6 +190,7 @@ def check_plan(calls: list[Call], tree: int) -> list[str]:
 
 
 def render(calls: list[Call], tree: int, root: Path) -> str:
+    slim = slimmed(root)
     lines = [
         "# retrospec GPU runbook: device `run` calls, in order, back to back (a machine stays warm 30 s)",
         f"# travelling tree: {tree / MIB:.1f} MiB of {TRAVEL_MAX // MIB} MiB; the GGUF in "
@@ -197,7 +198,7 @@ def render(calls: list[Call], tree: int, root: Path) -> str:
         + ("" if read_parts(root) is not None else " (projected: run 'make gpu' first to make .gpu/ and .whl/)"),
         f"# expected device time: ~{expected_minutes(calls):.1f} min (a ~{START_MIN} min machine start, the calls, "
         f"~{GAP_MIN} min between calls; session: {SESSION_S // 60} min); the optional calls only with time to spare; "
-        "bundled weights " + (f"slimmed ({len(slimmed(root))} files travel only when carried)" if slimmed(root)
+        "bundled weights " + (f"slimmed ({len(slim)} files travel only when carried)" if slim
                               else "in the tree (run 'retrospec gpu slim', as 'make gpu' does)"),
         "# after each call, in the same turn as the next call (no pause: the gaps count and the machine cools in 30 s):"
         " copy the files from files_at into runs/gpu/<step>/; at the end: retrospec gpu report runs/gpu/* > "

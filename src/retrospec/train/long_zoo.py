@@ -337,6 +337,7 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
     if cfg.eval_n:
         manifest["target_long"]["accuracy"] = eval_tasks(target, tok, cfg.eval_lengths, cfg.eval_n)
         log(f"target-long accuracy: {manifest['target_long']['accuracy']}")
+    target.to(torch.float16).to(torch.float32)  # the weights target-long ships (float16): what the draft distils from
     student = None
     if cfg.draft_steps > 0 or cfg.draft_seconds > 0:
         student = _load(cfg.init_draft) if cfg.init_draft else _shrunk_draft(_load(base / "draft"),
