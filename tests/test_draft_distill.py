@@ -59,6 +59,14 @@ def test_distil_on_a_tiny_corpus_saves_a_lossless_draft(saved_models, tmp_path):
     assert got == want
     with pytest.raises(RetrospecError, match="already exists"):
         check_config(cfg)
+    # --keep-vocab: a further pass from the distilled draft keeps its ids whatever --vocab says
+    kept = DraftDistillConfig(**{**cfg.__dict__, "out": str(tmp_path / "kept"), "init": str(out), "vocab": 8,
+                                 "keep_vocab": True, "max_tokens": 100, "curve": ()})
+    distill_draft(kept, log=lambda *_: None, target=target)
+    assert load_model(tmp_path / "kept", role="draft").vocab_map.tolist() == ids
+    with pytest.raises(RetrospecError, match="no draft_vocab.json"):
+        distill_draft(DraftDistillConfig(**{**kept.__dict__, "out": str(tmp_path / "k2"),
+                                            "init": str(saved_models.draft)}), log=lambda *_: None, target=target)
 
 
 def test_cli_refuses_bad_input(cli, saved_models, tmp_path):

@@ -88,6 +88,14 @@ def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path)
     assert all(p.dtype == torch.float32 for p in followed.parameters())
     with pytest.raises(RetrospecError, match="--seconds"):
         check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"), "follow": True}))
+    # --keep-vocab: a further pass from the distilled block keeps its draft vocabulary whatever --draft-vocab says
+    kept = DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "kept"), "init": str(out), "draft_vocab": 8,
+                            "keep_vocab": True, "max_tokens": 60, "curve": ()})
+    m3 = distill_longspec(kept, log=lambda *_: None, target=target)
+    assert m3["draft_vocab"] == 24
+    assert load_longspec(tmp_path / "kept", target).vocab.tolist() == block.vocab.tolist()
+    with pytest.raises(RetrospecError, match="--keep-vocab.*--init"):
+        check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"), "keep_vocab": True}))
     with pytest.raises(RetrospecError, match="--precision"):
         check_config(DistillConfig(**{**dc.__dict__, "out": str(tmp_path / "x"), "precision": "fp8"}))
     # several corpora, comma-separated: read in the order given; each must exist

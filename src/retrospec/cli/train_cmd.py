@@ -138,6 +138,9 @@ def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, 
     p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="training forwards in float32 or under bfloat16 autocast; auto (default) times one batch "
                         "both ways here and keeps the faster")
+    p.add_argument("--keep-vocab", action="store_true",
+                   help="keep --init's draft vocabulary instead of re-choosing it from this corpus (for a corpus "
+                        "still small, or followed from its first shard)")
     add_common(p)
     return p
 

@@ -48,6 +48,7 @@ class DraftDistillConfig:
     out: str  # draft directory to create
     init: str  # the draft to start from (name or directory)
     vocab: int = 12288  # draft vocabulary size (target ids, frequency-ranked on the training records)
+    keep_vocab: bool = False  # keep the init draft's vocabulary instead of re-choosing it from the corpus
     max_len: int = 768
     batch_tokens: int = 4096
     heldout: float = 0.06
@@ -135,7 +136,9 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
                              f"{V}")
     eos = set(loaded.eos_ids()) if hasattr(loaded, "eos_ids") else set()
     specials = {i for i in (getattr(loaded.tokenizer, "all_special_ids", None) or []) if i is not None}
-    new_ids = sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))
+    if cfg.keep_vocab and init.vocab_map is None:
+        raise RetrospecError(f"--keep-vocab: draft {cfg.init} has no draft_vocab.json; it drafts over every id")
+    new_ids = old_ids if cfg.keep_vocab else sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))
     device = tmodel.get_output_embeddings().weight.device  # the draft trains beside the target (CPU or CUDA)
     vmap = VocabMap(new_ids, V).to(device)
     draft = revocab(init.model, old_ids, new_ids, tmodel).to(device)

@@ -67,6 +67,7 @@ class DistillConfig:
     out: str  # block directory to create
     init: str | None = None  # block to start from (name / directory); None: a fresh identity-initialised block
     draft_vocab: int = 16384  # 0: the full head
+    keep_vocab: bool = False  # keep the init block's draft vocabulary instead of re-choosing it from the corpus
     max_len: int = 768
     batch_tokens: int = 4096
     heldout: float = 0.04
@@ -308,6 +309,8 @@ def check_config(cfg: DistillConfig) -> None:
     check_distill(cfg, cfg.draft_vocab >= 0, "--draft-vocab >= 0")
     if cfg.noisy_max < 1 or not 0 <= cfg.anchor_share <= 1:
         raise RetrospecError("need --noisy-max >= 1 and an anchor share in [0, 1]")
+    if cfg.keep_vocab and not cfg.init:
+        raise RetrospecError("--keep-vocab keeps the --init block's draft vocabulary: give --init")
     if cfg.follow and cfg.seconds is None:
         raise RetrospecError("--follow trains until --seconds run out: give --seconds")
 
@@ -368,7 +371,11 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     block = load_block(cfg.init, target) if cfg.init else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
-    block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size) if cfg.draft_vocab else None)
+    if not cfg.keep_vocab:
+        block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size) if cfg.draft_vocab else None)
+    elif block.vocab is None:
+        raise RetrospecError(f"--keep-vocab: block {cfg.init} drafts over the full head; it has no draft vocabulary "
+                             "to keep")
     pad = eos and min(eos) or 0
     total_out = sum(len(r["output_ids"]) for r in train)
     budget = cfg.max_tokens or (10**12 if cfg.follow else total_out)
