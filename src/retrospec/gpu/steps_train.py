@@ -91,6 +91,8 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     if records and train_s > (0 if dry_run else 30):
         cfg = DistillConfig(target=name, corpus=str(corpus), out=str(block_dir),
                             init=None if bundled is None else str(bundled),
+                            # a bundled block's vocabulary was ranked on a larger corpus than one call writes
+                            keep_vocab=bundled is not None and (Path(bundled) / "draft_vocab.json").is_file(),
                             draft_vocab=64 if dry_run else 16384, max_len=64 if dry_run else 768,
                             batch_tokens=128 if dry_run else 16384, heldout=0.3 if dry_run else 0.04,
                             eval_records=4 if dry_run else 96, seconds=train_s, curve=(64,) if dry_run else
