@@ -152,7 +152,7 @@ class EngineModel:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         if (getattr(cfg, "_attn_implementation", None) != "sdpa"
-                or not hybrid_tree.triton_ready(device, dtype, head_dim, head_dim)):
+                or not hybrid_tree.triton_ready(device, dtype, head_dim, head_dim)):  # use_triton's cache key
             return
         try:
             min_length = hybrid_min_length(heads, kv_heads, head_dim, dtype, device)

@@ -62,7 +62,7 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     from ..drafters.longspec import load_block
     from ..generations import read_corpus
     from ..models import load_model, paired_longspec
-    from ..models.longspec.checkpoint import save_longspec
+    from ..models.longspec.checkpoint import VOCAB_FILE, save_longspec
     from ..train.longspec_distill import DistillConfig, distill_longspec
 
     res, device = common.start("train", dry_run, budget_s)
@@ -92,7 +92,7 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
         cfg = DistillConfig(target=name, corpus=str(corpus), out=str(block_dir),
                             init=None if bundled is None else str(bundled),
                             # a bundled block's vocabulary was ranked on a larger corpus than one call writes
-                            keep_vocab=bundled is not None and (Path(bundled) / "draft_vocab.json").is_file(),
+                            keep_vocab=bundled is not None and (Path(bundled) / VOCAB_FILE).is_file(),
                             draft_vocab=64 if dry_run else 16384, max_len=64 if dry_run else 768,
                             batch_tokens=128 if dry_run else 16384, heldout=0.3 if dry_run else 0.04,
                             eval_records=4 if dry_run else 96, seconds=train_s, curve=(64,) if dry_run else
