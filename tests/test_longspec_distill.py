@@ -19,8 +19,8 @@ from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec
 from retrospec.train.common import pick_precision
 from retrospec.train.longspec_distill import (DistillConfig, check_config, corpus_records, coverage,
-                                              distill_longspec, frequency_vocab, heldout_sample, is_heldout,
-                                              make_batches, sequence_of)
+                                              distill_longspec, follow_corpora, frequency_vocab, heldout_sample,
+                                              is_heldout, make_batches, sequence_of)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -54,6 +54,20 @@ def tiny_corpus(target, out) -> None:
     rows = [PromptRow("stdlib", f"def f{i}(x):\n    return x * {i}\n\ndef g{i}(y", False) for i in range(12)]
     cfg = CorpusConfig(sources="test", temperatures=(0.0, 0.8), max_new_tokens=12, batch_size=6, shard_size=12)
     CorpusBuilder(target, rows, out, cfg).build(progress=False)
+
+
+def test_following_takes_new_records_from_every_corpus():
+    """--follow with --corpus A,B: new shards of A (not only of the last corpus) are taken, each record once, and a
+    corpus that appears later is read from its start."""
+    rec = lambda tag, i: {"prompt": f"{tag}{i}", "output_ids": [i]}  # noqa: E731
+    a, b = [rec("a", i) for i in range(5)], [rec("b", i) for i in range(3)]
+    seen = {"A": 3, "B": 2}
+    new, seen = follow_corpora(seen, [("A", a), ("B", b)])
+    assert [r["prompt"] for r in new] == ["a3", "a4", "b2"] and seen == {"A": 5, "B": 3}
+    new, seen = follow_corpora(seen, [("A", a), ("B", b)])
+    assert new == [] and seen == {"A": 5, "B": 3}
+    new, seen = follow_corpora(seen, [("A", a), ("B", b), ("C", [rec("c", 0)])])
+    assert [r["prompt"] for r in new] == ["c0"] and seen["C"] == 1
 
 
 def test_distill_on_a_tiny_corpus_saves_a_lossless_block(saved_models, tmp_path):

@@ -18,9 +18,10 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
 - **corpora**: ``corpus`` names one corpus directory or several, comma-separated, read in that order (a new corpus
   of new prompts extends an old one whose prompts ran out; the held-out sample stays the same);
 - **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs, taking the shards written since
-  the last pass; when too few are new, another pass over every training record so far (``tokens`` in the curve
-  counts tokens trained on, ``corpus_tokens`` the distinct corpus tokens behind them); the draft vocabulary and the
-  held-out set come from the records present at the start;
+  the last pass, in whichever corpus of the list they landed (``follow_corpora``); when too few are new, another
+  pass over every training record so far (``tokens`` in the curve counts tokens trained on, ``corpus_tokens`` the
+  distinct corpus tokens behind them); the draft vocabulary and the held-out set come from the records present at
+  the start (grow the last corpus listed to keep a later run's held-out sample the same);
 - **precision** (``train.common.pick_precision``): the training forwards run in float32 or under bfloat16 autocast,
   measured on the running machine by default (``auto``); the agreement is always measured in float32, as drafting
   runs;
@@ -132,11 +133,12 @@ def sequence_of(record: dict, max_len: int) -> tuple[list[int], int]:
 
 
 def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_records: int, target=None,
-               growing: bool = False):
+               growing: bool = False, parts: list[tuple[str, list[dict]]] | None = None):
     """What every distiller starts from: (training records, ``eval_records`` held-out records, all records with
     outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded.
-    The evaluated records: ``heldout_sample``; ``growing``: see ``corpus_records``."""
-    records = corpus_records(corpus, growing)
+    The evaluated records: ``heldout_sample``; ``growing``: see ``corpus_records``; ``parts``: ``corpus_parts``
+    already read (instead of reading ``corpus``)."""
+    records = corpus_records(corpus, growing) if parts is None else [r for _, part in parts for r in part]
     if not records:
         raise RetrospecError(f"corpus {corpus} holds no generated outputs yet")
     torch.manual_seed(seed)
@@ -154,16 +156,29 @@ def corpus_dirs(spec: str) -> list[str]:
     return [d for d in (part.strip() for part in str(spec).split(",")) if d]
 
 
-def corpus_records(spec: str, growing: bool = False) -> list[dict]:
-    """The records with outputs of every corpus in ``spec``, corpus after corpus (each in shard order): a held-out
-    sample, the first held-out records, stays the same when a corpus is appended to the list or grows at the end.
+def corpus_parts(spec: str, growing: bool = False) -> list[tuple[str, list[dict]]]:
+    """(directory, its records with outputs in shard order) for each corpus in ``spec``, in the order given.
     ``growing`` (``--follow``): the last corpus may be one ``corpus generate`` has only just started (its directory,
-    without a manifest until the first shard lands); it then adds no records."""
+    without a manifest until the first shard lands); it is then left out."""
     dirs = corpus_dirs(spec)
     last = Path(dirs[-1]) if dirs else None
     if growing and last is not None and last.is_dir() and not (last / MANIFEST).is_file():
         dirs = dirs[:-1]
-    return [r for d in dirs for r in read_corpus(d) if r.get("output_ids")]
+    return [(d, [r for r in read_corpus(d) if r.get("output_ids")]) for d in dirs]
+
+
+def corpus_records(spec: str, growing: bool = False) -> list[dict]:
+    """The records with outputs of every corpus in ``spec``, corpus after corpus (each in shard order): a held-out
+    sample, the first held-out records, stays the same when a corpus is appended to the list or the last one grows
+    (a corpus before it that grows puts its new held-out records ahead of the later corpora's)."""
+    return [r for _, part in corpus_parts(spec, growing) for r in part]
+
+
+def follow_corpora(seen: dict[str, int], parts: list[tuple[str, list[dict]]]) -> tuple[list[dict], dict[str, int]]:
+    """The records each corpus gained since ``seen`` (directory -> records read), corpus after corpus, and the new
+    counts: any corpus of the list may grow, not only the last."""
+    new = [r for d, part in parts for r in part[seen.get(d, 0):]]
+    return new, {**seen, **{d: len(part) for d, part in parts}}
 
 
 def teacher_forced(records: list[dict], max_len: int):
@@ -366,8 +381,9 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
 def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest."""
     check_config(cfg)
+    parts = corpus_parts(cfg.corpus, growing=cfg.follow)
     train, held, records, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
-                                                    target, growing=cfg.follow)
+                                                    target, growing=cfg.follow, parts=parts)
     block = load_block(cfg.init, target) if cfg.init else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
@@ -389,16 +405,17 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     first = first_batch(train, cfg)
     precision = pick_precision(cfg.precision, block.norm1.weight.device,
                                lambda: batch_loss(block, target, first, cfg, random.Random(0), pad, "float32"), log)
-    read, pool, unique = len(records), list(train), total_out  # corpus records read; training records; their tokens
+    pool, unique = list(train), total_out  # training records; their tokens
+    seen = {d: len(part) for d, part in parts}  # corpus directory -> records read
 
     def next_pass() -> list[dict] | None:
         """Following a corpus still being generated: the shards written since; with too few new tokens, another
         pass over every training record so far (``corpus_tokens`` counts each token once, ``tokens`` every pass)."""
-        nonlocal read, unique
+        nonlocal seen, unique
         if not cfg.follow:
             return None
-        latest = corpus_records(cfg.corpus, growing=True)  # only the last corpus listed may still be growing
-        fresh, read = [r for r in latest[read:] if not is_heldout(r, cfg.heldout)], len(latest)
+        new, seen = follow_corpora(seen, corpus_parts(cfg.corpus, growing=True))
+        fresh = [r for r in new if not is_heldout(r, cfg.heldout)]
         pool.extend(fresh)
         unique += sum(len(r["output_ids"]) for r in fresh)
         train = fresh if sum(len(r["output_ids"]) for r in fresh) >= 4 * cfg.batch_tokens else pool
@@ -414,7 +431,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
         p.requires_grad_(False)
     manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
                 "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
-                "corpus": {"path": cfg.corpus, "records": read, "heldout_records": len(held)},
+                "corpus": {"path": cfg.corpus, "records": sum(seen.values()), "heldout_records": len(held)},
                 "draft_vocab": block.draft_vocab_size, "heldout_coverage": held_coverage, "precision": precision,
                 **result}
     save_block(block, target, manifest, Path(cfg.out), cfg.storage)
