@@ -382,8 +382,8 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest."""
     check_config(cfg)
     parts = corpus_parts(cfg.corpus, growing=cfg.follow)
-    train, held, records, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
-                                                    target, growing=cfg.follow, parts=parts)
+    train, held, _, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
+                                              target, growing=cfg.follow, parts=parts)
     block = load_block(cfg.init, target) if cfg.init else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
