@@ -138,7 +138,7 @@ def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_rec
     outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded.
     The evaluated records: ``heldout_sample``; ``growing``: see ``corpus_records``; ``parts``: ``corpus_parts``
     already read (instead of reading ``corpus``)."""
-    records = corpus_records(corpus, growing) if parts is None else [r for _, part in parts for r in part]
+    records = [r for _, part in (corpus_parts(corpus, growing) if parts is None else parts) for r in part]
     if not records:
         raise RetrospecError(f"corpus {corpus} holds no generated outputs yet")
     torch.manual_seed(seed)
