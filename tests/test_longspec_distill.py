@@ -17,10 +17,10 @@ from retrospec.errors import RetrospecError
 from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
 from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec
-from retrospec.train.common import pick_precision
-from retrospec.train.longspec_distill import (DistillConfig, check_config, corpus_records, coverage,
+from retrospec.train.common import adamw, pick_precision, warmup_stable_decay
+from retrospec.train.longspec_distill import (RESUME_FILE, DistillConfig, check_config, corpus_records, coverage,
                                               distill_longspec, follow_corpora, frequency_vocab, heldout_sample,
-                                              is_heldout, make_batches, sequence_of)
+                                              is_heldout, load_stable_state, make_batches, sequence_of)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -148,3 +148,71 @@ def test_cli_refuses_bad_input(cli, saved_models, tmp_path):
               "--out", tmp_path / "b")
     assert run.rc == 2 and "corpus directory not found" in run.err and "\n" not in run.err.strip()
     assert not (tmp_path / "b").exists()
+    (tmp_path / "c").mkdir()
+    run = cli("train", "longspec-distill", "--target", saved_models.target, "--corpus", tmp_path / "c",
+              "--out", tmp_path / "b", "--schedule", "wsd", "--resume", tmp_path / "c")
+    assert run.rc == 2 and "no resume.pt" in run.err and "\n" not in run.err.strip()
+    assert not (tmp_path / "b").exists()
+
+
+def test_warmup_stable_decay_schedule():
+    lr = lambda x: warmup_stable_decay(x, 1.0, 0.1, 0.2)
+    assert lr(0.0) == 0.0 and lr(0.05) == pytest.approx(0.5)  # warm-up
+    assert lr(0.1) == lr(0.5) == lr(0.79) == 1.0  # stable
+    assert lr(0.85) == pytest.approx(1 - 0.25 ** 0.5) and lr(1.0) == lr(2.0) == pytest.approx(0, abs=1e-12)  # 1-sqrt
+    assert warmup_stable_decay(0.5, 2e-4, 0.0, 0.2) == 2e-4  # a resumed run: no warm-up
+
+
+def test_wsd_run_writes_a_state_that_a_later_run_resumes(saved_models, tmp_path):
+    """--schedule wsd saves the block and AdamW's state as the decay starts; --resume goes on from exactly that
+    state (no warm-up, the same draft vocabulary) and its block stays lossless; bad resumes are one line each."""
+    target = load_model(saved_models.target)
+    tiny_corpus(target, tmp_path / "corpus")
+    first = DistillConfig(target=str(saved_models.target), corpus=str(tmp_path / "corpus"), out=str(tmp_path / "a"),
+                          draft_vocab=24, max_len=48, batch_tokens=96, heldout=0.3, eval_records=4, curve=(),
+                          max_positions=256, storage=None, schedule="wsd", decay=0.5, max_tokens=120)
+    m1 = distill_longspec(first, log=lambda *_: None, target=target)
+    state = torch.load(tmp_path / "a" / RESUME_FILE, weights_only=True)
+    assert 0.5 * 120 <= state["tokens_total"] < m1["tokens_seen"]  # taken as the decay started, not at the end
+    assert m1["tokens_total"] == m1["tokens_seen"]
+    # loading the state into a fresh block and optimiser gives back exactly the saved weights and moments
+    block, opt = load_longspec(tmp_path / "a", target), None
+    for p in block.parameters():
+        p.requires_grad_(True)
+    opt = adamw(block.parameters(), 1e-3, 0.1)
+    load_stable_state(str(tmp_path / "a"), block, opt, first)
+    assert all(torch.equal(v.float(), state["block"][k]) for k, v in block.state_dict().items())
+    assert len(opt.state) == len(state["optimizer"]["state"]) > 0
+    decayed = load_longspec(tmp_path / "a", target)  # the block saved is the decayed one, not the stable state
+    assert any(not torch.equal(v, state["block"][k]) for k, v in decayed.state_dict().items())
+    # a second run resumes from it
+    second = DistillConfig(**{**first.__dict__, "out": str(tmp_path / "b"), "resume": str(tmp_path / "a"),
+                              "draft_vocab": 8, "max_tokens": 60})
+    m2 = distill_longspec(second, log=lambda *_: None, target=target)
+    assert m2["config"]["warmup"] == 0.0 and m2["draft_vocab"] == 24
+    assert m2["tokens_total"] == state["tokens_total"] + m2["tokens_seen"]
+    assert m2["resumed_recipe"]["tokens_seen"] == m1["tokens_seen"]
+    assert (tmp_path / "b" / RESUME_FILE).is_file()
+    resumed = load_longspec(tmp_path / "b", target)
+    assert resumed.vocab.tolist() == decayed.vocab.tolist()
+    prompt = target.tokenizer.encode("def h(x):\n    return")
+    want = autoregressive_generate(target.model, prompt, sampling=SamplingConfig(), max_new_tokens=12)
+    got = [t for c in speculative_generate(target.model, REGISTRY["longspec"](block=resumed, gamma=3), prompt,
+                                           sampling=SamplingConfig(), max_new_tokens=12) for t in c]
+    assert got == want
+    # refusals, before anything loads
+    bad = lambda **kw: DistillConfig(**{**second.__dict__, "out": str(tmp_path / "x"), **kw})
+    with pytest.raises(RetrospecError, match="--schedule wsd"):
+        check_config(bad(schedule="cosine"))
+    with pytest.raises(RetrospecError, match="no --init"):
+        check_config(bad(init=str(tmp_path / "a")))
+    with pytest.raises(RetrospecError, match="no resume.pt"):
+        check_config(bad(resume=str(tmp_path / "corpus")))
+    with pytest.raises(RetrospecError, match="--decay"):
+        check_config(bad(decay=0.0))
+    with pytest.raises(RetrospecError, match="--schedule"):
+        check_config(bad(schedule="linear", resume=None))
+    (tmp_path / "b" / RESUME_FILE).write_bytes(b"not a torch file")
+    with pytest.raises(RetrospecError, match="corrupt resume state"):
+        distill_longspec(bad(resume=str(tmp_path / "b")), log=lambda *_: None, target=target)
+    assert not (tmp_path / "x").exists()

@@ -102,6 +102,14 @@ def add_parser(sub) -> None:
     ds.add_argument("--follow", action="store_true", help="keep training on the shards a running 'corpus generate' "
                                                           "adds, until --seconds")
     ds.add_argument("--storage", choices=("int8", "float16", "float32"), default="int8")
+    ds.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine",
+                    help="learning rate: cosine (default), or wsd: warm-up, stable, then decay over the last --decay; "
+                         "writes resume.pt (the state before the decay) for --resume")
+    ds.add_argument("--decay", type=float, default=0.2, help="wsd: share of the run the rate decays over (default "
+                                                             "0.2)")
+    ds.add_argument("--resume", default=None, help="go on from a --schedule wsd run's block directory (its resume.pt: "
+                                                   "weights and optimiser state before the decay), no warm-up; "
+                                                   "instead of --init")
     ds.set_defaults(func=run_longspec_distill)
 
     dd = _add_distill(tsub, "draft-distill", "a small draft LM (sd's draft)", "draft directory to create", 0.06,

@@ -6,6 +6,9 @@ the distillation loss, budget and output checks, manifests.
 - ``adamw``: AdamW over the trainable parameters, weight decay on matrices only (norms, biases and other vectors
   are not decayed).
 - ``warmup_cosine``: linear warm-up, then a cosine from the peak down to ``min_ratio`` x peak.
+- ``warmup_stable_decay`` (WSD): linear warm-up, the peak held, then a 1-sqrt decay to 0 over the last ``decay``
+  share (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"): the
+  weights before the decay can be trained further without restarting a schedule, the decayed copy is the one used.
 - ``kl``: forward KL(p || q) per position, what a draft minimises (acceptance is ``sum_x min(p, q) = 1 - TV``).
 - ``pick_precision`` / ``autocast``: the distillers' forward passes (the frozen teacher's above all) in float32 or
   under bfloat16 autocast; ``auto`` times one batch's forward both ways on the running machine and keeps the faster
@@ -90,6 +93,18 @@ def warmup_cosine(done: float, total: float, peak: float, warmup: float, min_rat
     x = progress if progress is not None else (done - warmup) / max(1e-12, total - warmup)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, x))))
     return peak * (min_ratio + (1 - min_ratio) * cosine)
+
+
+def warmup_stable_decay(progress: float, peak: float, warmup: float, decay: float) -> float:
+    """The WSD learning rate at ``progress`` (share of the budget done, clipped to [0, 1]): ``peak * progress /
+    warmup`` while warming up, ``peak`` until ``1 - decay``, then ``peak * (1 - sqrt(x))`` with ``x`` the share of
+    the decay done."""
+    progress = min(1.0, max(0.0, progress))
+    if progress < warmup:
+        return peak * progress / warmup
+    if progress < 1 - decay:
+        return peak
+    return peak * (1 - math.sqrt(min(1.0, (progress - (1 - decay)) / max(1e-12, decay))))
 
 
 def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -343,12 +344,16 @@ def train_longspec(cfg: LongSpecTrainConfig, log=print, target=None, stream: np.
     return manifest
 
 
-def save_block(block: LongSpecDraft, target, manifest: dict, out: Path, storage: str | None = None) -> Path:
-    """``save_longspec`` (weights in ``storage``) plus ``manifest.json``, written into a temporary sibling and
-    renamed into place (``atomic.atomic_build``: nothing at ``out`` on failure)."""
+def save_block(block: LongSpecDraft, target, manifest: dict, out: Path, storage: str | None = None,
+               extra: Callable[[Path], None] | None = None) -> Path:
+    """``save_longspec`` (weights in ``storage``) plus ``manifest.json`` and whatever ``extra(directory)`` writes,
+    written into a temporary sibling and renamed into place (``atomic.atomic_build``: nothing at ``out`` on
+    failure)."""
     with atomic_build(out, required=META_FILE) as tmp:
         save_longspec(block, target, tmp, target_path=getattr(target, "path", None), overwrite=True, storage=storage)
         write_json(tmp / MANIFEST, manifest)
+        if extra is not None:
+            extra(tmp)
     return out
 
 

@@ -30,19 +30,26 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
   target's greedy token per kind (chat / code) at each point of ``curve`` (corpus output tokens seen; the learning
   rate at an early point is still high, so it under-states what a smaller corpus trained to the end would reach).
 
+- **schedule**: ``cosine`` (warm-up, cosine to 0), or ``wsd`` (``train.common.warmup_stable_decay``): the block
+  and AdamW's state as the decay starts go into ``resume.pt`` (float32) beside the decayed block, and ``resume``
+  (``--resume DIR``) carries on from them at the stable learning rate with no warm-up, the draft vocabulary kept:
+  runs spread over several sessions train as one, without the dip a restart from ``--init`` costs.
+
 Output: a block directory (``storage`` int8 by default) plus ``manifest.json`` (config, corpus, draft-vocabulary
-coverage, learning curve, seconds), written atomically.
+coverage, learning curve, seconds; ``tokens_total``: tokens trained since the first of a chain of resumed runs) and,
+with ``wsd``, ``resume.pt``; written atomically.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,13 +59,17 @@ from ..drafters.longspec import load_block
 from ..errors import RetrospecError
 from ..generations import read_corpus
 from ..generations.build import MANIFEST
+from ..models.files import first_line
 from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
-                     warmup_cosine)
+                     warmup_cosine, warmup_stable_decay)
 from .longspec import draft_logits, sample_positions, save_block, target_logits
 
 CHAT_SOURCES = ("self-instruct", "nq")  # the rest (mbpp, stdlib) are code
+SCHEDULES = ("cosine", "wsd")
+RESUME_FILE = "resume.pt"  # wsd: the block's float32 weights and AdamW's state before the decay
+RESUME_FORMAT = "retrospec-distill-resume"
 
 
 @dataclass
@@ -88,6 +99,9 @@ class DistillConfig:
     seed: int = 0
     follow: bool = False  # keep training on shards a running ``corpus generate`` adds (needs ``seconds``)
     precision: str = "auto"  # training forwards: float32, bfloat16 (autocast) or auto (the faster here)
+    schedule: str = "cosine"  # learning rate: cosine, or wsd (warm-up, stable, decay; saves a state to resume from)
+    decay: float = 0.2  # wsd: the share of the budget the learning rate decays over, at its end
+    resume: str | None = None  # a block directory a wsd run wrote: go on from its stable weights and optimiser state
 
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -324,7 +338,17 @@ def check_config(cfg: DistillConfig) -> None:
     check_distill(cfg, cfg.draft_vocab >= 0, "--draft-vocab >= 0")
     if cfg.noisy_max < 1 or not 0 <= cfg.anchor_share <= 1:
         raise RetrospecError("need --noisy-max >= 1 and an anchor share in [0, 1]")
-    if cfg.keep_vocab and not cfg.init:
+    if cfg.schedule not in SCHEDULES or not 0 < cfg.decay <= 1 or cfg.decay + cfg.warmup > 1:
+        raise RetrospecError(f"need --schedule in {', '.join(SCHEDULES)} and --decay in (0, 1 - warm-up share], got "
+                             f"{cfg.schedule!r} and {cfg.decay}")
+    if cfg.resume is not None:
+        if cfg.init or cfg.schedule != "wsd":
+            raise RetrospecError("--resume goes on from a --schedule wsd run's stable state: give --schedule wsd and "
+                                 "no --init")
+        if not (Path(cfg.resume) / RESUME_FILE).is_file():
+            raise RetrospecError(f"--resume {cfg.resume}: no {RESUME_FILE} there (only a run with --schedule wsd "
+                                 "writes one)")
+    elif cfg.keep_vocab and not cfg.init:
         raise RetrospecError("--keep-vocab keeps the --init block's draft vocabulary: give --init")
     if cfg.follow and cfg.seconds is None:
         raise RetrospecError("--follow trains until --seconds run out: give --seconds")
@@ -332,12 +356,16 @@ def check_config(cfg: DistillConfig) -> None:
 
 def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[int], rng: random.Random, log, *,
                 step: Callable[[list[dict]], tuple[float, int]], evaluate: Callable[[], dict], desc: str,
-                next_pass: Callable[[], list[dict] | None], extra: Callable[[], dict] = dict):
+                next_pass: Callable[[], list[dict] | None], extra: Callable[[], dict] = dict,
+                snapshot: Callable[[int], None] | None = None):
     """The distillers' loop: passes over ``make_batches(train)``, each batch one ``step`` (returning its loss and
-    the tokens it counts), the learning rate on ``cfg.warmup`` + cosine over tokens counted / ``budget`` (or over
-    elapsed / ``cfg.seconds``); stops at the budget, or when ``next_pass()`` (after each pass) gives no records.
-    ``evaluate`` runs (``model`` in eval mode) before training, once the tokens counted pass each of ``points``,
-    and at the end. Returns the manifest's ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
+    the tokens it counts), the learning rate over progress = tokens counted / ``budget`` (or elapsed /
+    ``cfg.seconds``): ``cfg.warmup`` + cosine, or with ``cfg.schedule == "wsd"`` ``warmup_stable_decay`` over the
+    last ``cfg.decay``, ``snapshot(tokens counted)`` called once as the decay starts (or at the end, if it never started); stops at
+    the budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs (``model`` in eval
+    mode) before training, once the tokens counted pass each of ``points``, and at the end. Returns the manifest's
+    ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
+    wsd = getattr(cfg, "schedule", "cosine") == "wsd"
     model.eval()
     curve = [{**evaluate(), "tokens": 0}]
     log(f"before: {curve[0]}")
@@ -358,7 +386,11 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
             if seen >= budget or progress >= 1:
                 train = None
                 break
-            set_lr(opt, warmup_cosine(min(1.0, progress), 1.0, cfg.lr, cfg.warmup, ramp=0))
+            if wsd and snapshot is not None and progress >= 1 - cfg.decay:
+                snapshot(seen)  # the weights and optimiser state a later run resumes from: before any decay
+                snapshot = None
+            set_lr(opt, warmup_stable_decay(progress, cfg.lr, cfg.warmup, cfg.decay) if wsd
+                   else warmup_cosine(min(1.0, progress), 1.0, cfg.lr, cfg.warmup, ramp=0))
             loss, n = step([train[i] for i in batch])
             n_steps, seen = n_steps + 1, seen + n
             losses.append(loss)
@@ -371,11 +403,44 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
                 log(f"after {seen} tokens: {curve[-1]}")
         train = train and next_pass()
     bar.close()
+    if wsd and snapshot is not None:
+        snapshot(seen)
     if curve[-1]["tokens"] != seen:
         curve.append(row())
     model.eval()
     log(f"after: {curve[-1]}")
     return {"steps": n_steps, "tokens_seen": seen, "seconds": round(time.perf_counter() - started, 1), "curve": curve}
+
+
+def stable_state(block: LongSpecDraft, opt: torch.optim.Optimizer, tokens_total: int) -> dict:
+    """What ``resume.pt`` holds: the block's weights (float32, on the CPU), AdamW's state, tokens trained so far."""
+    def cpu(v):
+        return v.detach().float().cpu().clone() if torch.is_tensor(v) and v.is_floating_point() else v
+
+    opt_state = opt.state_dict()
+    return {"format": RESUME_FORMAT, "block": {k: cpu(v) for k, v in block.state_dict().items()},
+            "optimizer": {"state": {i: {k: cpu(v) for k, v in st.items()} for i, st in opt_state["state"].items()},
+                          "param_groups": opt_state["param_groups"]},
+            "tokens_total": tokens_total}
+
+
+def load_stable_state(path: str, block: LongSpecDraft, opt: torch.optim.Optimizer, cfg: DistillConfig) -> dict:
+    """Load ``path``/``resume.pt`` into ``block`` and ``opt`` (betas and weight decay from ``cfg``); returns the
+    previous run's manifest, or one ``RetrospecError`` line for a file this cannot use."""
+    file = Path(path) / RESUME_FILE
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+            raise ValueError(f"not a {RESUME_FORMAT} file")
+        block.load_state_dict(state["block"], strict=True)
+        opt.load_state_dict(state["optimizer"])
+        previous = json.loads((Path(path) / MANIFEST).read_text())
+    except Exception as exc:  # unreadable, another format, tensors of another block, optimiser groups not matching
+        raise RetrospecError(f"corrupt resume state {file}: {first_line(exc)}") from None
+    for group in opt.param_groups:
+        group["betas"] = tuple(cfg.betas)
+        group["weight_decay"] = cfg.weight_decay if group["params"][0].dim() >= 2 else 0.0
+    return {**previous, "tokens_total": int(state.get("tokens_total", previous.get("tokens_seen", 0)))}
 
 
 def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
@@ -384,10 +449,13 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     parts = corpus_parts(cfg.corpus, growing=cfg.follow)
     train, held, _, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
                                               target, growing=cfg.follow, parts=parts)
-    block = load_block(cfg.init, target) if cfg.init else LongSpecDraft.for_target(target, init="identity")
+    start = cfg.resume or cfg.init
+    block = load_block(start, target) if start else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
-    if not cfg.keep_vocab:
+    if cfg.resume:
+        pass  # the resumed block's draft vocabulary, always
+    elif not cfg.keep_vocab:
         block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size) if cfg.draft_vocab else None)
     elif block.vocab is None:
         raise RetrospecError(f"--keep-vocab: block {cfg.init} drafts over the full head; it has no draft vocabulary "
@@ -402,6 +470,13 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     for p in block.parameters():
         p.requires_grad_(True)
     opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
+    previous = load_stable_state(cfg.resume, block, opt, cfg) if cfg.resume else None
+    if previous is not None:
+        cfg = replace(cfg, warmup=0.0)  # the stable learning rate from the first step
+        log(f"resuming {cfg.resume}: {previous['tokens_total']:,} tokens trained before, its stable weights and "
+            "optimiser state")
+    before = previous["tokens_total"] if previous else 0
+    stable: dict = {}
     first = first_batch(train, cfg)
     precision = pick_precision(cfg.precision, block.norm1.weight.device,
                                lambda: batch_loss(block, target, first, cfg, random.Random(0), pad, "float32"), log)
@@ -426,15 +501,19 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
         block, opt, train, cfg, budget, [c for c in cfg.curve if c < budget] + ([] if cfg.follow else [budget]), rng,
         log, step=lambda batch: train_step(block, target, opt, batch, cfg, rng, pad, precision), desc="distill",
         evaluate=lambda: agreement(block, target, held, cfg.max_len, pad), next_pass=next_pass,
-        extra=lambda: {"corpus_tokens": unique})
+        extra=lambda: {"corpus_tokens": unique},
+        snapshot=lambda done: stable.update(stable_state(block, opt, before + done)))
     for p in block.parameters():
         p.requires_grad_(False)
     manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
                 "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
                 "corpus": {"path": cfg.corpus, "records": sum(seen.values()), "heldout_records": len(held)},
                 "draft_vocab": block.draft_vocab_size, "heldout_coverage": held_coverage, "precision": precision,
-                **result}
-    save_block(block, target, manifest, Path(cfg.out), cfg.storage)
+                **result, "tokens_total": before + result["tokens_seen"]}
+    if previous is not None:
+        manifest["resumed_recipe"] = previous  # the run this one went on from (nesting its own predecessors)
+    save_block(block, target, manifest, Path(cfg.out), cfg.storage,
+               extra=(lambda d: torch.save(stable, d / RESUME_FILE)) if stable else None)
     return manifest
 
 
