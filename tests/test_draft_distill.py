@@ -15,6 +15,7 @@ from retrospec.drafters import REGISTRY
 from retrospec.errors import RetrospecError
 from retrospec.models import load_model
 from retrospec.train.draft_distill import DraftDistillConfig, check_config, distill_draft, revocab
+from retrospec.train.resume import RESUME_FILE
 
 from conftest import tiny_llama
 from test_longspec_distill import tiny_corpus
@@ -67,6 +68,39 @@ def test_distil_on_a_tiny_corpus_saves_a_lossless_draft(saved_models, tmp_path):
     with pytest.raises(RetrospecError, match="no draft_vocab.json"):
         distill_draft(DraftDistillConfig(**{**kept.__dict__, "out": str(tmp_path / "k2"),
                                             "init": str(saved_models.draft)}), log=lambda *_: None, target=target)
+
+
+def test_wsd_draft_resumes_from_its_stable_state(saved_models, tmp_path):
+    """--schedule wsd writes resume.pt beside the draft; --resume loads exactly it (its vocabulary kept, no warm-up)
+    and the resumed draft keeps sd lossless."""
+    target = load_model(saved_models.target)
+    tiny_corpus(target, tmp_path / "corpus")
+    cfg = DraftDistillConfig(target=str(saved_models.target), corpus=str(tmp_path / "corpus"),
+                             out=str(tmp_path / "a"), init=str(saved_models.draft), vocab=40, max_len=48,
+                             batch_tokens=96, heldout=0.3, eval_records=4, curve=(), max_tokens=200,
+                             precision="float32", schedule="wsd", decay=0.5)
+    m1 = distill_draft(cfg, log=lambda *_: None, target=target)
+    state = torch.load(tmp_path / "a" / RESUME_FILE, weights_only=True)
+    assert 0.5 * 200 <= state["tokens_total"] < m1["tokens_seen"] == m1["tokens_total"]
+    assert all(v.dtype == torch.float32 for v in state["model"].values())
+    ids = load_model(tmp_path / "a", role="draft").vocab_map.tolist()
+    resumed = DraftDistillConfig(**{**cfg.__dict__, "out": str(tmp_path / "b"), "init": None,
+                                    "resume": str(tmp_path / "a"), "vocab": 8, "max_tokens": 100})
+    m2 = distill_draft(resumed, log=lambda *_: None, target=target)
+    assert m2["config"]["warmup"] == 0.0 and m2["tokens_total"] == state["tokens_total"] + m2["tokens_seen"]
+    assert m2["resumed_recipe"]["steps"] == m1["steps"]
+    draft = load_model(tmp_path / "b", role="draft")
+    assert draft.vocab_map.tolist() == ids
+    prompt = target.tokenizer.encode("def h(x):\n    return")
+    want = autoregressive_generate(target.model, prompt, sampling=SamplingConfig(), max_new_tokens=12)
+    drafter = REGISTRY["sd"](draft_model=draft.model, gamma=3, draft=draft, target=target)
+    got = [t for c in speculative_generate(target.model, drafter, prompt, sampling=SamplingConfig(),
+                                           max_new_tokens=12) for t in c]
+    assert got == want
+    with pytest.raises(RetrospecError, match="--init DRAFT, or --resume"):
+        check_config(DraftDistillConfig(**{**resumed.__dict__, "out": str(tmp_path / "x"), "resume": None}))
+    with pytest.raises(RetrospecError, match="no --init"):
+        check_config(DraftDistillConfig(**{**resumed.__dict__, "out": str(tmp_path / "x"), "init": "x"}))
 
 
 def test_cli_refuses_bad_input(cli, saved_models, tmp_path):

@@ -18,9 +18,10 @@ from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
 from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec
 from retrospec.train.common import adamw, pick_precision, warmup_stable_decay
-from retrospec.train.longspec_distill import (RESUME_FILE, DistillConfig, check_config, corpus_records, coverage,
+from retrospec.train.longspec_distill import (DistillConfig, check_config, corpus_records, coverage,
                                               distill_longspec, follow_corpora, frequency_vocab, heldout_sample,
-                                              is_heldout, load_stable_state, make_batches, sequence_of)
+                                              is_heldout, make_batches, sequence_of)
+from retrospec.train.resume import RESUME_FILE, load_stable_state
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -180,11 +181,11 @@ def test_wsd_run_writes_a_state_that_a_later_run_resumes(saved_models, tmp_path)
     for p in block.parameters():
         p.requires_grad_(True)
     opt = adamw(block.parameters(), 1e-3, 0.1)
-    load_stable_state(str(tmp_path / "a"), block, opt, first)
-    assert all(torch.equal(v.float(), state["block"][k]) for k, v in block.state_dict().items())
+    load_stable_state(str(tmp_path / "a"), block, opt, first, "manifest.json")
+    assert all(torch.equal(v.float(), state["model"][k]) for k, v in block.state_dict().items())
     assert len(opt.state) == len(state["optimizer"]["state"]) > 0
     decayed = load_longspec(tmp_path / "a", target)  # the block saved is the decayed one, not the stable state
-    assert any(not torch.equal(v, state["block"][k]) for k, v in decayed.state_dict().items())
+    assert any(not torch.equal(v, state["model"][k]) for k, v in decayed.state_dict().items())
     # a second run resumes from it
     second = DistillConfig(**{**first.__dict__, "out": str(tmp_path / "b"), "resume": str(tmp_path / "a"),
                               "draft_vocab": 8, "max_tokens": 60})

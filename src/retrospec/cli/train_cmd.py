@@ -102,19 +102,12 @@ def add_parser(sub) -> None:
     ds.add_argument("--follow", action="store_true", help="keep training on the shards a running 'corpus generate' "
                                                           "adds, until --seconds")
     ds.add_argument("--storage", choices=("int8", "float16", "float32"), default="int8")
-    ds.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine",
-                    help="learning rate: cosine (default), or wsd: warm-up, stable, then decay over the last --decay; "
-                         "writes resume.pt (the state before the decay) for --resume")
-    ds.add_argument("--decay", type=float, default=0.2, help="wsd: share of the run the rate decays over (default "
-                                                             "0.2)")
-    ds.add_argument("--resume", default=None, help="go on from a --schedule wsd run's block directory (its resume.pt: "
-                                                   "weights and optimiser state before the decay), no warm-up; "
-                                                   "instead of --init")
     ds.set_defaults(func=run_longspec_distill)
 
     dd = _add_distill(tsub, "draft-distill", "a small draft LM (sd's draft)", "draft directory to create", 0.06,
                       "3e-4", "re-choosing its vocabulary from what the target writes", "tokens trained")
-    dd.add_argument("--init", required=True, help="draft to start from (directory or name, e.g. smollm2-135m-draft)")
+    dd.add_argument("--init", default=None, help="draft to start from (directory or name, e.g. smollm2-135m-draft); "
+                                                 "required unless --resume")
     dd.add_argument("--vocab", type=int, default=12288, help="draft vocabulary: the K tokens the target emits most "
                                                             "(default 12288)")
     dd.set_defaults(func=run_draft_distill)
@@ -149,6 +142,13 @@ def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, 
     p.add_argument("--keep-vocab", action="store_true",
                    help="keep --init's draft vocabulary instead of re-choosing it from this corpus (for a corpus "
                         "still small, or followed from its first shard)")
+    p.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine",
+                   help="learning rate: cosine (default), or wsd: warm-up, stable, then decay over the last --decay; "
+                        "writes resume.pt (the state before the decay) for --resume")
+    p.add_argument("--decay", type=float, default=0.2, help="wsd: share of the run the rate decays over (default 0.2)")
+    p.add_argument("--resume", default=None, help="go on from a --schedule wsd run's output directory (its resume.pt: "
+                                                  "weights and optimiser state before the decay, its vocabulary), no "
+                                                  "warm-up; instead of --init")
     add_common(p)
     return p
 

@@ -17,17 +17,19 @@ split, batches and learning curve of ``train.longspec_distill``) and:
   greedy token per kind (chat / code) and the vocabulary's coverage of those tokens, before training and at each
   point of ``curve`` (tokens trained);
 - **precision**: the training forwards in float32 or under bfloat16 autocast (``train.common.pick_precision``;
-  ``auto`` measures which is faster here); agreement is measured in float32.
+  ``auto`` measures which is faster here); agreement is measured in float32;
+- **schedule**: ``cosine``, or ``wsd`` with ``resume`` (``train.resume``: a later run goes on from ``resume.pt``, the
+  draft and AdamW's state before the decay, keeping that draft's vocabulary).
 
 The draft trains on the target's device (measured on CPU only, CUDA untested). Output: a Hugging Face checkpoint
 (float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve, seconds), the
-layout of ``zoo real-draft`` (``train.real_draft.save_draft``), written atomically.
+layout of ``zoo real-draft`` (``train.real_draft.save_draft``), and with ``wsd`` ``resume.pt``; written atomically.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,6 +41,9 @@ from .common import adamw, autocast, jsonable, kl, optimizer_step, pick_precisio
 from .longspec_distill import (Tally, check_distill, coverage, first_batch, frequency_vocab, load_split, pad_batch,
                                sequence_of, teacher_forced, train_curve)
 from .real_draft import blank_draft, save_draft
+from .resume import check_schedule, load_stable_state, save_stable_state, stable_state
+
+MANIFEST = "real_draft.json"
 
 
 @dataclass
@@ -46,7 +51,7 @@ class DraftDistillConfig:
     target: str  # model name or directory
     corpus: str  # a corpus directory (``retrospec corpus generate``)
     out: str  # draft directory to create
-    init: str  # the draft to start from (name or directory)
+    init: str | None  # the draft to start from (name or directory); None with ``resume``
     vocab: int = 12288  # draft vocabulary size (target ids, frequency-ranked on the training records)
     keep_vocab: bool = False  # keep the init draft's vocabulary instead of re-choosing it from the corpus
     max_len: int = 768
@@ -62,10 +67,16 @@ class DraftDistillConfig:
     curve: tuple[int, ...] = (125_000, 250_000, 500_000, 1_000_000, 2_000_000)
     eval_records: int = 96
     seed: int = 0
+    schedule: str = "cosine"  # learning rate: cosine, or wsd (warm-up, stable, decay; saves a state to resume from)
+    decay: float = 0.2  # wsd: the share of the budget the learning rate decays over, at its end
+    resume: str | None = None  # a draft directory a wsd run wrote: go on from its stable weights and optimiser state
 
 
 def check_config(cfg: DraftDistillConfig) -> None:
     check_distill(cfg, cfg.vocab >= 2, "--vocab >= 2")
+    check_schedule(cfg)
+    if not cfg.init and not cfg.resume:
+        raise RetrospecError("give the draft to start from: --init DRAFT, or --resume DIR")
 
 
 def revocab(draft, old_ids: list[int], new_ids: list[int], target) -> torch.nn.Module:
@@ -128,7 +139,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     train, held, records, loaded, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
                                                    target)
     tmodel = loaded.model
-    init = load_model(cfg.init, role="draft")
+    init = load_model(cfg.resume or cfg.init, role="draft")
     V = tmodel.get_output_embeddings().weight.shape[0]
     old_ids = init.vocab_map.tolist() if init.vocab_map is not None else list(range(init.vocab_size))
     if init.vocab_map is None and init.vocab_size != V:
@@ -136,9 +147,9 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
                              f"{V}")
     eos = set(loaded.eos_ids()) if hasattr(loaded, "eos_ids") else set()
     specials = {i for i in (getattr(loaded.tokenizer, "all_special_ids", None) or []) if i is not None}
-    if cfg.keep_vocab and init.vocab_map is None:
+    if (cfg.keep_vocab or cfg.resume) and init.vocab_map is None:
         raise RetrospecError(f"--keep-vocab: draft {cfg.init} has no draft_vocab.json; it drafts over every id")
-    new_ids = old_ids if cfg.keep_vocab else sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))
+    new_ids = old_ids if cfg.keep_vocab or cfg.resume else sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))
     device = tmodel.get_output_embeddings().weight.device  # the draft trains beside the target (CPU or CUDA)
     vmap = VocabMap(new_ids, V).to(device)
     draft = revocab(init.model, old_ids, new_ids, tmodel).to(device)
@@ -149,6 +160,12 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     budget = cfg.max_tokens or (10**12 if cfg.seconds else total)
     pad = min(eos) if eos else 0
     opt = adamw(draft.parameters(), cfg.lr, cfg.weight_decay)
+    previous = load_stable_state(cfg.resume, draft, opt, cfg, MANIFEST) if cfg.resume else None
+    if previous is not None:
+        cfg = replace(cfg, warmup=0.0)  # the stable learning rate from the first step
+        log(f"resuming {cfg.resume}: {previous['tokens_total']:,} tokens trained before, its stable weights and "
+            "optimiser state")
+    before, stable = (previous["tokens_total"] if previous else 0), {}
 
     def loss_of(batch: list[dict], how: str) -> tuple[torch.Tensor, int]:
         ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in batch], pad)
@@ -165,15 +182,19 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
 
     result = train_curve(draft, opt, train, cfg, budget, [c for c in cfg.curve if c < budget], rng, log, step=step,
                          evaluate=lambda: agreement(draft, tmodel, vmap, held, cfg.max_len), desc="distil draft",
-                         next_pass=lambda: None if cfg.seconds is None and cfg.max_tokens is None else train)
+                         next_pass=lambda: None if cfg.seconds is None and cfg.max_tokens is None else train,
+                         snapshot=lambda done: stable.update(stable_state(draft, opt, before + done)))
     manifest = {"kind": "retrospec real-model draft", "what": "draft distilled on the target's own outputs",
                 "config": jsonable(cfg), "target": getattr(loaded, "path", cfg.target),
-                "init": getattr(init, "path", cfg.init),
+                "init": getattr(init, "path", cfg.resume or cfg.init),
                 "corpus": {"path": cfg.corpus, "records": len(records), "heldout_records": len(held)},
                 "draft_params": sum(p.numel() for p in draft.parameters()),
                 "heldout_coverage": round(coverage(new_ids, held), 4), "precision": precision, **result,
-                "date": time.strftime("%Y-%m-%d %H:%M")}
-    save_draft(draft.cpu(), new_ids, V, manifest, Path(cfg.out))
+                "date": time.strftime("%Y-%m-%d %H:%M"), "tokens_total": before + result["tokens_seen"]}
+    if previous is not None:
+        manifest["resumed_recipe"] = previous  # the run this one went on from (nesting its own predecessors)
+    save_draft(draft.cpu(), new_ids, V, manifest, Path(cfg.out),
+               extra=(lambda d: save_stable_state(stable, d)) if stable else None)
     return manifest
 
 

@@ -28,12 +28,9 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
 - **held-out** records (``heldout`` share of prompts by SHA-1 of the prompt text, so both temperatures of a prompt
   fall on the same side) measure, teacher-forced at shift 1 on output tokens, the block's agreement with the
   target's greedy token per kind (chat / code) at each point of ``curve`` (corpus output tokens seen; the learning
-  rate at an early point is still high, so it under-states what a smaller corpus trained to the end would reach).
-
-- **schedule**: ``cosine`` (warm-up, cosine to 0), or ``wsd`` (``train.common.warmup_stable_decay``): the block
-  and AdamW's state as the decay starts go into ``resume.pt`` (float32) beside the decayed block, and ``resume``
-  (``--resume DIR``) carries on from them at the stable learning rate with no warm-up, the draft vocabulary kept:
-  runs spread over several sessions train as one, without the dip a restart from ``--init`` costs.
+  rate at an early point is still high, so it under-states what a smaller corpus trained to the end would reach);
+- **schedule**: ``cosine`` (warm-up, cosine to 0), or ``wsd`` with ``resume`` (``train.resume``): runs spread over
+  several sessions train as one, without the dip a restart from ``--init`` costs.
 
 Output: a block directory (``storage`` int8 by default) plus ``manifest.json`` (config, corpus, draft-vocabulary
 coverage, learning curve, seconds; ``tokens_total``: tokens trained since the first of a chain of resumed runs) and,
@@ -44,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import math
 import random
 import time
@@ -59,17 +55,14 @@ from ..drafters.longspec import load_block
 from ..errors import RetrospecError
 from ..generations import read_corpus
 from ..generations.build import MANIFEST
-from ..models.files import first_line
 from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
                      warmup_cosine, warmup_stable_decay)
 from .longspec import draft_logits, sample_positions, save_block, target_logits
+from .resume import check_schedule, load_stable_state, save_stable_state, stable_state
 
 CHAT_SOURCES = ("self-instruct", "nq")  # the rest (mbpp, stdlib) are code
-SCHEDULES = ("cosine", "wsd")
-RESUME_FILE = "resume.pt"  # wsd: the block's float32 weights and AdamW's state before the decay
-RESUME_FORMAT = "retrospec-distill-resume"
 
 
 @dataclass
@@ -338,17 +331,8 @@ def check_config(cfg: DistillConfig) -> None:
     check_distill(cfg, cfg.draft_vocab >= 0, "--draft-vocab >= 0")
     if cfg.noisy_max < 1 or not 0 <= cfg.anchor_share <= 1:
         raise RetrospecError("need --noisy-max >= 1 and an anchor share in [0, 1]")
-    if cfg.schedule not in SCHEDULES or not 0 < cfg.decay <= 1 or cfg.decay + cfg.warmup > 1:
-        raise RetrospecError(f"need --schedule in {', '.join(SCHEDULES)} and --decay in (0, 1 - warm-up share], got "
-                             f"{cfg.schedule!r} and {cfg.decay}")
-    if cfg.resume is not None:
-        if cfg.init or cfg.schedule != "wsd":
-            raise RetrospecError("--resume goes on from a --schedule wsd run's stable state: give --schedule wsd and "
-                                 "no --init")
-        if not (Path(cfg.resume) / RESUME_FILE).is_file():
-            raise RetrospecError(f"--resume {cfg.resume}: no {RESUME_FILE} there (only a run with --schedule wsd "
-                                 "writes one)")
-    elif cfg.keep_vocab and not cfg.init:
+    check_schedule(cfg)
+    if cfg.resume is None and cfg.keep_vocab and not cfg.init:
         raise RetrospecError("--keep-vocab keeps the --init block's draft vocabulary: give --init")
     if cfg.follow and cfg.seconds is None:
         raise RetrospecError("--follow trains until --seconds run out: give --seconds")
@@ -412,37 +396,6 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
     return {"steps": n_steps, "tokens_seen": seen, "seconds": round(time.perf_counter() - started, 1), "curve": curve}
 
 
-def stable_state(block: LongSpecDraft, opt: torch.optim.Optimizer, tokens_total: int) -> dict:
-    """What ``resume.pt`` holds: the block's weights (float32, on the CPU), AdamW's state, tokens trained so far."""
-    def cpu(v):
-        return v.detach().float().cpu().clone() if torch.is_tensor(v) and v.is_floating_point() else v
-
-    opt_state = opt.state_dict()
-    return {"format": RESUME_FORMAT, "block": {k: cpu(v) for k, v in block.state_dict().items()},
-            "optimizer": {"state": {i: {k: cpu(v) for k, v in st.items()} for i, st in opt_state["state"].items()},
-                          "param_groups": opt_state["param_groups"]},
-            "tokens_total": tokens_total}
-
-
-def load_stable_state(path: str, block: LongSpecDraft, opt: torch.optim.Optimizer, cfg: DistillConfig) -> dict:
-    """Load ``path``/``resume.pt`` into ``block`` and ``opt`` (betas and weight decay from ``cfg``); returns the
-    previous run's manifest, or one ``RetrospecError`` line for a file this cannot use."""
-    file = Path(path) / RESUME_FILE
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
-            raise ValueError(f"not a {RESUME_FORMAT} file")
-        block.load_state_dict(state["block"], strict=True)
-        opt.load_state_dict(state["optimizer"])
-        previous = json.loads((Path(path) / MANIFEST).read_text())
-    except Exception as exc:  # unreadable, another format, tensors of another block, optimiser groups not matching
-        raise RetrospecError(f"corrupt resume state {file}: {first_line(exc)}") from None
-    for group in opt.param_groups:
-        group["betas"] = tuple(cfg.betas)
-        group["weight_decay"] = cfg.weight_decay if group["params"][0].dim() >= 2 else 0.0
-    return {**previous, "tokens_total": int(state.get("tokens_total", previous.get("tokens_seen", 0)))}
-
-
 def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest."""
     check_config(cfg)
@@ -470,7 +423,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     for p in block.parameters():
         p.requires_grad_(True)
     opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
-    previous = load_stable_state(cfg.resume, block, opt, cfg) if cfg.resume else None
+    previous = load_stable_state(cfg.resume, block, opt, cfg, MANIFEST) if cfg.resume else None
     if previous is not None:
         cfg = replace(cfg, warmup=0.0)  # the stable learning rate from the first step
         log(f"resuming {cfg.resume}: {previous['tokens_total']:,} tokens trained before, its stable weights and "
@@ -513,7 +466,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     if previous is not None:
         manifest["resumed_recipe"] = previous  # the run this one went on from (nesting its own predecessors)
     save_block(block, target, manifest, Path(cfg.out), cfg.storage,
-               extra=(lambda d: torch.save(stable, d / RESUME_FILE)) if stable else None)
+               extra=(lambda d: save_stable_state(stable, d)) if stable else None)
     return manifest
 
 

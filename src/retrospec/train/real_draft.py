@@ -28,6 +28,7 @@ import collections
 import copy
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -352,9 +353,13 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     return manifest
 
 
-def save_draft(draft, vocab_ids: list[int], target_vocab: int, manifest: dict, out: Path) -> None:
-    """Write the draft atomically: fp16 safetensors, draft_vocab.json, real_draft.json (no tokenizer: see above)."""
+def save_draft(draft, vocab_ids: list[int], target_vocab: int, manifest: dict, out: Path,
+               extra: Callable[[Path], None] | None = None) -> None:
+    """Write the draft atomically: fp16 safetensors, draft_vocab.json, real_draft.json (no tokenizer: see above) and
+    whatever ``extra(directory)`` writes."""
     with atomic_build(Path(out), overwrite=True, required="real_draft.json") as tmp:
+        if extra is not None:
+            extra(tmp)
         draft.to(torch.float16).save_pretrained(tmp)
         draft.to(torch.float32)
         write_json(tmp / "draft_vocab.json", {"target_vocab_size": target_vocab,

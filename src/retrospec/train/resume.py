@@ -1,0 +1,79 @@
+"""Learning-rate schedules the distillers share, and resuming a warmup-stable-decay run (issue 19).
+
+Every distillation pass from ``--init`` restarted a warm-up and cosine: the peak rate came back, the held-out
+agreement dipped for about a quarter of the pass, and AdamW's moments started from zero. With ``--schedule wsd``
+(``common.warmup_stable_decay``; Hägele et al. 2024) a run holds the peak rate, decays only over its last ``decay``
+share, and keeps the model and AdamW's state **as the decay starts** in ``resume.pt`` beside the decayed weights it
+saves. ``--resume DIR`` loads that state and goes on at the stable rate with no warm-up and DIR's vocabulary, so runs
+spread over sessions train as one long run, each ending in its own decay.
+
+Invariants: ``resume.pt`` holds float32 CPU tensors only (``torch.load(weights_only=True)`` reads it), the state is
+taken before any decayed step, and a file this cannot use is one ``RetrospecError`` line, before training starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import RetrospecError
+from ..models.files import first_line
+
+SCHEDULES = ("cosine", "wsd")
+RESUME_FILE = "resume.pt"
+RESUME_FORMAT = "retrospec-distill-resume"
+
+
+def check_schedule(cfg, init_flag: str = "--init") -> None:
+    """``cfg.schedule`` / ``decay`` / ``resume`` (before anything loads): ``--resume`` needs ``--schedule wsd``, no
+    ``init_flag`` and a ``resume.pt`` in its directory."""
+    if cfg.schedule not in SCHEDULES or not 0 < cfg.decay <= 1 or cfg.decay + cfg.warmup > 1:
+        raise RetrospecError(f"need --schedule in {', '.join(SCHEDULES)} and --decay in (0, 1 - warm-up share], got "
+                             f"{cfg.schedule!r} and {cfg.decay}")
+    if cfg.resume is None:
+        return
+    if cfg.init or cfg.schedule != "wsd":
+        raise RetrospecError(f"--resume goes on from a --schedule wsd run's stable state: give --schedule wsd and no "
+                             f"{init_flag}")
+    if not (Path(cfg.resume) / RESUME_FILE).is_file():
+        raise RetrospecError(f"--resume {cfg.resume}: no {RESUME_FILE} there (only a run with --schedule wsd writes "
+                             "one)")
+
+
+def stable_state(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens_total: int) -> dict:
+    """What ``resume.pt`` holds: the model's weights and AdamW's state (float32, on the CPU), tokens trained so far
+    along the chain of resumed runs."""
+    def cpu(v):
+        return v.detach().float().cpu().clone() if torch.is_tensor(v) and v.is_floating_point() else v
+
+    opt_state = opt.state_dict()
+    return {"format": RESUME_FORMAT, "model": {k: cpu(v) for k, v in model.state_dict().items()},
+            "optimizer": {"state": {i: {k: cpu(v) for k, v in st.items()} for i, st in opt_state["state"].items()},
+                          "param_groups": opt_state["param_groups"]},
+            "tokens_total": tokens_total}
+
+
+def save_stable_state(state: dict, directory: Path) -> None:
+    torch.save(state, Path(directory) / RESUME_FILE)
+
+
+def load_stable_state(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer, cfg, manifest: str) -> dict:
+    """Load ``path``/``resume.pt`` into ``model`` and ``opt`` (betas and weight decay from ``cfg``); returns the
+    previous run's manifest (``path``/``manifest``) with ``tokens_total``, or one ``RetrospecError`` line for a file
+    this cannot use."""
+    file = Path(path) / RESUME_FILE
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+            raise ValueError(f"not a {RESUME_FORMAT} file")
+        model.load_state_dict(state["model"], strict=True)
+        opt.load_state_dict(state["optimizer"])
+        previous = json.loads((Path(path) / manifest).read_text())
+    except Exception as exc:  # unreadable, another format, another model's tensors, optimiser groups not matching
+        raise RetrospecError(f"corrupt resume state {file}: {first_line(exc)}") from None
+    for group in opt.param_groups:
+        group["betas"] = tuple(getattr(cfg, "betas", group["betas"]))
+        group["weight_decay"] = cfg.weight_decay if group["params"][0].dim() >= 2 else 0.0
+    return {**previous, "tokens_total": int(state.get("tokens_total", previous.get("tokens_seen", 0)))}
