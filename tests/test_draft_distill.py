@@ -24,6 +24,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_revocab_keeps_trained_rows_and_takes_the_targets_for_new_ids():
+    """Fewer shared ids than the width: a new id's row is the target's as it is."""
     target = tiny_llama(seed=3)
     draft = tiny_llama(seed=4, layers=1, vocab=10)  # rows = target ids 0..9
     new = revocab(draft, list(range(10)), [0, 5, 50, 60], target)
@@ -35,6 +36,21 @@ def test_revocab_keeps_trained_rows_and_takes_the_targets_for_new_ids():
     for (name, a), (_, b) in zip(new.model.layers.state_dict().items(), draft.model.layers.state_dict().items()):
         assert torch.equal(a, b), name
 
+
+
+def test_revocab_carries_new_target_rows_into_the_drafts_space():
+    """With at least H shared ids, a new id's row is the target's row through the least-squares map from the target's
+    rows to the draft's (here exact: the draft's rows are the target's through a fixed matrix), not the raw row."""
+    target = tiny_llama(seed=3)  # hidden 32
+    draft = tiny_llama(seed=4, layers=1, vocab=64)  # rows = target ids 0..63
+    m = torch.randn(32, 32) / 32 ** 0.5
+    with torch.no_grad():
+        draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight[:64] @ m)
+    new = revocab(draft, list(range(64)), list(range(40)) + [80, 81], target)
+    emb, theirs = new.get_input_embeddings().weight, target.get_input_embeddings().weight
+    assert torch.equal(emb[7], draft.get_input_embeddings().weight[7])  # kept rows stay exactly
+    assert torch.allclose(emb[40:], theirs[[80, 81]] @ m, atol=1e-4)
+    assert not torch.allclose(emb[40:], theirs[[80, 81]], atol=1e-2)
 
 def test_distil_on_a_tiny_corpus_saves_a_lossless_draft(saved_models, tmp_path):
     target = load_model(saved_models.target)
