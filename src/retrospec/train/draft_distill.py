@@ -29,7 +29,7 @@ layout of ``zoo real-draft`` (``train.real_draft.save_draft``), and with ``wsd``
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +41,7 @@ from .common import adamw, autocast, jsonable, kl, optimizer_step, pick_precisio
 from .longspec_distill import (Tally, check_distill, coverage, first_batch, frequency_vocab, load_split, pad_batch,
                                sequence_of, teacher_forced, train_curve)
 from .real_draft import blank_draft, save_draft
-from .resume import check_schedule, load_stable_state, save_stable_state, stable_state
+from .resume import chain_fields, check_schedule, resume_run, save_stable_state, stable_state
 
 MANIFEST = "real_draft.json"
 
@@ -164,9 +164,11 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
                              f"{V}")
     eos = set(loaded.eos_ids()) if hasattr(loaded, "eos_ids") else set()
     specials = {i for i in (getattr(loaded.tokenizer, "all_special_ids", None) or []) if i is not None}
-    if (cfg.keep_vocab or cfg.resume) and init.vocab_map is None:
-        raise RetrospecError(f"--keep-vocab: draft {cfg.init} has no draft_vocab.json; it drafts over every id")
-    new_ids = old_ids if cfg.keep_vocab or cfg.resume else sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))
+    keep = cfg.keep_vocab or cfg.resume is not None  # a resumed draft keeps its vocabulary
+    if keep and init.vocab_map is None:
+        raise RetrospecError(f"--keep-vocab: draft {cfg.resume or cfg.init} has no draft_vocab.json; it drafts over "
+                             "every id")
+    new_ids = old_ids if keep else sorted(frequency_vocab(train, min(cfg.vocab, V), eos | specials | {0}, V))
     device = tmodel.get_output_embeddings().weight.device  # the draft trains beside the target (CPU or CUDA)
     vmap = VocabMap(new_ids, V).to(device)
     draft = revocab(init.model, old_ids, new_ids, tmodel).to(device)
@@ -177,12 +179,8 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     budget = cfg.max_tokens or (10**12 if cfg.seconds else total)
     pad = min(eos) if eos else 0
     opt = adamw(draft.parameters(), cfg.lr, cfg.weight_decay)
-    previous = load_stable_state(cfg.resume, draft, opt, cfg, MANIFEST) if cfg.resume else None
-    if previous is not None:
-        cfg = replace(cfg, warmup=0.0)  # the stable learning rate from the first step
-        log(f"resuming {cfg.resume}: {previous['tokens_total']:,} tokens trained before, its stable weights and "
-            "optimiser state")
-    before, stable = (previous["tokens_total"] if previous else 0), {}
+    cfg, previous, before = resume_run(cfg, draft, opt, MANIFEST, log)
+    stable: dict = {}
 
     def loss_of(batch: list[dict], how: str) -> tuple[torch.Tensor, int]:
         ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in batch], pad)
@@ -207,9 +205,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
                 "corpus": {"path": cfg.corpus, "records": len(records), "heldout_records": len(held)},
                 "draft_params": sum(p.numel() for p in draft.parameters()),
                 "heldout_coverage": round(coverage(new_ids, held), 4), "precision": precision, **result,
-                "date": time.strftime("%Y-%m-%d %H:%M"), "tokens_total": before + result["tokens_seen"]}
-    if previous is not None:
-        manifest["resumed_recipe"] = previous  # the run this one went on from (nesting its own predecessors)
+                "date": time.strftime("%Y-%m-%d %H:%M"), **chain_fields(previous, before, result["tokens_seen"])}
     save_draft(draft.cpu(), new_ids, V, manifest, Path(cfg.out),
                extra=(lambda d: save_stable_state(stable, d)) if stable else None)
     return manifest

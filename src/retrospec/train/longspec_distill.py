@@ -45,7 +45,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -60,7 +60,7 @@ from ..models.longspec import LongSpecDraft
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
                      warmup_cosine, warmup_stable_decay)
 from .longspec import draft_logits, sample_positions, save_block, target_logits
-from .resume import check_schedule, load_stable_state, save_stable_state, stable_state
+from .resume import chain_fields, check_schedule, resume_run, save_stable_state, stable_state
 
 CHAT_SOURCES = ("self-instruct", "nq")  # the rest (mbpp, stdlib) are code
 
@@ -345,11 +345,11 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
     """The distillers' loop: passes over ``make_batches(train)``, each batch one ``step`` (returning its loss and
     the tokens it counts), the learning rate over progress = tokens counted / ``budget`` (or elapsed /
     ``cfg.seconds``): ``cfg.warmup`` + cosine, or with ``cfg.schedule == "wsd"`` ``warmup_stable_decay`` over the
-    last ``cfg.decay``, ``snapshot(tokens counted)`` called once as the decay starts (or at the end, if it never started); stops at
-    the budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs (``model`` in eval
+    last ``cfg.decay``, ``snapshot(tokens counted)`` called once as the decay starts (or at the end, if it never
+    started); stops at the budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs (``model`` in eval
     mode) before training, once the tokens counted pass each of ``points``, and at the end. Returns the manifest's
     ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
-    wsd = getattr(cfg, "schedule", "cosine") == "wsd"
+    wsd = cfg.schedule == "wsd"
     model.eval()
     curve = [{**evaluate(), "tokens": 0}]
     log(f"before: {curve[0]}")
@@ -406,11 +406,9 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     block = load_block(start, target) if start else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
-    if cfg.resume:
-        pass  # the resumed block's draft vocabulary, always
-    elif not cfg.keep_vocab:
+    if cfg.resume is None and not cfg.keep_vocab:  # a resumed block keeps its draft vocabulary
         block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size) if cfg.draft_vocab else None)
-    elif block.vocab is None:
+    elif cfg.resume is None and block.vocab is None:
         raise RetrospecError(f"--keep-vocab: block {cfg.init} drafts over the full head; it has no draft vocabulary "
                              "to keep")
     pad = eos and min(eos) or 0
@@ -423,12 +421,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     for p in block.parameters():
         p.requires_grad_(True)
     opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
-    previous = load_stable_state(cfg.resume, block, opt, cfg, MANIFEST) if cfg.resume else None
-    if previous is not None:
-        cfg = replace(cfg, warmup=0.0)  # the stable learning rate from the first step
-        log(f"resuming {cfg.resume}: {previous['tokens_total']:,} tokens trained before, its stable weights and "
-            "optimiser state")
-    before = previous["tokens_total"] if previous else 0
+    cfg, previous, before = resume_run(cfg, block, opt, MANIFEST, log)
     stable: dict = {}
     first = first_batch(train, cfg)
     precision = pick_precision(cfg.precision, block.norm1.weight.device,
@@ -462,9 +455,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
                 "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
                 "corpus": {"path": cfg.corpus, "records": sum(seen.values()), "heldout_records": len(held)},
                 "draft_vocab": block.draft_vocab_size, "heldout_coverage": held_coverage, "precision": precision,
-                **result, "tokens_total": before + result["tokens_seen"]}
-    if previous is not None:
-        manifest["resumed_recipe"] = previous  # the run this one went on from (nesting its own predecessors)
+                **result, **chain_fields(previous, before, result["tokens_seen"])}
     save_block(block, target, manifest, Path(cfg.out), cfg.storage,
                extra=(lambda d: save_stable_state(stable, d)) if stable else None)
     return manifest

@@ -14,6 +14,7 @@ taken before any decayed step, and a file this cannot use is one ``RetrospecErro
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -77,3 +78,20 @@ def load_stable_state(path: str, model: torch.nn.Module, opt: torch.optim.Optimi
         group["betas"] = tuple(getattr(cfg, "betas", group["betas"]))
         group["weight_decay"] = cfg.weight_decay if group["params"][0].dim() >= 2 else 0.0
     return {**previous, "tokens_total": int(state.get("tokens_total", previous.get("tokens_seen", 0)))}
+
+
+def resume_run(cfg, model: torch.nn.Module, opt: torch.optim.Optimizer, manifest: str, log=print):
+    """A distiller's start under ``cfg.resume`` (none: ``(cfg, None, 0)``): the state loaded into ``model`` and
+    ``opt``; returns (``cfg`` with no warm-up, the previous run's manifest, tokens trained before this run)."""
+    if not cfg.resume:
+        return cfg, None, 0
+    previous = load_stable_state(cfg.resume, model, opt, cfg, manifest)
+    log(f"resuming {cfg.resume}: {previous['tokens_total']:,} tokens trained before, its stable weights and optimiser "
+        "state")
+    return replace(cfg, warmup=0.0), previous, previous["tokens_total"]  # the stable rate from the first step
+
+
+def chain_fields(previous: dict | None, before: int, tokens_seen: int) -> dict:
+    """The manifest's ``tokens_total`` and, after a resume, ``resumed_recipe`` (the run this one went on from,
+    nesting its own predecessors)."""
+    return {"tokens_total": before + tokens_seen, **({"resumed_recipe": previous} if previous is not None else {})}
