@@ -101,9 +101,10 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                     lse_b: torch.Tensor) -> torch.Tensor:
     """Attention over two disjoint key sets from the parts (out_* [b, h, q, dv], lse_* [b, h, q]): ``w = sigmoid(lse_a
-    - lse_b)`` is set a's share of the softmax mass."""
-    w = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)  # [b, h, q, 1]; 1 where lse_b = -inf (set b empty)
-    return torch.lerp(out_b, out_a, w)  # out_b + w * (out_a - out_b) = w * out_a + (1 - w) * out_b
+    - lse_b)`` is set a's share of the softmax mass. Float32 out, whatever the parts' dtypes (the Triton kernel writes
+    its out in the query's dtype: a bfloat16 part beside a float32 one once failed in ``lerp`` on the GPU)."""
+    w = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1)  # [b, h, q, 1]; 1 where lse_b = -inf (b empty)
+    return torch.lerp(out_b.float(), out_a.float(), w)  # out_b + w * (out_a - out_b) = w * out_a + (1 - w) * out_b
 
 
 def triton_self_check(device: torch.device, dtype: torch.dtype, head_dim: int = 64, value_dim: int | None = None

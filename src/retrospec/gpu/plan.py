@@ -60,7 +60,7 @@ class StepSpec:
 
 
 SPECS = {
-    "tests": StepSpec("tests", 100, 200, 2.4, "tests.json (pytest on CUDA-relevant tests; greedy identity of every "
+    "tests": StepSpec("tests", 100, 240, 2.6, "tests.json (pytest on CUDA-relevant tests; greedy identity of every "
                       "lossless method with the oracle on CUDA, fp32), tests.log", (WHEEL_DIR,),
                       ("target-long", "draft-long")),
     "stage": StepSpec("stage", 20, 60, 0.4, "stage.json (which GGUF parts are staged on the machine)"),
