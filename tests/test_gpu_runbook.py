@@ -38,7 +38,7 @@ def test_the_plan_of_this_repository_fits_every_device_limit(monkeypatch):
     tree = whole - sum((ROOT / p).stat().st_size for p in heavy)
     calls = plan.build_plan(ROOT, tree, prepared=False)  # as a fresh 'make gpu' cuts the parts
     assert plan.check_plan(calls, tree) == []
-    assert [c.step for c in calls if not c.optional] == ["tests", "model", "bench", "train"]  # two parts, no stage
+    assert [c.step for c in calls if not c.optional] == ["tests", "model", "train", "bench"]  # two parts, no stage
     for c in calls:  # each step carries the bundled weights it loads
         for w in plan.SPECS[c.step].weights:
             assert any(p.startswith(f"{plan.ZOO}/{w}/") for p in c.carry) == any(h.startswith(f"{plan.ZOO}/{w}/")
@@ -54,7 +54,7 @@ def test_the_plan_of_this_repository_fits_every_device_limit(monkeypatch):
     with_parts = [i for i, c in enumerate(calls) if any(p.startswith(".gpu/p") for p in c.carry)]
     assert with_parts[-1] == steps.index("model")  # the model step takes the last part: all are staged by then
     assert plan.expected_minutes(calls) <= plan.SESSION_S / 60
-    assert all(c.optional for c in calls[steps.index("train") + 1:])
+    assert all(c.optional for c in calls[steps.index("bench") + 1:])
 
 
 def _committed_zoo(root: Path) -> None:
@@ -233,5 +233,5 @@ def test_plan_command_prints_every_call(capsys, monkeypatch):
     assert main(["gpu", "plan", "--json", "--root", str(ROOT)]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [c["index"] for c in got["calls"]] == list(range(1, len(got["calls"]) + 1))
-    assert [c["step"] for c in got["calls"] if not c["optional"]] == ["tests", "model", "bench", "train"]
+    assert [c["step"] for c in got["calls"] if not c["optional"]] == ["tests", "model", "train", "bench"]
     assert got["minutes"] <= plan.SESSION_S / 60

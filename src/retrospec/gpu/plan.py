@@ -151,7 +151,9 @@ def build_plan(root: Path, tree: int | None = None, prepared: bool = True) -> li
     if parts is None:
         parts = [f"{CARRY_DIR}/p{k + 1:02d}" for k in range(len(projected))]
     steps = [("tests", parts[:1] if len(parts) > 1 else [])] + [("stage", [p]) for p in parts[1:-1]]
-    steps += [("model", parts[-1:])] + [(s, []) for s in ("bench", "train", "kernels", "costmodel")]
+    # train right after model (session 38: the machine went cold after bench, and train, which needs the converted
+    # model, could not run: the GGUF does not travel in one call)
+    steps += [("model", parts[-1:])] + [(s, []) for s in ("train", "bench", "kernels", "costmodel")]
     calls = []
     for i, (name, own_parts) in enumerate(steps, 1):
         spec = SPECS[name]
