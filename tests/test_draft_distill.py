@@ -37,7 +37,6 @@ def test_revocab_keeps_trained_rows_and_takes_the_targets_for_new_ids():
         assert torch.equal(a, b), name
 
 
-
 def test_revocab_carries_new_target_rows_into_the_drafts_space():
     """With at least H shared ids, a new id's row is the target's row through the least-squares map from the target's
     rows to the draft's (here exact: the draft's rows are the target's through a fixed matrix), not the raw row."""
@@ -51,6 +50,7 @@ def test_revocab_carries_new_target_rows_into_the_drafts_space():
     assert torch.equal(emb[7], draft.get_input_embeddings().weight[7])  # kept rows stay exactly
     assert torch.allclose(emb[40:], theirs[[80, 81]] @ m, atol=1e-4)
     assert not torch.allclose(emb[40:], theirs[[80, 81]], atol=1e-2)
+
 
 def test_distil_on_a_tiny_corpus_saves_a_lossless_draft(saved_models, tmp_path):
     target = load_model(saved_models.target)

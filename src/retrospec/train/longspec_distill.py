@@ -346,9 +346,9 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
     the tokens it counts), the learning rate over progress = tokens counted / ``budget`` (or elapsed /
     ``cfg.seconds``): ``cfg.warmup`` + cosine, or with ``cfg.schedule == "wsd"`` ``warmup_stable_decay`` over the
     last ``cfg.decay``, ``snapshot(tokens counted)`` called once as the decay starts (or at the end, if it never
-    started); stops at the budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs (``model`` in eval
-    mode) before training, once the tokens counted pass each of ``points``, and at the end. Returns the manifest's
-    ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
+    started); stops at the budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs
+    (``model`` in eval mode) before training, once the tokens counted pass each of ``points``, and at the end. Returns
+    the manifest's ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
     wsd = cfg.schedule == "wsd"
     model.eval()
     curve = [{**evaluate(), "tokens": 0}]
@@ -406,11 +406,12 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     block = load_block(start, target) if start else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
-    if cfg.resume is None and not cfg.keep_vocab:  # a resumed block keeps its draft vocabulary
-        block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size) if cfg.draft_vocab else None)
-    elif cfg.resume is None and block.vocab is None:
-        raise RetrospecError(f"--keep-vocab: block {cfg.init} drafts over the full head; it has no draft vocabulary "
-                             "to keep")
+    if cfg.resume is None:  # a resumed block keeps its draft vocabulary
+        if not cfg.keep_vocab:
+            block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size) if cfg.draft_vocab else None)
+        elif block.vocab is None:
+            raise RetrospecError(f"--keep-vocab: block {cfg.init} drafts over the full head; it has no draft "
+                                 "vocabulary to keep")
     pad = eos and min(eos) or 0
     total_out = sum(len(r["output_ids"]) for r in train)
     budget = cfg.max_tokens or (10**12 if cfg.follow else total_out)
