@@ -81,7 +81,10 @@ def test_cuda_engine_verifies_through_the_triton_kernel_token_identically(monkey
     calls, real = [], hybrid_tree_triton.tree_attention_triton
     monkeypatch.setattr(hybrid_tree_triton, "tree_attention_triton", lambda *a: calls.append(1) or real(*a))
     target, draft = load_model("zoo", device="cuda"), load_model("zoo-draft", role="draft", device="cuda")
-    assert engine_mod.engine_for(target.model).mode == "hybrid-tree"
+    # load_model caches the model and engine_for its engine: an earlier test's engine holds the measured crossover
+    # (longer than this test's context), so rebuild it under the patched crossover
+    engine = engine_mod.engine_for(target.model, remeasure=True)
+    assert engine.mode == "hybrid-tree" and engine.hybrid_min_length == 0
     ids = target.tokenizer.encode(preset("heldout", 1)[0]["prompt"])
     greedy = SamplingConfig()
     ref = autoregressive_generate(target.model, ids, sampling=greedy, max_new_tokens=32)

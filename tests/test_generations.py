@@ -121,7 +121,8 @@ def test_another_config_is_refused_not_mixed(saved_models, tmp_path):
 
 
 @pytest.mark.parametrize("spec,fragment", [("wiki=x", "unknown prompt source"), ("mbpp", "needs a file"),
-                                           ("self-instruct", "needs a count"), ("stdlib=0", "count"), ("", "no prompt")])
+                                           ("self-instruct", "needs a count"), ("stdlib=0", "count"), ("", "no prompt"),
+                                           ("tasks", "tasks needs a count"), ("tasks=x", "count >= 1")])
 def test_bad_sources(spec, fragment):
     with pytest.raises(RetrospecError, match=fragment):
         parse_sources(spec)
@@ -168,3 +169,30 @@ def test_sources_interleave_and_mbpp_bench_rows_stay_out(tmp_path):
     order = [r.source for r in rows]
     assert order[:3] == ["self-instruct", "mbpp", "self-instruct"] and len(order) == 12
     assert interleave([[1, 2], [3]]) == [1, 3, 2]
+
+
+def test_tasks_rows_take_the_openers_in_turn():
+    from retrospec.generations.prompts import TASK_OPENERS
+
+    rows = load_rows(parse_sources(f"tasks={len(TASK_OPENERS) + 2}"))
+    assert [r.text for r in rows] == list(TASK_OPENERS) + list(TASK_OPENERS[:2])
+    assert all(r.source == "tasks" and r.chat for r in rows)
+
+
+def test_tasks_instructions_start_with_their_opener_and_are_answered_in_the_chat_template(chat_models, tmp_path):
+    from retrospec.generations.prompts import TASK_OPENERS
+    from retrospec.train.longspec_distill import kind_of
+
+    rows = load_rows(parse_sources("tasks=3,self-instruct=1"))
+    cfg = CorpusConfig(sources="tasks=3,self-instruct=1", temperatures=(0.0,), max_new_tokens=4, batch_size=2,
+                       shard_size=4)
+    target = load_model(chat_models.target)
+    CorpusBuilder(target, rows, tmp_path / "c", cfg).build(progress=False)
+    recs = read_corpus(tmp_path / "c")
+    tasks = [r for r in recs if r["source"] == "tasks"]
+    assert [r["prompt"][:len(o)] for r, o in zip(tasks, TASK_OPENERS)] == list(TASK_OPENERS[:3])
+    assert all(len(r["prompt"]) > len(o) for r, o in zip(tasks, TASK_OPENERS))  # the target wrote the rest
+    tok = target.tokenizer
+    for r in recs:  # each instruction is then asked as one user message
+        rendered = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
+        assert r["prompt_ids"] == list(rendered["input_ids"]) and kind_of(r) == "chat"

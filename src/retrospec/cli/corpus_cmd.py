@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     g.add_argument("--sources", required=True,
                    help="comma-separated: mbpp=PATH (raw code completion), nq=PATH (NQ-open questions, train split, "
                         "chat), stdlib[=N] (function openings from the stdlib's train split), self-instruct=N "
-                        "(instructions the target writes itself, then answers)")
+                        "(instructions the target writes itself, then answers), tasks=N (the same, each from the "
+                        "opening words of a task: summaries, translations, arithmetic, writing ...)")
     g.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy (default 0,0.7)")
     g.add_argument("--top-p", type=float, default=0.95, help="for sampled temperatures (default 0.95)")
     g.add_argument("--max-new-tokens", type=int, default=256)

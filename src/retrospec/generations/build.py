@@ -5,8 +5,9 @@ every prompt row (``generations.prompts``) at every temperature of the config an
 
 - work items = (row, temperature) in a fixed order, cut into shards of ``shard_size`` items; shard k is
   ``shard-0000k.jsonl``, one JSON object per item: ``source``, ``chat``, ``temperature``, ``prompt`` (for
-  self-instruct, the instruction the target wrote), ``prompt_ids``, ``output_ids``, ``finished`` (ended at an
-  end-of-turn / EOS id rather than at ``max_new_tokens``);
+  self-instruct and tasks, the instruction the target wrote: for tasks, a task's opening words and its
+  continuation), ``prompt_ids``, ``output_ids``, ``finished`` (ended at an end-of-turn / EOS id rather than at
+  ``max_new_tokens``);
 - a shard is decoded in batches of ``batch_size`` sequences (``batched.generate_batch``), rows sorted by prompt
   length; sampled shards draw from a generator seeded by (seed, shard);
 - each shard file, then ``manifest.json``, is written atomically, so a killed build leaves whole shards only; a
@@ -33,7 +34,7 @@ from ..batched import generate_batch
 from ..chat import build_chat_prompt, end_of_turn_ids, render
 from ..config import SamplingConfig
 from ..errors import RetrospecError
-from .prompts import PromptRow
+from .prompts import WRITTEN, PromptRow
 
 MANIFEST = "manifest.json"
 INSTRUCTION_TOKENS = 96  # the most a self-written instruction may take
@@ -118,26 +119,29 @@ class CorpusBuilder:
             return text, build_chat_prompt(tok, [{"role": "user", "content": text}]).prompt_ids
         return text, list(tok(text, add_special_tokens=False)["input_ids"])
 
-    def _instructions(self, count: int, gen: torch.Generator) -> list[str]:
-        """``count`` user instructions written by the target (sampled at temperature 1, top-p 0.95)."""
+    def _instructions(self, openers: list[str], gen: torch.Generator) -> list[str]:
+        """One user instruction written by the target (sampled at temperature 1, top-p 0.95) from each opener: the
+        chat template up to the user's turn, then the opener's words ("" = Magpie's unseeded instruction)."""
         tok = self.target.tokenizer
         prefix, sampling = self_instruct_prefix(tok), SamplingConfig(temperature=1.0, top_p=0.95)
+        starts = [list(tok(o, add_special_tokens=False)["input_ids"]) if o else [] for o in openers]
         out = []
-        for k in range(0, count, self.cfg.batch_size):
-            res = generate_batch(self.target.model, [prefix] * min(self.cfg.batch_size, count - k),
+        for k in range(0, len(starts), self.cfg.batch_size):
+            res = generate_batch(self.target.model, [prefix + s for s in starts[k:k + self.cfg.batch_size]],
                                  max_new_tokens=INSTRUCTION_TOKENS, eos_ids=self.eos, pad_id=self.pad,
                                  sampling=sampling, generator=gen)
-            out += [tok.decode(t, skip_special_tokens=True).strip() for t in res.tokens]
+            out += [tok.decode(s + t, skip_special_tokens=True).strip()
+                    for s, t in zip(starts[k:k + self.cfg.batch_size], res.tokens)]
         return out
 
     def run_shard(self, index: int, items: list[tuple[int, float]]) -> list[dict]:
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + index)
-        n_self = sum(1 for i, _ in items if self.rows[i].source == "self-instruct")
-        written = iter(self._instructions(n_self, gen) if n_self else ())
+        openers = [self.rows[i].text for i, _ in items if self.rows[i].source in WRITTEN]
+        written = iter(self._instructions(openers, gen) if openers else ())
         prepared = []  # (item order, row, temperature, prompt text, prompt ids)
         for order, (i, temp) in enumerate(items):
             row = self.rows[i]
-            text, ids = self._encode(row, next(written) if row.source == "self-instruct" else None)
+            text, ids = self._encode(row, next(written) if row.source in WRITTEN else None)
             if text.strip() and 0 < len(ids) <= self.cfg.max_prompt_tokens:
                 prepared.append((order, row, temp, text, ids))
         records: dict[int, dict] = {}

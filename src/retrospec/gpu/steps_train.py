@@ -70,7 +70,8 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     bundled = paired_longspec(name)
     work = Path(tempfile.mkdtemp(prefix="rs-gpu-train-"))
     mbpp, nq = ref_dir / "mbpp_sanitized.jsonl", ref_dir / "nq_open" / "questions.jsonl"
-    parts = [f"mbpp={mbpp}"] * mbpp.is_file() + [f"nq={nq}"] * nq.is_file() + ["stdlib", "self-instruct=2000"]
+    parts = ([f"mbpp={mbpp}"] * mbpp.is_file() + [f"nq={nq}"] * nq.is_file()
+             + ["stdlib", "self-instruct=2000", "tasks=2000"])
     sources = "stdlib=8" if dry_run else ",".join(parts)
     cfg_kw = dict(max_new_tokens=8, batch_size=4, shard_size=8) if dry_run else dict(
         max_new_tokens=256, batch_size=192, shard_size=384)  # launch-bound at 135M: rows are ~free

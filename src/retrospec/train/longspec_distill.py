@@ -62,7 +62,7 @@ from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_
 from .longspec import draft_logits, sample_positions, save_block, target_logits
 from .resume import chain_fields, check_schedule, resume_run, save_stable_state, stable_state
 
-CHAT_SOURCES = ("self-instruct", "nq")  # the rest (mbpp, stdlib) are code
+CHAT_SOURCES = ("self-instruct", "tasks", "nq")  # the rest (mbpp, stdlib) are code
 
 
 @dataclass
