@@ -251,3 +251,21 @@ def test_a_rejection_lowers_untried_larger_budgets_only():
     fresh.update(2, 2, [0], 0.001, PLAIN, CTX)
     assert fresh.acc[8] == pytest.approx(0.9 * (0.9 * 0.5 * sum(0.5 ** k for k in range(1, 9)) + 8) + 1)
     assert fresh.nodes[8] == pytest.approx(0.9 * (0.9 * 0.5 * 8 + 8) + 8)  # a chain of 8 would have been drafted
+
+
+@pytest.mark.parametrize("where", ["draft", "verify"])
+def test_one_stalled_step_does_not_close_the_gate(where):
+    # a drafter that pays (half its chain accepted, cheap) stalls once for 50 plain steps (the process descheduled, a
+    # garbage collection): that one timing must not make drafting look slower than plain decoding for long
+    gate = Gate(GateProfile(), "longspec")
+    budgets = []
+    for i in range(120):
+        b = gate.choose(1000, CTX + i)
+        budgets.append(b)
+        nodes = min(b, 4)
+        stall = 50 * PLAIN if i == 40 and b else 0.0
+        draft_s = (0.0003 * nodes + (stall if where == "draft" else 0.0)) if b else 0.0
+        verify_s = PLAIN + 0.001 * nodes + (stall if where == "verify" else 0.0)
+        gate.update(b, nodes, list(range(min(nodes, 2))), draft_s, verify_s, CTX + i)
+    assert budgets[40] > 0 and min(budgets[20:40]) >= 2  # drafting, and paying, before the stall
+    assert budgets[41:].count(0) <= 2 and min(budgets[45:]) >= 2, budgets[38:60]

@@ -7,8 +7,9 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
 - cost(b) = draft(b) + verify(n(b)). draft(b): moving average of seconds in ``propose`` per budget tried, linear
   between them (budget 0 drafts nothing). verify(n): seconds to verify, accept and commit n nodes (n = 0: a plain
   step), kept per target across requests (``GateProfile``, by context-length bucket, linear between node counts,
-  read so it never falls as n grows) and measured once per bucket when unknown. n(b): expected node count with
-  budget b, estimated like E(b).
+  read so it never falls as n grows) and measured once per bucket when unknown. In both averages one timing counts
+  at most ``STALL`` x the average (a stall is not a new cost). n(b): expected node count with budget b, estimated
+  like E(b).
 - E(b): expected tokens committed per step. A step with budget B also tells what any b <= B would have committed:
   the accepted path's node indices increase (parents precede children), so the first b nodes keep exactly the
   accepted nodes with index < b (exact for chains; for breadth-first trees an approximation). E(b) = 1 + decayed
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 
 DECAY = 0.9  # acceptance statistics: weight of the past per observation (a window of about 10 steps)
 COST_DECAY = 0.7  # timing averages: faster, timings are less noisy than acceptance
+STALL = 2.0  # a timing above this many times its average counts as this many: a stall, not a new cost
 PRIOR_WEIGHT = 0.5  # pseudo-steps of the optimistic prior
 PRIOR_ACCEPT = 0.5  # prior acceptance per position
 GROWTH = 4  # ramp factor at the top of the budgets tried
@@ -76,8 +78,11 @@ class Curve(dict):
         self._fit: Curve | None = None  # ``rising``'s fit, rebuilt after a change
 
     def ema(self, x, value: float) -> None:
+        """Fold one timing into x's average; a timing over ``STALL`` x the average counts as ``STALL`` x (a step the
+        process was descheduled in, a garbage collection): one stall must not price a budget out for the ~100 steps
+        until a probe measures it again, while a real rise still passes, by 1.3x per timing."""
         old = self.get(x)
-        self[x] = value if old is None else COST_DECAY * old + (1 - COST_DECAY) * value
+        self[x] = value if old is None else COST_DECAY * old + (1 - COST_DECAY) * min(value, STALL * old)
 
     def at(self, x: float) -> float | None:
         """Piecewise-linear through the points; flat beyond the last one; None when there are none."""
