@@ -62,8 +62,6 @@ from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_
 from .longspec import draft_logits, sample_positions, save_block, target_logits
 from .resume import chain_fields, check_schedule, resume_run, save_stable_state, stable_state
 
-CHAT_SOURCES = ("self-instruct", "tasks", "nq")  # the rest (mbpp, stdlib) are code
-
 
 @dataclass
 class DistillConfig:
@@ -112,7 +110,9 @@ def heldout_sample(records: list[dict], share: float, n: int) -> list[dict]:
 
 
 def kind_of(record: dict) -> str:
-    return "chat" if record.get("source") in CHAT_SOURCES else "code"
+    """A corpus record's kind: ``chat`` when its prompt was asked under the chat template (its ``chat`` flag: nq,
+    self-instruct, tasks), else ``code`` (mbpp, stdlib: raw completion)."""
+    return "chat" if record.get("chat") else "code"
 
 
 def frequency_vocab(records: list[dict], k: int, always: set[int], vocab_size: int) -> list[int]:
