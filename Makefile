@@ -22,8 +22,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m retrospec.demo
 
+# The suite runs in parallel (pytest-xdist), one worker per usable core up to 4: its tests are single-threaded
+# (conftest sets torch to 1 thread), so 2 workers halve its time on a 2-core machine. TEST_WORKERS=0 runs it serially.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))" 2>/dev/null || echo 1)
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS)
 
 # The issue's acceptance bench: 20 MBPP prompts from ../shared/data, greedy, 128 new tokens.
 bench: $(STAMP)
