@@ -217,3 +217,33 @@ def test_wsd_run_writes_a_state_that_a_later_run_resumes(saved_models, tmp_path)
     with pytest.raises(RetrospecError, match="corrupt resume state"):
         distill_longspec(bad(resume=str(tmp_path / "b")), log=lambda *_: None, target=target)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("how", ["seconds", "max_tokens"])
+def test_the_schedule_ends_where_the_run_stops(how):
+    """A wsd run whose token budget runs out before its seconds (one pass, the default) still ends its decay there,
+    and ``--max-tokens`` beyond one pass trains further passes (session 41: a pass over the pool stopped a 4,200 s
+    run at 3,372 s with a fifth of its decay done)."""
+    from types import SimpleNamespace
+
+    from retrospec.train.longspec_distill import train_curve
+
+    records = [{"prompt_ids": [1, 2], "output_ids": [3] * 6} for _ in range(8)]  # 8 records, 48 output tokens
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    cfg = SimpleNamespace(schedule="wsd", decay=0.5, warmup=0.0, lr=1.0, max_len=16, batch_tokens=8,
+                          seconds=3600.0 if how == "seconds" else None)
+    budget = 48 if how == "seconds" else 3 * 48
+    lrs = []
+
+    def step(batch):
+        lrs.append(opt.param_groups[0]["lr"])
+        return 0.0, sum(len(r["output_ids"]) for r in batch)
+
+    passes = []
+    result = train_curve(model, opt, records, cfg, budget, [], random.Random(0), lambda *_: None, step=step,
+                         evaluate=lambda: {"all": 0.0}, desc="t",
+                         next_pass=lambda: (passes.append(1), records if how == "max_tokens" else None)[1])
+    assert result["tokens_seen"] == budget
+    assert lrs[0] == 1.0 and lrs[-1] < 0.5 and lrs == sorted(lrs, reverse=True)  # the decay ran to the stop
+    assert len(passes) == (1 if how == "seconds" else 3)  # next_pass runs after every pass, the last one included

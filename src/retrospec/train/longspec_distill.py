@@ -75,7 +75,7 @@ class DistillConfig:
     batch_tokens: int = 4096
     heldout: float = 0.04
     max_tokens: int | None = None  # stop after this many corpus output tokens (None: one pass)
-    seconds: float | None = None  # stop after this long (the schedule then runs over elapsed time)
+    seconds: float | None = None  # stop after this long, or at the token budget if sooner (the schedule ends there)
     lr: float = 1e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -343,8 +343,9 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
                 next_pass: Callable[[], list[dict] | None], extra: Callable[[], dict] = dict,
                 snapshot: Callable[[int], None] | None = None):
     """The distillers' loop: passes over ``make_batches(train)``, each batch one ``step`` (returning its loss and
-    the tokens it counts), the learning rate over progress = tokens counted / ``budget`` (or elapsed /
-    ``cfg.seconds``): ``cfg.warmup`` + cosine, or with ``cfg.schedule == "wsd"`` ``warmup_stable_decay`` over the
+    the tokens it counts), the learning rate over progress = tokens counted / ``budget``, or with ``cfg.seconds``
+    the larger of that and elapsed / ``cfg.seconds`` (a run stops at whichever comes first, and its schedule ends
+    there: a pass that ends before the time would otherwise stop in the middle of the decay): ``cfg.warmup`` + cosine, or with ``cfg.schedule == "wsd"`` ``warmup_stable_decay`` over the
     last ``cfg.decay``, ``snapshot(tokens counted)`` called once as the decay starts (or at the end, if it never
     started); stops at the budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs
     (``model`` in eval mode) before training, once the tokens counted pass each of ``points``, and at the end. Returns
@@ -366,7 +367,9 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
     model.train()
     while train:
         for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
-            progress = seen / budget if cfg.seconds is None else (time.perf_counter() - started) / cfg.seconds
+            progress = seen / budget
+            if cfg.seconds is not None:
+                progress = max(progress, (time.perf_counter() - started) / cfg.seconds)
             if seen >= budget or progress >= 1:
                 train = None
                 break
@@ -434,8 +437,8 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
         """Following a corpus still being generated: the shards written since; with too few new tokens, another
         pass over every training record so far (``corpus_tokens`` counts each token once, ``tokens`` every pass)."""
         nonlocal seen, unique
-        if not cfg.follow:
-            return None
+        if not cfg.follow:  # --max-tokens beyond one pass: another pass over the same records
+            return pool if cfg.max_tokens is not None else None
         new, seen = follow_corpora(seen, corpus_parts(cfg.corpus, growing=True))
         fresh = [r for r in new if not is_heldout(r, cfg.heldout)]
         pool.extend(fresh)
