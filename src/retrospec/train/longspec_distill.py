@@ -343,13 +343,14 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
                 next_pass: Callable[[], list[dict] | None], extra: Callable[[], dict] = dict,
                 snapshot: Callable[[int], None] | None = None):
     """The distillers' loop: passes over ``make_batches(train)``, each batch one ``step`` (returning its loss and
-    the tokens it counts), the learning rate over progress = tokens counted / ``budget``, or with ``cfg.seconds``
+    the tokens it counts). The learning rate follows progress = tokens counted / ``budget``, or with ``cfg.seconds``
     the larger of that and elapsed / ``cfg.seconds`` (a run stops at whichever comes first, and its schedule ends
     there: a pass that ends before the time would otherwise stop in the middle of the decay): ``cfg.warmup`` +
-    cosine, or with ``cfg.schedule == "wsd"`` ``warmup_stable_decay`` over the last ``cfg.decay``, ``snapshot(tokens counted)`` called once as the decay starts (or at the end, if it never
-    started); stops at the budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs
-    (``model`` in eval mode) before training, once the tokens counted pass each of ``points``, and at the end. Returns
-    the manifest's ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
+    cosine, or with ``cfg.schedule == "wsd"`` ``warmup_stable_decay`` over the last ``cfg.decay``, with
+    ``snapshot(tokens counted)`` called once as the decay starts (or at the end, if it never started). Stops at the
+    budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs (``model`` in eval mode)
+    before training, once the tokens counted pass each of ``points``, and at the end. Returns the manifest's
+    ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
     wsd = cfg.schedule == "wsd"
     model.eval()
     curve = [{**evaluate(), "tokens": 0}]
