@@ -241,9 +241,13 @@ def test_the_schedule_ends_where_the_run_stops(how):
         return 0.0, sum(len(r["output_ids"]) for r in batch)
 
     passes = []
+
+    def next_pass():  # what distill_longspec's does without --follow: more passes only under --max-tokens
+        passes.append(1)
+        return records if how == "max_tokens" else None
+
     result = train_curve(model, opt, records, cfg, budget, [], random.Random(0), lambda *_: None, step=step,
-                         evaluate=lambda: {"all": 0.0}, desc="t",
-                         next_pass=lambda: (passes.append(1), records if how == "max_tokens" else None)[1])
+                         evaluate=lambda: {"all": 0.0}, desc="t", next_pass=next_pass)
     assert result["tokens_seen"] == budget
     assert lrs[0] == 1.0 and lrs[-1] < 0.5 and lrs == sorted(lrs, reverse=True)  # the decay ran to the stop
     assert len(passes) == (1 if how == "seconds" else 3)  # next_pass runs after every pass, the last one included
