@@ -19,9 +19,6 @@ import torch
 from . import common
 
 CUDA_TESTS = ("tests/test_cuda.py", "tests/test_hybrid_tree_attention.py", "tests/test_rapid_zoo_long.py")
-# load_block and open_store check a fingerprint of the target's weights taken in float32: a bfloat16 copy is refused
-FP32_ONLY = {"longspec": "the block's target fingerprint is of the float32 weights (load_block refuses bf16)",
-             "dresd": "the dense store's target fingerprint is of the float32 weights (open_store refuses bf16)"}
 METHODS = ("ar", "sd", "pld", "magicdec", "longspec", "rest", "dresd", "hf-assisted", "hf-pld")
 
 
@@ -208,12 +205,9 @@ def run_bench_step(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Pa
         if target is None:
             continue
         sets = res.part(f"prompts/{dtype}", prompt_sets, target, dry_run, ref_dir) or {}
-        cell_methods = methods
-        if dtype != torch.float32:  # a bf16 target's fingerprint differs from the fp32 one the block/store carry
-            cell_methods = [m for m in methods if m not in FP32_ONLY]
-            res.figures["skipped"] |= {f"{m}@bfloat16": FP32_ONLY[m] for m in methods if m in FP32_ONLY}
-            if dry_run:  # the bf16 path once, in seconds
-                sets = {k: v for k, v in sets.items() if k == "code"}
+        cell_methods = methods  # the block and the dense store accept a bf16 copy of their target (same_model)
+        if dtype != torch.float32 and dry_run:  # the bf16 path once, in seconds
+            sets = {k: v for k, v in sets.items() if k == "code"}
         if not draft:
             cell_methods = [m for m in cell_methods if m not in ("sd", "hf-assisted")]
         for set_name, (prompts, chat) in sets.items():

@@ -29,7 +29,7 @@ import torch
 
 from ..atomic import atomic_build
 from ..errors import RetrospecError
-from ..identity import model_identity
+from ..identity import model_identity, same_model
 from . import quant
 from .files import first_line, read_json
 
@@ -60,14 +60,12 @@ def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
     base_path = Path(base_src).expanduser()
     if not base_path.is_absolute() and not base_path.exists() and (path / base_src).exists():
         base_src = str(path / base_src)
-    # float32 whatever ``dtype``: the recorded identity is of float32 weights (rounding to bfloat16 changes the
-    # digest), and the merge W + BA is rounded once, at the end
+    # float32 whatever ``dtype``: the merge W + BA is rounded once, at the end
     base = load_model(base_src, role="adapter base", dtype=torch.float32, device=device)
-    want = (meta.get("base_identity") or {}).get("fingerprint")
-    have = model_identity(base.model)["fingerprint"]
-    if want is not None and want != have:
-        raise RetrospecError(f"adapter {path} was trained on another {base_src} (fingerprint {want}); the loaded base "
-                             f"has fingerprint {have}")
+    want = meta.get("base_identity") or {}
+    if want.get("fingerprint") is not None and not same_model(want, base.model):
+        raise RetrospecError(f"adapter {path} was trained on another {base_src} (fingerprint {want['fingerprint']}); "
+                             f"the loaded base has fingerprint {model_identity(base.model)['fingerprint']}")
     storage = meta.get("storage")
     if storage not in (None, quant.INT8):
         raise RetrospecError(f"adapter {path}: unknown storage {storage!r} in {ADAPTER_META} (this retrospec reads "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RetrospecError
-from ..identity import model_identity
+from ..identity import same_model
 from ..paths import cache_home
 from .gguf import _stderr
 
@@ -165,7 +165,7 @@ def paired_longspec(target) -> Path | None:
 
     None (the default target) or a model name: its named block (``zoo`` -> ``zoo-longspec``; resolving may raise).
     A checkpoint directory or a loaded model: the block of the named model at that directory, else the bundled
-    block (already on disk) whose ``longspec.json`` records this model's identity (``identity.model_identity``).
+    block (already on disk) whose ``longspec.json`` records this model's identity (``identity.same_model``: a bfloat16 copy finds the block of its float32 original).
     None when no bundled block fits."""
     if target is None or isinstance(target, str) and not Path(target).expanduser().exists():
         return _named_pair(target, "longspec")
@@ -175,14 +175,13 @@ def paired_longspec(target) -> Path | None:
         return resolve_name(named.longspec)
     if module is None:
         return None
-    want = model_identity(module)["fingerprint"]
     for block in (lookup(m.longspec) for m in NAMED if m.longspec):
         meta = block.location() / "longspec.json"
         try:
-            recorded = json.loads(meta.read_text())["target"]["fingerprint"] if meta.is_file() else None
+            recorded = json.loads(meta.read_text())["target"] if meta.is_file() else None
         except (OSError, ValueError, KeyError, TypeError):
             recorded = None
-        if recorded == want:
+        if isinstance(recorded, dict) and same_model(recorded, module):
             return block.location()
     return None
 

@@ -14,8 +14,8 @@ Invariants:
 - ``load_meta`` refuses a directory whose ``meta.json`` is missing or unreadable, whose format/version/kind is not
   what the caller expects, or whose data files are missing or have another size than recorded.
 - ``check_compatible`` refuses a store built for another tokenizer (vocabulary fingerprint or size) and, for dense
-  stores, another target model (config hash + weights digest, and hidden size): token ids or hidden states would
-  mean different things. Every refusal is one ``RetrospecError`` line that says what to rebuild.
+  stores, another target model (``identity.same_model``: config hash + weights digest, or a bfloat16/float16 copy of
+  the recorded target; and hidden size): token ids or hidden states would mean different things. Every refusal is one ``RetrospecError`` line that says what to rebuild.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from ..atomic import META_FILE
 from ..errors import RetrospecError
-from ..identity import model_identity, tokenizer_fingerprint
+from ..identity import model_identity, same_model, tokenizer_fingerprint
 from ..models.files import read_description
 
 FORMAT = "retrospec-datastore"
@@ -119,7 +119,7 @@ def check_compatible(meta: dict, path: str | Path, *, model: torch.nn.Module | N
         if want.get("hidden_size") is not None and want["hidden_size"] != hidden:
             raise RetrospecError(f"dense datastore {path} holds hidden states of size {want['hidden_size']} "
                                  f"(target {want.get('path')}); the running target's are {hidden}; rebuild it")
-        if want.get("fingerprint") != have["fingerprint"]:
+        if not same_model(want, model):
             raise RetrospecError(
                 f"dense datastore {path} was built for another target model ({want.get('path')}, fingerprint "
                 f"{want.get('fingerprint')}); the running target has fingerprint {have['fingerprint']}; rebuild it "

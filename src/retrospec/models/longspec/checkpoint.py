@@ -18,8 +18,9 @@ Invariants:
 - ``save_longspec`` builds the directory atomically (``atomic.atomic_build``): an interrupted save leaves nothing.
 - ``load_longspec`` refuses (one ``RetrospecError`` line each) a missing or incomplete directory, an unknown format,
   version or storage, tensors that do not match the recorded storage, and a block built for another target: other
-  hidden or vocabulary size, or another identity (``identity.model_identity``). The block's queries were trained
-  against that target's keys and its embedding / head.
+  hidden or vocabulary size, or another identity (``identity.same_model``: a bfloat16 or float16 copy of the target
+  it was built for is accepted). The block's queries were trained against that target's keys and its embedding /
+  head.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from ...atomic import atomic_build
 from ...errors import RetrospecError
-from ...identity import model_identity
+from ...identity import model_identity, same_model
 from .. import quant
 from ..files import first_line, read_description, read_json
 from ..loading import as_module
@@ -128,7 +129,7 @@ def load_longspec(path: str | Path, target) -> LongSpecDraft:
         if want.get(key) != have[key]:
             raise RetrospecError(f"LongSpec block {path} was built for a target with {what} {want.get(key)} "
                                  f"({want.get('path')}); the running target's is {have[key]}")
-    if want.get("fingerprint") != have["fingerprint"]:
+    if not same_model(want, as_module(target)):
         raise RetrospecError(f"LongSpec block {path} was built for another target ({want.get('path')}, fingerprint "
                              f"{want.get('fingerprint')}); the running target has fingerprint {have['fingerprint']}; "
                              f"train a block for this target")
