@@ -5,8 +5,8 @@ weights) and keeps the per-tensor RMS values, so that an artefact built for one 
 whatever its path. ``same_model`` is the check every loader makes: the recorded fingerprint is the model's, or the
 model, held in a lower precision than float32, could be the recorded one rounded to it (a bfloat16 or float16 copy of
 a float32 model: every tensor's RMS within the dtype's unit roundoff u of the recorded one, since rounding each weight
-by at most a relative u moves an RMS by at most u). Artefacts written before 2026-11-27 record no RMS values: they accept exact matches only.
-``tokenizer_fingerprint`` hashes the vocabulary.
+by at most a relative u moves an RMS by at most u). Artefacts written before 2026-11-27 record no RMS values: they
+accept exact matches only. ``tokenizer_fingerprint`` hashes the vocabulary.
 
 Invariants: the fingerprint is exact (one model, one dtype); ``same_model`` accepts the model and its lower-precision
 copies, never a model with another config or another tensor list; identities are cached weakly per model object.

@@ -165,7 +165,8 @@ def paired_longspec(target) -> Path | None:
 
     None (the default target) or a model name: its named block (``zoo`` -> ``zoo-longspec``; resolving may raise).
     A checkpoint directory or a loaded model: the block of the named model at that directory, else the bundled
-    block (already on disk) whose ``longspec.json`` records this model's identity (``identity.same_model``: a bfloat16 copy finds the block of its float32 original).
+    block (already on disk) whose ``longspec.json`` records this model's identity (``identity.same_model``: a
+    bfloat16 copy finds the block of its float32 original).
     None when no bundled block fits."""
     if target is None or isinstance(target, str) and not Path(target).expanduser().exists():
         return _named_pair(target, "longspec")
