@@ -1,7 +1,8 @@
 """Model identity (``identity.same_model``): an artefact built for a float32 target (a LongSpec block, a dense
-datastore, a LoRA adapter) is accepted for that target's bfloat16 and float16 copies, as a GPU user loads it, and
-refused for any other model in any precision; a float32 model matches its exact fingerprint only; records written
-before ``weights_rms`` existed match exactly only; a corrupt record is a refusal, never an exception."""
+datastore, a LoRA adapter) is accepted for that target's bfloat16 and float16 copies, as a GPU user loads it, and one
+built for a bfloat16 copy is accepted for the float32 original; any other model is refused in any precision; two
+float32 identities match exactly only; records written before ``weights_rms`` existed match exactly only; a corrupt
+record is a refusal, never an exception."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_a_lower_precision_copy_is_the_same_model(arch, dtype):
     rec = record(target)
     low = copy.deepcopy(target).to(dtype)
     assert same_model(rec, low) and same_model(rec, target)
+    assert same_model(record(low), target)  # built on the copy, used with the original
     legacy = {k: v for k, v in rec.items() if k != "weights_rms"}  # a record from before weights_rms
     assert same_model(legacy, target)
     if dtype == torch.bfloat16:  # its 4-digit digest moves (float16's may not, on these tiny models)
@@ -57,9 +59,12 @@ def test_a_float32_model_needs_its_exact_fingerprint():
     forged = record(target) | {"fingerprint": "0123456789abcdef"}  # weights_rms intact, the fingerprint not
     assert not same_model(forged, target)
     assert same_model(forged, copy.deepcopy(target).to(torch.bfloat16))  # a lower precision reads the RMS values
+    assert not same_model(forged | {"dtype": "bfloat16"} | {"weights_rms": [0.5] * len(forged["weights_rms"])},
+                          target)  # a record from a bfloat16 model reads the RMS values too: these are not these
 
 
-@pytest.mark.parametrize("bad", [None, {}, {"fingerprint": None}, "weights_rms-strings", "weights_rms-short"])
+@pytest.mark.parametrize("bad", [None, {}, {"fingerprint": None}, "weights_rms-strings", "weights_rms-short",
+                                 "dtype-unknown"])
 def test_a_corrupt_record_is_a_refusal(bad):
     target = make("llama")
     low = copy.deepcopy(target).to(torch.bfloat16)
@@ -68,6 +73,8 @@ def test_a_corrupt_record_is_a_refusal(bad):
         bad = rec | {"weights_rms": ["x"] * len(rec["weights_rms"])}
     elif bad == "weights_rms-short":
         bad = rec | {"weights_rms": rec["weights_rms"][:-1]}
+    elif bad == "dtype-unknown":
+        bad = rec | {"fingerprint": "0123456789abcdef", "dtype": "nn"}
     assert not same_model(bad, low)
 
 
