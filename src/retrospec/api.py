@@ -28,10 +28,11 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
             target=None, draft=None, method: str = "sd", max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             stop: tuple[str, ...] | list[str] = (), tokenizer=None, context: str | None = None,
-            gating: bool | None = None, **options) -> Request:
+            gating: bool | None = None, device=None, dtype=None, **options) -> Request:
     """Validate everything and load what is needed (``RetrospecError`` on any user error); see ``generate``.
     ``options`` are the method's knobs (``drafters.registry``); with ``context`` also those of
     ``long_requests.LongContextOptions``."""
+    load = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}  # for paths and names
     spec = spec_of(method)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
@@ -43,7 +44,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
             raise RetrospecError("chat messages do not combine with a long context: pass the query as the prompt (it "
                                  "is wrapped in the chat template when the model has one)")
         return prepare_long_request(prompt, context, target=target, draft=draft, method=method, sampling=sampling,
-                                    decode=decode, tokenizer=tokenizer, gating=gating, **options)
+                                    decode=decode, tokenizer=tokenizer, gating=gating, load=load, **options)
     opts = spec.check(options)
     if spec.context == "required":
         raise RetrospecError(f"method '{method}' needs a long context (context=... / --context-file FILE)")
@@ -51,13 +52,13 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     if msgs is None and (prompt is None or isinstance(prompt, str) and not prompt.strip()
                          or not isinstance(prompt, str) and len(prompt) == 0):
         raise RetrospecError("prompt is empty")
-    tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer)
+    tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer, **load)
     drf = None
     if spec.draft == "lm":
         draft = paired_draft(target) if draft is None else draft  # default/named target: its paired draft
         if draft is None:
             raise RetrospecError(f"method '{method}' needs a draft model (--draft DIR / draft=...)")
-        drf = load_model(draft, role="draft")
+        drf = load_model(draft, role="draft", **load)
         check_same_vocab(tgt, drf)
     eos_ids = None  # None = the target's own EOS ids
     if msgs is not None:
@@ -125,7 +126,10 @@ def generate(prompt: str | list[int] | None = None, **kwargs) -> GenerationResul
     transformers model), ``method`` ('ar', 'sd', 'pld', ...), ``max_new_tokens``, ``temperature`` (0 = greedy),
     ``top_p``, ``top_k``, ``seed``, ``stop`` (stop strings), ``gating`` (None = on except for seeded sampling;
     False: always the full draft; see ``retrospec.gating``) and the method's knobs (``gamma``, ``adaptive_gamma``,
-    ``max_ngram``, ``datastore``, ``tree``, ...; an undeclared one is refused).
+    ``max_ngram``, ``datastore``, ``tree``, ...; an undeclared one is refused). ``device`` (``cpu``, ``cuda``,
+    ``cuda:N``, ``auto``) and ``dtype`` (``float32`` default, ``bfloat16``, ``float16``) apply to a target and a draft
+    given as directories or names; loaded models run where and as they are. Greedy token identity with ``ar`` holds
+    in float32; in a 16-bit dtype a k-token verification and a 1-token step round differently, so near-ties may flip.
 
     Chat: ``messages=[{"role": "user", "content": ...}, ...]`` (roles system / user / assistant), or ``prompt`` with
     ``chat=True``; generation stops at the template's end-of-turn token. No chat template = ``RetrospecError``.

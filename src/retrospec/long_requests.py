@@ -146,8 +146,10 @@ def plan(method: str, context: str, query: str, tokenizer, sampling: SamplingCon
 
 
 def prepare_long_request(query, context: str, *, target, draft, method: str, sampling: SamplingConfig, decode,
-                         tokenizer=None, gating: bool = True, **options):
-    """``api.prepare`` for a request with a long context: load models, retrieve, build prompts and the rule."""
+                         tokenizer=None, gating: bool = True, load: dict | None = None, **options):
+    """``api.prepare`` for a request with a long context: load models (``load``: ``load_model``'s device and dtype),
+    retrieve, build prompts and the rule."""
+    load = load or {}
     if not isinstance(query, str) or not query.strip():
         raise RetrospecError("a long-context request needs the query as non-empty text")
     check_encodable(query, "the query")
@@ -155,12 +157,12 @@ def prepare_long_request(query, context: str, *, target, draft, method: str, sam
     spec = spec_of(method)
     options = spec.check(options, extra=CONTEXT_OPTIONS, context=True)  # this method's knobs + context options
     long_opts = LongContextOptions.pop_from(options)
-    tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer)
+    tgt = load_model(default_target() if target is None else target, role="target", tokenizer=tokenizer, **load)
     if tgt.tokenizer is None:
         raise RetrospecError(f"target {tgt.path} has no tokenizer; long-context methods work on text")
     drf = None
     if spec.draft == "lm":
-        drf = tgt if draft is None else load_model(draft, role="draft")  # default: self-speculation
+        drf = tgt if draft is None else load_model(draft, role="draft", **load)  # default: self-speculation
         check_same_vocab(tgt, drf)
     elif draft is not None:
         users = [m for m in methods(context=True) if spec_of(m).draft == "lm"]

@@ -209,12 +209,17 @@ def _describe_prompts(target: LoadedModel, draft: LoadedModel | None, prompts: l
         "engine": engine_for(target.model).describe(),
         "prompt_rows": [{k: p[k] for k in ("source", "prompt_tokens") if k in p} for p in prompts]
         if any("source" in p or "prompt_tokens" in p for p in prompts) else None,
-    } | _machine()
+    } | _machine(target)
 
 
-def _machine() -> dict:
+def _machine(target: LoadedModel) -> dict:
+    """Where and how the run ran: torch, threads, the CPU (and the GPU the target is on), the target's dtype."""
+    weight = next(target.model.parameters())
+    gpu = torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else None
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "device": str(weight.device) + (f" ({gpu})" if gpu else ""),
+            "dtype": str(weight.dtype).removeprefix("torch."),
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -299,4 +304,4 @@ def _describe_rows(target: LoadedModel, draft: LoadedModel | None, rows: list[di
         "similarity_floor": o.similarity_floor, "piece_tokens": o.piece_tokens,
         "embedder": str(o.embedder or "all-MiniLM-L6-v2 (bundled)"),
         "sink": o.sink, "window": o.window, "attention": target.model.config._attn_implementation,
-    } | _machine()
+    } | _machine(target)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import platform
 import statistics
-import timeit
 
 import torch
 
@@ -48,11 +47,19 @@ def tree_shape(fanout: tuple[int, ...]) -> DraftTree:
     return DraftTree(torch.arange(10, 10 + len(parents)), torch.tensor(parents, dtype=torch.long))
 
 
-def bandwidth_gbs(mib: int = 256) -> float:
-    """Memory read bandwidth: a sum over ``mib`` MiB of touched float32 memory (best of 5)."""
-    x = torch.ones(mib * (1 << 20) // 4)
+def bandwidth_gbs(mib: int = 256, device: torch.device | None = None) -> float:
+    """Memory read bandwidth of ``device`` (the host's by default; a GPU's own memory on CUDA): a sum over ``mib``
+    MiB of touched float32 memory (best of 5; synchronised on CUDA)."""
+    device = device or torch.device("cpu")
+    x = torch.ones(mib * (1 << 20) // 4, device=device)
+    clock = device_clock(device)
     x.sum()
-    return x.numel() * 4 / min(timeit.repeat(x.sum, number=1, repeat=5)) / 1e9
+    best = float("inf")
+    for _ in range(5):
+        t0 = clock()
+        x.sum()
+        best = min(best, clock() - t0)
+    return x.numel() * 4 / best / 1e9
 
 
 @torch.inference_mode()
@@ -188,7 +195,7 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
     weights = sum(w.numel() * w.element_size() for w in [m.weight for m in model.get_decoder().modules()
                                                            if isinstance(m, torch.nn.Linear)]
                   + [model.get_output_embeddings().weight])
-    bw = bandwidth_gbs()
+    bw = bandwidth_gbs(device=next(model.parameters()).device)
     lin = linear_ms(model, tokens, reps)
     out = {
         "target": str(getattr(target, "path", "")),

@@ -50,7 +50,8 @@ def _md_table(cols, rows) -> list[str]:
 
 
 def _machine_line(c: dict) -> str:
-    return f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}, {c['date']}"
+    where = f", {c['device']}, {c['dtype']}" if c.get("device") else ""  # results from before 2026-11-27: no device
+    return f"- torch {c['torch']}, {c['threads']} threads, {c['machine']}{where}, {c['date']}"
 
 
 def render_markdown(result: dict) -> str:

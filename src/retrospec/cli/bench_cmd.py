@@ -39,7 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-warmup", action="store_true")
     add_sampling_args(p)
-    from .generate_cmd import add_knob_args
+    from .generate_cmd import add_device_args, add_knob_args
+
+    add_device_args(p)
     from .long_args import add_long_context_args
 
     add_knob_args(p, multiple_datastores=True, skip=("tree", "max_ngram", "neighbours", "adaptive_gamma"))
@@ -103,9 +105,11 @@ def run(args) -> int:
 def _models(args, draft_src):
     """The target (``--target``, else the default) and the draft (``draft_src``, None: no draft), same vocabulary."""
     from ..models import check_same_vocab, default_target, load_model
+    from .generate_cmd import device_kwargs
 
-    target = load_model(default_target() if args.target is None else args.target, role="target")
-    draft = load_model(draft_src, role="draft") if draft_src is not None else None
+    load = device_kwargs(args)
+    target = load_model(default_target() if args.target is None else args.target, role="target", **load)
+    draft = load_model(draft_src, role="draft", **load) if draft_src is not None else None
     if draft is not None:
         check_same_vocab(target, draft)
     return target, draft

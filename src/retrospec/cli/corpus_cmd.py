@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     g.add_argument("--out", required=True, help="corpus directory (rerun the same command to resume)")
+    from .generate_cmd import add_device_args
+
+    add_device_args(g)
     g.set_defaults(func=run_generate)
     e = verbs.add_parser("export", help="write a corpus as a text .jsonl ('text' = prompt + reply, chat template "
                                         "included) for 'datastore build --corpus' (in-domain REST / DReSD stores)")
@@ -58,7 +61,10 @@ def run_generate(args) -> int:
     if args.limit_per_source is not None and args.limit_per_source < 1:
         raise RetrospecError("--limit-per-source must be >= 1")
     rows = load_rows(sources, args.limit_per_source)
-    target = load_model(default_target() if args.target is None else args.target, role="target")
+    from .generate_cmd import device_kwargs
+
+    target = load_model(default_target() if args.target is None else args.target, role="target",
+                        **device_kwargs(args))
     manifest = CorpusBuilder(target, rows, args.out, cfg).build()
     print(f"{args.out}: {sum(s['records'] for s in manifest['shards'].values()):,} replies, "
           f"{manifest['output_tokens']:,} output tokens in {manifest['seconds']:.0f} s "

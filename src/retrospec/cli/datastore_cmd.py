@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=0, help="torch threads for the forward passes (0 = default)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
+    from .generate_cmd import add_device_args
+
+    add_device_args(b)
     b.set_defaults(func=run_build)
 
     i = dsub.add_parser("info", help="describe a datastore")
@@ -71,10 +74,13 @@ def _check(args, names: tuple[str, ...]) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _load_target(path):
+def _load_target(path, args=None):
+    """The target (``--target``, else the default), where ``--device``/``--dtype`` say when the command has them."""
     from ..models import default_target, load_model
+    from .generate_cmd import device_kwargs
 
-    return load_model(default_target() if path is None else path, role="target")
+    load = device_kwargs(args) if args is not None and hasattr(args, "device") else {}
+    return load_model(default_target() if path is None else path, role="target", **load)
 
 
 def _eos_id(target) -> int:
@@ -113,7 +119,7 @@ def run_build(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
         raise RetrospecError(f"{out} already exists; choose another --out or pass --overwrite")
-    target = _load_target(args.target)
+    target = _load_target(args.target, args)
     if target.tokenizer is None:
         raise RetrospecError(f"target {target.path} has no tokenizer files")
     sources, parts, extra = [], [], {}
@@ -195,7 +201,7 @@ def run_eval(args) -> int:
     recorded = (meta.get("target") or {}).get("path") or (meta.get("tokenizer") or {}).get("source")
     if args.target is None and recorded and Path(recorded).is_dir():
         args.target = recorded
-    target = _load_target(args.target)
+    target = _load_target(args.target, args)
     store = open_store(args.dir, meta["kind"], target=target)
     docs, desc = _documents(args.corpus, target, args.max_tokens)
     if not (docs := list(docs)):

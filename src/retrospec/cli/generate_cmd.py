@@ -29,6 +29,21 @@ def add_sampling_args(p) -> None:
                         "the template's end-of-turn token")
 
 
+def add_device_args(p) -> None:
+    """``--device`` and ``--dtype`` for the target and the draft (``device_kwargs`` reads them)."""
+    p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N | auto (cuda when present)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weights and activations of the target and the draft (default float32; 16-bit is for GPUs "
+                        "and CPUs with native bf16/fp16 matmuls). Greedy output is token-identical to ar in "
+                        "float32; in 16 bits a k-token verification and a 1-token step round differently, so "
+                        "near-ties may flip")
+
+
+def device_kwargs(args) -> dict:
+    """``{"device", "dtype"}`` for ``load_model`` / ``api.generate`` (validated there: one line on a bad value)."""
+    return {"device": args.device, "dtype": args.dtype}
+
+
 def add_knob_args(p, multiple_datastores: bool = False, skip: tuple[str, ...] = ()) -> None:
     """One flag per method knob of the registry (``drafters.registry``): ``--gamma``, ``--tree``, ``--datastore``,
     ... The help says which methods take it; ``knob_kwargs`` checks that the chosen method does."""
@@ -87,6 +102,7 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")
     add_sampling_args(p)
+    add_device_args(p)
     add_knob_args(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -126,7 +142,7 @@ def run(args) -> int:
         raise RetrospecError("long-context options need --context-file FILE")
     s = stream(read_prompt(args), chat=args.chat, target=args.target, draft=args.draft, method=args.method,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-               seed=args.seed, stop=args.stop, gating=False if args.no_gating else None,
+               seed=args.seed, stop=args.stop, gating=False if args.no_gating else None, **device_kwargs(args),
                **({"context": context} | long_kwargs if context is not None else {}),
                **knob_kwargs(args, args.method, CONTEXT_OPTIONS if context is not None else ()))
     if args.json:

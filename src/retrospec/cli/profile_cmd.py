@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--remeasure", action="store_true", help="measure the engine's matmul plan and the draft's "
                                                               "matmul path again (both are cached per model shape "
                                                               "and machine)")
+    from .generate_cmd import add_device_args
+
+    add_device_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (forward_ms[context][tokens] = ms)")
     p.add_argument("--plot", metavar="PNG", help="write the plot here")
     p.add_argument("--out", metavar="DIR", help="write profile.json, profile.md and profile.png here")
@@ -70,6 +73,7 @@ def run(args) -> int:
     from ..bench.profile import render_plot, render_table, run_profile
     from ..fastpath import engine_for
     from ..models import check_same_vocab, default_target, load_model
+    from .generate_cmd import device_kwargs
 
     contexts = _ints(args.contexts, "--contexts", 1)
     tokens = _ints(args.tokens, "--tokens", 1)
@@ -79,7 +83,8 @@ def run(args) -> int:
         raise RetrospecError(f"--plot must be a file, but {args.plot} is a directory")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise RetrospecError(f"--out must be a directory, but {args.out} is a file")
-    target = load_model(default_target() if args.target is None else args.target, role="target")
+    load = device_kwargs(args)
+    target = load_model(default_target() if args.target is None else args.target, role="target", **load)
     if target.max_positions and max(contexts) + max(tokens) > target.max_positions:
         raise RetrospecError(f"context {max(contexts)} + {max(tokens)} tokens exceeds the target's "
                              f"{target.max_positions} positions")
@@ -89,7 +94,7 @@ def run(args) -> int:
 
         draft = SimpleNamespace(path=str(args.draft), longspec_block=load_block(str(args.draft), target.model))
     elif args.draft is not None:
-        draft = load_model(args.draft, role="draft")
+        draft = load_model(args.draft, role="draft", **load)
         check_same_vocab(target, draft)
     if args.remeasure:  # the target's plan, and the draft's matmul path (fastpath.draft), measured again
         engine_for(target.model, remeasure=True)

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting or running before new ones get 503 (default: 256)")
     p.add_argument("--threads", type=int, default=0, help="torch threads for generation (0 = torch's default)")
+    from .generate_cmd import add_device_args
+
+    add_device_args(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
 
@@ -39,6 +42,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..serve.app import create_app
     from ..serve.server import bind, uvicorn_server
+    from .generate_cmd import device_kwargs
 
     if args.threads < 0:
         raise RetrospecError(f"--threads must be >= 0, got {args.threads}")
@@ -52,7 +56,7 @@ def run(args) -> int:
             torch.set_num_threads(args.threads)
         app = create_app(args.target, args.draft, method=args.method, datastores=args.datastore,
                          api_key=args.api_key or None, model_name=args.model_name, max_queue=args.max_queue,
-                         longspec_draft=args.longspec_draft)
+                         longspec_draft=args.longspec_draft, **device_kwargs(args))
         caps = app.state.backend.caps
         host, port = sock.getsockname()[:2]
         print(f"retrospec: serving {caps.model!r} (methods: {', '.join(caps.methods)}; default {caps.default_method}) "

@@ -107,6 +107,8 @@ def plan_key(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor |
     w = decoder_linears[0].weight if decoder_linears else head_weight
     parts = [machine_id(), torch.__version__, str(torch.get_num_threads()), str(w.dtype if w is not None else ""),
              str(shapes), str(len(decoder_linears)), str(tuple(head_weight.shape) if head_weight is not None else ())]
+    if w is not None and w.device.type != "cpu":  # a GPU's plan and profile are not the CPU's (CPU keys unchanged)
+        parts.append(w.device.type)
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

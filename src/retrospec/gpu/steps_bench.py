@@ -226,8 +226,6 @@ def run_bench_step(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Pa
             contexts=(300, 2000), tokens=(1, 2, 4, 8, 16), reps=7)
         res.figures["profile"] = res.part("profile", run_profile, load_model(name, device=device),
                                           load_model(draft_name, role="draft", device=device), **kw)
-        res.notes.append("profile: bench.profile times with a host clock and no CUDA synchronize, and measures host "
-                         "memory bandwidth; CUDA figures are indicative (see docs/gpu.md)")
     return common.finish(res, out)
 
 

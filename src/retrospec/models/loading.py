@@ -13,7 +13,10 @@ where ``token_ids[i]`` is the target token id that the draft's output row ``i`` 
 ``< V``, exactly one per output row. It is loaded, validated, into ``LoadedModel.vocab_map`` ([V_draft] int64).
 ``vocab_size`` is always the model's own output size; ``target_vocab_size`` is V (or ``vocab_size`` without a map).
 
-Loaded models are cached by (resolved path, dtype, device), so repeated API calls with the same paths reuse them.
+Devices (``resolve_device``): ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present); dtypes
+(``resolve_dtype``): a ``torch.dtype`` or ``float32`` / ``bfloat16`` / ``float16``. Anything else, or CUDA asked for
+where there is none, is one ``RetrospecError`` line. Loaded models are cached by (resolved path, dtype, device), so
+repeated API calls with the same paths reuse them.
 """
 
 from __future__ import annotations
@@ -73,6 +76,29 @@ def as_module(model) -> torch.nn.Module:
 
 _CACHE: dict[tuple[str, str, str], LoadedModel] = {}
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present) as a ``torch.device``."""
+    name = str(name)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cpu" and name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise RetrospecError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RetrospecError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
+    return torch.device(name)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A floating-point ``torch.dtype``, or its name (``float32``, ``bfloat16``, ``float16``)."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise RetrospecError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
 
 def _check_dir(path: Path, role: str) -> None:
     if not path.exists():
@@ -104,6 +130,7 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
             tokenizer = _load_tokenizer(home)
         loaded = LoadedModel(src, tokenizer, str(name or "<in-memory model>"))
         return _attach_vocab_map(loaded, home) if home is not None else loaded
+    dtype, device = resolve_dtype(dtype), resolve_device(device)
     path = model_dir(src)
     key = (str(path.resolve()), str(dtype), str(device))
     if key in _CACHE:

@@ -42,11 +42,13 @@ class ClientGone(Exception):
 
 
 def create_app(target=None, draft=None, *, method: str = "sd", datastores=(), api_key: str | None = None,
-               model_name: str | None = None, max_queue: int = 256, longspec_draft=None) -> FastAPI:
+               model_name: str | None = None, max_queue: int = 256, longspec_draft=None, device=None,
+               dtype=None) -> FastAPI:
     """Load the models and datastores and build the app. ``target``/``draft``/``longspec_draft``: a directory, a
-    name or a loaded object (default: the zoo, and a named target's paired draft and bundled LongSpec block)."""
+    name or a loaded object (default: the zoo, and a named target's paired draft and bundled LongSpec block);
+    ``device``/``dtype``: where and how a target and draft given by path or name load (``load_model``)."""
     backend = Backend(target, draft, method=method, datastores=datastores, model_name=model_name,
-                      max_queue=max_queue, longspec_draft=longspec_draft)
+                      max_queue=max_queue, longspec_draft=longspec_draft, device=device, dtype=dtype)
     return build_app(backend, api_key=api_key)
 
 

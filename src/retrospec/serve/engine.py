@@ -77,8 +77,9 @@ class Backend:
     """Loaded target, optional draft, datastores, metrics and the worker (see the module docstring)."""
 
     def __init__(self, target=None, draft=None, *, method: str = "sd", datastores=(), model_name: str | None = None,
-                 max_queue: int = 256, longspec_draft=None):
-        self.target = load_model(default_target() if target is None else target, role="target")
+                 max_queue: int = 256, longspec_draft=None, device=None, dtype=None):
+        self._load = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}  # paths and names
+        self.target = load_model(default_target() if target is None else target, role="target", **self._load)
         if self.target.tokenizer is None:
             raise RetrospecError(f"target {self.target.path} has no tokenizer; the server needs one for text")
         self.draft = self._load_draft(target, draft)
@@ -99,7 +100,7 @@ class Backend:
             draft = paired_draft(target)  # a named target's paired draft (zoo -> zoo-draft), else None
         if draft is None:
             return None
-        drf = load_model(draft, role="draft")
+        drf = load_model(draft, role="draft", **self._load)
         check_same_vocab(self.target, drf)
         return drf
 

@@ -1,8 +1,8 @@
 """The pieces every trainer in ``train/`` shares: device, threads, optimiser and its step, learning-rate schedule,
 the distillation loss, budget and output checks, manifests.
 
-- ``resolve_device``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present); anything else, or CUDA asked
-  for where there is none, is one ``RetrospecError`` line.
+- ``resolve_device`` (``models.loading``'s): ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present); anything
+  else, or CUDA asked for where there is none, is one ``RetrospecError`` line.
 - ``adamw``: AdamW over the trainable parameters, weight decay on matrices only (norms, biases and other vectors
   are not decayed).
 - ``warmup_cosine``: linear warm-up, then a cosine from the peak down to ``min_ratio`` x peak.
@@ -33,17 +33,7 @@ import torch
 
 from ..atomic import write_text_atomic
 from ..errors import RetrospecError
-
-
-def resolve_device(name: str) -> torch.device:
-    name = str(name)
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name != "cpu" and name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
-        raise RetrospecError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RetrospecError(f"--device {name}: no CUDA device is available")
-    return torch.device(name)
+from ..models.loading import resolve_device  # noqa: F401  (the trainers' --device, as every loader reads it)
 
 
 def set_threads(n: int) -> None:
