@@ -74,6 +74,20 @@ def test_api_device_and_dtype():
         retrospec.generate("x", target="zoo", method="ar", dtype="double")
 
 
+def test_a_draft_loads_beside_its_target():
+    """A draft given by name or path follows a loaded target's dtype (and device) unless told otherwise."""
+    from retrospec.models import model_dir
+    from retrospec.models.loading import _CACHE
+
+    key = (str(model_dir("zoo-draft").resolve()), str(torch.bfloat16), "cpu")
+    _CACHE.pop(key, None)  # an earlier test may have loaded it
+    target = load_model("zoo", dtype=torch.bfloat16)
+    res = retrospec.generate("def wrap(text, width):", target=target, draft="zoo-draft", method="sd",
+                             max_new_tokens=6)
+    assert res.stats.new_tokens > 0 and key in _CACHE
+    assert next(_CACHE[key].model.parameters()).dtype == torch.bfloat16
+
+
 def test_bench_records_where_it_ran(cli, tmp_path):
     out = tmp_path / "bench"
     run = cli("bench", "--preset", "heldout", "--limit", "1", "--methods", "ar,longspec", "--dtype", "bfloat16",

@@ -17,7 +17,7 @@ from .drafters.longspec import longspec_options
 from .errors import RetrospecError
 from .gating import resolve as resolve_gating
 from .long_requests import prepare_long_request
-from .models import check_same_vocab, default_target, load_model, paired_draft, paired_longspec
+from .models import check_same_vocab, default_target, load_model, paired_draft, paired_longspec, placement
 from .request import Request
 from .run import Run
 from .text import encode
@@ -58,7 +58,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
         draft = paired_draft(target) if draft is None else draft  # default/named target: its paired draft
         if draft is None:
             raise RetrospecError(f"method '{method}' needs a draft model (--draft DIR / draft=...)")
-        drf = load_model(draft, role="draft", **load)
+        drf = load_model(draft, role="draft", **(placement(tgt) | load))  # beside the target by default
         check_same_vocab(tgt, drf)
     eos_ids = None  # None = the target's own EOS ids
     if msgs is not None:

@@ -29,7 +29,7 @@ from .drafters import spec_of
 from .drafters.magicdec import DEFAULT_SINK
 from .drafters.registry import methods
 from .errors import RetrospecError
-from .models import check_same_vocab, default_target, load_model
+from .models import check_same_vocab, default_target, load_model, placement
 from .request import Request
 from .text import check_encodable, encode
 from .retrieval.context_retrieval import LongContextRetriever, RetrievalConfig, Retrieved
@@ -162,7 +162,8 @@ def prepare_long_request(query, context: str, *, target, draft, method: str, sam
         raise RetrospecError(f"target {tgt.path} has no tokenizer; long-context methods work on text")
     drf = None
     if spec.draft == "lm":
-        drf = tgt if draft is None else load_model(draft, role="draft", **load)  # default: self-speculation
+        # default: self-speculation; a draft loads beside the target unless told otherwise
+        drf = tgt if draft is None else load_model(draft, role="draft", **(placement(tgt) | load))
         check_same_vocab(tgt, drf)
     elif draft is not None:
         users = [m for m in methods(context=True) if spec_of(m).draft == "lm"]

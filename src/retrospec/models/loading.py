@@ -15,7 +15,8 @@ where ``token_ids[i]`` is the target token id that the draft's output row ``i`` 
 
 Devices (``resolve_device``): ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present); dtypes
 (``resolve_dtype``): a ``torch.dtype`` or ``float32`` / ``bfloat16`` / ``float16``. Anything else, or CUDA asked for
-where there is none, is one ``RetrospecError`` line. Loaded models are cached by (resolved path, dtype, device), so
+where there is none, is one ``RetrospecError`` line. A draft given by path or name loads where its target is, in
+its dtype, unless told otherwise (``placement``). Loaded models are cached by (resolved path, dtype, device), so
 repeated API calls with the same paths reuse them.
 """
 
@@ -89,6 +90,13 @@ def resolve_device(name: str | torch.device) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RetrospecError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
     return torch.device(name)
+
+
+def placement(model) -> dict:
+    """``{"device", "dtype"}`` of a loaded model (its first parameter's): where a draft loads by default, so that
+    it runs beside its target."""
+    weight = next(as_module(model).parameters())
+    return {"device": weight.device, "dtype": weight.dtype}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

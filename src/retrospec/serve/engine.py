@@ -31,7 +31,7 @@ from ..api import prepare
 from ..drafters.registry import SPECS, methods as all_methods
 from ..errors import RetrospecError
 from ..models import (DEFAULT_TARGET, LoadedModel, check_same_vocab, default_target, load_model, lookup, paired_draft,
-                      paired_longspec)
+                      paired_longspec, placement)
 from ..types import SpecStats
 from .metrics import Metrics
 from ..run import Run
@@ -100,7 +100,7 @@ class Backend:
             draft = paired_draft(target)  # a named target's paired draft (zoo -> zoo-draft), else None
         if draft is None:
             return None
-        drf = load_model(draft, role="draft", **self._load)
+        drf = load_model(draft, role="draft", **(placement(self.target) | self._load))  # beside the target
         check_same_vocab(self.target, drf)
         return drf
 
