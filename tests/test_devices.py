@@ -27,7 +27,7 @@ def test_device_and_dtype_names():
     for bad in ("gpu", "cuda:x", ""):
         with pytest.raises(RetrospecError, match="--device must be"):
             resolve_device(bad)
-    for bad in ("float64", "bf16", torch.int8, None):
+    for bad in ("float64", "bf16", torch.int8, torch.float64, None):
         with pytest.raises(RetrospecError, match="--dtype must be"):
             resolve_dtype(bad)
 
@@ -86,6 +86,33 @@ def test_a_draft_loads_beside_its_target():
                              max_new_tokens=6)
     assert res.stats.new_tokens > 0 and key in _CACHE
     assert next(_CACHE[key].model.parameters()).dtype == torch.bfloat16
+
+
+def test_placement_of_odd_models():
+    """A model without parameters, or with integer ones only, places its draft on the CPU in float32."""
+    from retrospec.models import placement
+
+    class Empty(torch.nn.Module):
+        pass
+
+    assert placement(Empty()) == {"device": torch.device("cpu"), "dtype": torch.float32}
+    ints = torch.nn.Module()
+    ints.w = torch.nn.Parameter(torch.zeros(3, dtype=torch.int8), requires_grad=False)
+    assert placement(ints) == {"device": torch.device("cpu"), "dtype": torch.float32}
+
+
+def test_a_draft_on_another_device_is_refused():
+    """Target and draft tensors meet in every step: a pair on two devices is one clear line (the meta device stands
+    in for a GPU here)."""
+    from conftest import tiny_llama
+
+    from retrospec.models import LoadedModel, check_same_vocab
+
+    target = LoadedModel(tiny_llama(), None, "tiny-target")
+    elsewhere = LoadedModel(tiny_llama(seed=1).to("meta"), None, "tiny-draft")
+    with pytest.raises(RetrospecError, match="is on meta, the target tiny-target on cpu"):
+        check_same_vocab(target, elsewhere)
+    check_same_vocab(target, LoadedModel(tiny_llama(seed=1), None, "tiny-draft"))
 
 
 def test_bench_records_where_it_ran(cli, tmp_path):

@@ -72,6 +72,15 @@ def test_corpus_shards_manifest_and_resume_after_a_kill(saved_models, tmp_path):
     assert read_corpus(part) == records and resumed["complete"] and len(resumed["shards"]) == 3
 
 
+def test_a_corpus_resumes_only_in_the_precision_it_was_built_in(saved_models, tmp_path):
+    rows = _rows(2)
+    _build(saved_models, tmp_path / "c", rows).build(progress=False)
+    cfg = CorpusConfig(sources="test", temperatures=(0.0, 0.8), max_new_tokens=6, batch_size=3, shard_size=4)
+    half = CorpusBuilder(load_model(saved_models.target, dtype=torch.bfloat16), rows, tmp_path / "c", cfg)
+    with pytest.raises(RetrospecError, match="in float32; resume it with --dtype float32"):
+        half.build(progress=False)
+
+
 class _Killed(BaseException):
     """Stands for SIGKILL: nothing after the raise runs (BaseException, so no ``except Exception`` catches it)."""
 

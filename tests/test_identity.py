@@ -1,12 +1,14 @@
 """Model identity (``identity.same_model``): an artefact built for a float32 target (a LongSpec block, a dense
 datastore, a LoRA adapter) is accepted for that target's bfloat16 and float16 copies, as a GPU user loads it, and one
-built for a bfloat16 copy is accepted for the float32 original; any other model is refused in any precision; two
-float32 identities match exactly only; records written before ``weights_rms`` existed match exactly only; a corrupt
-record is a refusal, never an exception."""
+built for a bfloat16 copy is accepted for the float32 original; any other model is refused in any precision, however
+close (a perturbation far below what rounding to 16 bits does, a fine-tune); two float32 identities match exactly
+only; records written before the ``rounded`` digests existed match exactly only; a corrupt record is a refusal,
+never an exception."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -36,10 +38,29 @@ def test_a_lower_precision_copy_is_the_same_model(arch, dtype):
     low = copy.deepcopy(target).to(dtype)
     assert same_model(rec, low) and same_model(rec, target)
     assert same_model(record(low), target)  # built on the copy, used with the original
-    legacy = {k: v for k, v in rec.items() if k != "weights_rms"}  # a record from before weights_rms
+    legacy = {k: v for k, v in rec.items() if k not in ("rounded", "dtype")}  # a record from before 2026-11-27
     assert same_model(legacy, target)
     if dtype == torch.bfloat16:  # its 4-digit digest moves (float16's may not, on these tiny models)
         assert model_identity(low)["fingerprint"] != rec["fingerprint"] and not same_model(legacy, low)
+
+
+def test_copies_in_the_two_16_bit_dtypes_are_told_apart():
+    """Double rounding: a float16 copy rounded to bfloat16 is not always the bfloat16 copy. The check refuses rather
+    than guesses (documented)."""
+    target = make("llama")
+    half, brain = copy.deepcopy(target).to(torch.float16), copy.deepcopy(target).to(torch.bfloat16)
+    if any(not torch.equal(p.to(torch.bfloat16), q) for p, q in zip(half.parameters(), brain.parameters())):
+        assert not same_model(record(brain), half)
+
+
+def perturbed(model, scale: float, seed: int = 3):
+    """A copy with every weight moved by N(0, scale) relative noise: a stand-in for a fine-tune."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.mul_(1 + scale * torch.randn(p.shape, generator=g))
+    return out
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, *LOW))
@@ -48,33 +69,46 @@ def test_another_model_is_refused_in_every_precision(arch, dtype):
     rec = record(target)
     assert not same_model(rec, make(arch, seed=7).to(dtype))  # other weights, same shapes
     assert not same_model(rec, make(arch, hidden=64).to(dtype))  # another config
-    nudged = copy.deepcopy(target)
-    with torch.no_grad():  # one tensor moved by 2^-6 relative: 4x what rounding to bfloat16 may do
-        nudged.model.layers[0].mlp.up_proj.weight.mul_(1 + 2.0 ** -6)
-    assert not same_model(rec, nudged.to(dtype))
+    assert not same_model(rec, perturbed(target, 0.01).to(dtype))  # a fine-tune-sized change
+    # 1e-4 relative: a quarter of what rounding to bfloat16 may do, yet some weights round the other way
+    assert not same_model(rec, perturbed(target, 1e-4).to(dtype))
 
 
-def test_a_float32_model_needs_its_exact_fingerprint():
+def test_a_lora_fine_tune_of_the_real_target_is_not_its_base():
+    """The bundled RAG drafter (SmolLM2 + a merged LoRA) against SmolLM2's recorded identity, in bfloat16: its
+    per-tensor RMS values differ from the base's by at most 5e-5 relative, the rounded digests do not lie."""
+    from retrospec.models import load_model, model_dir
+
+    meta = json.loads((model_dir("smollm2-135m-rag-drafter") / "retrospec_adapter.json").read_text())
+    base = meta["base_identity"]
+    assert same_model(base, load_model("smollm2-135m", dtype=torch.bfloat16).model)
+    assert not same_model(base, load_model("smollm2-135m-rag-drafter", dtype=torch.bfloat16).model)
+
+
+def test_a_float32_pair_needs_the_fingerprint_and_the_rounded_digest():
     target = make("llama")
-    forged = record(target) | {"fingerprint": "0123456789abcdef"}  # weights_rms intact, the fingerprint not
+    forged = record(target) | {"fingerprint": "0123456789abcdef"}  # rounded digests intact, the fingerprint not
     assert not same_model(forged, target)
-    assert same_model(forged, copy.deepcopy(target).to(torch.bfloat16))  # a lower precision reads the RMS values
-    assert not same_model(forged | {"dtype": "bfloat16"} | {"weights_rms": [0.5] * len(forged["weights_rms"])},
-                          target)  # a record from a bfloat16 model reads the RMS values too: these are not these
+    assert same_model(forged, copy.deepcopy(target).to(torch.bfloat16))  # a 16-bit copy reads the rounded digests
+    close = perturbed(target, 1e-5)  # 4 digits of RMS cannot see it, the bfloat16 digest does
+    assert model_identity(close)["fingerprint"] == record(target)["fingerprint"]
+    assert not same_model(record(target), close)
 
 
-@pytest.mark.parametrize("bad", [None, {}, {"fingerprint": None}, "weights_rms-strings", "weights_rms-short",
+@pytest.mark.parametrize("bad", [None, {}, {"fingerprint": None}, "a string", "rounded-string", "rounded-none",
                                  "dtype-unknown"])
 def test_a_corrupt_record_is_a_refusal(bad):
     target = make("llama")
     low = copy.deepcopy(target).to(torch.bfloat16)
-    rec = record(target)
-    if bad == "weights_rms-strings":
-        bad = rec | {"weights_rms": ["x"] * len(rec["weights_rms"])}
-    elif bad == "weights_rms-short":
-        bad = rec | {"weights_rms": rec["weights_rms"][:-1]}
+    rec = record(target) | {"fingerprint": "0123456789abcdef"}
+    if bad == "rounded-string":
+        bad = rec | {"rounded": "x"}
+    elif bad == "rounded-none":
+        bad = rec | {"rounded": {"bfloat16": None, "float16": None}}
     elif bad == "dtype-unknown":
-        bad = rec | {"fingerprint": "0123456789abcdef", "dtype": "nn"}
+        bad = rec | {"dtype": "nn"}
+        assert not same_model(bad, target)
+        return
     assert not same_model(bad, low)
 
 

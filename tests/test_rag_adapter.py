@@ -84,7 +84,7 @@ def test_training_writes_an_adapter(trained, chat_models):
     assert cfg["base_model_name_or_path"] == str(chat_models.target) and cfg["r"] == 8 and cfg["lora_alpha"] == 16
     meta = json.loads((out / ADAPTER_META).read_text())
     assert meta["base"] == str(chat_models.target)
-    assert set(meta["base_identity"]) == {"config_hash", "weights_digest", "fingerprint", "weights_rms", "dtype"}
+    assert set(meta["base_identity"]) == {"config_hash", "weights_digest", "fingerprint", "rounded", "dtype"}
     saved = json.loads((out / "manifest.json").read_text())
     assert saved == json.loads(json.dumps(manifest))
     assert manifest["steps"] == 2 and manifest["examples_seen"] == 2

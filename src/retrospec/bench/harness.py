@@ -37,7 +37,7 @@ from ..errors import RetrospecError
 from ..fastpath import engine_for
 from ..gating import resolve as resolve_gating
 from ..long_requests import LongContextOptions, plan, retrieve
-from ..models import LoadedModel
+from ..models import LoadedModel, placement
 from ..request import Request
 from ..run import Run
 from ..text import encode
@@ -214,12 +214,12 @@ def _describe_prompts(target: LoadedModel, draft: LoadedModel | None, prompts: l
 
 def _machine(target: LoadedModel) -> dict:
     """Where and how the run ran: torch, threads, the CPU (and the GPU the target is on), the target's dtype."""
-    weight = next(target.model.parameters())
-    gpu = torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else None
+    where = placement(target)
+    gpu = torch.cuda.get_device_name(where["device"]) if where["device"].type == "cuda" else None
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-            "device": str(weight.device) + (f" ({gpu})" if gpu else ""),
-            "dtype": str(weight.dtype).removeprefix("torch."),
+            "device": str(where["device"]) + (f" ({gpu})" if gpu else ""),
+            "dtype": str(where["dtype"]).removeprefix("torch."),
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 

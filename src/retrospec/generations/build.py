@@ -102,9 +102,13 @@ class CorpusBuilder:
                 m = json.loads(path.read_text())
             except ValueError:
                 raise RetrospecError(f"{path} is corrupt; remove the directory or choose another --out") from None
-            if m.get("config_key") != self.cfg.key() or m.get("target", {}).get("path") != str(self.target.path):
+            was, now = m.get("target", {}), target_identity(self.target)
+            if m.get("config_key") != self.cfg.key() or was.get("path") != now["path"]:
                 raise RetrospecError(f"{self.out} holds a corpus built with another config or target; choose "
                                      "another --out (or rerun with the same arguments to resume)")
+            if was.get("dtype", now["dtype"]) != now["dtype"]:  # one corpus, one precision of the target
+                raise RetrospecError(f"{self.out} holds a corpus of the target in {was['dtype']}; resume it with "
+                                     f"--dtype {was['dtype']} (this run loads it in {now['dtype']})")
             return m
         if self.out.is_dir() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):
             raise RetrospecError(f"{self.out} exists and is not a corpus directory; choose another --out")

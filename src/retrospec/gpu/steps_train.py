@@ -102,7 +102,7 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
                             eval_records=4 if dry_run else 96, seconds=train_s, curve=(64,) if dry_run else
                             (250_000, 500_000, 1_000_000, 2_000_000, 4_000_000, 8_000_000, 16_000_000),
                             max_positions=256 if dry_run else 8192, storage=None)
-        trainee = load_model(name, device=device)  # float32: a block is bound to the float32 weights' identity
+        trainee = load_model(name, device=device)  # float32: trained in full precision, used in either
         m = res.part("longspec", distill_longspec, cfg, print, trainee)
         del trainee
         if m is not None:

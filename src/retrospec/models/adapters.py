@@ -5,7 +5,8 @@ packed, ``adapter_model.int8.safetensors``) and our ``retrospec_adapter.json`` l
 
 ``retrospec_adapter.json``::
 
-    {"base": "smollm2-135m" | "/path/to/base", "base_identity": {"config_hash", "weights_digest", "fingerprint"},
+    {"base": "smollm2-135m" | "/path/to/base",
+     "base_identity": {"config_hash", "weights_digest", "fingerprint", "rounded", "dtype"},  # identity.model_identity
      "storage": "int8"}  # optional; absent: peft's own adapter_model.safetensors (float16 from our trainer)
 
 ``pack_adapter`` rewrites peft's file as ``adapter_model.int8.safetensors`` (``models.quant``: int8, one absmax

@@ -81,27 +81,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
-    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present) as a ``torch.device``."""
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present) as a ``torch.device``; CUDA always with its
+    index (``cuda`` is the current device), so that one device has one name."""
     name = str(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name != "cpu" and name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
         raise RetrospecError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise RetrospecError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
-    return torch.device(name)
+    index = int(name[5:]) if name.startswith("cuda:") else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise RetrospecError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index)
 
 
 def placement(model) -> dict:
-    """``{"device", "dtype"}`` of a loaded model (its first parameter's): where a draft loads by default, so that
-    it runs beside its target."""
-    weight = next(as_module(model).parameters())
+    """``{"device", "dtype"}`` of a loaded model (its first floating-point parameter's; CPU and float32 without
+    one): where a draft loads by default, so that it runs beside its target."""
+    weight = next((p for p in as_module(model).parameters() if p.is_floating_point()), None)
+    if weight is None or weight.dtype not in DTYPES.values():
+        device = next((p.device for p in as_module(model).parameters()), torch.device("cpu"))
+        return {"device": device, "dtype": torch.float32}
     return {"device": weight.device, "dtype": weight.dtype}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A floating-point ``torch.dtype``, or its name (``float32``, ``bfloat16``, ``float16``)."""
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    """``torch.float32``, ``bfloat16`` or ``float16``, or its name (``float32``, ``bfloat16``, ``float16``)."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
@@ -125,10 +135,11 @@ def model_dir(src) -> Path:
     return Path(os.fspath(src)).expanduser()
 
 
-def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype = torch.float32,
+def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu") -> LoadedModel:
     """Load (or wrap) a causal LM. ``src``: a directory path, a model name (``retrospec models list``), a
-    ``LoadedModel``, or a transformers model (wrapped as it is: a run puts it in eval mode and back, ``run``)."""
+    ``LoadedModel``, or a transformers model (wrapped as it is: a run puts it in eval mode and back, ``run``).
+    ``dtype`` / ``device``: see ``resolve_dtype`` / ``resolve_device`` (a loaded model is used where and as it is)."""
     if isinstance(src, LoadedModel):
         return src
     if isinstance(src, torch.nn.Module):
@@ -201,7 +212,12 @@ def _attach_vocab_map(loaded: LoadedModel, path: Path) -> LoadedModel:
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft whose token ids would mean something else than the target's: a different vocabulary size
-    (for a reduced draft, the size its ``draft_vocab.json`` maps into) or a different tokenizer."""
+    (for a reduced draft, the size its ``draft_vocab.json`` maps into) or a different tokenizer; and a draft on
+    another device than the target (their tensors meet in every step)."""
+    there, here = placement(target)["device"], placement(draft)["device"]
+    if there != here:
+        raise RetrospecError(f"the draft {draft.path} is on {here}, the target {target.path} on {there}: load both "
+                             "on one device (--device / device=...)")
     if target.vocab_map is not None:
         raise RetrospecError(f"target {target.path} has a reduced vocabulary ({DRAFT_VOCAB_FILE}); only a draft may")
     if target.vocab_size != draft.target_vocab_size:

@@ -4,7 +4,8 @@ A datastore is one directory; ``meta.json`` says what it is and what it was buil
 
     {"format": "retrospec-datastore", "version": 1, "kind": "suffix" | "dense" | "rag",
      "tokenizer": {"fingerprint", "vocab_size", "eos_id", "source"},
-     "target":    {"fingerprint", "config_hash", "weights_digest", "path", "layer", "hidden_size"}   # dense only
+     "target":    {"fingerprint", "config_hash", "weights_digest", "rounded", "dtype", "path", "layer",
+                   "hidden_size"}   # dense only
      "params": {...build parameters...}, "corpus": {...description...}, "counts": {...},
      "files": {name: size in bytes}, "build": {"seconds", "peak_rss_mb", "created"}}
 
@@ -14,8 +15,9 @@ Invariants:
 - ``load_meta`` refuses a directory whose ``meta.json`` is missing or unreadable, whose format/version/kind is not
   what the caller expects, or whose data files are missing or have another size than recorded.
 - ``check_compatible`` refuses a store built for another tokenizer (vocabulary fingerprint or size) and, for dense
-  stores, another target model (``identity.same_model``: config hash + weights digest, or a bfloat16/float16 copy of
-  the recorded target; and hidden size): token ids or hidden states would mean different things. Every refusal is one ``RetrospecError`` line that says what to rebuild.
+  stores, another target model (``identity.same_model``: the recorded target or a bfloat16/float16 copy of it; and
+  hidden size): token ids or hidden states would mean different things. Every refusal is one ``RetrospecError`` line
+  that says what to rebuild.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ shared, never saved) and ``longspec.json``::
     {"format": "retrospec-longspec", "version": 1,
      "block": {"window", "model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "hidden_act", "rms_norm_eps", "draft_vocab" (K, when drafting over a subset)},
-     "target": {"config_hash", "weights_digest", "fingerprint", "hidden_size", "vocab_size", "path"},
+     "target": {"config_hash", "weights_digest", "fingerprint", "rounded", "dtype", "hidden_size", "vocab_size",
+                "path"},
      "files": {"block.safetensors": size in bytes, "draft_vocab.json": size (with a draft vocabulary)},
      "storage": "float32" | "float16" | "bfloat16" | "int8"}
 
