@@ -17,7 +17,8 @@ from .drafters.longspec import longspec_options
 from .errors import RetrospecError
 from .gating import resolve as resolve_gating
 from .long_requests import prepare_long_request
-from .models import check_same_vocab, default_target, load_model, paired_draft, paired_longspec, placement
+from .models import (check_same_vocab, default_target, load_model, load_options, paired_draft, paired_longspec,
+                     placement)
 from .request import Request
 from .run import Run
 from .text import encode
@@ -32,7 +33,7 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     """Validate everything and load what is needed (``RetrospecError`` on any user error); see ``generate``.
     ``options`` are the method's knobs (``drafters.registry``); with ``context`` also those of
     ``long_requests.LongContextOptions``."""
-    load = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}  # for paths and names
+    load = load_options(device, dtype)  # for a target and draft given by path or name
     spec = spec_of(method)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))

@@ -74,12 +74,10 @@ def _check(args, names: tuple[str, ...]) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _load_target(path, args=None):
-    """The target (``--target``, else the default), where ``--device``/``--dtype`` say when the command has them."""
+def _load_target(path, **load):
+    """The target (``--target``, else the default); ``load``: ``load_model``'s device and dtype."""
     from ..models import default_target, load_model
-    from .generate_cmd import device_kwargs
 
-    load = device_kwargs(args) if args is not None and hasattr(args, "device") else {}
     return load_model(default_target() if path is None else path, role="target", **load)
 
 
@@ -119,7 +117,9 @@ def run_build(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
         raise RetrospecError(f"{out} already exists; choose another --out or pass --overwrite")
-    target = _load_target(args.target, args)
+    from .generate_cmd import device_kwargs
+
+    target = _load_target(args.target, **device_kwargs(args))
     if target.tokenizer is None:
         raise RetrospecError(f"target {target.path} has no tokenizer files")
     sources, parts, extra = [], [], {}
@@ -201,7 +201,7 @@ def run_eval(args) -> int:
     recorded = (meta.get("target") or {}).get("path") or (meta.get("tokenizer") or {}).get("source")
     if args.target is None and recorded and Path(recorded).is_dir():
         args.target = recorded
-    target = _load_target(args.target, args)
+    target = _load_target(args.target)
     store = open_store(args.dir, meta["kind"], target=target)
     docs, desc = _documents(args.corpus, target, args.max_tokens)
     if not (docs := list(docs)):

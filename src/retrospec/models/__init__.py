@@ -7,11 +7,11 @@ imports the engine.
 
 from .gguf import import_gguf
 from .loading import (DRAFT_VOCAB_FILE, DTYPES, LoadedModel, check_same_vocab, load_model, model_dir,
-                      placement, resolve_device, resolve_dtype)
+                      load_options, placement, resolve_device, resolve_dtype)
 from .named import (DEFAULT_TARGET, NAMED, ZOO_DIR, NamedModel, default_target, known_names, lookup, model_home,
                     paired_draft, paired_longspec, longspec_dir, resolve_name)
 
 __all__ = ["LoadedModel", "load_model", "model_dir", "check_same_vocab", "DRAFT_VOCAB_FILE", "DTYPES",
-           "placement", "resolve_device", "resolve_dtype", "ZOO_DIR", "NAMED",
+           "load_options", "placement", "resolve_device", "resolve_dtype", "ZOO_DIR", "NAMED",
            "NamedModel", "known_names", "lookup", "model_home", "resolve_name", "DEFAULT_TARGET", "default_target",
            "paired_draft", "paired_longspec", "longspec_dir", "import_gguf"]

@@ -99,6 +99,12 @@ def resolve_device(name: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def load_options(device=None, dtype=None) -> dict:
+    """The ``load_model`` keywords a caller gave (None: not given, ``load_model``'s default, or for a draft its
+    target's ``placement``)."""
+    return {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+
+
 def placement(model) -> dict:
     """``{"device", "dtype"}`` of a loaded model (its first floating-point parameter's; CPU and float32 without
     one): where a draft loads by default, so that it runs beside its target."""

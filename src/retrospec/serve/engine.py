@@ -31,7 +31,7 @@ from ..api import prepare
 from ..drafters.registry import SPECS, methods as all_methods
 from ..errors import RetrospecError
 from ..models import (DEFAULT_TARGET, LoadedModel, check_same_vocab, default_target, load_model, lookup, paired_draft,
-                      paired_longspec, placement)
+                      load_options, paired_longspec, placement)
 from ..types import SpecStats
 from .metrics import Metrics
 from ..run import Run
@@ -78,7 +78,7 @@ class Backend:
 
     def __init__(self, target=None, draft=None, *, method: str = "sd", datastores=(), model_name: str | None = None,
                  max_queue: int = 256, longspec_draft=None, device=None, dtype=None):
-        self._load = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}  # paths and names
+        self._load = load_options(device, dtype)  # for a target and draft given by path or name
         self.target = load_model(default_target() if target is None else target, role="target", **self._load)
         if self.target.tokenizer is None:
             raise RetrospecError(f"target {self.target.path} has no tokenizer; the server needs one for text")
