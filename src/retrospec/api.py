@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .chat import build_chat_prompt, chat_messages
-from .config import DecodeConfig, SamplingConfig
+from .config import DecodeConfig, SamplingConfig, check_stop
 from .drafters import spec_of
 from .drafters.longspec import longspec_options
 from .errors import RetrospecError
@@ -21,7 +21,7 @@ from .models import (check_same_vocab, default_target, load_model, load_options,
                      placement)
 from .request import Request
 from .run import Run
-from .text import encode
+from .text import check_prompt_ids, encode
 from .types import GenerationResult
 
 
@@ -36,7 +36,12 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
     load = load_options(device, dtype)  # for a target and draft given by path or name
     spec = spec_of(method)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
+    decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=check_stop(stop))
+    _check_prompt_type(prompt)
+    if not isinstance(chat, bool):
+        raise RetrospecError(f"chat must be True or False, got {chat!r}")
+    if context is not None and not isinstance(context, str):
+        raise RetrospecError(f"context must be text, got {type(context).__name__}")
     if gating is not None and not isinstance(gating, bool):
         raise RetrospecError(f"gating must be True, False or None (auto), got {gating!r}")
     gating = resolve_gating(gating, sampling)
@@ -62,24 +67,34 @@ def prepare(prompt: str | list[int] | None = None, *, messages: list[dict] | Non
         drf = load_model(draft, role="draft", **(placement(tgt) | load))  # beside the target by default
         check_same_vocab(tgt, drf)
     eos_ids = None  # None = the target's own EOS ids
+    room = tgt.max_positions  # tokens the target can hold: text that cannot fit is refused before tokenizing
     if msgs is not None:
-        chat_prompt = build_chat_prompt(tgt.tokenizer, msgs, name=f"target {tgt.path}")
+        chat_prompt = build_chat_prompt(tgt.tokenizer, msgs, name=f"target {tgt.path}", max_tokens=room)
         prompt_ids, eos_ids = chat_prompt.prompt_ids, tgt.eos_ids() | chat_prompt.end_of_turn_ids
     elif isinstance(prompt, str):
         if tgt.tokenizer is None:
             raise RetrospecError(f"target {tgt.path} has no tokenizer; pass token ids or tokenizer=...")
-        prompt_ids = encode(tgt.tokenizer, prompt)
+        prompt_ids = encode(tgt.tokenizer, prompt, max_tokens=room)
     else:
-        prompt_ids = [int(i) for i in prompt]
+        prompt_ids = check_prompt_ids(prompt, input_vocab_size(tgt))
     if not prompt_ids:
         raise RetrospecError("prompt is empty")
-    if tgt.max_positions and len(prompt_ids) >= tgt.max_positions:
-        raise RetrospecError(
-            f"prompt has {len(prompt_ids)} tokens but the target supports at most {tgt.max_positions} positions")
+    if room and len(prompt_ids) >= room:
+        raise RetrospecError(f"prompt has {len(prompt_ids)} tokens but the target supports at most {room} positions")
     if spec.draft == "block":  # ``draft`` is a LongSpec block (a directory, a name or a LongSpecDraft), not a draft LM
         block = paired_longspec(target) if draft is None else draft  # default/named target: its bundled block
         opts.update(longspec_options(block, tgt.model, opts.pop("gamma", None), opts.pop("tree", None)))
     return Request(tgt, drf, method, prompt_ids, sampling, decode, opts, eos_ids=eos_ids, gating=gating)
+
+
+def _check_prompt_type(prompt) -> None:
+    if prompt is not None and not isinstance(prompt, (str, list, tuple)):
+        raise RetrospecError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
+
+
+def input_vocab_size(target) -> int:
+    """Rows of the target's input embedding: a prompt's token ids must be below it."""
+    return int(target.model.get_input_embeddings().weight.shape[0])
 
 
 class GenerationStream:

@@ -6,18 +6,21 @@ like any other prompt. Contract:
   non-empty text content, at least one user message, not ending with the assistant's), or None for a raw completion.
   ``chat=True`` with a text prompt means one user message.
 - ``build_chat_prompt(tokenizer, messages)``: ``apply_chat_template(..., tokenize=False, add_generation_prompt=True)``
-  encoded with ``add_special_tokens=False``: exactly the ids of ``tokenize=True`` (tested). No chat template is a
-  ``RetrospecError``. Content that spells a control token is encoded as that token, as transformers does.
+  encoded with ``add_special_tokens=False``: exactly the ids of ``tokenize=True`` (tested) for messages that spell
+  no control token. No chat template is a ``RetrospecError``. Content that spells a control token
+  (``"hi<|im_end|>\\n<|im_start|>system ..."``) is encoded as plain text, never as that token: a message cannot
+  forge a role or end a turn (transformers' ``tokenize=True`` would parse it).
 - ``end_of_turn_ids(tokenizer)``: the tokenizer's EOS and any of ``END_OF_TURN_MARKERS`` that the template writes
   after a reply, each only if it is a single token; empty when there is none (the model's EOS ids then end turns).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .errors import RetrospecError
-from .text import encode
+from .text import encode, fits, special_texts
 
 ROLES = ("system", "user", "assistant")
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -88,10 +91,39 @@ def render(tokenizer, messages: list[dict], *, name: str = "the target") -> str:
         raise RetrospecError(f"the chat template of {name} rejected the messages: {first}") from exc
 
 
-def build_chat_prompt(tokenizer, messages: list[dict], *, name: str = "the target") -> ChatPrompt:
-    """Prompt ids of ``messages`` under the tokenizer's chat template, and the template's end-of-turn ids."""
-    ids = encode(tokenizer, render(tokenizer, messages, name=name), "the messages")
+def build_chat_prompt(tokenizer, messages: list[dict], *, name: str = "the target",
+                      max_tokens: int | None = None) -> ChatPrompt:
+    """Prompt ids of ``messages`` under the tokenizer's chat template, and the template's end-of-turn ids. Only the
+    template writes control tokens: text in a message that spells one (``<|im_end|>``) is encoded as plain text.
+    ``max_tokens``: a conversation too long to fit is refused before tokenizing."""
+    if max_tokens is not None:
+        fits(tokenizer, "".join(m["content"] for m in messages), max_tokens, "the messages")
+    spelled = [t for t in special_texts(tokenizer) if any(t in m["content"] for m in messages)]
+    if not spelled:
+        ids = encode(tokenizer, render(tokenizer, messages, name=name), "the messages")
+    else:
+        ids = _encode_spelled(tokenizer, messages, spelled, name)
     return ChatPrompt(ids, end_of_turn_ids(tokenizer))
+
+
+def _encode_spelled(tokenizer, messages: list[dict], spelled: list[str], name: str) -> list[int]:
+    """``messages`` whose contents spell control tokens: each spelling is swapped for a placeholder the template
+    passes through, the rendered text is encoded piece by piece, and each placeholder becomes its spelling encoded
+    as plain text (``encode(..., special=False)``)."""
+    text = "".join(m["content"] for m in messages)
+    tag = next(f"\ue000{k}\ue001" for k in range(len(text) + 1) if f"\ue000{k}\ue001" not in text)
+    marks = {f"{tag}{i}\ue002": t for i, t in enumerate(spelled)}  # placeholder -> the spelled control token
+    find = re.compile("|".join(re.escape(t) for t in spelled))  # longest first: a spelling inside another loses
+    back = {t: p for p, t in marks.items()}
+    masked = [{**m, "content": find.sub(lambda hit: back[hit.group(0)], m["content"])} for m in messages]
+    rendered = render(tokenizer, masked, name=name)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(re.escape(p) for p in marks) + ")", rendered):
+        if piece in marks:
+            ids += encode(tokenizer, marks[piece], "the messages", special=False)
+        elif piece:
+            ids += encode(tokenizer, piece, "the messages")
+    return ids
 
 
 def _single_token_id(tokenizer, marker: str) -> int | None:

@@ -4,7 +4,9 @@ The one place that turns a request's text into ids and ids into the text a calle
 
 Contracts:
 - ``encode(tokenizer, text)``: text that cannot be encoded (a lone surrogate such as ``"\\udcff"``, a non-string)
-  is a user error (``RetrospecError``), never a tokenizer ``TypeError``.
+  is a user error (``RetrospecError``), never a tokenizer ``TypeError``; text that cannot fit in ``max_tokens`` is
+  refused before the tokenizer sees it.
+- ``check_prompt_ids``: token ids given by a caller are integers inside the vocabulary.
 - ``TextStream``: token ids in, final text deltas out. Each push decodes a short window (new tokens plus a few
   before them for context), so a long generation costs O(new tokens) per step. A trailing U+FFFD (an incomplete
   UTF-8 character) is held back until completed. Stop strings follow OpenAI: the text ends where the first one
@@ -29,9 +31,62 @@ def check_encodable(text: str, what: str = "the prompt") -> str:
     return text
 
 
-def encode(tokenizer, text: str, what: str = "the prompt") -> list[int]:
-    """Token ids of ``text`` (no special tokens added)."""
-    return list(tokenizer(check_encodable(text, what), add_special_tokens=False)["input_ids"])
+def encode(tokenizer, text: str, what: str = "the prompt", *, max_tokens: int | None = None,
+           special: bool = True) -> list[int]:
+    """Token ids of ``text`` (no special tokens added). ``special=False`` encodes text that spells a special token
+    (``<|im_end|>``) as plain text instead of as that token. ``max_tokens``: text too long to fit in that many
+    tokens is refused *before* tokenizing (``fits``), so an oversized prompt costs no tokenizer time or memory."""
+    if max_tokens is not None and isinstance(text, str):
+        fits(tokenizer, text, max_tokens, what)
+    check_encodable(text, what)
+    kwargs = {} if special else {"split_special_tokens": True}
+    return list(tokenizer(text, add_special_tokens=False, **kwargs)["input_ids"])
+
+
+SAFETY = 4  # slack over the bound below, for normalizers that drop characters
+
+
+def fits(tokenizer, text: str, max_tokens: int, what: str = "the prompt") -> None:
+    """Refuse ``text`` when it cannot fit in ``max_tokens`` tokens, judged without tokenizing: no token of the
+    vocabulary spells more than ``longest_token_chars`` characters, so a text ``SAFETY`` times longer than
+    ``max_tokens`` such tokens needs more than ``max_tokens`` tokens."""
+    bound = max_tokens * longest_token_chars(tokenizer) * SAFETY
+    if len(text) > bound:
+        raise RetrospecError(f"{what} is too long: {len(text)} characters cannot fit in the {max_tokens} tokens "
+                             "the target supports")
+
+
+_LONGEST: dict[int, tuple[object, int]] = {}
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most UTF-8 bytes any vocabulary entry spells (an upper bound on the characters one token covers)."""
+    hit = _LONGEST.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    longest = max((len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab()), default=1)
+    _LONGEST[id(tokenizer)] = (tokenizer, max(1, longest))
+    return max(1, longest)
+
+
+def special_texts(tokenizer) -> tuple[str, ...]:
+    """The strings a tokenizer turns into special (control) tokens when it parses text, longest first."""
+    found = {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+             if getattr(t, "special", False) and getattr(t, "content", "")}
+    found |= {t for t in getattr(tokenizer, "all_special_tokens", ()) or () if isinstance(t, str) and t}
+    return tuple(sorted(found, key=lambda t: (-len(t), t)))
+
+
+def check_prompt_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
+    """Token ids as a list of ints, each in [0, vocab_size); ``RetrospecError`` otherwise."""
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, (list, tuple)):
+        raise RetrospecError(f"{what} must be text or a list of token ids, got {type(ids).__name__}")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RetrospecError(f"{what} token ids must be integers; item {i} is {t!r}")
+        if not 0 <= t < vocab_size:
+            raise RetrospecError(f"{what} token id {t} (item {i}) is outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in ids]
 
 
 class TextStream:

@@ -1,15 +1,18 @@
 """``retrospec serve``: an OpenAI-compatible server (see ``retrospec.serve``) for one target.
 
 The socket is bound before the models load, so a port in use is a one-line error at once; a bad target, draft or
-datastore is one too (exit 2, like every user error of the CLI).
+datastore is one too (exit 2, like every user error of the CLI). SIGTERM stops it gracefully (``serve.server``) and
+the command exits 0.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from ..errors import RetrospecError
+from ..config import Limits
 
 
 def add_parser(sub) -> None:
@@ -31,6 +34,20 @@ def add_parser(sub) -> None:
     p.add_argument("--model-name", help="the model id clients send (default: the target's name or directory name)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting or running before new ones get 503 (default: 256)")
+    p.add_argument("--max-tokens", type=int, default=Limits.max_tokens,
+                   help=f"the most new tokens one request may ask for; more is refused with 400 (default: "
+                        f"{Limits.max_tokens}; a request must also fit the model's context)")
+    p.add_argument("--max-seconds", type=float, default=Limits.max_seconds,
+                   help=f"a generation running longer ends there with finish_reason 'length' (default: "
+                        f"{Limits.max_seconds:g})")
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
+                   help=f"larger request bodies are refused with 413 before they are read (default: "
+                        f"{Limits.max_body_bytes})")
+    p.add_argument("--reject-special-tokens", action="store_true",
+                   help="refuse raw completion prompts that spell a special token such as <|im_end|> (by default "
+                        "they are parsed as that token; chat messages never are)")
+    p.add_argument("--grace", type=float, default=Limits.grace_s,
+                   help=f"seconds a running request may take to finish after SIGTERM (default: {Limits.grace_s:g})")
     p.add_argument("--threads", type=int, default=0, help="torch threads for generation (0 = torch's default)")
     from .generate_cmd import add_device_args
 
@@ -48,6 +65,11 @@ def run(args) -> int:
         raise RetrospecError(f"--threads must be >= 0, got {args.threads}")
     if args.max_queue < 1:
         raise RetrospecError(f"--max-queue must be >= 1, got {args.max_queue}")
+    try:
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_seconds=args.max_seconds,
+                        reject_special_tokens=args.reject_special_tokens, grace_s=args.grace)
+    except RetrospecError as exc:
+        raise RetrospecError(f"--{str(exc).replace('_', '-').replace('grace-s', 'grace')}") from None
     sock = bind(args.host, args.port)
     try:
         if args.threads:
@@ -56,12 +78,17 @@ def run(args) -> int:
             torch.set_num_threads(args.threads)
         app = create_app(args.target, args.draft, method=args.method, datastores=args.datastore,
                          api_key=args.api_key or None, model_name=args.model_name, max_queue=args.max_queue,
-                         longspec_draft=args.longspec_draft, **device_kwargs(args))
+                         longspec_draft=args.longspec_draft, limits=limits, **device_kwargs(args))
         caps = app.state.backend.caps
         host, port = sock.getsockname()[:2]
         print(f"retrospec: serving {caps.model!r} (methods: {', '.join(caps.methods)}; default {caps.default_method}) "
               f"at http://{host}:{port}/v1" + (" (API key required)" if args.api_key else ""), file=sys.stderr)
+        signal.signal(signal.SIGTERM, _stopped)  # the handler uvicorn restores and re-raises after a graceful stop
         uvicorn_server(app, log_level=args.log_level).run(sockets=[sock])
     finally:
         sock.close()
     return 0
+
+
+def _stopped(_sig, _frame) -> None:
+    """SIGTERM after uvicorn's graceful shutdown: the server stopped as asked, so the command exits 0."""

@@ -82,5 +82,6 @@ def _make_dresd(*, datastore=None, num_drafts: int | None = None, draft_len: int
 SPEC = register(MethodSpec(
     "dresd", _make_dresd, "ANN search over target hidden states, next-N tokens",
     knobs=(DATASTORE, NUM_DRAFTS, DRAFT_LEN,
-           Knob("neighbours", "int", None, "neighbours searched (default max(128, 20 x num_drafts))", min=1)),
+           Knob("neighbours", "int", None, "neighbours searched (default max(128, 20 x num_drafts))", min=1,
+                max=4096)),
     store="dense", needs=frozenset({"hidden_states"})))

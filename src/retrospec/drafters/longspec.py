@@ -39,10 +39,13 @@ from ..models.longspec import DraftState, LongSpecDraft, load_longspec
 from ..types import DraftTree
 from .base import DecodeContext, as_module
 from .prompt_lookup import PromptLookupDrafter
-from .registry import Knob, MethodSpec, register
+from .registry import MAX_DRAFT, Knob, MethodSpec, register
 
 DEFAULT_TREE = (4, 16, 16, 16, 16)
 DEFAULT_LOOKUP = 10  # measured (docs/drafts.md section 7): chat 1.18x -> 1.30x, MBPP 1.42x -> 1.94x over ar
+
+
+MAX_TREE_WIDTH = 256  # nodes per depth: one verification's work stays bounded
 
 
 def parse_tree(spec) -> tuple[int, ...]:
@@ -53,6 +56,8 @@ def parse_tree(spec) -> tuple[int, ...]:
         raise RetrospecError(f"tree must be comma-separated widths per depth, e.g. 4,16,16; got {spec!r}") from None
     if not widths or any(w < 1 for w in widths):
         raise RetrospecError(f"tree widths must be >= 1 (one per depth, e.g. 4,16,16); got {spec!r}")
+    if len(widths) > MAX_DRAFT or max(widths) > MAX_TREE_WIDTH:
+        raise RetrospecError(f"tree: at most {MAX_DRAFT} depths of width <= {MAX_TREE_WIDTH}; got {spec!r}")
     return widths
 
 
@@ -217,8 +222,9 @@ def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=No
 
 SPEC = register(MethodSpec(
     "longspec", _make_longspec, "one draft block over the target's KV cache, beam tree",
-    knobs=(Knob("gamma", "int", None, "draft a chain of N tokens instead of the tree", min=1),
+    knobs=(Knob("gamma", "int", None, "draft a chain of N tokens instead of the tree", min=1,
+                max=MAX_DRAFT),
            Knob("tree", "widths", None, "beam tree widths per depth (default 4,16,16,16,16)", parse=parse_tree),
            Knob("lookup", "int", DEFAULT_LOOKUP, "also draft a prompt-lookup chain of N tokens, merged into the "
-                "tree (0: off)", min=0)),
+                "tree (0: off)", min=0, max=MAX_DRAFT)),
     draft="block", needs=frozenset({"target_kv"})))

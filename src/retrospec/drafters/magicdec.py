@@ -100,6 +100,7 @@ def _make_magicdec(*, target=None, gamma: int = 10, sink: int = DEFAULT_SINK, wi
 
 SPEC = register(MethodSpec(
     "magicdec", _make_magicdec, "the target itself over a StreamingLLM (sink + window) KV cache",
-    knobs=(gamma_knob(5), ADAPTIVE, Knob("sink", "int", DEFAULT_SINK, "attention-sink tokens kept", min=0),
-           Knob("window", "int", None, "recent tokens kept (default: max(1024, context / 24))", min=1)),
+    knobs=(gamma_knob(5), ADAPTIVE, Knob("sink", "int", DEFAULT_SINK, "attention-sink tokens kept", min=0, max=1 << 20),
+           Knob("window", "int", None, "recent tokens kept (default: max(1024, context / 24))", min=1,
+                max=1 << 24)),
     default_gamma=5, context_gamma=10, context="optional", needs=frozenset({"target_kv"})))

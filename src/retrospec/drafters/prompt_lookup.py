@@ -82,5 +82,5 @@ def _make_pld(*, gamma: int = 10, max_ngram: int = 3) -> PromptLookupDrafter:
 
 
 SPEC = register(MethodSpec("pld", _make_pld, "n-gram match in the prompt and output",
-                           knobs=(gamma_knob(10), Knob("max_ngram", "int", 3, "longest n-gram matched", min=1)),
+                           knobs=(gamma_knob(10), Knob("max_ngram", "int", 3, "longest n-gram matched", min=1, max=32)),
                            default_gamma=10))

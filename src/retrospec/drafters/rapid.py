@@ -46,5 +46,5 @@ def _make_rapid(*, target=None, draft=None, draft_model=None, draft_prompt_ids=N
 SPEC = register(MethodSpec(
     "rapid", _make_rapid, "a draft LM over retrieved chunks of the long context",
     knobs=(gamma_knob(DEFAULT_GAMMA), ADAPTIVE,
-           Knob("eta", "float", 0.0, "retrieval-augmented target strength (0 = exact; > 0 is LOSSY)", min=0)),
+           Knob("eta", "float", 0.0, "retrieval-augmented target strength (0 = exact; > 0 is LOSSY)", min=0, max=100)),
     context_gamma=DEFAULT_GAMMA, draft="lm", context="required", retrieval=True, lossy_when="eta > 0"))

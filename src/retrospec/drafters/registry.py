@@ -15,11 +15,13 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import RetrospecError
 
+MAX_DRAFT = 64  # the most tokens one draft may hold (a chain's length, a tree's depth): one step's work stays bounded
 MODEL_ARGS = ("target", "draft", "draft_model")  # what a request hands a factory besides the method's options
 
 # checked kinds -> (accepted types, what the error asks for); bool is accepted only by "bool"
@@ -37,6 +39,7 @@ class Knob:
     default: object = None  # None = the drafter decides (e.g. from the sampling mode)
     help: str = ""
     min: float | None = None
+    max: float | None = None  # a bound that keeps one request's work finite (e.g. a draft length)
     arg: str | None = None  # the factory's parameter name when it differs from ``name``
     parse: Callable | None = None  # text or a sequence -> value; raises RetrospecError
 
@@ -53,13 +56,17 @@ class Knob:
         types, want = _KINDS.get(self.kind, (None, ""))
         if types is not None and (not isinstance(value, types) or isinstance(value, bool) != (self.kind == "bool")):
             raise RetrospecError(f"{self.name} must be {want}, got {value!r}")
+        if self.kind == "float" and not math.isfinite(value):
+            raise RetrospecError(f"{self.name} must be a finite number, got {value!r}")
         if self.min is not None and value < self.min:
             raise RetrospecError(f"{self.name} must be >= {self.min:g}, got {value}")
+        if self.max is not None and value > self.max:
+            raise RetrospecError(f"{self.name} must be <= {self.max:g}, got {value}")
         return float(value) if self.kind == "float" else value
 
 
 def gamma_knob(default: int | None) -> Knob:
-    return Knob("gamma", "int", default, "draft length (tokens drafted per step)", min=1)
+    return Knob("gamma", "int", default, "draft length (tokens drafted per step)", min=1, max=MAX_DRAFT)
 
 
 ADAPTIVE = Knob("adaptive_gamma", "bool", False, "grow gamma on full acceptance, shrink on rejection",

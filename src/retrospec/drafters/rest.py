@@ -15,7 +15,7 @@ from ..errors import RetrospecError
 from ..tree import frequency_trie
 from ..types import DraftTree
 from .base import DecodeContext
-from .registry import Knob, MethodSpec, register
+from .registry import MAX_DRAFT, Knob, MethodSpec, register
 
 DEFAULTS = {True: (3, 20), False: (10, 10)}  # greedy -> (num_drafts, draft_len); sampling -> ...
 
@@ -70,7 +70,7 @@ def _make_rest(*, datastore=None, num_drafts: int | None = None, draft_len: int 
 
 DATASTORE = Knob("datastore", "path", None, "the method's datastore: a directory (retrospec datastore build) or an "
                  "opened store")
-NUM_DRAFTS = Knob("num_drafts", "int", None, "drafts per step (default 3 greedy, 10 sampling)", min=1)
-DRAFT_LEN = Knob("draft_len", "int", None, "tokens per draft (default 20 greedy, 10 sampling)", min=1)
+NUM_DRAFTS = Knob("num_drafts", "int", None, "drafts per step (default 3 greedy, 10 sampling)", min=1, max=MAX_DRAFT)
+DRAFT_LEN = Knob("draft_len", "int", None, "tokens per draft (default 20 greedy, 10 sampling)", min=1, max=MAX_DRAFT)
 SPEC = register(MethodSpec("rest", _make_rest, "suffix-array datastore, trie of continuations",
                            knobs=(DATASTORE, NUM_DRAFTS, DRAFT_LEN), store="suffix"))

@@ -36,6 +36,7 @@ from .files import first_line, quiet_transformers
 from .named import known_names, lookup, resolve_name
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+ROLES = ("target", "draft", "drafter", "verifier", "adapter base")  # what a model is loaded as (named in errors)
 
 
 @dataclass
@@ -146,8 +147,13 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
     """Load (or wrap) a causal LM. ``src``: a directory path, a model name (``retrospec models list``), a
     ``LoadedModel``, or a transformers model (wrapped as it is: a run puts it in eval mode and back, ``run``).
     ``dtype`` / ``device``: see ``resolve_dtype`` / ``resolve_device`` (a loaded model is used where and as it is)."""
+    if role not in ROLES:
+        raise RetrospecError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     if isinstance(src, LoadedModel):
         return src
+    if not isinstance(src, (str, os.PathLike, torch.nn.Module)):
+        raise RetrospecError(f"a {role} model is a directory, a model name or a loaded model, got "
+                             f"{type(src).__name__}")
     if isinstance(src, torch.nn.Module):
         name = getattr(src, "name_or_path", "") or ""
         home = Path(name) if name and Path(name).is_dir() else None

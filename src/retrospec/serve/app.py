@@ -29,8 +29,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Backend, Job
-from .protocol import ProtocolError, error_body, param_of, parse, shape, usage
+from .. import __version__
+from .engine import Backend, Job, shutting_down
+from .openapi import finish_openapi, route_doc
+from .protocol import Limits, ProtocolError, error_body, load_json, param_of, parse, shape, usage
 
 log = logging.getLogger("retrospec.serve")
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -43,24 +45,28 @@ class ClientGone(Exception):
 
 def create_app(target=None, draft=None, *, method: str = "sd", datastores=(), api_key: str | None = None,
                model_name: str | None = None, max_queue: int = 256, longspec_draft=None, device=None,
-               dtype=None) -> FastAPI:
+               dtype=None, limits: Limits | None = None) -> FastAPI:
     """Load the models and datastores and build the app. ``target``/``draft``/``longspec_draft``: a directory, a
     name or a loaded object (default: the zoo, and a named target's paired draft and bundled LongSpec block);
-    ``device``/``dtype``: where and how a target and draft given by path or name load (``load_model``)."""
+    ``device``/``dtype``: where and how a target and draft given by path or name load (``load_model``);
+    ``limits``: what one request may ask (``protocol.Limits``: body size, max_tokens, seconds, grace period)."""
     backend = Backend(target, draft, method=method, datastores=datastores, model_name=model_name,
-                      max_queue=max_queue, longspec_draft=longspec_draft, device=device, dtype=dtype)
+                      max_queue=max_queue, longspec_draft=longspec_draft, device=device, dtype=dtype, limits=limits)
     return build_app(backend, api_key=api_key)
 
 
 def build_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app):
+        backend.loop = asyncio.get_running_loop()
         yield
         backend.close()
 
-    app = FastAPI(title="retrospec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="retrospec", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.backend = backend
     app.add_middleware(_AuthAndCount, backend=backend, api_key=api_key)
+    app.add_middleware(_BodyLimit, limit=backend.limits.max_body_bytes)
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_request, exc: ProtocolError):
@@ -91,15 +97,50 @@ def build_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
     async def metrics():
         return PlainTextResponse(backend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_doc(backend.caps, "completions", bool(api_key)))
     async def completions(request: Request):
         return await _generate(backend, request, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **route_doc(backend.caps, "chat", bool(api_key)))
     async def chat_completions(request: Request):
         return await _generate(backend, request, "chat")
 
+    finish_openapi(app, bool(api_key))
     return app
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is refused with 413 before it is read whole (at once
+    when ``Content-Length`` says so, else as soon as the bytes received pass the limit)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length and (not length.isdigit() or int(length) > self.limit):
+            return await self._refuse(scope, receive, send)
+        seen = [0]
+
+        async def counted():  # a body sent without Content-Length (chunked): counted as it arrives
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.limit:
+                    raise self._error()  # a ProtocolError: the app's handler answers it (413)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _error(self) -> ProtocolError:
+        return ProtocolError(f"the request body is larger than this server's limit of {self.limit} bytes",
+                             status=413, code="request_too_large")
+
+    async def _refuse(self, scope, receive, send):
+        await ErrorResponse(self._error().body(), status_code=413, headers={"Connection": "close"})(
+            scope, receive, send)
 
 
 class _AuthAndCount:
@@ -164,6 +205,8 @@ class ErrorResponse(JSONResponse):
 
 
 def _failure(kind: str, exc: Exception) -> JSONResponse:
+    if isinstance(exc, ProtocolError):  # refused by the server (shutting down)
+        return ErrorResponse(exc.body(), status_code=exc.status)
     if kind == "error":  # a RetrospecError from prepare / the drafter: the user's to fix
         return ErrorResponse(error_body(str(exc), param=param_of(str(exc))), status_code=400)
     return ErrorResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
@@ -174,17 +217,13 @@ def _result(backend: Backend, job: Job, route: str, finish: str | None, out, **k
     """The response (``out``: an ``Outcome``), or a stream chunk (``out`` None)."""
     rid = ("cmpl-" if route == "completions" else "chatcmpl-") + job.id
     if out is not None:
-        kw |= {"usage": usage(out.prompt_tokens, len(out.token_ids)), "retrospec": out.stats.to_dict()}
+        stats = out.stats.to_dict() | ({"time_limited": True} if out.time_limited else {})
+        kw |= {"usage": usage(out.prompt_tokens, len(out.token_ids)), "retrospec": stats}
     return shape(route, rid, job.created, backend.caps.model, finish, **kw)
 
 
 async def _generate(backend: Backend, request: Request, route: str) -> Response:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise ProtocolError("the request body is not valid JSON") from None
-    params = parse(body, route, backend.caps)
+    params = parse(load_json(await request.body()), route, backend.caps)
     job = backend.submit(params)
     streaming = False  # once a StreamingResponse owns the job, its generator cancels it when it ends
     try:
@@ -197,6 +236,8 @@ async def _generate(backend: Backend, request: Request, route: str) -> Response:
             kind, value = await _next_event(job, request)
         if kind in ("error", "fail"):
             return _failure(kind, value)
+        if job.shutdown:  # ended by the server's shutdown before it finished
+            return _failure("error", shutting_down())
         if value is None or value.cancelled:  # cancelled (before it started, or while it ran)
             return Response(status_code=499)
         return JSONResponse(_result(backend, job, route, value.finish_reason, value, text=value.text))
@@ -225,6 +266,9 @@ async def _sse(backend: Backend, job: Job, route: str):
                 yield _sse_line(_result(backend, job, route, None, None,
                                         **({"delta": {"content": value}} if chat else {"text": value})))
             elif kind == "done":
+                if job.shutdown:  # the server is shutting down: a last event says so
+                    yield _sse_line(shutting_down().body())
+                    break
                 if value is None or value.cancelled:
                     return
                 yield _sse_line(_result(backend, job, route, value.finish_reason, value,

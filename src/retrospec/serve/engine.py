@@ -35,7 +35,8 @@ from ..models import (DEFAULT_TARGET, LoadedModel, check_same_vocab, default_tar
 from ..types import SpecStats
 from .metrics import Metrics
 from ..run import Run
-from .protocol import Capabilities, Params, ProtocolError
+from ..text import special_texts
+from .protocol import Capabilities, Limits, Params, ProtocolError
 
 log = logging.getLogger("retrospec.serve")
 
@@ -48,6 +49,7 @@ class Outcome:
     finish_reason: str  # "stop" (EOS, end of turn, stop string) or "length"
     prompt_tokens: int
     cancelled: bool = False
+    time_limited: bool = False  # ended by the server's ``max_seconds`` (finish_reason "length")
 
 
 class Job:
@@ -58,8 +60,11 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
         self.poll_at = 0.0  # event-loop time of the next client-disconnect check (``app._next_event``)
+        self.started = False  # the worker took it
+        self.shutdown = False  # ended (or refused) because the server is shutting down
 
-    def cancel(self) -> None:
+    def cancel(self, *, shutdown: bool = False) -> None:
+        self.shutdown = self.shutdown or shutdown
         self._cancel.set()
 
     @property
@@ -77,8 +82,10 @@ class Backend:
     """Loaded target, optional draft, datastores, metrics and the worker (see the module docstring)."""
 
     def __init__(self, target=None, draft=None, *, method: str = "sd", datastores=(), model_name: str | None = None,
-                 max_queue: int = 256, longspec_draft=None, device=None, dtype=None):
+                 max_queue: int = 256, longspec_draft=None, device=None, dtype=None, limits: Limits | None = None):
         self._load = load_options(device, dtype)  # for a target and draft given by path or name
+        self.limits = limits or Limits()
+        self._names = {"target": public_name(target, "target"), "draft": public_name(draft, "draft")}
         self.target = load_model(default_target() if target is None else target, role="target", **self._load)
         if self.target.tokenizer is None:
             raise RetrospecError(f"target {self.target.path} has no tokenizer; the server needs one for text")
@@ -93,6 +100,7 @@ class Backend:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrospec-generate")
         self._lock = threading.Lock()
         self._pending: set[Job] = set()
+        self.closing = False  # SIGTERM received: no new requests; the running one has until the grace period ends
 
     # ---- loading -------------------------------------------------------------------------------------------------
     def _load_draft(self, target, draft) -> LoadedModel | None:
@@ -152,7 +160,9 @@ class Backend:
             raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(SPECS))}")
         if method not in methods:
             raise RetrospecError(f"method '{method}' cannot be served: {why[method]}")
-        return Capabilities(name, methods, method, self.stores, why)
+        tok, embed = self.target.tokenizer, self.target.model.get_input_embeddings()
+        return Capabilities(name, methods, method, self.stores, why, self.limits, special_texts(tok),
+                            int(embed.weight.shape[0]))
 
     # ---- requests ------------------------------------------------------------------------------------------------
     @property
@@ -163,6 +173,8 @@ class Backend:
     def submit(self, params: Params) -> Job:
         job = Job(params, asyncio.get_running_loop())
         with self._lock:
+            if self.closing:
+                raise shutting_down()
             if len(self._pending) >= self.max_queue:
                 raise ProtocolError(f"the server is busy ({len(self._pending)} requests queued); retry later",
                                     status=503, type="server_error")
@@ -176,6 +188,7 @@ class Backend:
             if job.cancelled:
                 job.emit("done", None)
                 return
+            job.started = True
             self._generate(job)
         except RetrospecError as exc:
             job.emit("error", exc)
@@ -198,39 +211,93 @@ class Backend:
                 raise RetrospecError(f"model {self.caps.model!r} has no chat template, so it cannot chat; send a raw "
                                      "completion to /v1/completions instead") from None
             raise
+        room = self.target.max_positions
+        if room and len(req.prompt_ids) + kwargs["max_new_tokens"] > room:
+            raise RetrospecError(f"{p.limit_param} ({kwargs['max_new_tokens']}) and the prompt ({len(req.prompt_ids)} tokens) "
+                                 f"exceed the model's context of {room} tokens; ask for at most "
+                                 f"{max(0, room - len(req.prompt_ids))}")
         job.emit("start", len(req.prompt_ids))
         t0 = time.perf_counter()
         run = Run(req)
         steps = iter(run)
+        timed_out = False
         try:
             for _, delta in steps:
                 if job.cancelled:
                     break
                 if delta:
                     job.emit("text", delta)
+                if time.perf_counter() - t0 > self.limits.max_seconds:
+                    timed_out = True
+                    break
         finally:
             steps.close()  # stops the decode loop (and finishes the text) whether it ran out, stopped or was cancelled
             self.metrics.record_generation(run.stats, time.perf_counter() - t0, cancelled=job.cancelled)
         if run.last_delta:
             job.emit("text", run.last_delta)
-        job.emit("done", Outcome(run.text, list(run.token_ids), run.stats, run.finish_reason(), len(req.prompt_ids),
-                                 job.cancelled))
+        finish = "length" if timed_out else run.finish_reason()
+        job.emit("done", Outcome(run.text, list(run.token_ids), run.stats, finish, len(req.prompt_ids),
+                                 job.cancelled, timed_out))
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new requests, answer queued ones 503 now, and give the running one until the grace
+        period ends (minus a second to send its answer), then end it (503, or a final stream event)."""
+        with self._lock:
+            if self.closing:
+                return
+            self.closing = True
+            waiting = [j for j in self._pending if not j.started]
+        for job in waiting:
+            job.cancel(shutdown=True)
+            job.emit("error", shutting_down())
+        timer = threading.Timer(max(0.0, self.limits.grace_s - 1.0), self._end_running)
+        timer.daemon = True
+        timer.start()
+
+    def _end_running(self) -> None:
+        with self._lock:
+            running = list(self._pending)
+        for job in running:
+            job.cancel(shutdown=True)
 
     def close(self) -> None:
         """Cancel whatever is queued or running and let the worker go (server shutdown)."""
         with self._lock:
+            self.closing = True
             for job in self._pending:
-                job.cancel()
+                job.cancel(shutdown=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def describe(self) -> dict:
-        """What ``/v1/models`` reports about this server besides the model id."""
-        return {"target": self.target.path, "draft": self.draft.path if self.draft else None,
-                "longspec_draft": self.longspec_src,
+        """What ``/v1/models`` reports about this server besides the model id: names, never filesystem paths."""
+        return {"target": self._names["target"] or self.caps.model,
+                "draft": (self._names["draft"] or public_name(self.draft.path, "draft")) if self.draft else None,
+                "longspec_draft": public_name(self.longspec_src, "block") if self.longspec_src else None,
                 "methods": list(self.caps.methods), "default_method": self.caps.default_method,
                 "knobs": {m: [*SPECS[m].knob_names, "gating"] for m in self.caps.methods},  # from the registry
                 "unavailable": dict(sorted(self.caps.why_not.items())),  # method -> why this server cannot run it
-                "datastores": {kind: list(s) for kind, s in self.stores.items()}}
+                "datastores": {kind: list(s) for kind, s in self.stores.items()},
+                "limits": {"max_tokens": self.limits.max_tokens, "max_seconds": self.limits.max_seconds,
+                           "max_body_bytes": self.limits.max_body_bytes,
+                           "reject_special_tokens": self.limits.reject_special_tokens}}
+
+
+def shutting_down() -> ProtocolError:
+    return ProtocolError("the server is shutting down; retry on another instance or later", status=503,
+                         type="server_error", code="shutting_down")
+
+
+def public_name(src, what: str) -> str | None:
+    """How ``/v1/models`` names a model or block: a model name as given, else the last part of its path (never
+    the path itself), else the class of an in-memory object."""
+    if src is None:
+        return None
+    if isinstance(src, (str, Path)):
+        text = str(src)
+        if isinstance(src, str) and lookup(src) is not None and not Path(src).expanduser().exists():
+            return src
+        return Path(text.rstrip("/\\")).name or what
+    return getattr(src, "__class__", type(src)).__name__
 
 
 def served_name(src, loaded: LoadedModel) -> str:

@@ -6,7 +6,8 @@ Contract:
   (prompt or messages, and keyword arguments for ``retrospec.api.prepare``). Anything wrong raises ``ProtocolError``
   (HTTP status, one-line message, offending ``param``): unknown fields, wrong types, OpenAI features not implemented
   (``n > 1``, ``logprobs``, ``tools``, penalties, ...), unserved methods, knobs that do not apply to the method.
-  Range checks that ``prepare`` makes (temperature >= 0, top_p in (0, 1], gamma >= 1, ...) are left to it.
+  Types and ranges come from the tables the API checks with (``config.FIELDS``, the registry's knobs), and the
+  server's ``Limits`` (``max_tokens``); ``schema`` builds the OpenAPI description from the same tables.
 - Defaults: ``max_tokens`` 16 for completions (as OpenAI), 128 for chat; ``temperature`` 0 (greedy; OpenAI's is 1).
   Absent knobs are not passed on, so ``prepare``'s defaults apply. Method knobs and their JSON types come from
   ``drafters.registry``; ``gating`` applies to all methods. Stop strings are applied by ``run.Run`` (OpenAI
@@ -17,8 +18,10 @@ Contract:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+from ..config import FIELDS as CHECKED, Limits, check_stop
 from ..drafters.registry import SPECS, all_knobs
 from ..errors import RetrospecError
 
@@ -80,13 +83,16 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What one server can run: its model name, methods, default method, and datastores by kind."""
+    """What one server can run: its model name, methods, default method, datastores by kind, and its limits."""
 
     model: str
     methods: tuple[str, ...]
     default_method: str
     stores: dict[str, dict[str, object]] = field(default_factory=dict)  # kind -> {label: opened store}
     why_not: dict[str, str] = field(default_factory=dict)  # method -> why this server cannot run it
+    limits: Limits = field(default_factory=Limits)
+    special_texts: tuple[str, ...] = ()  # what the target's tokenizer parses as special tokens
+    vocab_size: int = 0  # token ids of a prompt must be below this (0: unchecked here)
 
 
 @dataclass
@@ -99,11 +105,26 @@ class Params:
     stream: bool
     max_tokens: int
     kwargs: dict
+    limit_param: str = "max_tokens"  # the field that gave max_tokens (chat may say max_completion_tokens)
 
 
 def _neutral(value, allowed) -> bool:
     return any(value is None if a is None else value == a and isinstance(value, bool) == isinstance(a, bool)
                for a in allowed)
+
+
+def load_json(raw: bytes):
+    """The request body as JSON: malformed JSON, NaN / Infinity (not JSON) and nesting deeper than Python's
+    parser goes are each a 400, never an exception."""
+    def no_constant(name):
+        raise ProtocolError(f"the request body holds {name}, which is not JSON (numbers must be finite)")
+
+    try:
+        return json.loads(raw, parse_constant=no_constant)
+    except RecursionError:
+        raise ProtocolError("the request body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and bytes that are not UTF-8
+        raise ProtocolError(f"the request body is not valid JSON ({type(exc).__name__})") from None
 
 
 def _check(body: dict, name: str, ok, want: str) -> None:
@@ -128,38 +149,36 @@ def parse(body, route: str, caps: Capabilities) -> Params:
     obj = (lambda v: isinstance(v, dict), "an object")
     for name, kind in (("stream", BOOL), ("stream_options", obj), ("user", STR), ("metadata", obj)):
         _check(body, name, *kind)
-    kwargs = _sampling(body, route)
+    kwargs = _sampling(body, route, caps.limits)
     kwargs.update(_method(body, caps))
-    prompt, messages = (_prompt(body), None) if route == "completions" else (None, _messages(body))
-    return Params(route, prompt, messages, bool(body.get("stream") or False), kwargs["max_new_tokens"], kwargs)
+    prompt, messages = (_prompt(body, caps), None) if route == "completions" else (None, _messages(body))
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return Params(route, prompt, messages, bool(body.get("stream") or False), kwargs["max_new_tokens"], kwargs,
+                  limit)
 
 
-def _sampling(body: dict, route: str) -> dict:
+def _sampling(body: dict, route: str, limits: Limits) -> dict:
     out: dict = {}
     limit = "max_tokens"
     if route == "chat" and body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
             raise ProtocolError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
         limit = "max_completion_tokens"
-    _check(body, limit, _is_int, "an integer >= 1")
-    n = body.get(limit)
-    if n is not None and n < 1:
-        raise ProtocolError(f"'{limit}' must be an integer >= 1, got {n}", param=limit)
-    out["max_new_tokens"] = n if n is not None else DEFAULT_MAX_TOKENS[route]
-    seed = (lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer")
-    for name, (ok, want), cast in (("temperature", JSON_KIND["float"], float), ("top_p", JSON_KIND["float"], float),
-                                   ("top_k", JSON_KIND["int"], int), ("seed", seed, int)):
-        _check(body, name, ok, want)
+    for name, field_name in ((limit, "max_new_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                             ("top_k", "top_k"), ("seed", "seed")):
         if body.get(name) is not None:
-            out[name] = cast(body[name])
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise ProtocolError(f"'stop' must be a string or a list of strings, got {stop!r}", param="stop")
-        if any(not s for s in stops):
-            raise ProtocolError("'stop' strings must be non-empty", param="stop")
-        out["stop"] = list(dict.fromkeys(stops))
+            try:
+                out[field_name] = CHECKED[field_name].check(body[name], name)
+            except RetrospecError as exc:
+                raise ProtocolError(str(exc), param=name) from None
+    n = out.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS[route])
+    if n > limits.max_tokens:
+        raise ProtocolError(f"'{limit}' must be <= {limits.max_tokens} on this server, got {n}", param=limit)
+    if body.get("stop") is not None:
+        try:
+            out["stop"] = list(check_stop(body["stop"], "'stop'"))
+        except RetrospecError as exc:
+            raise ProtocolError(str(exc), param="stop") from None
     return out
 
 
@@ -201,13 +220,21 @@ def _store(caps: Capabilities, kind: str, name: str | None):
     return stores[name]
 
 
-def _prompt(body: dict):
+def _prompt(body: dict, caps: Capabilities):
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
     if isinstance(p, str):
+        spelled = [t for t in caps.special_texts if t in p] if caps.limits.reject_special_tokens else []
+        if spelled:
+            raise ProtocolError(f"the prompt spells the special token {spelled[0]!r}, which this server refuses "
+                                "in prompts (send chat messages, or token ids)", param="prompt")
         return p
-    if isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        bad = next((t for t in p if not 0 <= t < (caps.vocab_size or 1 << 62)), None)
+        if bad is not None:
+            raise ProtocolError(f"prompt token id {bad} is outside the vocabulary [0, {caps.vocab_size})",
+                                param="prompt")
         return list(p)
     if p is None:
         raise ProtocolError("'prompt' is required", param="prompt")
@@ -260,7 +287,8 @@ def shape(route: str, rid: str, created: int, model: str, finish: str | None, *,
 
 def param_of(message: str) -> str | None:
     """The request field a ``RetrospecError`` from ``prepare`` is about, when its message names one."""
-    names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+    names = {"max_new_tokens": "max_tokens", "max_tokens": "max_tokens",
+             "max_completion_tokens": "max_completion_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "gating": "gating", **{k: k for k in KNOBS}, "stop strings": "stop", "prompt": "prompt",
              "messages": "messages", "the prompt": "prompt", "the messages": "messages"}
     for key, param in names.items():

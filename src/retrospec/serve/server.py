@@ -6,6 +6,7 @@ of a uvicorn log line after the models loaded; uvicorn then serves the already b
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -33,10 +34,23 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_server(app, log_level: str = "info", access_log: bool = True):
+    """A uvicorn server for ``app`` that shuts down gracefully: on SIGTERM/SIGINT it stops accepting, the backend
+    answers queued requests 503 and gives the running one the grace period (``Limits.grace_s``), and uvicorn's
+    own wait is the same period, so every client gets an answer before the process exits."""
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
-                                         timeout_graceful_shutdown=5))
+    backend = getattr(getattr(app, "state", None), "backend", None)
+    grace = backend.limits.grace_s if backend is not None else 5.0
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            loop = getattr(backend, "loop", None)
+            if backend is not None and loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(backend.begin_shutdown)  # not in the signal handler: it takes a lock
+            super().handle_exit(sig, frame)
+
+    return GracefulServer(uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
+                                         timeout_graceful_shutdown=grace))
 
 
 class BackgroundServer:
@@ -63,7 +77,7 @@ class BackgroundServer:
         return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.handle_exit(signal.SIGTERM, None)  # as a SIGTERM would: graceful
         self.thread.join(timeout=30)
         self.sock.close()
 
