@@ -34,7 +34,8 @@ bench: $(STAMP)
 	$(VENV)/bin/retrospec bench --prompts ../shared/data/mbpp_sanitized.jsonl --limit 20 --max-new-tokens 128 \
 		--methods ar,hf-ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld --out runs/bench-mbpp
 
-# The GPU runbook (docs/gpu.md). `make gpu`: the bundled weights out of git's index so that a device call sends only
+# The GPU runbook (docs/gpu.md): development tooling in tools/gpu/, run from here as `python -m tools.gpu`.
+# `make gpu`: the bundled weights out of git's index so that a device call sends only
 # what it carries (`make gpu-done` puts them back: a hook refuses commits until then), the carry folders (.gpu/: the
 # real model's GGUF in parts that fit a device call beside the tree, the CPU's reference logits, bench prompts; .whl/:
 # wheels the GPU image lacks, listed with the pip command if missing) and the device calls a GPU session makes, in
@@ -44,18 +45,18 @@ GPU_DRY := runs/gpu-dry
 GPU_STEPS := tests kernels costmodel stage model bench train
 
 gpu: $(STAMP)
-	$(PY) -m retrospec.cli.gpu_cmd slim
-	$(PY) -m retrospec.cli.gpu_cmd prepare
-	$(PY) -m retrospec.cli.gpu_cmd plan
+	$(PY) -m tools.gpu slim
+	$(PY) -m tools.gpu prepare
+	$(PY) -m tools.gpu plan
 
 gpu-done: $(STAMP)
-	$(PY) -m retrospec.cli.gpu_cmd slim --undo
+	$(PY) -m tools.gpu slim --undo
 
 gpu-dry-run: $(STAMP)
 	rm -rf $(GPU_DRY)
-	for s in $(GPU_STEPS); do RETROSPEC_GPU_STAGE=$(GPU_DRY)/stage $(PY) -m retrospec.cli.gpu_cmd step $$s --dry-run \
+	for s in $(GPU_STEPS); do RETROSPEC_GPU_STAGE=$(GPU_DRY)/stage $(PY) -m tools.gpu step $$s --dry-run \
 		--out $(GPU_DRY)/$$s || exit 1; done
-	$(PY) -m retrospec.cli.gpu_cmd report $(GPU_DRY) > $(GPU_DRY)/report.md && echo "wrote $(GPU_DRY)/report.md"
+	$(PY) -m tools.gpu report $(GPU_DRY) > $(GPU_DRY)/report.md && echo "wrote $(GPU_DRY)/report.md"
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

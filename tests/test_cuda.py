@@ -1,4 +1,5 @@
-"""CUDA tests: skipped without a GPU; the GPU runbook's ``tests`` step runs them on the device (``-k cuda``).
+"""CUDA tests: skipped without a GPU; the GPU runbook's ``tests`` step (``tools.gpu``) runs them on the device
+(``-k cuda``).
 
 Each compares a CUDA result with the CPU's or with a reference path: greedy output of every lossless method equal to
 the oracle, token for token, in float32; hybrid tree attention (PyTorch and Triton) equal to masked SDPA; a tiny
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retrospec.gpu import common
+from tools.gpu import common
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,7 +29,7 @@ def test_cuda_logits_of_a_tiny_model_equal_the_cpu():
 @cuda
 def test_cuda_greedy_identity_with_the_oracle(tmp_path):
     from retrospec.bench.tasks import preset
-    from retrospec.gpu import steps_bench
+    from tools.gpu import steps_bench
     from retrospec.models import load_model
 
     res = common.StepResult("tests", False, "cuda", {})
@@ -53,8 +54,7 @@ def test_cuda_hybrid_tree_attention_equals_masked_sdpa(dtype, tol):
 @cuda
 def test_cuda_triton_hybrid_equals_masked_sdpa():
     from retrospec.attention import hybrid_tree_triton
-    from retrospec.bench.hybrid_timing import tree_parents
-    from retrospec.gpu.steps_kernels import triton_row
+    from retrospec.bench.hybrid_timing import tree_parents, triton_row
 
     if not hybrid_tree_triton.available():
         pytest.skip("triton is not installed")

@@ -1,6 +1,6 @@
-"""The GPU runbook (``retrospec.gpu``): the plan fits the device limits, the model's parts reassemble byte for byte,
-and every step's dry run (CPU, tiny models) runs through the same code as on CUDA and reports, so the runbook
-never rots before a GPU session launches it. No timing is asserted."""
+"""The GPU runbook (``tools.gpu``, development tooling outside the library): the plan fits the device limits, the
+model's parts reassemble byte for byte, and every step's dry run (CPU, tiny models) runs through the same code as on
+CUDA and reports, so the runbook never rots before a GPU session launches it. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from retrospec.cli import main
 from retrospec.errors import RetrospecError
-from retrospec.gpu import plan, prepare, report, slim, steps_model
+from tools.gpu import plan, prepare, report, slim, steps_model
+from tools.gpu.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -180,7 +180,7 @@ def test_every_step_dry_runs_and_reports(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RETROSPEC_GPU_STAGE", str(tmp_path / "stage"))
     out = tmp_path / "out"
     for step in ("tests", "kernels", "costmodel", "stage", "model", "bench", "train"):
-        code = main(["gpu", "step", step, "--dry-run", "--out", str(out / step), "--budget-s", "120"])
+        code = main(["step", step, "--dry-run", "--out", str(out / step), "--budget-s", "120"])
         result = json.loads((out / step / f"{step}.json").read_text())
         assert code == 0 and result["errors"] == {}, (step, result["errors"])
         assert result["dry_run"] and result["device"] == "cpu"
@@ -195,7 +195,7 @@ def test_every_step_dry_runs_and_reports(tmp_path, monkeypatch, capsys):
     assert set(returned) == {"block.safetensors", "draft_vocab.json", "longspec.json", "manifest.json"}
     assert max(returned.values()) <= plan.FILE_BACK_MAX
     capsys.readouterr()
-    assert main(["gpu", "report", str(out)]) == 0
+    assert main(["report", str(out)]) == 0
     md = capsys.readouterr().out
     assert md.count("DRY RUN") >= 6 and "PROJECTION" in md and "| sd |" in md
 
@@ -205,7 +205,7 @@ def test_a_real_step_without_cuda_is_one_line_and_exit_2(tmp_path, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert main(["gpu", "step", "kernels", "--out", str(tmp_path)]) == 2
+    assert main(["step", "kernels", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA device" in err[0]
 
@@ -213,9 +213,9 @@ def test_a_real_step_without_cuda_is_one_line_and_exit_2(tmp_path, capsys):
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
-    assert main(["gpu", "step", "stage", "--dry-run", "--out", str(f)]) == 2
-    assert main(["gpu", "step", "nope", "--out", str(tmp_path)]) == 2
-    assert main(["gpu", "report", str(tmp_path / "missing")]) == 2
+    assert main(["step", "stage", "--dry-run", "--out", str(f)]) == 2
+    assert main(["step", "nope", "--out", str(tmp_path)]) == 2
+    assert main(["report", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("retrospec: error:") for line in err)
 
@@ -226,12 +226,12 @@ def test_report_refuses_a_folder_without_results(tmp_path):
 
 
 def test_plan_command_prints_every_call(capsys, monkeypatch):
-    assert main(["gpu", "plan", "--json", "--root", str(ROOT)]) == 2  # this checkout is not slim: too many calls
-    assert capsys.readouterr().err.strip().endswith("('retrospec gpu slim' first?)")
+    assert main(["plan", "--json", "--root", str(ROOT)]) == 2  # this checkout is not slim: too many calls
+    assert capsys.readouterr().err.strip().endswith("('make gpu' slims the tree first)")
     heavy, whole = slim.heavy_files(ROOT), plan.travelling_bytes(ROOT)
     monkeypatch.setattr(plan, "slimmed", lambda root: heavy)
     monkeypatch.setattr(plan, "travelling_bytes", lambda root: whole - sum((ROOT / p).stat().st_size for p in heavy))
-    assert main(["gpu", "plan", "--json", "--root", str(ROOT)]) == 0
+    assert main(["plan", "--json", "--root", str(ROOT)]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [c["index"] for c in got["calls"]] == list(range(1, len(got["calls"]) + 1))
     assert [c["step"] for c in got["calls"] if not c["optional"]] == ["tests", "model", "train", "bench"]

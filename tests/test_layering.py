@@ -41,9 +41,8 @@ RANKS: dict[str, int] = {
     "__init__": 11, "bench": 11, "serve": 11,
     "generations": 12,
     "train": 13,
-    "gpu": 14,
-    "cli": 15,
-    "demo": 16,
+    "cli": 14,
+    "demo": 15,
 }
 
 
@@ -111,6 +110,15 @@ def test_imports_go_down_the_rank_table(path):
     me = unit(module_name(path))
     upward = sorted(m for m in imported_modules(path) if unit(m) != me and RANKS[unit(m)] >= RANKS[me])
     assert upward == [], f"{me} (rank {RANKS[me]}) imports {[(m, RANKS[unit(m)]) for m in upward]}"
+
+
+def test_the_library_never_imports_the_repository_tools():
+    """``tools/`` (development tooling, e.g. the GPU runbook) sits above the library and is not installed with it."""
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [
+                node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not any(n == "tools" or n.startswith("tools.") for n in names), path
 
 
 def test_no_import_cycles():

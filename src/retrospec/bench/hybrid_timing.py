@@ -10,6 +10,9 @@ Per cache length L and attention shape, with random tensors (no model weights, n
 - ``chain``: ``attention.prefix_block`` with q queries and no mask (a chain of the same length: prefix + causal
   block), for comparison.
 
+``triton_row`` (CUDA, Triton installed; not part of this command's table): the hybrid split with the Triton tree
+kernel (``attention.hybrid_tree_triton``) on the same kind of inputs, its ms and its max |triton - masked|.
+
 Shapes: ``smollm2`` = SmolLM2-135M (9 heads, 3 key/value heads, head dim 64), ``llama8b`` = Llama-3.1-8B (32, 8, 128).
 The tree is given as nodes per depth (``--tree 4,16,16``: 4 children of the root, 16 nodes at depth 2 and 16 at
 depth 3, each attached to a node of the level above in turn); q counts the root too. Each time is the median of the
@@ -106,6 +109,36 @@ def measure(shape: str, length: int, parents: list[int], device: torch.device, d
     row["hybrid_over_decode"] = row["hybrid_ms"] / row["decode_ms"]
     row["masked_over_hybrid"] = row["masked_ms"] / row["hybrid_ms"]
     return row
+
+
+def triton_row(shape: str, length: int, parents: list[int], device: torch.device, dtype: torch.dtype, reps: int,
+               budget_s: float) -> dict:
+    """The hybrid split with the Triton tree kernel (CUDA only): ms and max |triton - masked SDPA| on random inputs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ..attention.hybrid_tree import merge_attention, prefix_attention
+    from ..attention.hybrid_tree_triton import tree_attention_triton
+
+    heads, kv_heads, dim = SHAPES[shape]
+    q = 1 + len(parents)
+    gen = torch.Generator(device=device).manual_seed(1)
+    key = torch.randn(1, kv_heads, length + q, dim, generator=gen, device=device, dtype=dtype)  # [1, kvh, L+q, d]
+    value = torch.randn(1, kv_heads, length + q, dim, generator=gen, device=device, dtype=dtype)  # [1, kvh, L+q, d]
+    query = torch.randn(1, heads, q, dim, generator=gen, device=device, dtype=dtype)  # [1, h, q, d]
+    mask = verification_mask(parents, length, dtype).to(device)  # [1, 1, q, L+q] additive
+    block = (mask[0, :, :, length:] == 0)  # [1, q, q] bool, True = visible
+    scale = dim ** -0.5
+
+    def fused():
+        out_p, lse_p = prefix_attention(query, key[:, :, :length], value[:, :, :length], scale)
+        out_t, lse_t = tree_attention_triton(query, key[:, :, length:], value[:, :, length:], block, scale)
+        return merge_attention(out_p, lse_p, out_t, lse_t)  # [1, h, q, d] float32
+
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    ref = sdpa_attention_forward(module, query, key, value, mask, scaling=scale)[0]  # [1, q, h, d]
+    diff = (fused().transpose(1, 2).float() - ref.float()).abs().max().item()
+    return {"shape": shape, "length": length, "q": q, "triton_ms": time_call(fused, device, reps, budget_s),
+            "triton_max_diff": diff}
 
 
 def table(rows: list[dict]) -> str:

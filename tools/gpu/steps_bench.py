@@ -25,7 +25,7 @@ METHODS = ("ar", "sd", "pld", "magicdec", "longspec", "rest", "dresd", "hf-assis
 def store_corpus(path: Path, max_bytes: int) -> Path:
     """A text corpus of stdlib training-split files, about ``max_bytes`` long (tokenizing all of the stdlib takes
     half a minute on a small CPU; the stores only need to be real, not large)."""
-    from ..stdlib_corpus import stdlib_files
+    from retrospec.stdlib_corpus import stdlib_files
 
     parts, size = [], 0
     for f in stdlib_files("train"):
@@ -40,10 +40,10 @@ def store_corpus(path: Path, max_bytes: int) -> Path:
 def build_stores(target: str, work: Path, max_bytes: int) -> dict[str, str]:
     """Retrieval stores for rest (suffix) and dresd (dense, only with faiss), built as ``retrospec datastore build
     --corpus`` builds them, from ``store_corpus``; returns {kind: dir}."""
-    from ..models import load_model
-    from ..retrieval import build_dense_store, build_suffix_store
-    from ..retrieval.corpus import open_text_corpus, tokenize
-    from ..retrieval.store import target_meta, tokenizer_meta
+    from retrospec.models import load_model
+    from retrospec.retrieval import build_dense_store, build_suffix_store
+    from retrospec.retrieval.corpus import open_text_corpus, tokenize
+    from retrospec.retrieval.store import target_meta, tokenizer_meta
 
     try:
         __import__("faiss")
@@ -76,10 +76,10 @@ def method_options(args: dict, methods: list[str], target) -> tuple[dict, str | 
     """Per-label factory options as ``retrospec bench`` builds them (``cli.bench_cmd``) from ``args``
     (``{"target": name, "stores": {kind: dir}}``): the datastore of a retrieval method's kind, and the target's
     bundled LongSpec block for longspec labels."""
-    from ..bench.labels import parse_label
-    from ..drafters.longspec import load_block
-    from ..drafters.registry import SPECS
-    from ..models import paired_longspec
+    from retrospec.bench.labels import parse_label
+    from retrospec.drafters.longspec import load_block
+    from retrospec.drafters.registry import SPECS
+    from retrospec.models import paired_longspec
 
     options: dict[str, dict] = {}
     src = None
@@ -105,7 +105,7 @@ def runnable(methods, stores: dict[str, str]) -> tuple[list[str], dict[str, str]
 
 def run_cell(res: common.StepResult, name: str, target, draft, prompts, methods, args, cfg_kw: dict) -> dict | None:
     """One harness run; on failure, each method again alone beside ar so one broken method keeps the others."""
-    from ..bench.harness import BenchConfig, run_bench
+    from retrospec.bench.harness import BenchConfig, run_bench
 
     def once(ms):
         options, src = method_options(args, ms, target)
@@ -126,9 +126,9 @@ def run_cell(res: common.StepResult, name: str, target, draft, prompts, methods,
 
 
 def oracle_identity(res, target, draft, prompts, methods, args, max_new: int) -> dict:
-    from ..bench.harness import encode_prompts
-    from ..config import SamplingConfig
-    from ..decode import autoregressive_generate
+    from retrospec.bench.harness import encode_prompts
+    from retrospec.config import SamplingConfig
+    from retrospec.decode import autoregressive_generate
 
     got = run_cell(res, "identity", target, draft, prompts, methods, args,
                    {"max_new_tokens": max_new, "warmup": False})
@@ -155,8 +155,8 @@ def pytest_part(dry_run: bool, seconds: float) -> dict:
 
 
 def run_tests(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = None) -> int:
-    from ..bench.tasks import preset
-    from ..models import load_model
+    from retrospec.bench.tasks import preset
+    from retrospec.models import load_model
 
     res, device = common.start("tests", dry_run, budget_s)
     stores = res.part("stores", build_stores, "zoo", common.stage_root(), 12_000 if dry_run else 1_000_000) or {}
@@ -172,7 +172,7 @@ def run_tests(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = 
 def prompt_sets(target, dry_run: bool, ref_dir: Path) -> dict[str, tuple[list[dict], bool]]:
     """{set: (prompts, chat)}: chat (the chat preset under the chat template), code (MBPP, else held-out stdlib
     functions), long (``lcc``: 4K-7K-token code files)."""
-    from ..bench.tasks import lcc_prompts, load_prompts, preset
+    from retrospec.bench.tasks import lcc_prompts, load_prompts, preset
 
     n = 1 if dry_run else 3  # a 15-minute session: 3 prompts a set, so that the bf16 cells fit too
     sets = {}
@@ -187,8 +187,8 @@ def prompt_sets(target, dry_run: bool, ref_dir: Path) -> dict[str, tuple[list[di
 
 
 def run_bench_step(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".gpu/ref")) -> int:
-    from ..bench.profile import run_profile
-    from ..models import load_model, paired_draft
+    from retrospec.bench.profile import run_profile
+    from retrospec.models import load_model, paired_draft
 
     res, device = common.start("bench", dry_run, budget_s)
     name = "zoo" if dry_run else "smollm2-135m"

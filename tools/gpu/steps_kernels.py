@@ -1,12 +1,12 @@
 """Steps ``kernels`` and ``costmodel`` (docs/gpu.md: what each measures).
 
 ``kernels``: tree verification attention through masked SDPA, ``attention.hybrid_tree`` (rows from
-``bench.hybrid_timing.measure``) and the Triton tree kernel (CUDA only); ``max_diff`` is |fast - masked| so a wrong
+``bench.hybrid_timing.measure``) and the Triton tree kernel (CUDA only, ``bench.hybrid_timing.triton_row``); ``max_diff`` is |fast - masked| so a wrong
 fast path shows. Dry run: SmolLM2 shape, L = 256 and 512, float32, no Triton. ``costmodel``: random-weight models
 of real shapes (configs here, weights drawn on the device), ms per forward of T tokens over a cache of L tokens.
 Dry run: 2-layer models of the same families.
 
-Invariant: every time is a median with CUDA synchronized around it (``common.time_ms``); nothing is asserted.
+Invariant: every time is a median with CUDA synchronized around it (``common.time_ms``, ``hybrid_timing.time_call``); nothing is asserted.
 """
 
 from __future__ import annotations
@@ -32,39 +32,9 @@ CONTEXTS = (1024, 8192, 32768)
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def triton_row(shape: str, length: int, parents: list[int], device, dtype, reps: int, budget_s: float) -> dict:
-    """The hybrid split with the Triton tree kernel: ms and max |triton - masked SDPA| on fresh random inputs."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from ..attention.hybrid_tree import merge_attention, prefix_attention
-    from ..attention.hybrid_tree_triton import tree_attention_triton
-    from ..bench.hybrid_timing import SHAPES, verification_mask
-
-    heads, kv_heads, dim = SHAPES[shape]
-    q = 1 + len(parents)
-    gen = torch.Generator(device=device).manual_seed(1)
-    key = torch.randn(1, kv_heads, length + q, dim, generator=gen, device=device, dtype=dtype)  # [1, kvh, L+q, d]
-    value = torch.randn(1, kv_heads, length + q, dim, generator=gen, device=device, dtype=dtype)  # [1, kvh, L+q, d]
-    query = torch.randn(1, heads, q, dim, generator=gen, device=device, dtype=dtype)  # [1, h, q, d]
-    mask = verification_mask(parents, length, dtype).to(device)  # [1, 1, q, L+q] additive
-    block = (mask[0, :, :, length:] == 0)  # [1, q, q] bool, True = visible
-    scale = dim ** -0.5
-
-    def fused():
-        out_p, lse_p = prefix_attention(query, key[:, :, :length], value[:, :, :length], scale)
-        out_t, lse_t = tree_attention_triton(query, key[:, :, length:], value[:, :, length:], block, scale)
-        return merge_attention(out_p, lse_p, out_t, lse_t)  # [1, h, q, d] float32
-
-    module = type("M", (), dict(num_key_value_groups=heads // kv_heads, is_causal=True, training=False))()
-    ref = sdpa_attention_forward(module, query, key, value, mask, scaling=scale)[0]  # [1, q, h, d]
-    diff = (fused().transpose(1, 2).float() - ref.float()).abs().max().item()
-    return {"shape": shape, "length": length, "q": q, "triton_ms": common.time_ms(fused, device, reps, 1, budget_s),
-            "triton_max_diff": diff}
-
-
 def run_kernels(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = None) -> int:
-    from ..attention import hybrid_tree_triton
-    from ..bench.hybrid_timing import measure, tree_parents
+    from retrospec.attention import hybrid_tree_triton
+    from retrospec.bench.hybrid_timing import measure, tree_parents, triton_row
 
     res, device = common.start("kernels", dry_run, budget_s)
     dtype = torch.float32 if dry_run else torch.bfloat16
@@ -97,7 +67,7 @@ def run_kernels(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None 
 @torch.inference_mode()
 def forward_ms(model, context: int, tokens: tuple[int, ...], device, reps: int, budget_s: float) -> dict[int, float]:
     """ms per forward of T tokens over a cache of ``context`` tokens (the cache cropped back after each call)."""
-    from ..kv.cache import KVCache
+    from retrospec.kv.cache import KVCache
 
     vocab = model.config.vocab_size
     gen = torch.Generator(device=device).manual_seed(context)

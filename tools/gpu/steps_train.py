@@ -21,7 +21,7 @@ from . import common
 
 def grow_corpus(target, sources: str, out: Path, seconds: float, cfg_kw: dict, log=print) -> dict:
     """Build the corpus in whole shards until ``seconds`` pass (estimated from the first shard's pace)."""
-    from ..generations import CorpusBuilder, CorpusConfig, load_rows, parse_sources
+    from retrospec.generations import CorpusBuilder, CorpusConfig, load_rows, parse_sources
 
     cfg = CorpusConfig(sources=sources, **cfg_kw)
     rows = load_rows(parse_sources(sources))
@@ -39,8 +39,8 @@ def grow_corpus(target, sources: str, out: Path, seconds: float, cfg_kw: dict, l
 
 
 def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max_new: int) -> dict:
-    from ..bench.harness import BenchConfig, run_bench
-    from ..drafters.longspec import load_block
+    from retrospec.bench.harness import BenchConfig, run_bench
+    from retrospec.drafters.longspec import load_block
 
     out = {}
     for label, src in blocks.items():
@@ -58,12 +58,12 @@ def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max
 
 def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".gpu/ref"),
               corpus_share: float = 0.4) -> int:
-    from ..bench.tasks import load_prompts, preset
-    from ..drafters.longspec import load_block
-    from ..generations import read_corpus
-    from ..models import load_model, paired_longspec
-    from ..models.longspec.checkpoint import VOCAB_FILE, save_longspec
-    from ..train.longspec_distill import DistillConfig, distill_longspec
+    from retrospec.bench.tasks import load_prompts, preset
+    from retrospec.drafters.longspec import load_block
+    from retrospec.generations import read_corpus
+    from retrospec.models import load_model, paired_longspec
+    from retrospec.models.longspec.checkpoint import VOCAB_FILE, save_longspec
+    from retrospec.train.longspec_distill import DistillConfig, distill_longspec
 
     res, device = common.start("train", dry_run, budget_s)
     name = "zoo" if dry_run else "smollm2-135m"

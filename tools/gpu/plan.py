@@ -163,7 +163,7 @@ def build_plan(root: Path, tree: int | None = None, prepared: bool = True) -> li
             k = parts.index(c)
             made = prepared and (root / c).exists()
             size += carry_size(root, c) if made else projected[k] if k < len(projected) else GGUF_BYTES
-        command = (f"{PRELUDE}python3 -m retrospec.cli.gpu_cmd step {name} --budget-s {spec.budget_s} --out $OUT 2>&1"
+        command = (f"{PRELUDE}python3 -m tools.gpu step {name} --budget-s {spec.budget_s} --out $OUT 2>&1"
                    f"|tee $OUT/{name}.log")
         calls.append(Call(i, name, command, carry, spec.timeout_s, spec.minutes, spec.returns, size, spec.optional))
     return calls
@@ -187,7 +187,7 @@ def check_plan(calls: list[Call], tree: int) -> list[str]:
         bad += [f"call {c.index} ({c.step}): {message}" for broken, message in checks if broken]
     if expected_minutes(calls) > SESSION_S / 60:
         bad.append(f"the calls need ~{expected_minutes(calls):.1f} device minutes, more than the session's "
-                   f"{SESSION_S // 60} ('retrospec gpu slim' first?)")
+                   f"{SESSION_S // 60} ('make gpu' slims the tree first)")
     return bad
 
 
@@ -201,9 +201,9 @@ def render(calls: list[Call], tree: int, root: Path) -> str:
         f"# expected device time: ~{expected_minutes(calls):.1f} min (a ~{START_MIN} min machine start, the calls, "
         f"~{GAP_MIN} min between calls; session: {SESSION_S // 60} min); the optional calls only with time to spare; "
         "bundled weights " + (f"slimmed ({len(slim)} files travel only when carried)" if slim
-                              else "in the tree (run 'retrospec gpu slim', as 'make gpu' does)"),
+                              else "in the tree (run 'python -m tools.gpu slim', as 'make gpu' does)"),
         "# after each call, in the same turn as the next call (no pause: the gaps count and the machine cools in 30 s):"
-        " copy the files from files_at into runs/gpu/<step>/; at the end: retrospec gpu report runs/gpu/* > "
+        " copy the files from files_at into runs/gpu/<step>/; at the end: python -m tools.gpu report runs/gpu/* > "
         "runs/gpu/report.md",
         "# if a call finds the machine cold (the stage/model JSON lists missing parts): start again from call 1",
     ]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RetrospecError
+from retrospec.errors import RetrospecError
 
 
 def stage_root() -> Path:
@@ -35,7 +35,7 @@ def pick_device(dry_run: bool) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RetrospecError("no CUDA device here: run the step with --dry-run (CPU, tiny models) or on a GPU "
-                             "machine (retrospec gpu plan)")
+                             "machine (python -m tools.gpu plan)")
     return torch.device("cuda")
 
 

@@ -1,23 +1,34 @@
-"""``retrospec gpu plan|prepare|slim|step|report``: the GPU runbook (``retrospec.gpu``; docs/gpu.md).
+"""``python -m tools.gpu plan|prepare|slim|step|report``: the GPU runbook's command line (docs/gpu.md).
 
-``plan`` exits 2 when a call breaks a device limit. ``python -m retrospec.cli.gpu_cmd ...`` runs the same commands
-without building the rest of the CLI (what the device calls use); the ``gpu`` package never imports the CLI.
+Under the ``retrospec`` CLI's contract (``retrospec.cli.common.guarded``): a user error is one line
+``retrospec: error: ...`` on stderr and exit code 2. ``plan`` exits 2 when a call breaks a device limit. Run from the
+repository root, where ``tools`` is importable (the device calls do the same).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
-from ..errors import RetrospecError
-from ..gpu import STEPS
+from retrospec.errors import RetrospecError
+
+from . import STEPS
+
+PROG = "python -m tools.gpu"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("gpu", help="the GPU runbook: plan, prepare, run a step (or its CPU dry run), report")
-    g = p.add_subparsers(dest="gpu_command", required=True, parser_class=type(p))
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse would print a usage block first)
+        where = self.prog.removeprefix(PROG).strip()  # the subcommand, if any
+        raise SystemExit(f"{where}: {message}" if where else message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="The GPU runbook: plan, prepare, run a step (or its CPU dry run), report.")
+    g = p.add_subparsers(dest="gpu_command", required=True, parser_class=_Parser)
     q = g.add_parser("plan", help="print the device calls, in order")
     q.add_argument("--json", action="store_true", help="one JSON object instead of text")
     q.add_argument("--root", default=".", help="the repository root (default: here)")
@@ -42,10 +53,11 @@ def add_parser(sub) -> None:
     q = g.add_parser("report", help="markdown tables from the steps' JSON files")
     q.add_argument("paths", nargs="+", help="directories holding <step>.json, or the files")
     q.set_defaults(func=run_report)
+    return p
 
 
 def run_plan(args) -> None:
-    from ..gpu import plan
+    from . import plan
 
     root = Path(args.root).resolve()
     tree = plan.travelling_bytes(root)
@@ -56,13 +68,13 @@ def run_plan(args) -> None:
 
 
 def run_prepare(args) -> None:
-    from ..gpu.prepare import prepare
+    from .prepare import prepare
 
     print(json.dumps(prepare(Path(args.root).resolve(), wheels=args.download_wheels, remake_ref=not args.keep_ref)))
 
 
 def run_slim(args) -> None:
-    from ..gpu.slim import slim, unslim
+    from .slim import slim, unslim
 
     root = Path(args.root).resolve()
     paths = unslim(root) if args.undo else slim(root)
@@ -72,7 +84,7 @@ def run_slim(args) -> None:
 
 
 def run_step(args) -> int:
-    from ..gpu import plan, steps_bench, steps_kernels, steps_model, steps_train
+    from . import plan, steps_bench, steps_kernels, steps_model, steps_train
 
     budget = args.budget_s if args.budget_s is not None else 60.0 if args.dry_run else plan.SPECS[args.name].budget_s
     if budget <= 0:
@@ -89,22 +101,17 @@ def run_step(args) -> int:
 
 
 def run_report(args) -> None:
-    from ..gpu.report import load, render
+    from .report import load, render
 
     sys.stdout.write(render(load(args.paths)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m retrospec.cli.gpu_cmd``: this command alone, under the CLI's contract (one error line, exit 2)."""
-    from .common import _dispatch, _Parser, guarded
+    """``python -m tools.gpu``: one error line and exit 2 on a user error, the command's exit code otherwise."""
+    from retrospec.cli.common import guarded
 
     def call():
-        parser = _Parser(prog="retrospec")
-        add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
-        return _dispatch(parser.parse_args(["gpu", *(sys.argv[1:] if argv is None else argv)]))
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        return int(args.func(args) or 0)
 
     return guarded(call)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,9 @@
-"""The GPU runbook (issue 21): everything a session with a lent GPU machine runs, written and rehearsed on CPU.
+"""The GPU runbook: everything a session with a lent GPU machine runs, written and rehearsed on CPU.
+
+Development tooling, not the library: it encodes one lab's device procedure (limits per call, command lengths,
+device minutes) and lives outside ``src/``. Run it from the repository root: ``python -m tools.gpu
+plan|prepare|slim|step|report`` (``cli``), or the Makefile's ``gpu``, ``gpu-done`` and ``gpu-dry-run``. It imports
+the library (``retrospec``); the library never imports it.
 
 A lent machine is bare and brief (no network, an older stack: torch 2.11, transformers 5.17; limits in ``plan``).
 ``plan``: the budget arithmetic and the ordered device calls; ``prepare``: ``make gpu``, the carry folders;

@@ -1,4 +1,4 @@
-"""``retrospec gpu report DIR|FILE...``: the steps' JSON files as ``docs/gpu.md``-ready markdown.
+"""``python -m tools.gpu report DIR|FILE...``: the steps' JSON files as ``docs/gpu.md``-ready markdown.
 
 Every section says where its figures come from (device, torch, transformers) and a dry run's sections are headed
 "DRY RUN (CPU, tiny models): not GPU figures", so a rehearsal can never be pasted as a measurement. Projections
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import RetrospecError
+from retrospec.errors import RetrospecError
 from . import STEPS
 
 
@@ -93,7 +93,7 @@ def bench_section(r: dict) -> tuple[str, list[str]]:
     if f.get("skipped"):
         lines += ["skipped: " + "; ".join(f"{k}: {v}" for k, v in f["skipped"].items()), ""]
     if f.get("profile"):
-        from ..bench.profile import render_table
+        from retrospec.bench.profile import render_table
 
         try:
             lines += ["Verification profile on the device (`retrospec profile`):", "", "```",

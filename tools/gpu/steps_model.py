@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RetrospecError
+from retrospec.errors import RetrospecError
 from . import common, prepare
 
 
@@ -36,7 +36,7 @@ def assemble(stage: Path, out: Path) -> Path:
     state = staged(stage)
     if state["manifest"] is None or state["missing"] or state["bad"]:
         raise RetrospecError(f"GGUF parts missing {state['missing']} or damaged {state['bad']} in {stage / 'g'}: the "
-                             "machine went cold between calls; redo the plan from call 1 (retrospec gpu plan)")
+                             "machine went cold between calls; redo the plan from call 1 (python -m tools.gpu plan)")
     m = state["manifest"]
     target = out / m["file"]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -73,9 +73,9 @@ def run_stage(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = 
 
 
 def run_model(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".gpu/ref")) -> int:
-    from ..models import load_model
-    from ..models.gguf import import_gguf
-    from ..models.named import lookup
+    from retrospec.models import load_model
+    from retrospec.models.gguf import import_gguf
+    from retrospec.models.named import lookup
 
     res, device = common.start("model", dry_run, budget_s)
     stage = common.stage_root()
