@@ -8,7 +8,8 @@ Contract:
   (``n > 1``, ``logprobs``, ``tools``, penalties, ...), unserved methods, knobs that do not apply to the method.
   Types and ranges come from the tables the API checks with (``config.FIELDS``, the registry's knobs), and the
   server's ``Limits`` (``max_tokens``); ``schema`` builds the OpenAPI description from the same tables.
-- Defaults: ``max_tokens`` 16 for completions (as OpenAI), 128 for chat; ``temperature`` 0 (greedy; OpenAI's is 1).
+- Defaults: ``max_tokens`` 16 for completions (as OpenAI), 128 for chat, at most the server's ``Limits.max_tokens``;
+  ``temperature`` 0 (greedy; OpenAI's is 1). An integer-valued JSON number (``4.0``) is an integer.
   Absent knobs are not passed on, so ``prepare``'s defaults apply. Method knobs and their JSON types come from
   ``drafters.registry``; ``gating`` applies to all methods. Stop strings are applied by ``run.Run`` (OpenAI
   semantics: the stop sequence itself is not returned).
@@ -132,9 +133,18 @@ def _check(body: dict, name: str, ok, want: str) -> None:
         raise ProtocolError(f"'{name}' must be {want}, got {body[name]!r}", param=name)
 
 
+def _json_ints(body: dict) -> dict:
+    """JSON has one number type: an integer-valued number (``4.0``) is the integer 4 for integer fields (JSON
+    Schema agrees); any other float stays a float and is refused by the integer check."""
+    ints = {"max_tokens", "max_completion_tokens", "top_k", "seed", "n", "best_of", "top_logprobs",
+            *(name for name, knob in KNOBS.items() if knob.kind == "int")}
+    return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in body.items()}
+
+
 def parse(body, route: str, caps: Capabilities) -> Params:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    body = _json_ints(body)
     unknown = sorted(set(body) - FIELDS[route])
     if unknown:
         raise ProtocolError(f"unknown field '{unknown[0]}' (retrospec knobs: {', '.join(ALL_KNOBS)}, top_k)",
@@ -171,7 +181,7 @@ def _sampling(body: dict, route: str, limits: Limits) -> dict:
                 out[field_name] = CHECKED[field_name].check(body[name], name)
             except RetrospecError as exc:
                 raise ProtocolError(str(exc), param=name) from None
-    n = out.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS[route])
+    n = out.setdefault("max_new_tokens", min(DEFAULT_MAX_TOKENS[route], limits.max_tokens))
     if n > limits.max_tokens:
         raise ProtocolError(f"'{limit}' must be <= {limits.max_tokens} on this server, got {n}", param=limit)
     if body.get("stop") is not None:
