@@ -15,6 +15,7 @@ from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
 from retrospec.errors import RetrospecError
 from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
+from retrospec.identity import model_identity
 from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec
 from retrospec.train.common import adamw, pick_precision, warmup_stable_decay
@@ -176,6 +177,8 @@ def test_wsd_run_writes_a_state_that_a_later_run_resumes(saved_models, tmp_path)
     state = torch.load(tmp_path / "a" / RESUME_FILE, weights_only=True)
     assert 0.5 * 120 <= state["tokens_total"] < m1["tokens_seen"]  # taken as the decay started, not at the end
     assert m1["tokens_total"] == m1["tokens_seen"]
+    fingerprint = model_identity(target.model)["fingerprint"]  # the state and the manifest record the target
+    assert state["target"]["fingerprint"] == m1["target_identity"]["fingerprint"] == fingerprint
     # loading the state into a fresh block and optimiser gives back exactly the saved weights and moments
     block, opt = load_longspec(tmp_path / "a", target), None
     for p in block.parameters():

@@ -7,7 +7,9 @@ records ``rounded``: exact digests of the weights rounded to bfloat16 and to flo
 16 bits and the other, rounded to that dtype, is bit for bit the same (a bfloat16 copy of a float32 model, either
 way round: rounding to nearest even is one function on every device). A fine-tune, however small, changes those
 bits. Artefacts written before 2026-11-27 record no ``rounded`` digests: they accept exact matches only.
-``tokenizer_fingerprint`` hashes the vocabulary.
+``tokenizer_fingerprint`` hashes the vocabulary. ``target_record`` is what an artefact built *for* a target records
+of it (a corpus of its outputs, a draft distilled for it): its identity, output vocabulary size, hidden size, the
+tokenizer's fingerprint and where it was loaded from.
 
 Invariants: the fingerprint is exact (one model, one dtype); two float32 identities match only exactly; a bfloat16
 and a float16 copy of one model do not match each other (double rounding); identities are cached weakly per model
@@ -101,3 +103,14 @@ def same_model(recorded: dict | None, model: torch.nn.Module) -> bool:
     if not coarse:  # two float32 identities: the digest catches what 4 digits of RMS cannot (a small fine-tune)
         return same_fingerprint and want.get("bfloat16") == have["rounded"]["bfloat16"]
     return any(want.get(d) is not None and want.get(d) == have["rounded"][d] for d in coarse)
+
+
+def target_record(model: torch.nn.Module, tokenizer=None, path: str | None = None) -> dict:
+    """``model_identity(model)`` plus ``vocab_size`` (rows of the output head), ``hidden_size``, ``model_type``,
+    ``tokenizer_fingerprint`` (None without a tokenizer) and ``path``: the record ``same_model`` and a vocabulary
+    check read back."""
+    cfg = model.config
+    return model_identity(model) | {
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "hidden_size": int(cfg.hidden_size), "model_type": getattr(cfg, "model_type", None),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "path": None if path is None else str(path)}

@@ -75,12 +75,9 @@ def run_generate(args) -> int:
 def run_info(args) -> int:
     from pathlib import Path
 
-    from ..models.files import read_json
+    from ..generations.build import read_manifest
 
-    path = Path(args.path) / "manifest.json"
-    if not path.is_file():
-        raise RetrospecError(f"{args.path} is not a corpus directory (no manifest.json)")
-    m = read_json(path, f"corrupt corpus {args.path}")
+    m = read_manifest(Path(args.path))
     print(json.dumps({k: v for k, v in m.items() if k != "shards"}, indent=1))
     return 0
 
@@ -89,8 +86,9 @@ def run_export(args) -> int:
     from pathlib import Path
 
     from ..atomic import write_text_atomic
-    from ..generations import read_corpus
+    from ..generations import check_corpus, read_corpus
     from ..models import default_target, load_model
+    from ..models.named import DEFAULT_TARGET
     from ..train.longspec_distill import is_heldout
 
     out = Path(args.out)
@@ -98,10 +96,13 @@ def run_export(args) -> int:
         raise RetrospecError(f"{out} already exists; choose another --out")
     if not 0 <= args.skip_heldout < 1:
         raise RetrospecError(f"--skip-heldout must be in [0, 1), got {args.skip_heldout}")
-    records = read_corpus(args.path)
-    tok = load_model(default_target() if args.target is None else args.target, role="target").tokenizer
+    records = read_corpus(args.path)  # a corrupt corpus fails before the target loads
+    target = load_model(default_target() if args.target is None else args.target, role="target")
+    tok = target.tokenizer
     if tok is None:
         raise RetrospecError("the target has no tokenizer to decode the corpus with")
+    # the ids are decoded with the tokenizer of the model that wrote them
+    check_corpus(args.path, records, target, name=args.target or DEFAULT_TARGET)
     kept = [r for r in records if r.get("output_ids") and not (args.skip_heldout and is_heldout(r, args.skip_heldout))]
     lines = [json.dumps({"text": tok.decode(list(r["prompt_ids"]) + list(r["output_ids"]))}) for r in kept]
     write_text_atomic(out, "".join(line + "\n" for line in lines))

@@ -1,7 +1,7 @@
 """A corpus of the target's own outputs (issue 19): prompt sources (``prompts``) and the batched, sharded,
 resumable builder with its manifest (``build``). ``retrospec corpus generate`` is the command."""
 
-from .build import CorpusBuilder, CorpusConfig, read_corpus
+from .build import CorpusBuilder, CorpusConfig, check_corpus, read_corpus
 from .prompts import PromptRow, load_rows, parse_sources
 
-__all__ = ["CorpusBuilder", "CorpusConfig", "read_corpus", "PromptRow", "load_rows", "parse_sources"]
+__all__ = ["CorpusBuilder", "CorpusConfig", "check_corpus", "read_corpus", "PromptRow", "load_rows", "parse_sources"]

@@ -14,8 +14,15 @@ every prompt row (``generations.prompts``) at every temperature of the config an
   rerun with the same ``--out`` and config skips the shards the manifest lists (an unlisted shard file is generated
   again, identically), and a different config is refused (one line), never mixed in.
 
-Manifest: the config, the target's identity, per-source and per-temperature counts, prompt and output tokens,
-seconds, and the shards written.
+Manifest: the config, the target's identity (``target``: ``identity.target_record`` — fingerprint, digests of the
+weights rounded to 16 bits, dtype, vocabulary size, tokenizer fingerprint, path — plus layer and parameter counts),
+per-source and per-temperature counts, prompt and output tokens, seconds, and the shards written.
+
+Reading (``read_corpus``, ``check_corpus``): a manifest or shard line that is not JSON, or a record without its token
+ids, is one ``RetrospecError`` line naming the file and the line. A corpus is read *for* a target only if that target
+wrote it (``identity.same_model``: a bfloat16 or float16 copy of the same weights is the same target) and every token
+id lies inside the target's vocabulary; a manifest written before the identity was recorded is checked on what it
+does record (model type, vocabulary and hidden size, layers, parameters), the token ids always.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from ..batched import generate_batch
 from ..chat import build_chat_prompt, end_of_turn_ids, render
 from ..config import SamplingConfig
 from ..errors import RetrospecError
+from ..identity import same_model, target_record, tokenizer_fingerprint
+from ..models.files import read_json, read_jsonl
+from ..models.loading import as_module
 from .prompts import WRITTEN, PromptRow
 
 MANIFEST = "manifest.json"
@@ -57,11 +67,16 @@ class CorpusConfig:
 
 
 def target_identity(target) -> dict:
-    cfg = target.model.config
-    return {"path": str(target.path), "model_type": cfg.model_type, "vocab_size": int(target.vocab_size),
-            "hidden_size": int(cfg.hidden_size), "layers": int(cfg.num_hidden_layers),
-            "parameters": int(sum(p.numel() for p in target.model.parameters())),
-            "dtype": str(next(target.model.parameters()).dtype).replace("torch.", "")}
+    """What the manifest records of the target (a ``LoadedModel``): ``identity.target_record`` plus its layer and
+    parameter counts (what manifests recorded before the identity was)."""
+    model = target.model
+    return target_record(model, target.tokenizer, str(target.path)) | {
+        "layers": int(model.config.num_hidden_layers), "parameters": int(sum(p.numel() for p in model.parameters()))}
+
+
+# what a manifest must hold to be resumed: the totals a build adds to
+_TOTALS = {"shards": dict, "by_source": dict, "by_temperature": dict, "prompt_tokens": (int, float),
+           "output_tokens": (int, float), "skipped_long": (int, float), "seconds": (int, float), "target": dict}
 
 
 def self_instruct_prefix(tokenizer) -> list[int]:
@@ -98,17 +113,21 @@ class CorpusBuilder:
         if self.out.exists() and not self.out.is_dir():
             raise RetrospecError(f"--out must be a directory, but {self.out} is a file")
         if path.is_file():
-            try:
-                m = json.loads(path.read_text())
-            except ValueError:
-                raise RetrospecError(f"{path} is corrupt; remove the directory or choose another --out") from None
-            was, now = m.get("target", {}), target_identity(self.target)
+            m = read_json(path, f"corrupt corpus {self.out}")
+            bad = next((k for k, kind in _TOTALS.items() if not isinstance(m.get(k), kind)), None)
+            if bad is not None:
+                raise RetrospecError(f"corrupt corpus {self.out}: {MANIFEST} has no {bad!r}; remove the directory or "
+                                     "choose another --out")
+            was, now = m["target"], target_identity(self.target)
             if m.get("config_key") != self.cfg.key() or was.get("path") != now["path"]:
                 raise RetrospecError(f"{self.out} holds a corpus built with another config or target; choose "
                                      "another --out (or rerun with the same arguments to resume)")
             if was.get("dtype", now["dtype"]) != now["dtype"]:  # one corpus, one precision of the target
                 raise RetrospecError(f"{self.out} holds a corpus of the target in {was['dtype']}; resume it with "
                                      f"--dtype {was['dtype']} (this run loads it in {now['dtype']})")
+            if was.get("fingerprint") is not None and not same_model(was, self.target.model):
+                raise RetrospecError(f"{self.out} holds a corpus of another model at {now['path']} (fingerprint "
+                                     f"{was['fingerprint']}, now {now['fingerprint']}); choose another --out")
             return m
         if self.out.is_dir() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):
             raise RetrospecError(f"{self.out} exists and is not a corpus directory; choose another --out")
@@ -199,12 +218,67 @@ class CorpusBuilder:
         return manifest
 
 
-def read_corpus(path: str | Path) -> list[dict]:
-    """Every record of a corpus directory, in shard order (a complete or partial build)."""
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of the corpus directory ``path`` (one line for a directory without one, or a corrupt one)."""
     d = Path(path)
     if not (d / MANIFEST).is_file():
         raise RetrospecError(f"{path} is not a corpus directory (no {MANIFEST})")
+    return read_json(d / MANIFEST, f"corrupt corpus {path}")
+
+
+def read_corpus(path: str | Path, target=None) -> list[dict]:
+    """Every record of a corpus directory, in shard order (a complete or partial build). With ``target`` (what the
+    records are read for): ``check_corpus``."""
+    d = Path(path)
+    manifest = read_manifest(d)
+    where = f"corrupt corpus {path}"
     out = []
     for f in sorted(d.glob("shard-*.jsonl")):
-        out += [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+        for number, record in read_jsonl(f, where):
+            for key in ("prompt_ids", "output_ids"):
+                ids = record.get(key)
+                if not isinstance(ids, list) or not all(type(t) is int for t in ids) or (ids and min(ids) < 0):
+                    raise RetrospecError(f"{where}: {f.name} line {number}: {key!r} is not a list of token ids")
+            out.append(record)
+    if target is not None:
+        check_corpus(path, out, target, manifest)
     return out
+
+
+# what manifests written before the identity was recorded say of the target, and how to read it off a model
+_LEGACY = {"model_type": lambda m: m.config.model_type, "hidden_size": lambda m: int(m.config.hidden_size),
+           "layers": lambda m: int(m.config.num_hidden_layers),
+           "parameters": lambda m: int(sum(p.numel() for p in m.parameters()))}
+
+
+def check_corpus(path: str | Path, records: list[dict], target, manifest: dict | None = None,
+                 name: str | None = None) -> None:
+    """Refuse (one ``RetrospecError`` line) a corpus ``target`` did not write: its manifest's identity is another
+    model's (``identity.same_model``) or tokenizer's; for a manifest without an identity, what it records differs
+    from the target's; and in every case a token id of ``records`` outside the target's vocabulary. ``name``: how
+    the user named the target (default its path)."""
+    manifest = read_manifest(path) if manifest is None else manifest
+    model = as_module(target)
+    name = name or getattr(target, "path", None) or getattr(model, "name_or_path", None) or "the target"
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    was = manifest.get("target")
+    if was is not None and not isinstance(was, dict):
+        raise RetrospecError(f"corrupt corpus {path}: {MANIFEST} records its target as {type(was).__name__}")
+    was = was or {}
+    fix = f"generate a corpus with 'retrospec corpus generate --target {name}'"
+    if was.get("fingerprint") is not None:
+        if not same_model(was, model):
+            raise RetrospecError(f"corpus {path} was generated by another model ({was.get('path')}, fingerprint "
+                                 f"{was['fingerprint']}), not by the target {name}; {fix}")
+        theirs, ours = was.get("tokenizer_fingerprint"), tokenizer_fingerprint(getattr(target, "tokenizer", None))
+        if theirs is not None and ours is not None and theirs != ours:
+            raise RetrospecError(f"corpus {path} was generated with another tokenizer (fingerprint {theirs}) than the "
+                                 f"target {name}'s ({ours}); {fix}")
+    for key, read in {"vocab_size": lambda m: vocab, **_LEGACY}.items():
+        if was.get(key) is not None and was[key] != read(model):
+            raise RetrospecError(f"corpus {path} was generated by another model ({was.get('path')}: {key} "
+                                 f"{was[key]}, the target {name}'s is {read(model)}); {fix}")
+    top = max((max(r[k]) for r in records for k in ("prompt_ids", "output_ids") if r.get(k)), default=-1)
+    if top >= vocab:
+        raise RetrospecError(f"corpus {path} holds token id {top}, outside the vocabulary of the target {name} "
+                             f"({vocab} tokens); it was generated by another model; {fix}")

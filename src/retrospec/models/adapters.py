@@ -32,7 +32,7 @@ from ..atomic import atomic_build
 from ..errors import RetrospecError
 from ..identity import model_identity, same_model
 from . import quant
-from .files import first_line, read_json
+from .files import first_line, read_json, read_tensors
 
 ADAPTER_META = "retrospec_adapter.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -55,6 +55,8 @@ def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
     try:
         meta = json.loads(meta_file.read_text())
         base_src = meta["base"]
+        if not isinstance(base_src, str) or not base_src:
+            raise TypeError("base is not a model name or path")
     except (OSError, ValueError, KeyError, TypeError):
         raise RetrospecError(f"{path} looks like a LoRA adapter but has no readable {ADAPTER_META} "
                              "(which base model it was trained on)") from None
@@ -64,6 +66,9 @@ def load_adapter(path: Path, *, dtype: torch.dtype, device, load_model):
     # float32 whatever ``dtype``: the merge W + BA is rounded once, at the end
     base = load_model(base_src, role="adapter base", dtype=torch.float32, device=device)
     want = meta.get("base_identity") or {}
+    if not isinstance(want, dict):
+        raise RetrospecError(f"corrupt adapter {path}: {ADAPTER_META} records base_identity as "
+                             f"{type(want).__name__}, not an object")
     if want.get("fingerprint") is not None and not same_model(want, base.model):
         raise RetrospecError(f"adapter {path} was trained on another {base_src} (fingerprint {want['fingerprint']}); "
                              f"the loaded base has fingerprint {model_identity(base.model)['fingerprint']}")
@@ -106,7 +111,7 @@ def pack_adapter(src: str | Path, out: str | Path, storage: str = quant.INT8) ->
     """Copy the adapter directory ``src`` to a new ``out`` (atomically) with its weights stored as int8
     (``adapter_model.int8.safetensors``, ``"storage": "int8"``, a ``"packed"`` entry in ``manifest.json`` if there
     is one). Returns {"bytes_before", "bytes_after"} of the weights file."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     src, out = Path(src), Path(out)
     if storage != quant.INT8:
@@ -122,7 +127,7 @@ def pack_adapter(src: str | Path, out: str | Path, storage: str = quant.INT8) ->
     sizes = {"bytes_before": (src / PEFT_WEIGHTS).stat().st_size}
     with atomic_build(out, required=ADAPTER_META) as tmp:
         shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(PEFT_WEIGHTS), dirs_exist_ok=True)
-        packed = quant.pack_int8(load_file(str(src / PEFT_WEIGHTS)))
+        packed = quant.pack_int8(read_tensors(src / PEFT_WEIGHTS, f"corrupt adapter {src}"))
         save_file(packed, str(tmp / INT8_WEIGHTS), metadata={"format": "pt", "storage": quant.INT8})
         os.chmod(tmp / INT8_WEIGHTS, 0o644)  # safetensors creates 0600 files; this one may be bundled
         sizes["bytes_after"] = (tmp / INT8_WEIGHTS).stat().st_size

@@ -1,5 +1,10 @@
 """What every loader of models and stores shares: one-line errors from library exceptions, transformers kept quiet,
-and the versioned JSON description of a directory artefact (a LongSpec block, a datastore). Imports only ``errors``.
+the readers of artefact files, and the versioned JSON description of a directory artefact (a LongSpec block, a
+datastore). Imports only ``errors``.
+
+Contract of the readers (``read_json``, ``read_jsonl``, ``read_tensors``, ``read_array``): a file that is missing,
+unreadable, truncated or not what it should be is one ``RetrospecError`` line that starts with the caller's
+``where`` ("corrupt corpus runs/c") and names the file (and, for JSON, the line), never a library traceback.
 """
 
 from __future__ import annotations
@@ -37,14 +42,66 @@ def quiet_transformers(capture_stderr: bool = False):
 
 
 def read_json(file: Path, where: str) -> dict:
-    """The JSON object in ``file``; else a ``RetrospecError`` that starts with ``where``."""
+    """The JSON object in ``file``; else a ``RetrospecError`` that starts with ``where`` (the decoder's message
+    gives the line and column)."""
+    file = Path(file)
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RetrospecError(f"{where}: {file.name} is not valid JSON ({first_line(exc)})") from None
     if not isinstance(data, dict):
         raise RetrospecError(f"{where}: {file.name} is not a JSON object")
     return data
+
+
+def read_jsonl(file: Path, where: str) -> list[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of the JSON-lines file ``file``; a line that is not a JSON
+    object (a file cut in the middle of a line) is a ``RetrospecError`` naming the file and the line."""
+    file = Path(file)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RetrospecError(f"{where}: cannot read {file.name} ({first_line(exc)})") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RetrospecError(f"{where}: {file.name} line {number} is not valid JSON ({exc.msg}, column "
+                                 f"{exc.colno}; a truncated or corrupt file?)") from None
+        if not isinstance(obj, dict):
+            raise RetrospecError(f"{where}: {file.name} line {number} is not a JSON object")
+        out.append((number, obj))
+    return out
+
+
+def read_tensors(file: Path, where: str) -> dict:
+    """The tensors of the safetensors file ``file`` (on the CPU); a missing, truncated or corrupt file is a
+    ``RetrospecError`` that starts with ``where``."""
+    from safetensors.torch import load_file
+
+    file = Path(file)
+    try:
+        return load_file(str(file))
+    except Exception as exc:  # safetensors raises its own error types (header, size) besides OSError
+        raise RetrospecError(f"{where}: cannot read {file.name} ({first_line(exc)})") from None
+
+
+def read_array(file: Path, where: str, mmap_mode: str | None = None):
+    """The numpy array in the ``.npy`` file ``file`` (memory-mapped with ``mmap_mode``); a missing, truncated or
+    corrupt file is a ``RetrospecError`` that starts with ``where``."""
+    import numpy as np
+
+    file = Path(file)
+    try:
+        array = np.load(file, mmap_mode=mmap_mode, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise RetrospecError(f"{where}: cannot read {file.name} ({first_line(exc)})") from None
+    if not isinstance(array, np.ndarray):
+        raise RetrospecError(f"{where}: {file.name} is not a single array")
+    return array
 
 
 def read_description(path: Path, name: str, fmt: str, version: int, what: str, *, absent: str,
@@ -66,7 +123,10 @@ def read_description(path: Path, name: str, fmt: str, version: int, what: str, *
     if meta.get("version") != version:
         raise RetrospecError(f"{what} {path} has format version {meta.get('version')}; this retrospec reads version "
                              f"{version}{upgrade}")
-    for file, size in [*(meta.get("files") or {}).items(), *((f, None) for f in required)]:
+    files = meta.get("files") or {}
+    if not isinstance(files, dict):
+        raise RetrospecError(f"{corrupt}: {name} records its files as {type(files).__name__}, not name -> bytes")
+    for file, size in [*files.items(), *((f, None) for f in required)]:
         if not (path / file).is_file():
             raise RetrospecError(f"{corrupt}: file {file} is missing")
         if size is not None and (path / file).stat().st_size != size:

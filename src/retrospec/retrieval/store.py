@@ -12,8 +12,9 @@ A datastore is one directory; ``meta.json`` says what it is and what it was buil
 Invariants:
 - A build goes through ``atomic.atomic_build`` and writes ``meta.json`` last: an interrupted build never leaves a
   directory at the destination (and never one with a ``meta.json`` whose files are missing).
-- ``load_meta`` refuses a directory whose ``meta.json`` is missing or unreadable, whose format/version/kind is not
-  what the caller expects, or whose data files are missing or have another size than recorded.
+- ``load_meta`` refuses a directory whose ``meta.json`` is missing, unreadable or lacks a section its kind reads,
+  whose format/version/kind is not what the caller expects, or whose data files are missing or have another size
+  than recorded.
 - ``check_compatible`` refuses a store built for another tokenizer (vocabulary fingerprint or size) and, for dense
   stores, another target model (``identity.same_model``: the recorded target or a bfloat16/float16 copy of it; and
   hidden size): token ids or hidden states would mean different things. Every refusal is one ``RetrospecError`` line
@@ -94,7 +95,34 @@ def load_meta(path: str | Path, kind: str | None = None) -> dict:
     if kind is not None and meta["kind"] != kind:
         needs = _KIND_NEEDS.get(kind, f"a {kind} store is needed")
         raise RetrospecError(f"datastore {path} is a {_KIND_NAMES[meta['kind']]}; {needs}")
+    _check_sections(meta, path)
     return meta
+
+
+# the sections of meta.json each kind reads (an object each), and the entries of them it reads
+_SECTIONS = {"suffix": {"tokenizer": ("eos_id",)}, "dense": {"tokenizer": ("eos_id",), "params": (), "target": ()},
+             "rag": {"embedder": ("name",)}}
+
+
+def _check_sections(meta: dict, path: Path) -> None:
+    """Every section the store's kind reads is an object holding the entries it reads; ``counts``, ``params``,
+    ``target`` and ``tokenizer`` are objects where present; ``tokenizer.eos_id`` is an integer."""
+    need = _SECTIONS[meta["kind"]]
+    for section in [*need, *(s for s in ("counts", "params", "target", "tokenizer") if s not in need)]:
+        value = meta.get(section)
+        if value is None and section not in need:
+            continue
+        if value is None:
+            raise RetrospecError(f"corrupt datastore {path}: {META_FILE} has no {section!r} object")
+        if not isinstance(value, dict):
+            raise RetrospecError(f"corrupt datastore {path}: {META_FILE} records {section!r} as "
+                                 f"{type(value).__name__}, not an object")
+        missing = [k for k in need.get(section, ()) if k not in value]
+        if missing:
+            raise RetrospecError(f"corrupt datastore {path}: {META_FILE} {section!r} has no {missing[0]!r}")
+    eos = (meta.get("tokenizer") or {}).get("eos_id")
+    if "eos_id" in (meta.get("tokenizer") or {}) and (type(eos) is not int or eos < 0):
+        raise RetrospecError(f"corrupt datastore {path}: {META_FILE} records eos_id {eos!r}, not a token id")
 
 
 def check_compatible(meta: dict, path: str | Path, *, model: torch.nn.Module | None, tokenizer=None) -> None:

@@ -29,7 +29,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
 from .engine import Backend, Job, shutting_down
 from .openapi import finish_openapi, route_doc
 from .protocol import Limits, ProtocolError, error_body, load_json, param_of, parse, shape, usage
@@ -62,7 +61,7 @@ def build_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
         yield
         backend.close()
 
-    app = FastAPI(title="retrospec", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="retrospec", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.backend = backend
     app.add_middleware(_AuthAndCount, backend=backend, api_key=api_key)
@@ -107,6 +106,15 @@ def build_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
 
     finish_openapi(app, bool(api_key))
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("retrospec")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "0"
 
 
 class _BodyLimit:

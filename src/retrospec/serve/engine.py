@@ -240,8 +240,9 @@ class Backend:
                                  job.cancelled, timed_out))
 
     def begin_shutdown(self) -> None:
-        """SIGTERM: refuse new requests, answer queued ones 503 now, and give the running one until the grace
-        period ends (minus a second to send its answer), then end it (503, or a final stream event)."""
+        """SIGTERM: refuse new requests, answer queued ones 503 now, and give the running one until
+        ``running_deadline(grace)``, then end it (503, or a final stream event); the rest of the grace period is
+        for sending the answers and the process's own exit."""
         with self._lock:
             if self.closing:
                 return
@@ -250,7 +251,7 @@ class Backend:
         for job in waiting:
             job.cancel(shutdown=True)
             job.emit("error", shutting_down())
-        timer = threading.Timer(max(0.0, self.limits.grace_s - 1.0), self._end_running)
+        timer = threading.Timer(running_deadline(self.limits.grace_s), self._end_running)
         timer.daemon = True
         timer.start()
 
@@ -280,6 +281,12 @@ class Backend:
                 "limits": {"max_tokens": self.limits.max_tokens, "max_seconds": self.limits.max_seconds,
                            "max_body_bytes": self.limits.max_body_bytes,
                            "reject_special_tokens": self.limits.reject_special_tokens}}
+
+
+def running_deadline(grace_s: float) -> float:
+    """Seconds after SIGTERM at which a running request is ended: the grace period less two seconds (at most half
+    of it) left for answering, closing connections and exiting."""
+    return max(grace_s / 2, grace_s - 2.0)
 
 
 def shutting_down() -> ProtocolError:

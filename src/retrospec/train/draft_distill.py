@@ -22,8 +22,14 @@ split, batches and learning curve of ``train.longspec_distill``) and:
   draft and AdamW's state before the decay, keeping that draft's vocabulary).
 
 The draft trains on the target's device (measured on CPU only, CUDA untested). Output: a Hugging Face checkpoint
-(float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve, seconds), the
-layout of ``zoo real-draft`` (``train.real_draft.save_draft``), and with ``wsd`` ``resume.pt``; written atomically.
+(float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve, seconds, and
+``target_identity``: ``identity.target_record`` of the target it was distilled for), the layout of ``zoo real-draft``
+(``train.real_draft.save_draft``), and with ``wsd`` ``resume.pt``; written atomically.
+
+Refusals (one ``RetrospecError`` line each, before training): a corpus the target did not write
+(``generations.check_corpus``); a draft to start from whose ids live in another vocabulary (its
+``draft_vocab.json`` maps into another size, or the target it was distilled for had another tokenizer); a state to
+resume that was trained for another target (``train.resume``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from pathlib import Path
 import torch
 
 from ..errors import RetrospecError
+from ..identity import target_record
+from ..models.files import read_json
 from ..models.loading import load_model
 from ..models.vocab import VocabMap
 from .common import adamw, autocast, jsonable, kl, optimizer_step, pick_precision
@@ -77,6 +85,23 @@ def check_config(cfg: DraftDistillConfig) -> None:
     check_schedule(cfg)
     if not cfg.init and not cfg.resume:
         raise RetrospecError("give the draft to start from: --init DRAFT, or --resume DIR")
+
+
+def check_init(init, src: str, record: dict) -> None:
+    """Refuse a draft to start from whose token ids mean something else for the target ``record`` describes: rows
+    of another vocabulary size (through its ``draft_vocab.json``, if any), or distilled for a target whose tokenizer
+    differs (its ``real_draft.json``'s ``target_identity``, when recorded)."""
+    V = record["vocab_size"]
+    if init.target_vocab_size != V:
+        how = "its draft_vocab.json maps into" if init.vocab_map is not None else "it has no draft_vocab.json and has"
+        raise RetrospecError(f"draft {src} drafts for another vocabulary: {how} {init.target_vocab_size} tokens; the "
+                             f"target has {V}")
+    manifest = Path(init.path) / MANIFEST
+    was = read_json(manifest, f"corrupt draft {src}").get("target_identity") if manifest.is_file() else None
+    theirs = was.get("tokenizer_fingerprint") if isinstance(was, dict) else None
+    if theirs is not None and record["tokenizer_fingerprint"] is not None and theirs != record["tokenizer_fingerprint"]:
+        raise RetrospecError(f"draft {src} was distilled for a target with another tokenizer ({was.get('path')}); its "
+                             "token ids mean other tokens for this target")
 
 
 def revocab(draft, old_ids: list[int], new_ids: list[int], target) -> torch.nn.Module:
@@ -156,12 +181,11 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     train, held, records, loaded, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
                                                    target)
     tmodel = loaded.model
+    record = target_record(tmodel, loaded.tokenizer, getattr(loaded, "path", cfg.target))
     init = load_model(cfg.resume or cfg.init, role="draft")
     V = tmodel.get_output_embeddings().weight.shape[0]
+    check_init(init, cfg.resume or cfg.init, record)
     old_ids = init.vocab_map.tolist() if init.vocab_map is not None else list(range(init.vocab_size))
-    if init.vocab_map is None and init.vocab_size != V:
-        raise RetrospecError(f"draft {cfg.init} has {init.vocab_size} rows and no draft_vocab.json; the target has "
-                             f"{V}")
     eos = set(loaded.eos_ids()) if hasattr(loaded, "eos_ids") else set()
     specials = {i for i in (getattr(loaded.tokenizer, "all_special_ids", None) or []) if i is not None}
     keep = cfg.keep_vocab or cfg.resume is not None  # a resumed draft keeps its vocabulary
@@ -179,7 +203,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     budget = cfg.max_tokens or (10**12 if cfg.seconds else total)
     pad = min(eos) if eos else 0
     opt = adamw(draft.parameters(), cfg.lr, cfg.weight_decay)
-    cfg, previous, before = resume_run(cfg, draft, opt, MANIFEST, log)
+    cfg, previous, before = resume_run(cfg, draft, opt, MANIFEST, log, target=tmodel)
     stable: dict = {}
 
     def loss_of(batch: list[dict], how: str) -> tuple[torch.Tensor, int]:
@@ -198,9 +222,9 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     result = train_curve(draft, opt, train, cfg, budget, [c for c in cfg.curve if c < budget], rng, log, step=step,
                          evaluate=lambda: agreement(draft, tmodel, vmap, held, cfg.max_len), desc="distil draft",
                          next_pass=lambda: None if cfg.seconds is None and cfg.max_tokens is None else train,
-                         snapshot=lambda done: stable.update(stable_state(draft, opt, before + done)))
+                         snapshot=lambda done: stable.update(stable_state(draft, opt, before + done, record)))
     manifest = {"kind": "retrospec real-model draft", "what": "draft distilled on the target's own outputs",
-                "config": jsonable(cfg), "target": getattr(loaded, "path", cfg.target),
+                "config": jsonable(cfg), "target": getattr(loaded, "path", cfg.target), "target_identity": record,
                 "init": getattr(init, "path", cfg.resume or cfg.init),
                 "corpus": {"path": cfg.corpus, "records": len(records), "heldout_records": len(held)},
                 "draft_params": sum(p.numel() for p in draft.parameters()),

@@ -25,7 +25,6 @@ weights in float16 like the rest of the zoo.
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from ..bench.tasks import make_tasks, score
 from ..config import DecodeConfig, SamplingConfig
 from ..long_requests import DEFAULT_TEMPLATE
 from ..models import LoadedModel
+from ..models.files import read_array, read_json
 from ..request import Request
 from ..run import Run
 from ..stdlib_corpus import read_texts, stdlib_files
@@ -317,13 +317,14 @@ def build_long_zoo(cfg: LongZooConfig, log=print, stream: np.ndarray | None = No
     start = Path(cfg.init_target) if cfg.init_target else base / "target"
     target = _load(start)
     if stream is None:
-        stream = np.load(cfg.stream_file) if cfg.stream_file else stdlib_train_stream(tok)
+        stream = (read_array(Path(cfg.stream_file), "--stream-file") if cfg.stream_file
+                  else stdlib_train_stream(tok))
     log(f"code stream: {len(stream):,} tokens; lengths {cfg.lengths}; {cfg.steps} steps of {cfg.batch_size} rows")
     manifest: dict = {"command": cfg.command, "config": jsonable(cfg)}
     if cfg.init_target and (start.parent / "long.json").is_file():  # the earlier stage this one continues
-        manifest["previous_stage"] = json.loads((start.parent / "long.json").read_text())
+        manifest["previous_stage"] = read_json(start.parent / "long.json", f"corrupt zoo {start.parent}")
     if (base / "zoo.json").is_file():  # the base zoo's manifest travels with the pair (zoo info reads it here)
-        manifest["base_zoo"] = json.loads((base / "zoo.json").read_text())
+        manifest["base_zoo"] = read_json(base / "zoo.json", f"corrupt zoo {base}")
     if cfg.eval_base and cfg.eval_n:
         manifest["base_accuracy"] = eval_tasks(target.eval(), tok, cfg.eval_lengths, cfg.eval_n)
         log(f"base target accuracy: {manifest['base_accuracy']}")

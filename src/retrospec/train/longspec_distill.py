@@ -16,7 +16,8 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
   vocabulary; a flash-noisy shift in [1, noisy_max] per batch and anchor-offset positions on a share of batches
   (``train.longspec``) keep the block usable at long contexts;
 - **corpora**: ``corpus`` names one corpus directory or several, comma-separated, read in that order (a new corpus
-  of new prompts extends an old one whose prompts ran out; the held-out sample stays the same);
+  of new prompts extends an old one whose prompts ran out; the held-out sample stays the same); each must be the
+  target's own (``generations.check_corpus``: a corpus another model wrote is one ``RetrospecError`` line);
 - **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs, taking the shards written since
   the last pass, in whichever corpus of the list they landed (``follow_corpora``); when too few are new, another
   pass over every training record so far (``tokens`` in the curve counts tokens trained on, ``corpus_tokens`` the
@@ -53,8 +54,9 @@ from tqdm.auto import tqdm
 
 from ..drafters.longspec import load_block
 from ..errors import RetrospecError
-from ..generations import read_corpus
+from ..generations import check_corpus, read_corpus
 from ..generations.build import MANIFEST
+from ..identity import target_record
 from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
@@ -144,13 +146,17 @@ def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_rec
     """What every distiller starts from: (training records, ``eval_records`` held-out records, all records with
     outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded.
     The evaluated records: ``heldout_sample``; ``growing``: see ``corpus_records``; ``parts``: ``corpus_parts``
-    already read (instead of reading ``corpus``)."""
-    records = [r for _, part in (corpus_parts(corpus, growing) if parts is None else parts) for r in part]
+    already read (instead of reading ``corpus``). Every corpus must be the target's own (``check_corpus``: one
+    ``RetrospecError`` line for a corpus another model wrote, or one with token ids outside its vocabulary)."""
+    parts = corpus_parts(corpus, growing) if parts is None else parts
+    records = [r for _, part in parts for r in part]
     if not records:
         raise RetrospecError(f"corpus {corpus} holds no generated outputs yet")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     target = target if target is not None else load_model(target_src)
+    for d, part in parts:  # a corpus another model wrote is refused before anything trains on it
+        check_corpus(d, part, target, name=target_src if isinstance(target_src, str) else None)
     model = as_module(target).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -163,22 +169,24 @@ def corpus_dirs(spec: str) -> list[str]:
     return [d for d in (part.strip() for part in str(spec).split(",")) if d]
 
 
-def corpus_parts(spec: str, growing: bool = False) -> list[tuple[str, list[dict]]]:
+def corpus_parts(spec: str, growing: bool = False, target=None) -> list[tuple[str, list[dict]]]:
     """(directory, its records with outputs in shard order) for each corpus in ``spec``, in the order given.
     ``growing`` (``--follow``): the last corpus may be one ``corpus generate`` has only just started (its directory,
-    without a manifest until the first shard lands); it is then left out."""
+    without a manifest until the first shard lands); it is then left out. ``target``: each corpus must be its own
+    (``generations.check_corpus``)."""
     dirs = corpus_dirs(spec)
     last = Path(dirs[-1]) if dirs else None
     if growing and last is not None and last.is_dir() and not (last / MANIFEST).is_file():
         dirs = dirs[:-1]
-    return [(d, [r for r in read_corpus(d) if r.get("output_ids")]) for d in dirs]
+    return [(d, [r for r in read_corpus(d, target) if r.get("output_ids")]) for d in dirs]
 
 
-def corpus_records(spec: str, growing: bool = False) -> list[dict]:
+def corpus_records(spec: str, growing: bool = False, target=None) -> list[dict]:
     """The records with outputs of every corpus in ``spec``, corpus after corpus (each in shard order): a held-out
     sample, the first held-out records, stays the same when a corpus is appended to the list or the last one grows
-    (a corpus before it that grows puts its new held-out records ahead of the later corpora's)."""
-    return [r for _, part in corpus_parts(spec, growing) for r in part]
+    (a corpus before it that grows puts its new held-out records ahead of the later corpora's). ``target``: see
+    ``corpus_parts``."""
+    return [r for _, part in corpus_parts(spec, growing, target) for r in part]
 
 
 def follow_corpora(seen: dict[str, int], parts: list[tuple[str, list[dict]]]) -> tuple[list[dict], dict[str, int]]:
@@ -426,7 +434,9 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     for p in block.parameters():
         p.requires_grad_(True)
     opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
-    cfg, previous, before = resume_run(cfg, block, opt, MANIFEST, log)
+    record = target_record(as_module(target), getattr(target, "tokenizer", None),
+                           getattr(target, "path", None) or cfg.target)
+    cfg, previous, before = resume_run(cfg, block, opt, MANIFEST, log, target=as_module(target))
     stable: dict = {}
     first = first_batch(train, cfg)
     precision = pick_precision(cfg.precision, block.norm1.weight.device,
@@ -440,7 +450,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
         nonlocal seen, unique
         if not cfg.follow:  # --max-tokens beyond one pass: another pass over the same records
             return pool if cfg.max_tokens is not None else None
-        new, seen = follow_corpora(seen, corpus_parts(cfg.corpus, growing=True))
+        new, seen = follow_corpora(seen, corpus_parts(cfg.corpus, growing=True, target=target))
         fresh = [r for r in new if not is_heldout(r, cfg.heldout)]
         pool.extend(fresh)
         unique += sum(len(r["output_ids"]) for r in fresh)
@@ -453,11 +463,12 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
         log, step=lambda batch: train_step(block, target, opt, batch, cfg, rng, pad, precision), desc="distill",
         evaluate=lambda: agreement(block, target, held, cfg.max_len, pad), next_pass=next_pass,
         extra=lambda: {"corpus_tokens": unique},
-        snapshot=lambda done: stable.update(stable_state(block, opt, before + done)))
+        snapshot=lambda done: stable.update(stable_state(block, opt, before + done, record)))
     for p in block.parameters():
         p.requires_grad_(False)
     manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
                 "config": asdict(cfg), "target": {"name": cfg.target, "path": getattr(target, "path", None)},
+                "target_identity": record,
                 "corpus": {"path": cfg.corpus, "records": sum(seen.values()), "heldout_records": len(held)},
                 "draft_vocab": block.draft_vocab_size, "heldout_coverage": held_coverage, "precision": precision,
                 **result, **chain_fields(previous, before, result["tokens_seen"])}

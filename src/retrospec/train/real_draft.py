@@ -19,7 +19,8 @@ answers to chat prompts and continuations of code prefixes (sequence-level disti
 
 Invariants: the saved directory is an ordinary Hugging Face checkpoint (float16) plus ``draft_vocab.json`` (the
 draft reads and writes target ids, so it ships no tokenizer: the target's is used) and ``real_draft.json`` (recipe,
-data, time, metrics); it is written atomically, so a failed build leaves nothing at ``out``.
+data, time, metrics, and ``target_identity``: ``identity.target_record`` of the target); it is written atomically,
+so a failed build leaves nothing at ``out``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_build
 from ..batched import generate_batch
 from ..errors import RetrospecError
+from ..identity import target_record
 from ..models.vocab import VocabMap
 from ..rag.data import read_passages, read_questions
 from .common import adamw, jsonable, kl, optimizer_step, set_lr, set_threads, warmup_cosine, write_json
@@ -343,6 +345,7 @@ def build_real_draft(cfg: RealDraftConfig, log=print) -> dict:
     after = evaluate(draft, target, mapper, eval_batches)
     log(f"after training: {after}")
     manifest = {"kind": "retrospec real-model draft", "config": jsonable(cfg), "target": loaded.path,
+                "target_identity": target_record(target, tok, loaded.path),
                 "draft_params": sum(p.numel() for p in draft.parameters()),
                 "streams": {k: int(len(v)) for k, v in streams.items()}, "teacher_tokens": int(ids_all.numel()),
                 "steps": step, "train_token_passes": step * cfg.batch_size * cfg.seq_len,

@@ -9,18 +9,21 @@ spread over sessions train as one long run, each ending in its own decay.
 
 Invariants: ``resume.pt`` holds float32 CPU tensors only (``torch.load(weights_only=True)`` reads it), the state is
 taken before any decayed step, and a file this cannot use is one ``RetrospecError`` line, before training starts.
+A state records the identity of the target it was trained for (``target``: ``identity.target_record``; or, in older
+states, the run's manifest's ``target_identity``): resuming it for another target is refused (``identity.same_model``:
+a bfloat16 or float16 copy of the same weights is the same target).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..errors import RetrospecError
-from ..models.files import first_line
+from ..identity import model_identity, same_model
+from ..models.files import first_line, read_json
 
 SCHEDULES = ("cosine", "wsd")
 RESUME_FILE = "resume.pt"
@@ -43,9 +46,11 @@ def check_schedule(cfg, init_flag: str = "--init") -> None:
                              "one)")
 
 
-def stable_state(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens_total: int) -> dict:
+def stable_state(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens_total: int,
+                 target: dict | None = None) -> dict:
     """What ``resume.pt`` holds: the model's weights and AdamW's state (float32, on the CPU), tokens trained so far
-    along the chain of resumed runs."""
+    along the chain of resumed runs, and ``target``: the record (``identity.target_record``) of the model being
+    distilled for."""
     def cpu(v):
         return v.detach().float().cpu().clone() if torch.is_tensor(v) and v.is_floating_point() else v
 
@@ -53,39 +58,63 @@ def stable_state(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens_tota
     return {"format": RESUME_FORMAT, "model": {k: cpu(v) for k, v in model.state_dict().items()},
             "optimizer": {"state": {i: {k: cpu(v) for k, v in st.items()} for i, st in opt_state["state"].items()},
                           "param_groups": opt_state["param_groups"]},
-            "tokens_total": tokens_total}
+            "tokens_total": tokens_total, **({"target": target} if target is not None else {})}
 
 
 def save_stable_state(state: dict, directory: Path) -> None:
     torch.save(state, Path(directory) / RESUME_FILE)
 
 
-def load_stable_state(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer, cfg, manifest: str) -> dict:
+def load_stable_state(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer, cfg, manifest: str,
+                      target: torch.nn.Module | None = None) -> dict:
     """Load ``path``/``resume.pt`` into ``model`` and ``opt`` (betas and weight decay from ``cfg``); returns the
     previous run's manifest (``path``/``manifest``) with ``tokens_total``, or one ``RetrospecError`` line for a file
-    this cannot use."""
+    this cannot use or (with ``target``) a state trained for another target."""
     file = Path(path) / RESUME_FILE
+    corrupt = f"corrupt resume state {file}"
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
-            raise ValueError(f"not a {RESUME_FORMAT} file")
+    except Exception as exc:  # unreadable, truncated, not a torch file
+        raise RetrospecError(f"{corrupt}: {first_line(exc)}") from None
+    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+        raise RetrospecError(f"{corrupt}: not a {RESUME_FORMAT} file")
+    previous = read_json(Path(path) / manifest, corrupt)
+    if target is not None:
+        check_state_target(state, previous, path, target)
+    try:
         model.load_state_dict(state["model"], strict=True)
         opt.load_state_dict(state["optimizer"])
-        previous = json.loads((Path(path) / manifest).read_text())
-    except Exception as exc:  # unreadable, another format, another model's tensors, optimiser groups not matching
-        raise RetrospecError(f"corrupt resume state {file}: {first_line(exc)}") from None
+        tokens_total = int(state.get("tokens_total", previous.get("tokens_seen", 0)))
+    except Exception as exc:  # missing entries, another model's tensors, optimiser groups not matching
+        raise RetrospecError(f"{corrupt}: {first_line(exc)}") from None
     for group in opt.param_groups:
         group["betas"] = tuple(getattr(cfg, "betas", group["betas"]))
         group["weight_decay"] = cfg.weight_decay if group["params"][0].dim() >= 2 else 0.0
-    return {**previous, "tokens_total": int(state.get("tokens_total", previous.get("tokens_seen", 0)))}
+    return {**previous, "tokens_total": tokens_total}
 
 
-def resume_run(cfg, model: torch.nn.Module, opt: torch.optim.Optimizer, manifest: str, log=print):
+def check_state_target(state: dict, previous: dict, path: str, target: torch.nn.Module) -> None:
+    """Refuse a state whose recorded target (``state["target"]``, else the manifest's ``target_identity``) is not
+    ``target``; a state that records none is left to the caller's vocabulary checks."""
+    recorded = state.get("target") if state.get("target") is not None else previous.get("target_identity")
+    if recorded is None:
+        return
+    if not same_model(recorded, target):
+        where = recorded.get("path") if isinstance(recorded, dict) else None
+        fingerprint = recorded.get("fingerprint") if isinstance(recorded, dict) else None
+        raise RetrospecError(f"--resume {path} was trained for another target ({where or 'path unrecorded'}, "
+                             f"fingerprint {fingerprint}); the target given has fingerprint "
+                             f"{model_identity(target)['fingerprint']}; resume it with the target it was trained for")
+
+
+def resume_run(cfg, model: torch.nn.Module, opt: torch.optim.Optimizer, manifest: str, log=print,
+               target: torch.nn.Module | None = None):
     """A distiller's start under ``cfg.resume`` (none: ``(cfg, None, 0)``): the state loaded into ``model`` and
-    ``opt``; returns (``cfg`` with no warm-up, the previous run's manifest, tokens trained before this run)."""
+    ``opt`` (refused if trained for another ``target``); returns (``cfg`` with no warm-up, the previous run's
+    manifest, tokens trained before this run)."""
     if not cfg.resume:
         return cfg, None, 0
-    previous = load_stable_state(cfg.resume, model, opt, cfg, manifest)
+    previous = load_stable_state(cfg.resume, model, opt, cfg, manifest, target)
     log(f"resuming {cfg.resume}: {previous['tokens_total']:,} tokens trained before, its stable weights and optimiser "
         "state")
     return replace(cfg, warmup=0.0), previous, previous["tokens_total"]  # the stable rate from the first step

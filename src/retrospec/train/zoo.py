@@ -13,7 +13,6 @@ Invariant: the build is atomic (``atomic.atomic_build``): written next to ``out`
 
 from __future__ import annotations
 
-import json
 import platform
 import shutil
 import time
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_build
+from ..models.files import read_json
 from ..stdlib_corpus import HELDOUT_PACKAGES, read_texts, stdlib_files, stdlib_root
 from .common import set_threads, write_json
 from .lm import TrainConfig, eval_loss, train_lm
@@ -112,7 +112,7 @@ def _build_into(tmp: Path, cfg: ZooBuildConfig, out: Path, log) -> dict:
     if src:
         target = LlamaForCausalLM.from_pretrained(src / "target", dtype=torch.float32).eval()
         shutil.copytree(src / "target", tmp / "target")
-        old = json.loads((src / "zoo.json").read_text()) if (src / "zoo.json").exists() else {}
+        old = read_json(src / "zoo.json", f"corrupt zoo {src}") if (src / "zoo.json").exists() else {}
         results["target"] = {k: v for k, v in old.get("models", {}).get("target", {}).items()
                              if k in ("train", "heldout_loss")}
         log(f"target: reused from {src}")

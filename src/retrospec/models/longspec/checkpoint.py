@@ -35,7 +35,7 @@ from ...atomic import atomic_build
 from ...errors import RetrospecError
 from ...identity import model_identity, same_model
 from .. import quant
-from ..files import first_line, read_description, read_json
+from ..files import first_line, read_description, read_json, read_tensors
 from ..loading import as_module
 from .block import LongSpecDraft
 
@@ -114,17 +114,18 @@ def read_meta(path: str | Path) -> dict:
     if storage is not None and storage not in STORAGES:
         raise RetrospecError(f"corrupt LongSpec block {path}: unknown storage {storage!r} in {META_FILE} (this "
                              f"retrospec reads {', '.join(STORAGES)})")
+    for section in ("block", "target"):
+        if not isinstance(meta.get(section), dict):
+            raise RetrospecError(f"corrupt LongSpec block {path}: {META_FILE} has no {section!r} object")
     return meta
 
 
 def load_longspec(path: str | Path, target) -> LongSpecDraft:
     """The block saved at ``path``, bound to ``target`` (a transformers causal LM or a ``LoadedModel``), on the
     target's device and dtype. A block built for another target is refused (one line)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     meta = read_meta(path)
-    want, block_cfg = meta.get("target") or {}, meta.get("block") or {}
+    want, block_cfg = meta["target"], meta["block"]
     have = _target_meta(target, None)
     for key, what in (("hidden_size", "hidden size"), ("vocab_size", "vocabulary size")):
         if want.get(key) != have[key]:
@@ -142,8 +143,8 @@ def load_longspec(path: str | Path, target) -> LongSpecDraft:
     draft = LongSpecDraft.for_target(target, window=block_cfg["window"],
                                      intermediate_size=block_cfg.get("intermediate_size"))
     storage = meta.get("storage")
+    state = read_tensors(path / WEIGHTS_FILE, corrupt)  # a truncated or corrupt file: one line
     try:
-        state = load_file(str(path / WEIGHTS_FILE))
         if storage == quant.INT8:
             state = quant.unpack_int8(state, dtype=torch.float32)  # float32, then rounded once into the draft's dtype
         elif quant.is_packed(state):
@@ -152,7 +153,7 @@ def load_longspec(path: str | Path, target) -> LongSpecDraft:
         draft.load_state_dict(state, strict=True)
     except RetrospecError as exc:
         raise RetrospecError(f"{corrupt}: {exc}") from None
-    except Exception as exc:  # unreadable file, missing / unexpected / misshapen tensors
+    except Exception as exc:  # missing / unexpected / misshapen tensors
         raise RetrospecError(f"{corrupt}: could not load {WEIGHTS_FILE} ({first_line(exc)})") from None
     if block_cfg.get("draft_vocab") is not None:
         try:
