@@ -14,6 +14,7 @@ import os
 from collections import Counter
 
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,8 +24,6 @@ from retrospec.errors import RetrospecError
 from retrospec.models import load_model
 from retrospec.serve import BackgroundServer, create_app
 from retrospec.text import TextStream
-
-schemathesis = pytest.importorskip("schemathesis")
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 EXAMPLES = int(os.environ.get("RETROSPEC_FUZZ_EXAMPLES", "60"))
