@@ -27,7 +27,7 @@ RANKS: dict[str, int] = {
     "errors": 0, "types": 0, "paths": 0, "stdlib_corpus": 0,
     "atomic": 1, "identity": 1, "config": 1, "text": 1,
     # the core
-    "kv": 2, "tree": 2, "attention": 2, "chat": 2,
+    "kv": 2, "tree": 2, "attention": 2, "chat": 2, "weight_only": 2,
     "fastpath": 3, "models": 3,
     "verify": 4, "acceptance": 4, "sampling": 4,
     "acceptance_rapid": 5, "retrieval": 5, "gating": 5,

@@ -81,6 +81,14 @@ def model_identity(model: torch.nn.Module) -> dict:
     return ident
 
 
+def derive(model: torch.nn.Module, source: dict, fmt: str) -> dict:
+    """Record that ``model`` is ``source`` (an identity) held in the weight format ``fmt`` (``int8``, ``int4``):
+    its identity is the source's, with ``format`` added, so what was built for the source accepts it."""
+    ident = {**source, "format": fmt}
+    _MODEL_IDS[model] = ident
+    return ident
+
+
 def _coarsest_dtype(model: torch.nn.Module) -> str:
     """The name of the floating-point parameter dtype with the largest epsilon (``float32`` when there is none)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} or {torch.float32}
@@ -105,12 +113,19 @@ def same_model(recorded: dict | None, model: torch.nn.Module) -> bool:
     return any(want.get(d) is not None and want.get(d) == have["rounded"][d] for d in coarse)
 
 
+def head_rows(model: torch.nn.Module) -> int:
+    """Rows of a causal LM's output head (its vocabulary), whatever the head's weight format."""
+    head = model.get_output_embeddings()
+    rows = getattr(head, "out_features", None)
+    return int(rows if rows is not None else head.weight.shape[0])
+
+
 def target_record(model: torch.nn.Module, tokenizer=None, path: str | None = None) -> dict:
     """``model_identity(model)`` plus ``vocab_size`` (rows of the output head), ``hidden_size``, ``model_type``,
     ``tokenizer_fingerprint`` (None without a tokenizer) and ``path``: the record ``same_model`` and a vocabulary
     check read back."""
     cfg = model.config
     return model_identity(model) | {
-        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "vocab_size": head_rows(model),
         "hidden_size": int(cfg.hidden_size), "model_type": getattr(cfg, "model_type", None),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "path": None if path is None else str(path)}

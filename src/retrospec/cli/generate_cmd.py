@@ -32,10 +32,11 @@ def add_sampling_args(p) -> None:
 def add_device_args(p) -> None:
     """``--device`` and ``--dtype`` for the target and the draft (``device_kwargs`` reads them)."""
     p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N | auto (cuda when present)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="weights and activations of the target and the draft (default float32; 16-bit is for GPUs "
-                        "and CPUs with native bf16/fp16 matmuls). Greedy output is token-identical to ar in "
-                        "float32; in 16 bits a k-token verification and a 1-token step round differently, so "
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "int8", "int4"),
+                   help="the weight format of the target and the draft (default float32; 16-bit is for GPUs and "
+                        "CPUs with native bf16/fp16 matmuls; int8 / int4: weight-only quantized linears on the CPU, "
+                        "a model of its own). Greedy output is token-identical to ar in the same format in float32, "
+                        "int8 and int4; in 16 bits a k-token verification and a 1-token step round differently, so "
                         "near-ties may flip")
 
 

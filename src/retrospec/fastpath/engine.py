@@ -29,6 +29,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import hybrid_tree, prefix_block
+from ..weight_only import WeightOnlyLinear
 from .draft import draft_choice, pack_linears
 from .linear import head_logits, pack_weight
 from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode
@@ -45,7 +46,7 @@ def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     if getattr(cfg, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not hasattr(model, "get_decoder"):
         return None
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+    if not isinstance(head, (torch.nn.Linear, WeightOnlyLinear)) or head.bias is not None:
         return None
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
         return None
@@ -107,6 +108,7 @@ class EngineModel:
         self.decoder: torch.nn.Module | None = None  # set when the head is applied here (plain-head families)
         self.head_weight: torch.Tensor | None = None  # [V, H]
         self.head_packed: torch.Tensor | None = None
+        self.head_fn: torch.nn.Module | None = None  # a weight-only head: called as it is
         self.hybrid_min_length: int | None = None
         device = next(model.parameters()).device
         if _on_cuda(device) and how != "off" and attention == "prefix_block" and not draft:
@@ -124,7 +126,9 @@ class EngineModel:
             decoder, head = clone.get_decoder(), _plain_head(clone)
             linears = linear_layers(decoder)
             pack_dtype = None
-            if draft:  # a draft model: every row count in the path measured fastest for drafts (fastpath.draft)
+            if isinstance(head, WeightOnlyLinear):  # a weight-only model: its own kernels, nothing to pack
+                self.plan, self.head_fn = Plan(source=f"weight-only:{head.fmt}"), head
+            elif draft:  # a draft model: every row count in the path measured fastest for drafts (fastpath.draft)
                 choice = draft_choice([*(m.weight for m in linears), head.weight], remeasure=remeasure)
                 fast = choice != "plain"
                 self.plan = Plan(packed_rows=list(ROWS) if fast else [], head={r: "packed" for r in ROWS} if fast
@@ -136,7 +140,7 @@ class EngineModel:
                 self.plan = forced_plan(how)
             if self.plan.packed_rows:  # the copy's own decoder linears; the caller's modules are untouched
                 pack_linears(decoder, "packed-bf16" if pack_dtype else "packed", max(self.plan.packed_rows))
-            self.head_weight = head.weight
+            self.head_weight = getattr(head, "weight", None)
             if "packed" in self.plan.head.values():
                 self.head_packed = pack_weight(head.weight, pack_dtype)
         self.module, self.decoder = clone, decoder
@@ -186,6 +190,8 @@ class EngineModel:
         out = self.decoder(**kwargs)
         hidden = out.last_hidden_state[0]  # [T, H]
         rows = hidden[-1:] if last_only else hidden
+        if self.head_fn is not None:
+            return self.head_fn(rows), (out.hidden_states[-1][0] if want_hidden else None)
         layout = self.plan.head_layout(rows.shape[0]) if self.plan is not None else "linear"
         logits = head_logits(rows, self.head_weight, layout, self.head_packed)
         return logits, (out.hidden_states[-1][0] if want_hidden else None)

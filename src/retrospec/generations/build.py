@@ -41,7 +41,7 @@ from ..batched import generate_batch
 from ..chat import build_chat_prompt, end_of_turn_ids, render
 from ..config import SamplingConfig
 from ..errors import RetrospecError
-from ..identity import same_model, target_record, tokenizer_fingerprint
+from ..identity import head_rows, same_model, target_record, tokenizer_fingerprint
 from ..models.files import read_json, read_jsonl
 from ..models.loading import as_module
 from .prompts import WRITTEN, PromptRow
@@ -260,7 +260,7 @@ def check_corpus(path: str | Path, records: list[dict], target, manifest: dict |
     manifest = read_manifest(path) if manifest is None else manifest
     model = as_module(target)
     name = name or getattr(target, "path", None) or getattr(model, "name_or_path", None) or "the target"
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    vocab = head_rows(model)
     was = manifest.get("target")
     if was is not None and not isinstance(was, dict):
         raise RetrospecError(f"corrupt corpus {path}: {MANIFEST} records its target as {type(was).__name__}")

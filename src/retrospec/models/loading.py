@@ -14,7 +14,8 @@ where ``token_ids[i]`` is the target token id that the draft's output row ``i`` 
 ``vocab_size`` is always the model's own output size; ``target_vocab_size`` is V (or ``vocab_size`` without a map).
 
 Devices (``resolve_device``): ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present); dtypes
-(``resolve_dtype``): a ``torch.dtype`` or ``float32`` / ``bfloat16`` / ``float16``. Anything else, or CUDA asked for
+(``resolve_format``): a ``torch.dtype`` or ``float32`` / ``bfloat16`` / ``float16``, or a weight-only format ``int8`` /
+``int4`` (``weight_only``: loaded in float32, then its linears quantized; CPU only). Anything else, or CUDA asked for
 where there is none, is one ``RetrospecError`` line. A draft given by path or name loads where its target is, in
 its dtype, unless told otherwise (``placement``). Loaded models are cached by (resolved path, dtype, device), so
 repeated API calls with the same paths reuse them.
@@ -31,9 +32,11 @@ from typing import Any
 import torch
 
 from ..errors import RetrospecError
+from ..identity import derive, head_rows, model_identity
 from .adapters import is_adapter_dir, load_adapter
 from .files import first_line, quiet_transformers
 from .named import known_names, lookup, resolve_name
+from ..weight_only import FORMATS as WEIGHT_ONLY, quantize_model_
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 ROLES = ("target", "draft", "drafter", "verifier", "adapter base")  # what a model is loaded as (named in errors)
@@ -50,7 +53,7 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         """The model's own output size (rows of its LM head)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return head_rows(self.model)
 
     @property
     def target_vocab_size(self) -> int:
@@ -79,6 +82,7 @@ def as_module(model) -> torch.nn.Module:
 _CACHE: dict[tuple[str, str, str], LoadedModel] = {}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMAT_NAMES = (*DTYPES, *WEIGHT_ONLY)  # what --dtype / dtype= take: a float dtype or a weight-only format
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -122,7 +126,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise RetrospecError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    raise RetrospecError(f"--dtype must be one of {', '.join(FORMAT_NAMES)}, got {dtype!r}")
+
+
+def resolve_format(fmt: str | torch.dtype) -> tuple[torch.dtype, str | None]:
+    """A weight format -> (the dtype the model loads in, the weight-only format applied after or None):
+    ``float32`` / ``bfloat16`` / ``float16`` (or a ``torch.dtype``), or ``int8`` / ``int4`` (``weight_only``)."""
+    if isinstance(fmt, str) and fmt in WEIGHT_ONLY:
+        return torch.float32, fmt
+    return resolve_dtype(fmt), None
 
 
 def _check_dir(path: Path, role: str) -> None:
@@ -161,9 +173,11 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
             tokenizer = _load_tokenizer(home)
         loaded = LoadedModel(src, tokenizer, str(name or "<in-memory model>"))
         return _attach_vocab_map(loaded, home) if home is not None else loaded
-    dtype, device = resolve_dtype(dtype), resolve_device(device)
+    (dtype, quant), device = resolve_format(dtype), resolve_device(device)
+    if quant is not None and device.type != "cpu":
+        raise RetrospecError(f"--dtype {quant} (weight-only) runs on the CPU; use bfloat16 or float16 on {device}")
     path = model_dir(src)
-    key = (str(path.resolve()), str(dtype), str(device))
+    key = (str(path.resolve()), quant or str(dtype), str(device))
     if key in _CACHE:
         return _CACHE[key]
     if path.is_dir() and is_adapter_dir(path):  # a LoRA adapter: merged into a copy of its base
@@ -179,6 +193,9 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
     except Exception as exc:  # corrupt weights, unknown architecture, ...
         raise RetrospecError(f"could not load {role} model from {path}: {first_line(exc)}") from exc
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+    if quant is not None:  # a model of its own whose identity is its source's (artefacts built on it load)
+        source = model_identity(model)
+        derive(quantize_model_(model, quant), source, quant)
     _CACHE[key] = _attach_vocab_map(LoadedModel(model.to(device).eval(), tokenizer, str(path)), path)
     return _CACHE[key]
 

@@ -34,7 +34,7 @@ import torch
 
 from ..atomic import META_FILE
 from ..errors import RetrospecError
-from ..identity import model_identity, same_model, tokenizer_fingerprint
+from ..identity import head_rows, model_identity, same_model, tokenizer_fingerprint
 from ..models.files import read_description
 
 FORMAT = "retrospec-datastore"
@@ -48,7 +48,7 @@ _KIND_NEEDS = {"suffix": "method 'rest' needs a suffix store (retrospec datastor
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+    return head_rows(model)
 
 
 def tokenizer_meta(tokenizer, vocab_size: int, eos_id: int, source: str = "") -> dict:

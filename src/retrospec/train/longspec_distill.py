@@ -56,7 +56,7 @@ from ..drafters.longspec import load_block
 from ..errors import RetrospecError
 from ..generations import check_corpus, read_corpus
 from ..generations.build import MANIFEST
-from ..identity import target_record
+from ..identity import head_rows, target_record
 from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
@@ -417,7 +417,7 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     start = cfg.resume or cfg.init
     block = load_block(start, target) if start else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
-    vocab_size = as_module(target).get_output_embeddings().weight.shape[0]
+    vocab_size = head_rows(as_module(target))
     if cfg.resume is None:  # a resumed block keeps its draft vocabulary
         if not cfg.keep_vocab:
             block.set_vocab(frequency_vocab(train, cfg.draft_vocab, eos, vocab_size) if cfg.draft_vocab else None)
