@@ -367,7 +367,7 @@ def test_probs_temperature():
         torch.testing.assert_close(got, (logits / t).softmax(-1))
         assert got.dtype == torch.float32
     lo = probs_from_logits(logits, SamplingConfig(temperature=0.25))
-    hi = probs_from_logits(logits, SamplingConfig(temperature=4.0))
+    hi = probs_from_logits(logits, SamplingConfig(temperature=2.0))  # the highest temperature accepted
     assert (lo.max(-1).values > hi.max(-1).values).all()  # lower temperature = sharper
 
 

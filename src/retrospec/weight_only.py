@@ -149,6 +149,12 @@ def quantize_model_(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     return model
 
 
+def format_of(model: torch.nn.Module) -> str | None:
+    """The weight-only format of a model ``quantize_model_`` converted (``int8`` / ``int4``), else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head.fmt if isinstance(head, WeightOnlyLinear) else None
+
+
 def _set_head(model: torch.nn.Module, head: torch.nn.Module) -> None:
     for name, child in model.named_children():
         if child is model.get_output_embeddings():

@@ -43,6 +43,7 @@ from ..run import Run
 from ..text import encode
 from ..types import SpecStats
 from ..verify import PrefillMemo
+from ..weight_only import format_of
 from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 from .hybrid_timing import verify_cost
 from .labels import MethodLabel, parse_label
@@ -219,7 +220,7 @@ def _machine(target: LoadedModel) -> dict:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
             "device": str(where["device"]) + (f" ({gpu})" if gpu else ""),
-            "dtype": str(where["dtype"]).removeprefix("torch."),
+            "dtype": format_of(target.model) or str(where["dtype"]).removeprefix("torch."),
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
