@@ -152,7 +152,7 @@ class Backend:
         for m, spec in SPECS.items():
             if spec.draft == "lm" and self.draft is None and m not in why:
                 why[m] = "no draft model: start the server with --draft"
-            if spec.draft == "block" and self._no_longspec:
+            if {"block": self._no_longspec}.get(spec.draft):  # the draft kind this server could not load
                 why[m] = self._no_longspec
             if spec.store and spec.store not in self.stores:
                 why[m] = f"no {spec.store} datastore: start the server with --datastore DIR"
