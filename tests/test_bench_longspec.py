@@ -59,7 +59,7 @@ def test_longspec_and_magicdec_are_lossless(long_bench):
     assert len(runs[("longspec@tree=2x2@lookup=0", 0)]["per_position_drafted"]) == 2  # a tree of depth 2
     assert len(runs[("longspec", 0)]["per_position_drafted"]) >= 2  # the default tree (4 + 7 nodes within 12 tokens)
     assert res["config"]["longspec_draft"].endswith("blk")
-    assert res["config"]["method_options"]["longspec"]["block"] == "LongSpecDraft"
+    assert res["config"]["method_options"]["longspec"]["draft"] == "LongSpecDraft"
 
 
 def test_memory_figures(long_bench, saved_models):

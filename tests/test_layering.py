@@ -35,7 +35,7 @@ RANKS: dict[str, int] = {
     "decode": 7, "batched": 7,
     # requests and the API
     "request": 8,
-    "long_requests": 9, "run": 9,
+    "run": 9,
     "api": 10, "rag": 10,
     # applications
     "__init__": 11, "bench": 11, "serve": 11,
@@ -84,10 +84,10 @@ def unit(module: str) -> str:
 SOURCES = sorted(SRC.rglob("*.py"))
 
 
-def test_request_and_long_requests_sit_below_the_api():
-    assert "retrospec.long_requests" not in imported_modules(SRC / "request.py")
-    assert "retrospec.request" in imported_modules(SRC / "long_requests.py")
-    assert {"retrospec.long_requests", "retrospec.request"} <= imported_modules(SRC / "api.py")
+def test_request_sits_below_run_and_the_api():
+    assert "retrospec.run" not in imported_modules(SRC / "request.py")
+    assert "retrospec.request" in imported_modules(SRC / "run.py")
+    assert "retrospec.request" in imported_modules(SRC / "api.py")
     text = {"__future__", "__future__.annotations", "retrospec.errors", "retrospec.errors.RetrospecError"}
     assert imported_modules(SRC / "text.py") <= text
     assert imported_modules(SRC / "chat.py") <= text | {"dataclasses", "dataclasses.dataclass", "retrospec.text",

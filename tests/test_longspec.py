@@ -274,7 +274,7 @@ def test_tree_shape_and_budget():
     verifier = Verifier(target)
     verifier.prefill(PROMPT[:-1])
     ctx = DecodeContext(tokens=list(PROMPT), prompt_len=len(PROMPT), sampling=GREEDY)
-    ctx.extras["target_kv"] = verifier.kv
+    ctx.target.kv = verifier.kv
     drafter.prefill(ctx)
     tree = drafter.propose(ctx, 100)
     assert len(tree) == 12 and tree.draft_probs is None
@@ -335,7 +335,7 @@ def test_tree_rule_draws_match_target(small_world):
     verifier = Verifier(target)
     verifier.prefill(prompt[:-1])
     ctx = DecodeContext(tokens=list(prompt), prompt_len=len(prompt), sampling=T1)
-    ctx.extras["target_kv"] = verifier.kv
+    ctx.target.kv = verifier.kv
     drafter.prefill(ctx)
     tree = drafter.propose(ctx, 64)
     assert len(tree) == 16 and tree.draft_probs is None

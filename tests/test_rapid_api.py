@@ -19,7 +19,7 @@ from retrospec.bench.labels import parse_label
 from retrospec.bench.report import write_outputs
 from retrospec.bench.tasks import TASKS, make_tasks, score
 from retrospec.errors import RetrospecError
-from retrospec.long_requests import LongContextOptions
+from retrospec.request import LongContextOptions
 from retrospec.models import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -134,7 +134,10 @@ def test_stop_string_is_cut_like_openai(zoo, client):
 
 def test_seeded_sampling_matches_the_library(zoo, client):
     knobs = dict(temperature=0.9, top_p=0.95, seed=3)
-    ref = _generate(zoo, method="sd", max_new_tokens=16, gating=False, top_k=50, **knobs)
+    # the server's default method is the library's: the zoo's fastest lossless one, its bundled LongSpec block
+    assert zoo.backend.caps.default_method == retrospec.drafters.default_method("zoo") == "longspec"
+    ref = retrospec.generate(PROMPT, target=zoo.backend.target, max_new_tokens=16, gating=False, top_k=50, **knobs)
+    assert ref.stats.method == "longspec"
     body = {"gating": False, "top_k": 50}
     a = client.completions.create(model="zoo", prompt=PROMPT, max_tokens=16, extra_body=body, **knobs)
     text, _ = _stream_text(client.completions.create(model="zoo", prompt=PROMPT, max_tokens=16, stream=True,

@@ -21,7 +21,7 @@ import torch
 
 from .acceptance import AcceptanceRule, GreedyMatch, RejectionSampling
 from .config import SamplingConfig
-from .drafters.base import DecodeContext, Drafter, NoDraft, state_bytes
+from .drafters.base import DecodeContext, Drafter, NoDraft, TargetViews, state_bytes
 from .gating import Gate, profile_for
 from .sampling import make_generator, probs_from_logits
 from .tree import depths
@@ -70,12 +70,12 @@ def speculative_generate(
     # both finishes the prompt and verifies a draft (one target forward fewer than prefill-then-decode).
     if len(prompt_ids) > 1:
         verifier.prefill(prompt_ids[:-1], prefill_memo)
-    ctx = DecodeContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), sampling=sampling, generator=gen,
-                        eos_ids=frozenset(eos_ids))
+    TargetViews.declared(drafter.needs)
+    views = TargetViews(kv=verifier.kv if "target_kv" in drafter.needs else None)  # read-only (MagicDec copies)
     if verifier.want_hidden and verifier.last_hidden is not None:
-        ctx.target_hidden = verifier.last_hidden[-1]
-    if "target_kv" in drafter.needs:  # read-only view (MagicDec copies slices of it)
-        ctx.extras["target_kv"] = verifier.kv
+        views.hidden_states = verifier.last_hidden[-1]  # [H]
+    ctx = DecodeContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), sampling=sampling, generator=gen,
+                        target=views, eos_ids=frozenset(eos_ids))
     drafter.prefill(ctx)
     stats.prefill_s = clock() - t0
     t_start = clock()
@@ -112,7 +112,7 @@ def speculative_generate(
                     break
             ctx.tokens.extend(toks)
             if verifier.want_hidden:
-                ctx.target_hidden = verifier.last_hidden[([0] + [a + 1 for a in step.accepted_nodes])[-1]]
+                views.hidden_states = verifier.last_hidden[([0] + [a + 1 for a in step.accepted_nodes])[-1]]
             stats.new_tokens += len(toks)
             yield toks
     finally:

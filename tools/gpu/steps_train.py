@@ -48,7 +48,7 @@ def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max
         if block is None:
             continue
         cfg = BenchConfig(methods=["ar", "longspec"], max_new_tokens=max_new, warmup=False,
-                          method_options={"longspec": {"block": block}}, longspec_draft=src)
+                          method_options={"longspec": {"draft": block}}, longspec_draft=src)
         got = res.part(f"eval/{label}", run_bench, target, None, prompts, cfg, progress=False)
         if got is not None:
             s = next(s for s in got["summary"] if s["method"] == "longspec")

@@ -11,7 +11,7 @@ was. Labels follow ``bench.labels`` (one grammar); what each reported quantity m
 Prompt rows: with ``chat`` each row's text becomes one user message under the target's chat template and the
 template's end-of-turn id joins the EOS ids; every label, ours and the HF peers (``hf-*``), gets the same prompt ids
 and EOS ids, so lossless comparisons stay exact. ``longspec`` gets its block, loaded once, in
-``method_options[label]["block"]``; forward time (``forward_s``) is the verification forwards plus drafting when the
+``method_options[label]["draft"]``; forward time (``forward_s``) is the verification forwards plus drafting when the
 engine runs its private copies, else what forward hooks on the caller's modules measure.
 
 Context rows: retrieval runs once per row (rag and rapid share it) and is timed (``retrieval_s``); the long
@@ -31,14 +31,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..chat import build_chat_prompt
-from ..config import DecodeConfig, SamplingConfig
+from ..config import SamplingConfig
 from ..drafters.registry import SPECS, methods as registry_methods
 from ..errors import RetrospecError
 from ..fastpath import engine_for
-from ..gating import resolve as resolve_gating
-from ..long_requests import LongContextOptions, plan, retrieve
 from ..models import LoadedModel, placement
-from ..request import Request
+from ..request import CONTEXT_OPTIONS, LongContextOptions, plan, prepare, retrieve
 from ..run import Run
 from ..text import encode
 from ..types import SpecStats
@@ -104,17 +102,26 @@ def label_options(label: MethodLabel, cfg: BenchConfig) -> dict:
     return spec.check({"gamma": label.gamma or cfg.gamma})
 
 
-def _gating(label: MethodLabel, cfg: BenchConfig) -> bool:
-    return resolve_gating(cfg.gating if label.gating is None else label.gating, cfg.sampling)
+def _gating(label: MethodLabel, cfg: BenchConfig) -> bool | None:
+    return cfg.gating if label.gating is None else label.gating  # None: ``gating.resolve`` decides
 
 
-def _run_ours(label: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
-              cfg: BenchConfig, max_new: int, eos_ids: frozenset[int]) -> tuple[list[int], SpecStats, float]:
+def sampling_kwargs(sampling: SamplingConfig) -> dict:
+    """``prepare``'s sampling keywords from a ``SamplingConfig``."""
+    return {f: getattr(sampling, f) for f in SamplingConfig.__dataclass_fields__}
+
+
+def _run_ours(label: str, target: LoadedModel, draft: LoadedModel | None, prompt: str | list[int],
+              cfg: BenchConfig, max_new: int) -> tuple[list[int], SpecStats, float]:
+    """One label on one prompt row; ``prompt``: its token ids, or its text under the chat template (``cfg.chat``)."""
     parsed = parse_label(label)
     spec = SPECS[parsed.method]
     options = label_options(parsed, cfg) | parsed.knobs | cfg.method_options.get(label, {})
-    req = Request(target, draft if spec.draft == "lm" else None, parsed.method, prompt_ids, cfg.sampling,
-                  DecodeConfig(max_new_tokens=max_new), options, eos_ids=eos_ids, gating=_gating(parsed, cfg))
+    # a label's own resource (longspec: its block, loaded once) else the run's draft LM for the methods that take one
+    resource = options.pop("draft", draft if spec.draft == "lm" else None)
+    chat = [{"role": "user", "content": prompt}] if cfg.chat else None
+    req = prepare(None if cfg.chat else prompt, messages=chat, target=target, draft=resource, method=parsed.method,
+                  max_new_tokens=max_new, gating=_gating(parsed, cfg), **sampling_kwargs(cfg.sampling), **options)
     stats = SpecStats(method=label)
     engine_on = engine_for(target.model).mode != "off"
     # the engine runs private copies of the models (fastpath): hooks on the caller's modules would see nothing
@@ -126,8 +133,8 @@ def _run_ours(label: str, target: LoadedModel, draft: LoadedModel | None, prompt
     if engine_on:  # forward time = verification forwards + drafting (stats.draft_s, Python included)
         return out, stats, stats.verify_s + stats.draft_s
     # the first target forward is the prefill (all prompt tokens but the last), not decoding
-    prefill_fwd = probes[0].durations[0] if len(prompt_ids) > 1 and probes[0].durations else 0.0
-    block_s = stats.draft_s if spec.draft == "block" else 0.0  # the block is not a model the probes see
+    prefill_fwd = probes[0].durations[0] if len(req.prompt_ids) > 1 and probes[0].durations else 0.0
+    block_s = stats.draft_s if req.draft is None else 0.0  # a draft that is no model (a block) the probes do not see
     return out, stats, sum(p.seconds for p in probes) - prefill_fwd + block_s
 
 
@@ -162,23 +169,24 @@ def _run_prompt_rows(target: LoadedModel, draft: LoadedModel | None, prompts: li
     pad = getattr(target.tokenizer, "pad_token_id", None)
     torch.manual_seed(0)
 
-    def run_one(method: str, ids: list[int], max_new: int):
+    def run_one(method: str, i: int, max_new: int):
+        ids = encoded[i]
         if method in HF_METHODS:
             hf_draft = full_vocab_draft(draft, target.vocab_size) if draft is not None else None
             return run_hf(method, target.model, hf_draft, ids, sampling=cfg.sampling, max_new_tokens=max_new,
                           eos_ids=eos, pad_id=pad, gamma=cfg.gamma or SPECS["sd"].default_gamma, pld_k=cfg.pld_k,
                           pld_ngram=cfg.pld_ngram)
-        return _run_ours(method, target, draft, ids, cfg, max_new, eos)
+        return _run_ours(method, target, draft, prompts[i]["prompt"] if cfg.chat else ids, cfg, max_new)
 
     if cfg.warmup:
         for m in cfg.methods:
-            run_one(m, encoded[0], min(16, cfg.max_new_tokens))
+            run_one(m, 0, min(16, cfg.max_new_tokens))
     runs = []
     with _bar(len(encoded) * len(cfg.methods), progress) as bar:
         for i, ids in enumerate(encoded):
             for m in cfg.methods:
                 bar.set_postfix_str(m)
-                out, stats, forward_s = run_one(m, ids, cfg.max_new_tokens)
+                out, stats, forward_s = run_one(m, i, cfg.max_new_tokens)
                 runs.append({"method": m, "prompt_index": i, "token_ids": out,
                              "stats": stats.to_dict() | {"forward_s": forward_s}})
                 bar.update()
@@ -231,16 +239,15 @@ def _run_context_label(spec: MethodLabel, row: dict, retrieved, memos: dict, max
     if SPECS[spec.method].knob("eta") is None and opts.eta:  # --eta is RAPID's; baselines keep exact rules
         opts = replace(opts, eta=0.0)
     reuse = retrieved if not spec.overrides or opts.retrieval == cfg.options.retrieval else None
-    p = plan(spec.method, row["context"], row["prompt"], target.tokenizer, cfg.sampling, opts, reuse)
     method = SPECS[spec.method]
-    drf = (target if spec.self_draft or draft is None else draft) if method.draft == "lm" else None
-    options = dict(p.drafter_options) | spec.knobs
+    knobs = dict(spec.knobs)
     if method.knob("gamma") is not None:  # the spec fills in its long-context default gamma
-        options |= method.check({"gamma": spec.gamma or cfg.gamma, "adaptive_gamma": spec.adaptive}, context=True)
-    req = Request(target, drf, spec.method, p.target_prompt_ids, cfg.sampling, DecodeConfig(max_new_tokens=max_new),
-                  options, rule=p.rule, info=p.info, gating=_gating(spec, cfg),
-                  fastpath=None if opts.prefix_attention else "off")
-    stats = SpecStats(method=spec.label, **p.info)
+        knobs |= {"gamma": spec.gamma or cfg.gamma, "adaptive_gamma": spec.adaptive}
+    drf = None if spec.self_draft or method.draft != "lm" else draft  # None: the target itself
+    req = prepare(row["prompt"], context=row["context"], target=target, draft=drf, method=spec.method,
+                  max_new_tokens=max_new, gating=_gating(spec, cfg), retrieved=reuse, **sampling_kwargs(cfg.sampling),
+                  **{f: getattr(opts, f) for f in CONTEXT_OPTIONS}, **knobs)
+    stats = SpecStats(method=spec.label, **req.info)
     short = method.retrieval and method.draft == "none"  # rag: the target reads the retrieved context
     memo = memos.setdefault("short" if short else "full", PrefillMemo())
     return Run(req, stats, memo=memo, text=False).run(), stats

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ..drafters.longspec import parse_tree
 from ..drafters.registry import SPECS
 from ..errors import RetrospecError
-from ..long_requests import LongContextOptions
+from ..request import LongContextOptions
 
 SHORT_KEYS = "gating=0|1, gamma=N, tree=WxWx... (longspec), or a knob of the method"
 LONG_KEYS = "draft=self|default, gamma=N >= 1, adaptive=0|1, gating=0|1, or one of: " + \

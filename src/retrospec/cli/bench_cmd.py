@@ -117,7 +117,7 @@ def _models(args, draft_src):
 
 def _context_run(args, rows: list[dict], common: dict) -> dict:
     from ..bench.harness import BenchConfig, run_bench
-    from ..long_requests import LongContextOptions
+    from ..request import LongContextOptions
     from .long_args import long_context_kwargs
 
     spec = args.methods if args.methods != args.default_methods else DEFAULT_CONTEXT_METHODS
@@ -203,7 +203,7 @@ def _longspec_options(args, methods: list[str], target, options: dict[str, dict]
                                  f"{target.path} has no bundled block)")
     block = load_block(src, target)
     for label in labels:
-        options.setdefault(label, {})["block"] = block
+        options.setdefault(label, {})["draft"] = block
     return str(src)
 
 

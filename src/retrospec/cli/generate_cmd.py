@@ -95,10 +95,11 @@ def add_parser(sub) -> None:
     from ..drafters.registry import methods
 
     p = sub.add_parser("generate", help="generate a continuation of one prompt")
-    p.add_argument("--method", default="sd",
+    p.add_argument("--method", default=None,
                    help=f"{' | '.join(methods(context=False))}; with --context-file: {' | '.join(methods(True))} "
-                        "(default: sd). rest / dresd need --datastore; longspec's --draft is a LongSpec block "
-                        "(default: the target's bundled one)")
+                        "(default: the target's fastest lossless method: longspec with its bundled block, else sd "
+                        "with its paired draft, else pld; with --context-file sd). rest / dresd need --datastore; "
+                        "longspec's --draft is a LongSpec block (default: the target's bundled one)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")
@@ -134,18 +135,21 @@ LONG_STATS = ("rule", "lossless", "prompt_tokens", "retrieval_s", "retrieved_tok
 
 def run(args) -> int:
     from ..api import stream
-    from ..long_requests import CONTEXT_OPTIONS
+    from ..drafters import default_method
+    from ..request import CONTEXT_OPTIONS
     from .long_args import long_context_kwargs, read_context
 
     context = read_context(getattr(args, "context_file", None))
     long_kwargs = long_context_kwargs(args)
     if context is None and long_kwargs:
         raise RetrospecError("long-context options need --context-file FILE")
-    s = stream(read_prompt(args), chat=args.chat, target=args.target, draft=args.draft, method=args.method,
+    method = args.method if args.method is not None else default_method(args.target, args.draft,
+                                                                          context=context is not None)
+    s = stream(read_prompt(args), chat=args.chat, target=args.target, draft=args.draft, method=method,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                seed=args.seed, stop=args.stop, gating=False if args.no_gating else None, **device_kwargs(args),
                **({"context": context} | long_kwargs if context is not None else {}),
-               **knob_kwargs(args, args.method, CONTEXT_OPTIONS if context is not None else ()))
+               **knob_kwargs(args, method, CONTEXT_OPTIONS if context is not None else ()))
     if args.json:
         for _ in s.token_chunks():
             pass

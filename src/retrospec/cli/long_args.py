@@ -1,6 +1,6 @@
 """Command-line knobs for long-context methods (RAPID and baselines), shared by ``generate`` and ``bench``.
 
-Each flag maps 1:1 onto a field of ``retrospec.long_requests.LongContextOptions`` (validated there).
+Each flag maps 1:1 onto a field of ``retrospec.request.LongContextOptions`` (validated there).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ def add_long_context_args(p, context_file: bool = True) -> None:
 
 
 def long_context_kwargs(args, knobs: bool = False) -> dict:
-    """The long-context keyword arguments for ``api.prepare`` (unset flags omitted); with ``knobs``, also the
+    """The long-context keyword arguments for ``request.prepare`` (unset flags omitted); with ``knobs``, also the
     method knobs kept in ``LongContextOptions`` (eta, sink, window: the bench sets them for the whole run)."""
     from ..drafters.registry import all_knobs
-    from ..long_requests import CONTEXT_OPTIONS, ContextTemplate, DEFAULT_TEMPLATE
+    from ..request import CONTEXT_OPTIONS, ContextTemplate, DEFAULT_TEMPLATE
 
     names = [n for n in CONTEXT_OPTIONS if n not in ("template", "prefix_attention")
              and (knobs or n not in all_knobs())]

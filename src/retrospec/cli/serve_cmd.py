@@ -22,8 +22,10 @@ def add_parser(sub) -> None:
     p.add_argument("--longspec-draft", metavar="DIR|NAME",
                    help="LongSpec draft block of method longspec (default: the named target's bundled block, if any; "
                         "without one, longspec is not served)")
-    p.add_argument("--method", default="sd", help="default method of requests that name none (default: sd; a "
-                                                  "request picks another with the 'method' body field)")
+    p.add_argument("--method", default=None,
+                   help="default method of requests that name none (default: the target's fastest lossless method "
+                        "the server can run: longspec with its block, else sd with its draft, else pld; a request "
+                        "picks another with the 'method' body field)")
     p.add_argument("--datastore", action="append", default=[], metavar="DIR",
                    help="retrieval store for rest (suffix) / dresd (dense), loaded at start; repeat to give both")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")

@@ -3,7 +3,9 @@
 
 from . import baselines, small_lm, prompt_lookup, magicdec  # noqa: F401  (registration side effect, in table order)
 from . import rest, dresd, longspec, rapid  # noqa: F401
-from .base import DecodeContext, Drafter, NoDraft
+from .base import DecodeContext, Drafter, NoDraft, TargetViews
+from .default import default_method
 from .registry import REGISTRY, SPECS, Knob, MethodSpec, register, spec_of
 
-__all__ = ["REGISTRY", "SPECS", "DecodeContext", "Drafter", "Knob", "MethodSpec", "NoDraft", "register", "spec_of"]
+__all__ = ["REGISTRY", "SPECS", "DecodeContext", "Drafter", "Knob", "MethodSpec", "NoDraft", "TargetViews",
+           "default_method", "register", "spec_of"]

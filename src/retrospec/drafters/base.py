@@ -1,7 +1,8 @@
 """The ``Drafter`` protocol, the plain-decoding drafter ``NoDraft`` and helpers shared by drafters.
 
 A drafter proposes a ``DraftTree`` below the last committed token. It declares what it needs from the target in
-``needs`` (e.g. ``{"hidden_states"}``); the decode loop hands it read-only views through ``DecodeContext``.
+``needs`` (``"target_kv"``, ``"hidden_states"``); the decode loop fills the matching fields of ``ctx.target`` (a
+``TargetViews``) and leaves the others None.
 A drafter never mutates the target model or the target's KV cache.
 
 Lifecycle per request: ``prefill(ctx)`` once, then per step ``propose(ctx, budget)`` (at most ``budget`` nodes)
@@ -19,8 +20,30 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import SamplingConfig
+from ..kv import KVCache
 from ..models.loading import as_module  # noqa: F401 (the drafters import it from here)
 from ..types import DraftTree
+
+
+VIEWS = frozenset({"target_kv", "hidden_states"})  # what a drafter may declare in ``needs``
+
+
+@dataclass
+class TargetViews:
+    """Read-only views of the target that the decode loop hands a drafter: only those its ``needs`` declare are
+    filled, the rest stay None. A drafter reads them and never writes to them."""
+
+    kv: KVCache | None = None  # "target_kv": the target's cache of every committed token but the last; per layer
+    #                            keys/values [1, kv_heads, len(kv), head_dim]
+    hidden_states: torch.Tensor | None = None  # "hidden_states": [H] the last-layer hidden state that produced
+    #                                            tokens[-1] (updated after every step)
+
+    @classmethod
+    def declared(cls, needs: frozenset[str]) -> None:
+        """Refuse a ``needs`` entry the loop cannot fill (a typo would otherwise leave a view silently None)."""
+        unknown = sorted(set(needs) - VIEWS)
+        if unknown:
+            raise ValueError(f"unknown drafter need {unknown[0]!r}; the decode loop provides {sorted(VIEWS)}")
 
 
 @dataclass
@@ -29,8 +52,7 @@ class DecodeContext:
     prompt_len: int
     sampling: SamplingConfig
     generator: torch.Generator | None = None
-    target_hidden: torch.Tensor | None = None  # [H] hidden state that produced tokens[-1], if declared in needs
-    extras: dict = field(default_factory=dict)
+    target: TargetViews = field(default_factory=TargetViews)  # filled per the drafter's ``needs``
     eos_ids: frozenset[int] = frozenset()  # generation ends at these: a chain drafted past one is wasted work
 
 

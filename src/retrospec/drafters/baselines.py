@@ -1,6 +1,6 @@
 """The methods that draft nothing: ``ar`` (plain autoregressive decoding through the engine, every bench's
 baseline) and the long-context baselines ``lc`` (the target over the full context) and ``rag`` (the target over
-the retrieved chunks). Which prompt the target reads is decided by ``retrospec.long_requests``, not here.
+the retrieved chunks). Which prompt the target reads is decided by ``retrospec.request``, not here.
 """
 
 from __future__ import annotations

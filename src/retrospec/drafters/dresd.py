@@ -1,6 +1,6 @@
 """``dresd``: Dense Retrieval for Speculative Decoding (Gritta, Xue, Lampouras, Findings of ACL 2025).
 
-Each step: the target's last-layer hidden state that produced the last committed token (``ctx.target_hidden``,
+Each step: the target's last-layer hidden state that produced the last committed token (``ctx.target.hidden_states``,
 ``needs = {"hidden_states"}``) is transformed as the datastore keys were (z-norm -> PCA -> L2) and searched in the
 store's FAISS index. Of ``neighbours`` (default max(128, 20 x num_drafts)), those whose stored sequence does not
 start with the last committed token are dropped; the first ``num_drafts`` distinct continuations, cut to
@@ -58,9 +58,9 @@ class DresdDrafter:
         return out
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
-        if budget <= 0 or ctx.target_hidden is None:
+        if budget <= 0 or ctx.target.hidden_states is None:
             return DraftTree.empty()
-        hidden = ctx.target_hidden.detach().float().cpu().numpy()  # [H]
+        hidden = ctx.target.hidden_states.detach().float().cpu().numpy()  # [H]
         seqs = self.drafts(hidden, ctx.tokens[-1])
         return merge_sequences(seqs, max_nodes=budget) if seqs else DraftTree.empty()
 

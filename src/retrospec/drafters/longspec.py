@@ -98,7 +98,7 @@ class LongSpecDrafter:
         state = self.state
         state.rollback()
         state.append(ctx.tokens[state.length: len(ctx.tokens) - 1])
-        kv = ctx.extras.get("target_kv")
+        kv = ctx.target.kv
         layers = kv.layer_tensors() if kv is not None else []
         cached = int(layers[-1][0].shape[2]) if layers else 0
         if cached != state.length:
@@ -207,10 +207,21 @@ def load_block(draft, target) -> LongSpecDraft:
 
 
 def longspec_options(draft, target, gamma: int | None, tree) -> dict:
-    """Validated ``longspec`` factory options (``api.prepare``): the loaded block, chain length or tree shape."""
+    """Validated ``longspec`` factory options (``request.prepare``): the loaded block, chain length or tree shape."""
     if gamma is not None and tree is not None:
         raise RetrospecError("longspec drafts a chain (gamma / --gamma) or a tree (tree / --tree), not both")
     return {"block": load_block(draft, target), "gamma": gamma, "tree": None if tree is None else parse_tree(tree)}
+
+
+def load_longspec_block(spec: MethodSpec, target, draft, options: dict, *, context: bool, load: dict):
+    """``MethodSpec.resolve`` for ``longspec``: ``draft`` is a LongSpec block (a directory, a block name or a
+    ``LongSpecDraft``), else the target's bundled block (``models.paired_longspec``); it goes into the options with
+    the chain length or tree shape. The request has no draft LM."""
+    from ..models import paired_longspec
+
+    block = paired_longspec(target) if draft is None else draft
+    options.update(longspec_options(block, target, options.pop("gamma", None), options.pop("tree", None)))
+    return None, options
 
 
 def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=None,
@@ -227,4 +238,4 @@ SPEC = register(MethodSpec(
            Knob("tree", "widths", None, "beam tree widths per depth (default 4,16,16,16,16)", parse=parse_tree),
            Knob("lookup", "int", DEFAULT_LOOKUP, "also draft a prompt-lookup chain of N tokens, merged into the "
                 "tree (0: off)", min=0, max=MAX_DRAFT)),
-    draft="block", needs=frozenset({"target_kv"})))
+    draft="block", needs=frozenset({"target_kv"}), load=load_longspec_block))

@@ -57,7 +57,7 @@ class MagicDecDrafter:
 
     def prefill(self, ctx: DecodeContext) -> None:
         window = self.window or default_window(ctx.prompt_len)
-        kv = ctx.extras.get("target_kv")
+        kv = ctx.target.kv
         # the target's cache holds every committed token but the last (the root of the next step)
         if kv is not None and len(kv) == len(ctx.tokens) - 1 and len(kv) > 0:
             self.cache = SinkWindowCache.from_layers(self.model.config, kv.layer_tensors(), self.sink, window)

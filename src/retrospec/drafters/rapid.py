@@ -13,7 +13,7 @@ import torch
 from ..errors import RetrospecError
 from .base import DecodeContext, as_module
 from .registry import ADAPTIVE, Knob, MethodSpec, gamma_knob, register
-from .small_lm import SmallLMDrafter, vocab_map_options
+from .small_lm import SmallLMDrafter, load_draft_lm, vocab_map_options
 
 DEFAULT_GAMMA = 10
 
@@ -47,4 +47,5 @@ SPEC = register(MethodSpec(
     "rapid", _make_rapid, "a draft LM over retrieved chunks of the long context",
     knobs=(gamma_knob(DEFAULT_GAMMA), ADAPTIVE,
            Knob("eta", "float", 0.0, "retrieval-augmented target strength (0 = exact; > 0 is LOSSY)", min=0, max=100)),
-    context_gamma=DEFAULT_GAMMA, draft="lm", context="required", retrieval=True, lossy_when="eta > 0"))
+    context_gamma=DEFAULT_GAMMA, draft="lm", context="required", retrieval=True, lossy_when="eta > 0",
+    load=load_draft_lm))

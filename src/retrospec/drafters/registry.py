@@ -89,6 +89,7 @@ class MethodSpec:
     needs: frozenset[str] = frozenset()  # views the decode loop hands the drafter ("target_kv", "hidden_states")
     lossless: bool = True
     lossy_when: str = ""  # the knob setting that makes it lossy (rapid: "eta > 0")
+    load: Callable | None = None  # resolves its resources (a draft LM, a LongSpec block): see ``resolve``
 
     def knob(self, name: str) -> Knob | None:
         return next((k for k in self.knobs if k.name == name), None)
@@ -118,6 +119,20 @@ class MethodSpec:
         if self.knob("gamma") is not None and "gamma" not in out and gamma is not None:
             out["gamma"] = gamma
         return out
+
+    def resolve(self, target, draft, options: dict, *, context: bool = False, load: dict | None = None):
+        """(the request's draft model or None, the factory options with the method's resources loaded), by the
+        spec's ``load`` hook, declared next to the factory: ``load(spec, target, draft, options, context=...,
+        load=...)`` with ``target`` a ``LoadedModel``, ``draft`` what the caller gave (None: the method's default,
+        e.g. the named target's paired draft or bundled block) and ``load`` the device/dtype keywords for a model
+        given by path or name. Without a hook the method has no draft; one given over a long context is refused."""
+        if self.load is not None:
+            return self.load(self, target, draft, dict(options), context=context, load=load or {})
+        if draft is not None and context:
+            users = [m for m, s in SPECS.items() if s.load is not None and s.context != "never"]
+            raise RetrospecError(f"method '{self.name}' takes no draft model (--draft applies to "
+                                 f"{' and '.join(users)})")
+        return None, dict(options)
 
     def build(self, **options):
         """A fresh drafter; of the request's models, only those the factory takes are passed on. Knob values are

@@ -102,8 +102,24 @@ def _make_sd(*, draft_model=None, draft=None, target=None, gamma: int = 5, adapt
                           **vocab_map_options(draft, target))
 
 
+def load_draft_lm(spec: MethodSpec, target, draft, options: dict, *, context: bool, load: dict):
+    """The draft LM of ``sd`` and ``rapid`` (``MethodSpec.resolve``): ``draft`` (a directory, a name or a model;
+    one given by path or name loads beside the target), else over a long context the target itself
+    (self-speculation), else the named target's paired draft (``zoo`` -> ``zoo-draft``). Its vocabulary must be
+    the target's."""
+    from ..models import check_same_vocab, load_model, paired_draft, placement
+
+    if draft is None and not context:
+        draft = paired_draft(target)
+        if draft is None:
+            raise RetrospecError(f"method '{spec.name}' needs a draft model (--draft DIR / draft=...)")
+    drf = target if draft is None else load_model(draft, role="draft", **(placement(target) | load))
+    check_same_vocab(target, drf)
+    return drf, options
+
+
 SPEC = register(MethodSpec("sd", _make_sd, "a small draft LM, chain, with q", knobs=(gamma_knob(5), ADAPTIVE),
-                           default_gamma=5, context_gamma=10, draft="lm", context="optional"))
+                           default_gamma=5, context_gamma=10, draft="lm", context="optional", load=load_draft_lm))
 
 
 def vocab_map_options(draft, target) -> dict:

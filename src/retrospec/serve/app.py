@@ -42,7 +42,7 @@ class ClientGone(Exception):
     """The client disconnected while its request waited or ran."""
 
 
-def create_app(target=None, draft=None, *, method: str = "sd", datastores=(), api_key: str | None = None,
+def create_app(target=None, draft=None, *, method: str | None = None, datastores=(), api_key: str | None = None,
                model_name: str | None = None, max_queue: int = 256, longspec_draft=None, device=None,
                dtype=None, limits: Limits | None = None) -> FastAPI:
     """Load the models and datastores and build the app. ``target``/``draft``/``longspec_draft``: a directory, a

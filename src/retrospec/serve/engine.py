@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..api import prepare
+from ..drafters import default_method
 from ..drafters.registry import SPECS, methods as all_methods
 from ..errors import RetrospecError
 from ..models import (DEFAULT_TARGET, LoadedModel, check_same_vocab, default_target, load_model, lookup, paired_draft,
@@ -81,7 +82,7 @@ class Job:
 class Backend:
     """Loaded target, optional draft, datastores, metrics and the worker (see the module docstring)."""
 
-    def __init__(self, target=None, draft=None, *, method: str = "sd", datastores=(), model_name: str | None = None,
+    def __init__(self, target=None, draft=None, *, method: str | None = None, datastores=(), model_name: str | None = None,
                  max_queue: int = 256, longspec_draft=None, device=None, dtype=None, limits: Limits | None = None):
         self._load = load_options(device, dtype)  # for a target and draft given by path or name
         self.limits = limits or Limits()
@@ -92,7 +93,7 @@ class Backend:
         self.draft = self._load_draft(target, draft)
         self.longspec_src, self.longspec_block, self._no_longspec = self._load_longspec(target, longspec_draft)
         self.stores = self._open_stores(datastores)
-        self.caps = self._capabilities(method, model_name or served_name(target, self.target))
+        self.caps = self._capabilities(method, target, model_name or served_name(target, self.target))
         if max_queue < 1:
             raise RetrospecError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
@@ -145,17 +146,19 @@ class Backend:
             by_kind[store.kind] = {Path(str(src)).name: store}
         return by_kind
 
-    def _capabilities(self, method: str, name: str) -> Capabilities:
+    def _capabilities(self, method: str | None, target, name: str) -> Capabilities:
         why = {m: "it needs a long context, which the server does not take" for m in all_methods()
                if m not in all_methods(context=False)}
         for m, spec in SPECS.items():
             if spec.draft == "lm" and self.draft is None and m not in why:
                 why[m] = "no draft model: start the server with --draft"
-            if spec.draft == "block" and self._no_longspec:
+            if {"block": self._no_longspec}.get(spec.draft):  # the draft kind this server could not load
                 why[m] = self._no_longspec
             if spec.store and spec.store not in self.stores:
                 why[m] = f"no {spec.store} datastore: start the server with --datastore DIR"
         methods = tuple(m for m in all_methods(context=False) if m not in why)
+        if method is None:  # the target's fastest lossless method that this server can run
+            method = default_method(target, usable=methods.__contains__)
         if method not in SPECS:
             raise RetrospecError(f"unknown method {method!r}; available: {', '.join(sorted(SPECS))}")
         if method not in methods:

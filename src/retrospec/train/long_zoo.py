@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,11 +37,9 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_build
 from ..bench.tasks import make_tasks, score
-from ..config import DecodeConfig, SamplingConfig
-from ..long_requests import DEFAULT_TEMPLATE
 from ..models import LoadedModel
 from ..models.files import read_array, read_json
-from ..request import Request
+from ..request import DEFAULT_TEMPLATE, prepare
 from ..run import Run
 from ..stdlib_corpus import read_texts, stdlib_files
 from .common import adamw, jsonable, optimizer_step, resolve_device, set_lr, set_threads, warmup_cosine, write_json
@@ -276,8 +274,8 @@ def eval_tasks(model, tok, lengths, n: int, seed: int = 12345) -> dict:
             hits = 0
             for row in rows:
                 budget = len(_encode(tok, row["completion"])) + 4
-                req = Request(target, None, "ar", _prompt(tok, row), SamplingConfig(),
-                              DecodeConfig(max_new_tokens=budget), eos_ids=frozenset())
+                req = replace(prepare(_prompt(tok, row), target=target, method="ar", max_new_tokens=budget),
+                              eos_ids=frozenset())  # no EOS stop
                 hits += score(row, tok.decode(Run(req, text=False).run(), skip_special_tokens=True))
             out[f"{kind}@{length}"] = hits / len(rows)
     return out
