@@ -109,7 +109,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
     """transformers' sliding-window layer, recording its past (the states a window would drop stay until the next
     ``crop``, so rejected tokens can be rolled back past the window), whose ``update`` returns only the states the
     attention mask describes (``get_mask_sizes``: at most ``sliding_window - 1`` cached ones, then the new ones).
-    Releases from 5.2x on return exactly that themselves; 5.16 returns every recorded state when two forwards run
+    transformers 5.23 returns exactly that itself; 5.16 and 5.17 return every recorded state when two forwards run
     without a ``crop`` between them (a prefill, then a step), which a mask of the advertised width does not fit."""
 
     def __init__(self, sliding_window: int):
