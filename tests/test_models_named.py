@@ -59,7 +59,7 @@ def write_tiny_gguf(path, model, tok, arch: str = "llama") -> None:
     w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])  # 3: control
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(tok.eos_token_id)
+    w.add_bos_token_id(tok.pad_token_id)  # not the end-of-sequence token: the conversion must not mix them up
     w.add_eos_token_id(tok.eos_token_id)
     w.add_pad_token_id(tok.pad_token_id)
     w.add_chat_template(CHAT_TEMPLATE)
@@ -141,7 +141,9 @@ def test_import_gguf_round_trip(tiny, converted):
     ids = loaded.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     assert ids == gguf_tok(PROMPT, add_special_tokens=False)["input_ids"] == tok(PROMPT)["input_ids"]
     assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
-    assert loaded.eos_ids() == {tok.eos_token_id}
+    assert loaded.eos_ids() == {tok.eos_token_id}  # the header's special tokens, whatever the transformers release
+    assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.pad_token_id) == (tok.pad_token_id, tok.pad_token_id)
+    assert not loaded.tokenizer.clean_up_tokenization_spaces
     out = _logits(loaded.model, ids)
     assert torch.equal(out, _logits(from_gguf, ids))  # the saved checkpoint is the GGUF-loaded model
     assert torch.equal(out, _logits(original, ids))  # and the q/k permutation was undone exactly

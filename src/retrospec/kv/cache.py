@@ -6,8 +6,11 @@ copies only the new tokens (the gpt-fast layout: rejecting draft tokens is free)
 
 ``KVCache``, the engine's adapter: ``crop(length)`` forgets everything past ``length``; ``keep(start, offsets)``
 keeps ``[0, start)`` plus ``start + o`` per offset (the root and the accepted path of a tree): a crop when the
-offsets are contiguous, else one in-place gather per layer. Sliding-window or hybrid configs get transformers' own
-``DynamicCache``, where ``keep`` of a non-contiguous path is refused clearly.
+offsets are contiguous, else one in-place gather per layer. Sliding-window or hybrid configs keep transformers' own
+layer types (a window layer as ``WindowLayer``, which can roll back past its window), where ``keep`` of a
+non-contiguous path is refused clearly.
+
+Every supported transformers release (5.16 to 5.23) runs the same code here: nothing tests a version.
 
 Invariant (tested): after ``keep``, the cache equals one computed from scratch on the committed tokens (a tree
 forward with an ancestor mask and depth-based ``position_ids`` writes exactly what a chain forward would).
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..errors import RetrospecError
 
@@ -102,6 +105,23 @@ class BufferLayer(CacheLayerMixin):
             self._refresh_views()
 
 
+class WindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window layer, recording its past (the states a window would drop stay until the next
+    ``crop``, so rejected tokens can be rolled back past the window), whose ``update`` returns only the states the
+    attention mask describes (``get_mask_sizes``: at most ``sliding_window - 1`` cached ones, then the new ones).
+    transformers 5.23 returns exactly that itself; 5.16 and 5.17 return every recorded state when two forwards run
+    without a ``crop`` between them (a prefill, then a step), which a mask of the advertised width does not fit."""
+
+    def __init__(self, sliding_window: int):
+        super().__init__(sliding_window=sliding_window)
+        self.activate_past_recording()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        visible = self.sliding_window - 1 + key_states.shape[-2]
+        return keys[:, :, -visible:], values[:, :, -visible:]
+
+
 class KVCache:
     """The engine's handle on one model's KV cache (``.cache`` is what goes into ``past_key_values``)."""
 
@@ -109,11 +129,12 @@ class KVCache:
         probe = DynamicCache(config=model.config)
         if probe.layers and all(type(layer) is DynamicLayer for layer in probe.layers):
             self.cache: Cache = Cache(layers=[BufferLayer() for _ in probe.layers])
-        else:  # sliding-window / hybrid attention: keep transformers' own layer types
+        else:  # sliding-window / hybrid attention: keep transformers' own layer types, a window layer as WindowLayer
             # past recording keeps the states a window layer would drop until the next crop, so a rollback past
             # the window is possible (transformers refuses to crop such a layer otherwise)
-            probe.activate_past_recording()
-            self.cache = probe
+            self.cache = Cache(layers=[WindowLayer(layer.sliding_window) if type(layer) is DynamicSlidingWindowLayer
+                                       else layer for layer in probe.layers])
+            self.cache.activate_past_recording()
 
     def __len__(self) -> int:
         return int(self.cache.get_seq_length())

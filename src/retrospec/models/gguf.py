@@ -3,7 +3,9 @@
 ``import_gguf(file, out)`` loads the file with transformers' own GGUF support (metadata -> config, dequantized
 weights -> float32 tensors, GGUF vocabulary -> fast tokenizer with the chat template), drops the GGUF quantization
 marker, and saves ``config.json`` (no ``quantization_config``), ``model.safetensors`` (float32: the values
-transformers dequantized, so the logits are unchanged), ``generation_config.json`` and the tokenizer files.
+transformers dequantized, so the logits are unchanged), ``generation_config.json`` and the tokenizer files (its
+special tokens the header's ids, whatever the transformers release: the conversion gives the same model identity and
+the same tokenizer on every supported release).
 
 Contracts:
 
@@ -38,11 +40,48 @@ def _stderr(message: str) -> None:
 
 
 def supported_architectures() -> set[str]:
-    """GGUF ``general.architecture`` values this transformers version can turn into a model."""
-    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    """GGUF ``general.architecture`` values this transformers version can turn into a model: the table every
+    supported release has, plus the architectures of the config-builder registry newer releases added
+    (``transformers.integrations.gguf``)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
+    try:
+        from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    except ImportError:  # an older release: the table above is the whole list
+        GGUF_CONFIG_ARCHS = ()
     return set(GGUF_CONFIG_ARCHS) | set(GGUF_SUPPORTED_ARCHITECTURES)
+
+
+def _header_architecture(file: Path) -> str:
+    """``general.architecture`` from the header, read with the ``gguf`` package (what transformers itself reads
+    GGUF files with in older releases; newer ones have their own reader): one code path for every version."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(file)).fields.get("general.architecture")
+    return "" if field is None else str(field.contents())
+
+
+# the header's special-token ids -> the tokenizer's special-token attributes
+_SPECIAL_TOKEN_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                      "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def special_tokens(file: Path) -> dict[str, str]:
+    """The special tokens the header names (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, each the
+    token string of the id the GGUF records), for those it records."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(file)).fields
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return {}
+    vocab = tokens.contents()
+    out = {}
+    for name, key in _SPECIAL_TOKEN_IDS.items():
+        field = fields.get(key)
+        if field is not None and 0 <= int(field.contents()) < len(vocab):
+            out[name] = str(vocab[int(field.contents())])
+    return out
 
 
 def gguf_architecture(file: Path) -> str:
@@ -58,13 +97,10 @@ def gguf_architecture(file: Path) -> str:
         raise RetrospecError(f"cannot read {file}: {exc.strerror or exc}") from exc
     if magic != GGUF_MAGIC:
         raise RetrospecError(f"not a GGUF file (it does not start with the bytes 'GGUF'): {file}")
-    from transformers.integrations.gguf import read_gguf_metadata
-
     try:
-        metadata, _ = read_gguf_metadata(str(file))
+        arch = _header_architecture(file)
     except Exception as exc:  # truncated header, unknown value type, unsupported GGUF version, ...
         raise RetrospecError(f"unreadable GGUF header in {file}: {first_line(exc)}") from exc
-    arch = str(metadata.get("general.architecture", ""))
     supported = supported_architectures()
     if arch not in supported and _ARCH_ALIASES.get(arch) not in supported:
         import transformers
@@ -81,6 +117,13 @@ def convert(file: Path, staging: Path) -> None:
 
     with quiet_transformers(capture_stderr=True):
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+        # The special tokens are the ones the header names, and no space clean-up on decode: transformers releases
+        # differ here (5.16 makes SmolLM2's <|im_start|> the end-of-sequence token, sets no padding token and turns
+        # the clean-up on, whatever from_pretrained is told; 5.23 follows the header), and the converted tokenizer
+        # must be the same whichever release converts it. Set after loading, through the tokenizer's public setters.
+        for name, token in special_tokens(file).items():
+            setattr(tokenizer, name, token)
+        tokenizer.clean_up_tokenization_spaces = False
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
                                                      local_files_only=True)
         # the weights are plain float tensors now, but the model still says it is quantized
