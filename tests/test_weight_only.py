@@ -3,7 +3,8 @@
 - a layer computes what its dequantized weight computes (bfloat16 activations), and is row-invariant: a k-row call
   equals k one-row calls bit for bit on this machine (what keeps a verification equal to one-token steps);
 - a quantized model's engine path (prefix + block attention) equals its plain forward;
-- every lossless method is token-identical to ``ar`` in the same format (tiny Llama and Qwen2), and speculative
+- on the tiny models, every lossless method is token-identical to ``ar`` in the same format (Llama and Qwen2; on
+  a real model a bfloat16-rounded activation can flip a near-tie, see ``retrospec.weight_only``), and speculative
   sampling reproduces the quantized target's law (chi-square);
 - a quantized model keeps its source's identity (artefacts built on float32 load), and loads by name or path.
 """
@@ -67,7 +68,7 @@ def test_the_engine_path_equals_the_plain_forward(fmt, build):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
-def test_lossless_methods_equal_ar_in_the_same_format(fmt, build):
+def test_lossless_methods_equal_ar_in_the_same_format_on_tiny_models(fmt, build):
     tgt = LoadedModel(quantized(sharpen(build(seed=5)), fmt), None, "t")
     drf = LoadedModel(quantized(sharpen(build(seed=5, layers=1)), fmt), None, "d")
     prompt = [5, 9, 2, 7, 7, 1, 30, 4, 5, 9, 2]

@@ -35,9 +35,9 @@ def add_device_args(p) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "int8", "int4"),
                    help="the weight format of the target and the draft (default float32; 16-bit is for GPUs and "
                         "CPUs with native bf16/fp16 matmuls; int8 / int4: weight-only quantized linears on the CPU, "
-                        "a model of its own). Greedy output is token-identical to ar in the same format in float32, "
-                        "int8 and int4; in 16 bits a k-token verification and a 1-token step round differently, so "
-                        "near-ties may flip")
+                        "a model of its own). Greedy output is token-identical to ar in float32; with 16-bit "
+                        "weights or activations (bfloat16, float16, int8, int4) a k-token verification and a 1-token "
+                        "step round differently, so near-ties may flip (the bench's lossless column reports it)")
 
 
 def device_kwargs(args) -> dict:
