@@ -102,18 +102,23 @@ def test_max_tokens_beyond_the_context_is_refused_not_capped(chat_models, single
 
 
 def _reply(sock) -> str:
-    """The whole response (headers and body) the server sends before it closes the connection."""
+    """One whole response: its headers and the Content-Length bytes of body after them."""
     sock.settimeout(10)
     data = b""
     while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            if len(body) >= length:
+                return data.decode()
         try:
             chunk = sock.recv(65536)
         except (ConnectionResetError, TimeoutError):
-            break
+            return data.decode()
         if not chunk:
-            break
+            return data.decode()
         data += chunk
-    return data.decode()
 
 
 def test_a_huge_body_is_refused_at_once_without_reading_it(server):
