@@ -1,7 +1,7 @@
 """Every artefact records the model it was built for and is refused, in one line, for another; a corrupt or truncated
 artefact is one line, never a traceback.
 
-- a corpus of a target's outputs (``generations``) records the target's identity; training for another target
+- a corpus of a target's outputs (``corpus``) records the target's identity; training for another target
   (``train longspec-distill`` / ``draft-distill``, ``corpus export``) is refused, a bfloat16 copy of the target is
   accepted, a manifest from before the identity was recorded is checked on what it records and on its token ids;
 - a truncated shard, a manifest that is not JSON, a record without its ids: one line naming the file and the line;
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from retrospec.corpus import CorpusBuilder, CorpusConfig, PromptRow, check_corpus, read_corpus
 from retrospec.errors import RetrospecError
-from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow, check_corpus, read_corpus
 from retrospec.identity import model_identity, target_record
 from retrospec.models import load_model
 from retrospec.models.files import read_array, read_json, read_jsonl, read_tensors

@@ -14,10 +14,10 @@ from test_bench import PROMPTS, check_lossless, write_jsonl
 from test_longspec import randomized
 
 from retrospec.bench.labels import MethodLabel, parse_label
-from retrospec.bench.tasks import LCC_RANGE, preset
 from retrospec.errors import RetrospecError
 from retrospec.models.longspec import save_longspec
 from retrospec.stdlib_corpus import stdlib_root
+from retrospec.tasks import LCC_RANGE, preset
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -18,10 +18,10 @@ from conftest import CHAT_STOP_MESSAGES, chatml_tokenizer
 
 from retrospec import RetrospecError, generate, load_model, stream
 from retrospec import api
-from retrospec.bench.tasks import PRESETS, load_prompts, preset
 from retrospec.chat import build_chat_prompt, chat_messages, end_of_turn_ids, validate_messages
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate
+from retrospec.tasks import PRESETS, load_prompts, preset
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -28,7 +28,7 @@ def test_cuda_logits_of_a_tiny_model_equal_the_cpu():
 
 @cuda
 def test_cuda_greedy_identity_with_the_oracle(tmp_path):
-    from retrospec.bench.tasks import preset
+    from retrospec.tasks import preset
     from tools.gpu import steps_bench
     from retrospec.models import load_model
 
@@ -67,7 +67,7 @@ def test_cuda_engine_verifies_through_the_triton_kernel_token_identically(monkey
     """The run path on CUDA: with the crossover forced to 0 every multi-token verification goes through hybrid tree
     attention and its Triton tree part; greedy ``sd`` equals the oracle."""
     from retrospec.attention import hybrid_tree, hybrid_tree_triton
-    from retrospec.bench.tasks import preset
+    from retrospec.tasks import preset
     from retrospec.config import SamplingConfig
     from retrospec.decode import autoregressive_generate, speculative_generate
     from retrospec.drafters import REGISTRY

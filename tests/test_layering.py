@@ -6,11 +6,12 @@ circle can come back through a function-level import. A *unit* is a top-level mo
 A new top-level module or package must be given a rank here.
 
 Why this order (docs/architecture.md, "Layers"): shared I/O and data sources (atomic writes and directory builds,
-model identity, the stdlib corpus) sit at the bottom, so every layer can build and check artefacts; the core
+model identity, the stdlib corpus) sit at the bottom, so every layer can build and check artefacts; ``tasks`` (prompt
+rows, presets and seeded long-context task rows) is data, read by the bench, the corpus and training alike; the core
 (kv, tree, attention -> models -> verify / acceptance / sampling -> drafters -> decode) sits below the request layer
-and the API; ``rag`` is a client of retrieval and models beside the API; ``bench`` and ``serve`` run requests;
-``train`` and ``generations`` are above ``bench`` because the zoo is trained on (and evaluated with) the bench's
-seeded tasks and the corpus of the target's outputs reads the bench's prompt files; the CLI and the demo are on top.
+and the API; ``rag`` is a client of retrieval and models beside the API; ``bench`` and ``serve`` run requests and
+``corpus`` (the target's own outputs) generates beside them; ``train`` reads the corpus; the CLI and the demo are on
+top.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ RANKS: dict[str, int] = {
     "errors": 0, "types": 0, "paths": 0, "stdlib_corpus": 0,
     "atomic": 1, "identity": 1, "config": 1, "text": 1,
     # the core
-    "kv": 2, "tree": 2, "attention": 2, "chat": 2, "weight_only": 2,
+    "kv": 2, "tree": 2, "attention": 2, "chat": 2, "weight_only": 2, "tasks": 2,
     "fastpath": 3, "models": 3,
     "verify": 4, "acceptance": 4, "sampling": 4,
     "acceptance_rapid": 5, "retrieval": 5, "gating": 5,
@@ -38,11 +39,10 @@ RANKS: dict[str, int] = {
     "run": 9,
     "api": 10, "rag": 10,
     # applications
-    "__init__": 11, "bench": 11, "serve": 11,
-    "generations": 12,
-    "train": 13,
-    "cli": 14,
-    "demo": 15,
+    "__init__": 11, "bench": 11, "serve": 11, "corpus": 11,
+    "train": 12,
+    "cli": 13,
+    "demo": 14,
 }
 
 

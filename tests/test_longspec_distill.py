@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from retrospec.config import SamplingConfig
+from retrospec.corpus import CorpusBuilder, CorpusConfig, PromptRow
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
 from retrospec.errors import RetrospecError
-from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow
 from retrospec.identity import model_identity
 from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec

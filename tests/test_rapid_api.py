@@ -17,10 +17,10 @@ from retrospec.fastpath import engine_for
 from retrospec.bench.harness import BenchConfig, run_bench
 from retrospec.bench.labels import parse_label
 from retrospec.bench.report import write_outputs
-from retrospec.bench.tasks import TASKS, make_tasks, score
 from retrospec.errors import RetrospecError
 from retrospec.request import LongContextOptions
 from retrospec.models import load_model
+from retrospec.tasks import TASKS, make_tasks, score
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,7 +1,7 @@
 """Batched generation: several prompts decoded together with one KV cache (plain decoding, not the speculative loop).
 
 Users: Speculative RAG drafts m answers in parallel, one per document subset (Wang et al., ICLR 2025, §3.3), and
-``generations`` writes a corpus of the target's own outputs, many sequences per forward.
+``corpus`` writes a corpus of the target's own outputs, many sequences per forward.
 
 Layout: prompts are **left-padded** to one length ``L``; ``attention_mask`` hides the pads and ``position_ids`` count
 only real tokens (``cumsum(mask) - 1``), so every row sees what it would see alone. A row stops at an EOS id, when

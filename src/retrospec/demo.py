@@ -81,7 +81,7 @@ def _run(args) -> int:
     from .api import stream
     from .bench.harness import BenchConfig, run_bench
     from .bench.report import print_table, write_outputs
-    from .bench.tasks import heldout_prompts, preset
+    from .tasks import heldout_prompts, preset
     from .errors import RetrospecError
     from .drafters.longspec import load_block
     from .models import check_same_vocab, load_model, lookup, paired_draft, paired_longspec

@@ -155,7 +155,7 @@ def pytest_part(dry_run: bool, seconds: float) -> dict:
 
 
 def run_tests(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = None) -> int:
-    from retrospec.bench.tasks import preset
+    from retrospec.tasks import preset
     from retrospec.models import load_model
 
     res, device = common.start("tests", dry_run, budget_s)
@@ -172,7 +172,7 @@ def run_tests(out: Path, dry_run: bool, budget_s: float, ref_dir: Path | None = 
 def prompt_sets(target, dry_run: bool, ref_dir: Path) -> dict[str, tuple[list[dict], bool]]:
     """{set: (prompts, chat)}: chat (the chat preset under the chat template), code (MBPP, else held-out stdlib
     functions), long (``lcc``: 4K-7K-token code files)."""
-    from retrospec.bench.tasks import lcc_prompts, load_prompts, preset
+    from retrospec.tasks import lcc_prompts, load_prompts, preset
 
     n = 1 if dry_run else 3  # a 15-minute session: 3 prompts a set, so that the bf16 cells fit too
     sets = {}

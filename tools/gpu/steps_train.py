@@ -1,6 +1,6 @@
 """Step ``train``: a corpus of the target's own outputs on CUDA, the LongSpec block retrained on it, int8 back.
 
-The corpus (``generations.CorpusBuilder``) grows in whole shards (rows in multiples of ``shard_size /
+The corpus (``corpus.CorpusBuilder``) grows in whole shards (rows in multiples of ``shard_size /
 len(temperatures)``, which keeps every built shard valid) until ``corpus_share`` of the budget is spent; LongSpec
 is distilled on it (``train.longspec_distill.distill_longspec``) for the rest, less the evaluation's share; the new
 block is evaluated against the bundled one and re-saved as int8 into ``$OUT/block-int8/`` (<= 16 MiB a file).
@@ -21,7 +21,7 @@ from . import common
 
 def grow_corpus(target, sources: str, out: Path, seconds: float, cfg_kw: dict, log=print) -> dict:
     """Build the corpus in whole shards until ``seconds`` pass (estimated from the first shard's pace)."""
-    from retrospec.generations import CorpusBuilder, CorpusConfig, load_rows, parse_sources
+    from retrospec.corpus import CorpusBuilder, CorpusConfig, load_rows, parse_sources
 
     cfg = CorpusConfig(sources=sources, **cfg_kw)
     rows = load_rows(parse_sources(sources))
@@ -58,9 +58,9 @@ def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max
 
 def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".gpu/ref"),
               corpus_share: float = 0.4) -> int:
-    from retrospec.bench.tasks import load_prompts, preset
+    from retrospec.tasks import load_prompts, preset
     from retrospec.drafters.longspec import load_block
-    from retrospec.generations import read_corpus
+    from retrospec.corpus import read_corpus
     from retrospec.models import load_model, paired_longspec
     from retrospec.models.longspec.checkpoint import VOCAB_FILE, save_longspec
     from retrospec.train.longspec_distill import DistillConfig, distill_longspec

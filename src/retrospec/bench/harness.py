@@ -38,6 +38,7 @@ from ..fastpath import engine_for
 from ..models import LoadedModel, placement
 from ..request import CONTEXT_OPTIONS, LongContextOptions, plan, prepare, retrieve
 from ..run import Run
+from ..tasks import score
 from ..text import encode
 from ..types import SpecStats
 from ..verify import PrefillMemo
@@ -46,7 +47,6 @@ from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 from .hybrid_timing import verify_cost
 from .labels import MethodLabel, parse_label
 from .summary import summarize_prompts, summarize_rows
-from .tasks import score
 
 
 @dataclass

@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..bench.harness import BenchConfig, run_bench, validate_methods
     from ..bench.labels import parse_label
-    from ..bench.tasks import load_prompts, preset, preset_max_tokens
+    from ..tasks import load_prompts, preset, preset_max_tokens
     from ..config import DecodeConfig, SamplingConfig
     from ..models import paired_draft
 
@@ -171,7 +171,7 @@ def load_context_rows(spec: str) -> list[dict] | None:
         if len(paths) > 1:
             raise RetrospecError("several --prompts files are only supported for long-context rows")
         return None
-    from ..bench.tasks import load_prompts
+    from ..tasks import load_prompts
 
     rows = []
     for path in paths:

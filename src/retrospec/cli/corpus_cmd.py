@@ -1,5 +1,5 @@
 """``retrospec corpus generate``: the target's own outputs to many prompts, batched, sharded and resumable
-(``generations``); ``corpus info`` prints a corpus's manifest; ``corpus export`` writes it as text for datastores."""
+(``corpus``); ``corpus info`` prints a corpus's manifest; ``corpus export`` writes it as text for datastores."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from ..generations import CorpusBuilder, CorpusConfig, load_rows, parse_sources
+    from ..corpus import CorpusBuilder, CorpusConfig, load_rows, parse_sources
     from ..models import default_target, load_model
 
     try:
@@ -75,7 +75,7 @@ def run_generate(args) -> int:
 def run_info(args) -> int:
     from pathlib import Path
 
-    from ..generations.build import read_manifest
+    from ..corpus.build import read_manifest
 
     m = read_manifest(Path(args.path))
     print(json.dumps({k: v for k, v in m.items() if k != "shards"}, indent=1))
@@ -86,7 +86,7 @@ def run_export(args) -> int:
     from pathlib import Path
 
     from ..atomic import write_text_atomic
-    from ..generations import check_corpus, read_corpus
+    from ..corpus import check_corpus, read_corpus
     from ..models import default_target, load_model
     from ..models.named import DEFAULT_TARGET
     from ..train.longspec_distill import is_heldout

@@ -104,7 +104,7 @@ def run_build(args) -> int:
     import itertools
 
     from ..retrieval import build_dense_store, build_suffix_store
-    from ..generations.documents import GENERATIONS_FILE, generation_documents, save_generations
+    from ..corpus.documents import GENERATIONS_FILE, generation_documents, save_generations
     from ..retrieval.corpus import limit_tokens
     from ..retrieval.store import target_meta, tokenizer_meta
 

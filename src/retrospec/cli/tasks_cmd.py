@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from ..bench.tasks import TASKS
+    from ..tasks import TASKS
 
     p = sub.add_parser("tasks", help="generate offline long-context task sets (RAPID benchmarks)")
     tsub = p.add_subparsers(dest="tasks_command", required=True)
@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
 
 def run_make(args) -> int:
-    from ..bench.tasks import make_tasks, write_jsonl
+    from ..tasks import make_tasks, write_jsonl
     from ..errors import RetrospecError
     from ..models import default_target, model_dir
     from ..models.loading import _load_tokenizer

@@ -6,7 +6,7 @@ Sources (``--corpus``):
 - a ``.jsonl`` file: one document per line, from a ``text`` field or ``prompt`` + ``completion``;
 - any other file: UTF-8 text, one document (files over ``CHUNK_CHARS`` are cut into documents at line ends);
 - a directory: every non-hidden file below it in sorted order, each read as above (non-UTF-8 files skipped).
-(``--from-generations``, the target's own outputs, lives above retrieval: ``generations.documents``.)
+(``--from-generations``, the target's own outputs, lives above retrieval: ``retrospec.corpus.documents``.)
 
 Invariant: documents come out in a deterministic order, so the same corpus gives the same store.
 """

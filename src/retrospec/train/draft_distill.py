@@ -27,7 +27,7 @@ The draft trains on the target's device (measured on CPU only, CUDA untested). O
 (``train.real_draft.save_draft``), and with ``wsd`` ``resume.pt``; written atomically.
 
 Refusals (one ``RetrospecError`` line each, before training): a corpus the target did not write
-(``generations.check_corpus``); a draft to start from whose ids live in another vocabulary (its
+(``corpus.check_corpus``); a draft to start from whose ids live in another vocabulary (its
 ``draft_vocab.json`` maps into another size, or the target it was distilled for had another tokenizer); a state to
 resume that was trained for another target (``train.resume``).
 """

@@ -3,7 +3,7 @@ Shieh, ICML 2025) benchmarks.
 
 The zoo target saw 512-token windows of stdlib code and never a retrieval question. This step continues training a
 copy of it (same architecture and tokenizer, so the zoo draft still shares its vocabulary) on a mix of stdlib code
-windows (loss on every token) and long-context task examples from ``bench.tasks`` (kv retrieval, passkey, fact QA;
+windows (loss on every token) and long-context task examples from ``tasks`` (kv retrieval, passkey, fact QA;
 never ``repo``, whose packages are held out) rendered as ``{context}\n\n{query}`` + reference completion + EOS
 (loss on the completion only), every batch at one length drawn from ``lengths`` (at most 2048: the training
 length). The saved config allows ``max_positions`` (default 65536) positions, so the model can *run* beyond its
@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_build
-from ..bench.tasks import make_tasks, score
 from ..models import LoadedModel
 from ..models.files import read_array, read_json
 from ..request import DEFAULT_TEMPLATE, prepare
 from ..run import Run
 from ..stdlib_corpus import read_texts, stdlib_files
+from ..tasks import make_tasks, score
 from .common import adamw, jsonable, optimizer_step, resolve_device, set_lr, set_threads, warmup_cosine, write_json
 
 TRAIN_TASKS = ("kv", "passkey", "facts")

@@ -17,7 +17,7 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
   (``train.longspec``) keep the block usable at long contexts;
 - **corpora**: ``corpus`` names one corpus directory or several, comma-separated, read in that order (a new corpus
   of new prompts extends an old one whose prompts ran out; the held-out sample stays the same); each must be the
-  target's own (``generations.check_corpus``: a corpus another model wrote is one ``RetrospecError`` line);
+  target's own (``corpus.check_corpus``: a corpus another model wrote is one ``RetrospecError`` line);
 - **follow** (``--follow --seconds S``): train while ``corpus generate`` still runs, taking the shards written since
   the last pass, in whichever corpus of the list they landed (``follow_corpora``); when too few are new, another
   pass over every training record so far (``tokens`` in the curve counts tokens trained on, ``corpus_tokens`` the
@@ -52,10 +52,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..corpus import check_corpus, read_corpus
+from ..corpus.build import MANIFEST
 from ..drafters.longspec import load_block
 from ..errors import RetrospecError
-from ..generations import check_corpus, read_corpus
-from ..generations.build import MANIFEST
 from ..identity import head_rows, target_record
 from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
@@ -173,7 +173,7 @@ def corpus_parts(spec: str, growing: bool = False, target=None) -> list[tuple[st
     """(directory, its records with outputs in shard order) for each corpus in ``spec``, in the order given.
     ``growing`` (``--follow``): the last corpus may be one ``corpus generate`` has only just started (its directory,
     without a manifest until the first shard lands); it is then left out. ``target``: each corpus must be its own
-    (``generations.check_corpus``)."""
+    (``corpus.check_corpus``)."""
     dirs = corpus_dirs(spec)
     last = Path(dirs[-1]) if dirs else None
     if growing and last is not None and last.is_dir() and not (last / MANIFEST).is_file():

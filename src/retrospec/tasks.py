@@ -1,4 +1,5 @@
-"""Benchmark rows, one module: prompt rows (jsonl files, presets) and long-context rows (``retrospec tasks make``).
+"""Prompt and task rows, one module: prompt rows (jsonl files, presets) and long-context rows (``retrospec tasks
+make``). Data, not a benchmark: the bench, the corpus of the target's outputs and training all read it.
 
 Prompt rows.
 
@@ -53,9 +54,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import write_text_atomic
-from ..errors import RetrospecError
-from ..stdlib_corpus import HELDOUT_PACKAGES, stdlib_files, stdlib_root
+from .atomic import write_text_atomic
+from .errors import RetrospecError
+from .stdlib_corpus import HELDOUT_PACKAGES, stdlib_files, stdlib_root
 
 PRESETS = ("heldout", "chat", "chat-tasks", "lcc", "lcc-8k", "lcc-16k", "lcc-32k")
 LCC_RANGE = (4096, 7168)  # ``lcc``: prompt lengths in target tokens, spread evenly over the prompts

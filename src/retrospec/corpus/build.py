@@ -1,7 +1,7 @@
 """A corpus of the target's own outputs: batched, sharded, resumable, written atomically, with a manifest (issue 19).
 
 Drafts and in-domain datastores learn best from text the target itself wrote. ``CorpusBuilder`` asks the target
-every prompt row (``generations.prompts``) at every temperature of the config and writes what it answered:
+every prompt row (``corpus.prompts``) at every temperature of the config and writes what it answered:
 
 - work items = (row, temperature) in a fixed order, cut into shards of ``shard_size`` items; shard k is
   ``shard-0000k.jsonl``, one JSON object per item: ``source``, ``chat``, ``temperature``, ``prompt`` (for

@@ -1,4 +1,4 @@
-"""A corpus of the target's own outputs (``generations``): batched sampling, shards, resume after a kill, the
+"""A corpus of the target's own outputs (``corpus``): batched sampling, shards, resume after a kill, the
 manifest, and one-line errors."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from conftest import tiny_llama
 from retrospec.batched import generate_batch
 from retrospec.config import SamplingConfig
+from retrospec.corpus import CorpusBuilder, CorpusConfig, PromptRow, parse_sources, read_corpus
+from retrospec.corpus.prompts import MBPP_HELDOUT, interleave, load_rows
 from retrospec.decode import autoregressive_generate
 from retrospec.errors import RetrospecError
-from retrospec.generations import CorpusBuilder, CorpusConfig, PromptRow, parse_sources, read_corpus
-from retrospec.generations.prompts import MBPP_HELDOUT, interleave, load_rows
 from retrospec.models import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -87,7 +87,7 @@ class _Killed(BaseException):
 
 @pytest.mark.parametrize("at", ["shard 0 written, manifest not yet", "shard 1 half written", "manifest half written"])
 def test_a_build_interrupted_anywhere_resumes_to_the_same_corpus(saved_models, tmp_path, monkeypatch, at):
-    import retrospec.generations.build as build_mod
+    import retrospec.corpus.build as build_mod
 
     rows = _rows(5)
     full = _build(saved_models, tmp_path / "full", rows).build(progress=False)
@@ -160,7 +160,7 @@ def test_cli_generate_and_info(cli, saved_models, tmp_path):
 
 def test_self_instruct_starts_from_the_user_turn_of_the_template():
     from conftest import chatml_tokenizer
-    from retrospec.generations.build import self_instruct_prefix
+    from retrospec.corpus.build import self_instruct_prefix
 
     tok = chatml_tokenizer()
     prefix = tok.decode(self_instruct_prefix(tok))
@@ -181,7 +181,7 @@ def test_sources_interleave_and_mbpp_bench_rows_stay_out(tmp_path):
 
 
 def test_tasks_rows_take_the_openers_in_turn():
-    from retrospec.generations.prompts import TASK_OPENERS
+    from retrospec.corpus.prompts import TASK_OPENERS
 
     rows = load_rows(parse_sources(f"tasks={len(TASK_OPENERS) + 2}"))
     assert [r.text for r in rows] == list(TASK_OPENERS) + list(TASK_OPENERS[:2])
@@ -189,7 +189,7 @@ def test_tasks_rows_take_the_openers_in_turn():
 
 
 def test_tasks_instructions_start_with_their_opener_and_are_answered_in_the_chat_template(chat_models, tmp_path):
-    from retrospec.generations.prompts import TASK_OPENERS
+    from retrospec.corpus.prompts import TASK_OPENERS
     from retrospec.train.longspec_distill import kind_of
 
     rows = load_rows(parse_sources("tasks=3,self-instruct=1"))

@@ -24,10 +24,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..bench.tasks import load_prompts
 from ..errors import RetrospecError
 from ..rag.data import read_questions, split_of
 from ..stdlib_corpus import read_texts, stdlib_files
+from ..tasks import load_prompts
 
 SOURCES = ("mbpp", "nq", "stdlib", "self-instruct", "tasks")
 WRITTEN = ("self-instruct", "tasks")  # sources whose instruction the target writes (from the row's text as opener)

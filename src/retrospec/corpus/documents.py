@@ -15,10 +15,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..batched import generate_batch
-from ..bench.tasks import load_prompts
 from ..errors import RetrospecError
 from ..identity import model_identity
 from ..retrieval.corpus import TokenDoc
+from ..tasks import load_prompts
 
 GENERATIONS_FILE = "generations.jsonl"
 
