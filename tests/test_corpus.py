@@ -205,3 +205,54 @@ def test_tasks_instructions_start_with_their_opener_and_are_answered_in_the_chat
     for r in recs:  # each instruction is then asked as one user message
         rendered = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
         assert r["prompt_ids"] == list(rendered["input_ids"]) and kind_of(r) == "chat"
+
+
+# --- the batch's sampler and the packed corpus ---
+
+
+def test_draw_rows_follows_each_rows_distribution_and_never_draws_a_zero():
+    from scipy import stats as sps
+
+    from retrospec.sampling import draw_rows
+
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0], [0.1, 0.2, 0.0, 0.3, 0.4]])
+    gen = torch.Generator().manual_seed(7)
+    draws = torch.stack([draw_rows(probs.repeat(400, 1), gen).view(400, 3) for _ in range(10)]).view(-1, 3)  # [4000, 3]
+    for row in range(3):
+        counts = torch.bincount(draws[:, row], minlength=5).double()
+        expected = probs[row].double() * len(draws)
+        assert (counts[expected == 0] == 0).all()
+        live = expected > 0
+        if live.sum() > 1:
+            stat = (((counts - expected)[live]) ** 2 / expected[live]).sum().item()
+            assert sps.chi2.sf(stat, int(live.sum()) - 1) > 1e-3
+    again = draw_rows(probs.repeat(400, 1), torch.Generator().manual_seed(7))
+    assert torch.equal(again, draw_rows(probs.repeat(400, 1), torch.Generator().manual_seed(7)))
+    # unnormalised rows (a nucleus cut) are drawn from as if normalised
+    assert set(draw_rows(torch.tensor([[0.0, 2.0, 0.0, 2.0]] * 64), gen).tolist()) == {1, 3}
+
+
+def test_a_packed_corpus_unpacks_byte_for_byte_and_refuses_damage(saved_models, tmp_path):
+    from retrospec.corpus.pack import pack, unpack
+
+    _build(saved_models, tmp_path / "c", _rows(5)).build(progress=False)
+    info = pack(tmp_path / "c", tmp_path / "p")
+    assert info["records"] == 10 and sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "ids.u16.xz", "manifest.json", "records.jsonl.xz"]
+    unpack(tmp_path / "p", tmp_path / "u")
+    for f in sorted((tmp_path / "c").iterdir()):
+        assert (tmp_path / "u" / f.name).read_bytes() == f.read_bytes(), f.name
+    with pytest.raises(RetrospecError, match="not empty"):
+        unpack(tmp_path / "p", tmp_path / "u")
+    with pytest.raises(RetrospecError, match="already holds"):
+        pack(tmp_path / "c", tmp_path / "p")
+    import lzma
+
+    import numpy as np
+
+    ids = np.frombuffer(lzma.decompress((tmp_path / "p" / "ids.u16.xz").read_bytes()), dtype="<u2").copy()
+    ids[3] += 1  # one id changed: the shard it lands in no longer matches its SHA-256
+    (tmp_path / "p" / "ids.u16.xz").write_bytes(lzma.compress(ids.tobytes()))
+    with pytest.raises(RetrospecError, match="SHA-256"):
+        unpack(tmp_path / "p", tmp_path / "v")
+    assert not (tmp_path / "v").exists() or not any((tmp_path / "v").iterdir())  # nothing half-written

@@ -7,7 +7,8 @@ Layout: prompts are **left-padded** to one length ``L``; ``attention_mask`` hide
 only real tokens (``cumsum(mask) - 1``), so every row sees what it would see alone. A row stops at an EOS id, when
 ``stop(row_ids)`` says so, or at ``max_new_tokens``; finished rows leave the batch (``batch_select_indices``).
 Sampling draws each row from ``probs_from_logits`` of its own logits through one ``torch.Generator`` (a seed fixes
-the batch's output).
+the batch's output), by the inverse CDF (``sampling.draw_rows``: one uniform per row crosses to the device, not the
+[b, V] probabilities).
 
 Invariants (tested): greedy rows equal one-at-a-time greedy decoding (``decode.autoregressive_generate``);
 ``logprobs[i][t]`` is the raw (untempered) log-softmax at the step that produced ``tokens[i][t]``. One host sync per
@@ -25,7 +26,7 @@ from transformers import DynamicCache
 from .config import SamplingConfig
 from .errors import RetrospecError
 from .fastpath import engine_for
-from .sampling import draw, probs_from_logits
+from .sampling import draw_rows, probs_from_logits
 
 
 @dataclass
@@ -69,7 +70,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
         if sampling.greedy:
             best = logp.argmax(dim=-1)  # [b]
         else:
-            best = draw(probs_from_logits(logits, sampling), generator)[:, 0]  # [b]
+            best = draw_rows(probs_from_logits(logits, sampling), generator)  # [b]
         picked = logp.gather(-1, best[:, None])[:, 0]  # [b]
         keep = []
         best_list, picked_list = torch.stack([best.double(), picked.double()]).tolist()  # one host sync per step

