@@ -14,12 +14,12 @@ identity of a quantized model is that of its float32 source (``identity.derive``
 (LongSpec blocks, datastores, drafts) load on it.
 
 Row invariance: both kernels compute each output row from that row alone, in the same order whatever the number of
-rows (tested bitwise by ``row_invariant``). The rest of the forward is not bitwise row-invariant: attention over a
-k-token block and over one token round differently in float32 (by ~1e-7, which never flips a float32 greedy token
-in our tests), and the cast to bfloat16 before the next matmul can turn such a difference into a one-ulp change of
-an activation. So, as in the 16-bit dtypes, a k-token verification can differ from k one-token steps at a near-tie:
-lossless methods equal ``ar`` in the same format on the tiny test models, but on SmolLM2-135M some prompts diverge
-after a few dozen tokens, and the bench's ``lossless`` column says so per row.
+rows (tested bitwise by ``row_invariant``). Attention is made so too: the engine measures its matmuls row-invariant
+(``fastpath.rows``) and then runs each verified row's attention alone, as a one-token step does
+(``prefix_block.ROW_EXACT``), so a k-token verification's logits are bitwise those of k one-token steps and every
+lossless method is token-identical to ``ar`` in the same format, near-ties included. (Without that, float32
+attention over a block and over one token differ by ~1e-7, and the cast to bfloat16 before the next matmul can turn
+that into a one-ulp activation change and a flipped near-tie.)
 
 Why these kernels: they are PyTorch's own CPU weight-only paths (the ones torchao's CPU layouts call), so nothing
 is hand-written here but the packing of the weights they expect.

@@ -27,6 +27,37 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask
 from .common import hybrid_mask_block, restore, switch
 
 ATTN_NAME = "retrospec_prefix_block"
+ROW_EXACT = "_retrospec_row_exact"  # a config attribute: True = every query row as its own one-token step
+
+
+def _one_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One query position over the keys it sees, as a one-token decode step computes it. query [b, h, 1, d];
+    key/value [b, kvh, n, d] (n keys, in cache order) -> [b, h, 1, d]."""
+    b, h, _, d = query.shape
+    kvh = key.shape[1]
+    qg = query.reshape(b, kvh, h // kvh, d)  # [b, kvh, rep, d]: heads sharing a key/value head
+    scores = torch.matmul(qg, key.transpose(-1, -2)) * scaling  # [b, kvh, rep, n]
+    probs = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, h, 1, d)
+
+
+def _row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                         visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Each of the q query rows computed alone, over exactly the keys a one-token step at its position reads, in the
+    same order and with the same operations (``_one_row``): row i of a q-token verification is then bitwise the
+    one-token step's, whatever q is. query [b, h, q, d]; key/value [b, kvh, L, d], the q queries the last q cache
+    entries; ``visible`` [q, L] bool (a draft tree: a node sees the prefix and its ancestors), default causal.
+    -> [b, q, h, d]."""
+    q, length = query.shape[2], key.shape[2]
+    rows = []
+    for i in range(q):
+        if visible is None:
+            k, v = key[:, :, :length - q + i + 1], value[:, :, :length - q + i + 1]
+        else:
+            seen = visible[i].nonzero()[:, 0]  # [n] increasing: the prefix, then the node's ancestors and itself
+            k, v = key.index_select(2, seen), value.index_select(2, seen)
+        rows.append(_one_row(query[:, :, i:i + 1], k, v, scaling))
+    return torch.cat(rows, dim=2).transpose(1, 2).contiguous()
 
 
 def _block_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -53,6 +84,14 @@ def _block_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 def prefix_block_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            is_causal=None, **kwargs):
     q, length = query.shape[2], key.shape[2]
+    if (q < length and getattr(getattr(module, "config", None), ROW_EXACT, False) and not module.training
+            and query.shape[0] == 1 and query.shape[1] % key.shape[1] == 0):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        visible = None
+        if torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
+            rows = attention_mask[0, 0]  # [q, L]
+            visible = rows if rows.dtype == torch.bool else rows == 0
+        return _row_exact_attention(query, key, value, scale, visible), None
     if attention_mask is None and 1 < q < length and not module.training and query.shape[1] % key.shape[1] == 0:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return _block_attention(module, query, key, value, scale), None

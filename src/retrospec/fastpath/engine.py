@@ -11,6 +11,12 @@ Triton kernel) when Triton is installed, the kernel passed its self-check on tha
 (``hybrid_tree.triton_ready``), and ``hybrid_min_length`` measured it faster than sdpa from some cache length on;
 shorter caches still go to sdpa inside it. Otherwise a CUDA model runs as it is.
 
+Exact verification (``row_exact``): when every matmul of the copy gives a row the same bits whatever the number of
+rows in the call (measured at build, ``fastpath.rows``: weight-only and 16-bit kernels here; float32 BLAS is not), the
+copy's attention computes each verified row alone over the keys a one-token step at its position reads
+(``prefix_block.ROW_EXACT``), so a k-token verification's logits are bitwise those of k one-token steps and every
+lossless method is token-identical to ``ar`` in that format, near-ties included.
+
 Invariants (tested): the caller's model is unchanged; the copy's logits equal the plain forward's within float
 tolerance, and greedy decoding through it is token-identical to the oracle. A model the copy cannot be built for
 (no ``get_decoder``, another device, attention other than ``sdpa``) runs as it is.
@@ -33,6 +39,7 @@ from ..weight_only import WeightOnlyLinear
 from .draft import draft_choice, pack_linears
 from .linear import head_logits, pack_weight
 from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode
+from .rows import linear_modules, rows_invariant
 
 CROSSOVER_LENGTHS = (256, 1024, 4096, 16384)  # cache lengths at which hybrid tree attention is timed against sdpa
 
@@ -110,6 +117,7 @@ class EngineModel:
         self.head_packed: torch.Tensor | None = None
         self.head_fn: torch.nn.Module | None = None  # a weight-only head: called as it is
         self.hybrid_min_length: int | None = None
+        self.row_exact = False  # every verified row computed as a one-token step computes it (see rows_invariant)
         device = next(model.parameters()).device
         if _on_cuda(device) and how != "off" and attention == "prefix_block" and not draft:
             self._hybrid_tree_copy(model, device)
@@ -143,7 +151,18 @@ class EngineModel:
             self.head_weight = getattr(head, "weight", None)
             if "packed" in self.plan.head.values():
                 self.head_packed = pack_weight(head.weight, pack_dtype)
+            if attention == "prefix_block" and not draft:  # exact verification where the matmuls allow it
+                self.row_exact = rows_invariant([*linear_modules(decoder), self._head], head.in_features,
+                                                clone.get_input_embeddings().weight.dtype)
+                setattr(clone.config, prefix_block.ROW_EXACT, self.row_exact)
         self.module, self.decoder = clone, decoder
+
+    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, V] logits, as ``forward`` computes them (the plan's layout for T rows)."""
+        if self.head_fn is not None:
+            return self.head_fn(rows)
+        layout = self.plan.head_layout(rows.shape[0]) if self.plan is not None else "linear"
+        return head_logits(rows, self.head_weight, layout, self.head_packed)
 
     def _hybrid_tree_copy(self, model: torch.nn.Module, device: torch.device) -> None:
         """CUDA: the copy in hybrid tree attention from the measured crossover on (see the module docstring);
@@ -190,15 +209,12 @@ class EngineModel:
         out = self.decoder(**kwargs)
         hidden = out.last_hidden_state[0]  # [T, H]
         rows = hidden[-1:] if last_only else hidden
-        if self.head_fn is not None:
-            return self.head_fn(rows), (out.hidden_states[-1][0] if want_hidden else None)
-        layout = self.plan.head_layout(rows.shape[0]) if self.plan is not None else "linear"
-        logits = head_logits(rows, self.head_weight, layout, self.head_packed)
-        return logits, (out.hidden_states[-1][0] if want_hidden else None)
+        return self._head(rows), (out.hidden_states[-1][0] if want_hidden else None)
 
     def describe(self) -> dict:
         """What runs, for reports: mode, attention, the packed row counts and head layouts, where the plan came from."""
-        d = {"mode": self.mode, "attention": getattr(self.module.config, "_attn_implementation", None)}
+        d = {"mode": self.mode, "attention": getattr(self.module.config, "_attn_implementation", None),
+             "row_exact": self.row_exact}
         if self.hybrid_min_length is not None:
             d["hybrid_min_length"] = self.hybrid_min_length
         if self.plan is not None:
