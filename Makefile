@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-lowest install bench clean gpu gpu-done gpu-dry-run
+.PHONY: demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,18 @@ $(STAMP_LOWEST): pyproject.toml
 test-lowest: $(STAMP_LOWEST)
 	$(PY_LOWEST) -c "import transformers; assert transformers.__version__ == '$(TF_LOWEST)', transformers.__version__"
 	$(PY_LOWEST) -m pytest $(EXACTNESS_TESTS) -n $(TEST_WORKERS)
+
+# The peers the bench compares with (docs/peers.md), each in a virtualenv of its own, never in `make demo`/`make test`:
+# llama.cpp through llama-cpp-python, compiled from source here (~10 minutes on 2 cores). `retrospec bench` then
+# adds the llamacpp-* rows it is asked for (--methods llamacpp-ar,llamacpp-lookup), finding the interpreter in
+# .venv-peers (or RETROSPEC_LLAMACPP_PYTHON).
+VENV_PEERS := .venv-peers
+LLAMACPP := llama-cpp-python==0.3.36
+
+peers: $(STAMP)
+	test -x $(VENV_PEERS)/bin/python || $(PYTHON) -m venv $(VENV_PEERS)
+	$(VENV_PEERS)/bin/python -m pip install --quiet "$(LLAMACPP)"
+	$(VENV_PEERS)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
 # The issue's acceptance bench: 20 MBPP prompts from ../shared/data, greedy, 128 new tokens.
 bench: $(STAMP)

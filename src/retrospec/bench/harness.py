@@ -26,6 +26,7 @@ import contextlib
 import platform
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -45,6 +46,7 @@ from ..verify import PrefillMemo
 from ..weight_only import format_of
 from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 from .hybrid_timing import verify_cost
+from .llamacpp import LLAMACPP_METHODS, open_peers
 from .labels import MethodLabel, parse_label
 from .summary import summarize_prompts, summarize_rows
 
@@ -67,8 +69,8 @@ class BenchConfig:
 
 
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
-    known = set(SPECS) | set(HF_METHODS)
-    short = set(registry_methods(context=False)) | set(HF_METHODS)
+    known = set(SPECS) | set(HF_METHODS) | set(LLAMACPP_METHODS)
+    short = set(registry_methods(context=False)) | set(HF_METHODS) | set(LLAMACPP_METHODS)
     for label in methods:
         m = parse_label(label).method
         if m not in known:
@@ -168,9 +170,25 @@ def _run_prompt_rows(target: LoadedModel, draft: LoadedModel | None, prompts: li
             raise RetrospecError(f"prompt {i} has {len(ids)} tokens; the target supports {limit} positions")
     pad = getattr(target.tokenizer, "pad_token_id", None)
     torch.manual_seed(0)
+    fmt = format_of(target.model) or str(placement(target)["dtype"]).removeprefix("torch.")
+    peers, notes = open_peers(cfg.methods, target.path, fmt, cfg.sampling.greedy, torch.get_num_threads(),
+                              max(map(len, encoded)) + cfg.max_new_tokens + 64, cfg.pld_k, cfg.pld_ngram)
+    methods = [m for m in cfg.methods if m not in LLAMACPP_METHODS or m in peers]
+    try:
+        return _interleave(target, draft, prompts, replace(cfg, methods=methods), encoded, eos, pad, peers, progress,
+                           notes)
+    finally:
+        for peer in peers.values():
+            peer.close()
 
+
+def _interleave(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig,
+                encoded: list[list[int]], eos: frozenset[int], pad: int | None, peers: dict, progress: bool,
+                notes: list[str]) -> dict:
     def run_one(method: str, i: int, max_new: int):
         ids = encoded[i]
+        if method in peers:
+            return peers[method].generate(ids, max_new, eos)
         if method in HF_METHODS:
             hf_draft = full_vocab_draft(draft, target.vocab_size) if draft is not None else None
             return run_hf(method, target.model, hf_draft, ids, sampling=cfg.sampling, max_new_tokens=max_new,
@@ -190,7 +208,9 @@ def _run_prompt_rows(target: LoadedModel, draft: LoadedModel | None, prompts: li
                 runs.append({"method": m, "prompt_index": i, "token_ids": out,
                              "stats": stats.to_dict() | {"forward_s": forward_s}})
                 bar.update()
-    return {"config": _describe_prompts(target, draft, prompts, cfg) | {"eos_ids": sorted(eos)}, "runs": runs,
+    peer_info = {m: {"llama_cpp": p.info.get("version"), "file": Path(p.model).name} for m, p in peers.items()}
+    return {"config": _describe_prompts(target, draft, prompts, cfg) | {"eos_ids": sorted(eos), "notes": notes}
+            | ({"peers": peer_info} if peer_info else {}), "runs": runs,
             "summary": summarize_prompts(runs, cfg.sampling.greedy)}
 
 

@@ -70,6 +70,8 @@ def render_markdown(result: dict) -> str:
         *([f"- target attention: `{c['attention']}` (the loaded model, left as it was)"] if c.get("attention")
           else []),
         *([f"- our engine (`fastpath`): {_engine_line(c['engine'])}"] if c.get("engine") else []),
+        *[f"- {m}: llama.cpp {p['llama_cpp']}, `{p['file']}`" for m, p in (c.get("peers") or {}).items()],
+        *[f"- note: {n}" for n in c.get("notes") or []],
         _machine_line(c),
         "",
         *_md_table(COLUMNS, map(_row, result["summary"])),
@@ -82,7 +84,8 @@ def render_markdown(result: dict) -> str:
         "window KV cache; sd: the draft's KV cache; pld: its token buffer; — = not measured, hf-* rows). target KV: "
         "the largest target KV cache at the end of a run. lossless: every output token-identical to `ar` "
         "(greedy runs only). hf-* rows run transformers' own generate(); their decode time is wall time minus "
-        "a prompt forward of the same prompt.",
+        "a prompt forward of the same prompt. llamacpp-* rows run llama.cpp (llama-cpp-python) on the same token "
+        "ids, decode timed from its first new token; their lossless column says whether the tokens equal `ar`'s.",
         "",
     ]
     return "\n".join(lines)
@@ -145,7 +148,8 @@ def _engine_line(e: dict) -> str:
     if e.get("mode") == "off":
         return "off (the target as it is)"
     return (f"{e.get('mode')}, attention `{e.get('attention')}`, oneDNN-prepacked linears for "
-            f"{e.get('packed_rows') or 'no'} rows, head layouts {e.get('head')} (plan: {e.get('plan')})")
+            f"{e.get('packed_rows') or 'no'} rows, head layouts {e.get('head')} (plan: {e.get('plan')})"
+            + (", each verified row's attention alone (row-exact)" if e.get("row_exact") else ""))
 
 
 # --- context rows -----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ default; baseline lc); other rows are prompts (baseline ar)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..drafters.registry import SPECS
@@ -148,6 +149,8 @@ def _finish(args, result: dict, chart: str) -> int:
 
     out = Path(args.out)
     write_outputs(result, out)
+    for note in result["config"].get("notes") or []:
+        print(f"note: {note}", file=sys.stderr)
     print_table(result["summary"])
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / chart}")
     return 0
