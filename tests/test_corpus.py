@@ -256,3 +256,13 @@ def test_a_packed_corpus_unpacks_byte_for_byte_and_refuses_damage(saved_models, 
     with pytest.raises(RetrospecError, match="SHA-256"):
         unpack(tmp_path / "p", tmp_path / "v")
     assert not (tmp_path / "v").exists() or not any((tmp_path / "v").iterdir())  # nothing half-written
+
+
+def test_cli_pack_and_unpack(cli, saved_models, tmp_path):
+    _build(saved_models, tmp_path / "c", _rows(3)).build(progress=False)
+    res = cli("corpus", "pack", tmp_path / "c", "--out", tmp_path / "p", "--level", "1")
+    assert res.rc == 0 and "6 records" in res.out
+    res = cli("corpus", "unpack", tmp_path / "p", "--out", tmp_path / "u")
+    assert res.rc == 0 and read_corpus(tmp_path / "u") == read_corpus(tmp_path / "c")
+    res = cli("corpus", "unpack", tmp_path / "c", "--out", tmp_path / "v")  # a corpus, not a pack
+    assert res.rc == 2 and "not a packed corpus" in res.err and "Traceback" not in res.err

@@ -1,9 +1,11 @@
 """``retrospec corpus generate``: the target's own outputs to many prompts, batched, sharded and resumable
-(``corpus``); ``corpus info`` prints a corpus's manifest; ``corpus export`` writes it as text for datastores."""
+(``corpus``); ``corpus info`` prints a corpus's manifest; ``corpus export`` writes it as text for datastores;
+``corpus pack`` / ``unpack`` turn it into three compressed files and back, byte for byte."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ..errors import RetrospecError
 
@@ -44,6 +46,34 @@ def add_parser(sub) -> None:
     i = verbs.add_parser("info", help="print a corpus's manifest")
     i.add_argument("path")
     i.set_defaults(func=run_info)
+    k = verbs.add_parser("pack", help="pack a corpus into three compressed files (token ids as uint16, xz), small "
+                                      "enough to keep in a repository")
+    k.add_argument("path", help="corpus directory")
+    k.add_argument("--out", required=True, help="folder to create for the pack")
+    k.add_argument("--level", type=int, default=6, choices=range(10), metavar="0-9",
+                   help="xz level (default 6; 1 is several times faster and ~10%% larger)")
+    k.set_defaults(func=run_pack)
+    u = verbs.add_parser("unpack", help="write the corpus directory back from a pack, byte for byte (checked)")
+    u.add_argument("path", help="pack folder ('corpus pack --out')")
+    u.add_argument("--out", required=True, help="corpus directory to create (absent or empty)")
+    u.set_defaults(func=run_unpack)
+
+
+def run_pack(args) -> int:
+    from ..corpus.pack import pack
+
+    info = pack(args.path, args.out, args.level)
+    size = sum(f.stat().st_size for f in Path(args.out).iterdir())
+    print(f"{args.out}: {info['records']:,} records, {info['tokens']:,} token ids in {size / 2**20:.2f} MiB")
+    return 0
+
+
+def run_unpack(args) -> int:
+    from ..corpus.pack import unpack
+
+    manifest = unpack(args.path, args.out)
+    print(f"{args.out}: {len(manifest.get('shards', {}))} shards, {manifest.get('output_tokens', 0):,} output tokens")
+    return 0
 
 
 def run_generate(args) -> int:
