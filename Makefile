@@ -60,10 +60,18 @@ test-lowest: $(STAMP_LOWEST)
 VENV_PEERS := .venv-peers
 LLAMACPP := llama-cpp-python==0.3.36
 
+# A build for this CPU can still hit an instruction the machine refuses (AMX tiles under some hypervisors: SIGILL on
+# 4-bit files); the check decodes the model's 4-bit GGUF, and on failure the build is redone without AMX kernels.
+NO_AMX := -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AMX_TILE=OFF
+
 peers: $(STAMP)
 	test -x $(VENV_PEERS)/bin/python || $(PYTHON) -m venv $(VENV_PEERS)
-	$(VENV_PEERS)/bin/python -m pip install --quiet "$(LLAMACPP)"
-	$(VENV_PEERS)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+	$(VENV_PEERS)/bin/python -c "import llama_cpp" 2>/dev/null || $(VENV_PEERS)/bin/python -m pip install --quiet \
+		"$(LLAMACPP)"
+	RETROSPEC_LLAMACPP_PYTHON=$(VENV_PEERS)/bin/python $(PY) -m retrospec.bench.llamacpp || { \
+		CMAKE_ARGS="$(NO_AMX)" $(VENV_PEERS)/bin/python -m pip install --quiet --force-reinstall --no-deps \
+		--no-cache-dir "$(LLAMACPP)" && RETROSPEC_LLAMACPP_PYTHON=$(VENV_PEERS)/bin/python $(PY) -m \
+		retrospec.bench.llamacpp; }
 
 # The issue's acceptance bench: 20 MBPP prompts from ../shared/data, greedy, 128 new tokens.
 bench: $(STAMP)

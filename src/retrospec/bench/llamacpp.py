@@ -137,3 +137,35 @@ def open_peers(methods: list[str], target_path: str | Path, fmt: str, greedy: bo
         except RetrospecError as exc:
             notes.append(f"{m} skipped: {exc}")
     return peers, notes
+
+
+def check(python: str | None = None) -> str | None:
+    """None when the peer decodes the published 4-bit file here (a few tokens), else why not (one line). A build
+    for this CPU can still stop on an instruction the machine refuses to run (AMX tiles under some hypervisors): the
+    peers build checks this and rebuilds without such kernels."""
+    from ..models.named import locate_gguf, lookup
+
+    python = python or peer_python()
+    if python is None:
+        return f"llama.cpp is not installed (make peers, or ${PYTHON_ENV})"
+    try:
+        load = {"model": str(locate_gguf(lookup(GGUF_SOURCE))), "source": None, "ftype": None}
+    except RetrospecError as exc:
+        return str(exc)
+    try:
+        peer = LlamaCppPeer(python, "check", load | {"threads": 1, "n_ctx": 64, "lookup": None})
+        try:
+            peer.generate([1, 2, 3, 4], 4, frozenset())
+        finally:
+            peer.close()
+    except RetrospecError as exc:
+        return str(exc)
+    return None
+
+
+if __name__ == "__main__":  # ``python -m retrospec.bench.llamacpp``: the peers build's check (exit 1 and why)
+    import sys
+
+    problem = check()
+    print(problem or "llama.cpp decodes the 4-bit file here", file=sys.stderr if problem else sys.stdout)
+    sys.exit(1 if problem else 0)
