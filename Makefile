@@ -60,9 +60,14 @@ test-lowest: $(STAMP_LOWEST)
 VENV_PEERS := .venv-peers
 LLAMACPP := llama-cpp-python==0.3.36
 
-# A build for this CPU can still hit an instruction the machine refuses (AMX tiles under some hypervisors: SIGILL on
-# 4-bit files); the check decodes the model's 4-bit GGUF, and on failure the build is redone without AMX kernels.
-NO_AMX := -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AMX_TILE=OFF
+# A build for this CPU (-march=native) can still hit an instruction the machine refuses (AMX tiles under some
+# hypervisors: SIGILL on 4-bit files); the check decodes the model's 4-bit GGUF, and on failure the build is redone
+# for the CPU's advertised x86 extensions without AMX.
+NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	$(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo -DGGML_AVX512=ON) \
+	$(shell grep -q avx512_vnni /proc/cpuinfo 2>/dev/null && echo -DGGML_AVX512_VNNI=ON) \
+	$(shell grep -q avx512_bf16 /proc/cpuinfo 2>/dev/null && echo -DGGML_AVX512_BF16=ON) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
 peers: $(STAMP)
 	test -x $(VENV_PEERS)/bin/python || $(PYTHON) -m venv $(VENV_PEERS)
