@@ -12,7 +12,8 @@ causal q x q block. Query heads sharing a key/value head are packed (no ``repeat
 the last q x q block is masked, and one softmax normalises prefix and block together. An explicit 4D mask (a draft
 tree) takes the same path with the tree's ancestor block when every prefix column is visible (checked per call; a
 16-node tree then costs what a 17-token chain does, ~10 % less than ``hybrid_tree``'s two-softmax split), else
-``sdpa``. Every other case (one query, prefill) goes to ``sdpa`` with the mask it would have built.
+``sdpa``. A one-token decode step runs ``_one_row`` (grouped heads packed, no ``repeat_kv`` copy); the prefill goes
+to ``sdpa`` with the mask it would have built.
 
 ``enable`` / ``disable`` switch through the public ``set_attn_implementation``. Equality with ``sdpa`` is tested.
 """
@@ -92,6 +93,11 @@ def prefix_block_attention(module, query, key, value, attention_mask, dropout: f
             rows = attention_mask[0, 0]  # [q, L]
             visible = rows if rows.dtype == torch.bool else rows == 0
         return _row_exact_attention(query, key, value, scale, visible), None
+    if q == 1 < length and attention_mask is None and not module.training and query.shape[1] % key.shape[1] == 0:
+        # a decode step: the same one-row attention, which reads each key/value head once (sdpa's path copies them
+        # per query head first: 1.6-2x the time from 2K cached tokens on, equal below)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return _one_row(query, key, value, scale).transpose(1, 2).contiguous(), None
     if attention_mask is None and 1 < q < length and not module.training and query.shape[1] % key.shape[1] == 0:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return _block_attention(module, query, key, value, scale), None
