@@ -30,6 +30,21 @@ def test_profile_json_plot_and_table(cli, saved_models, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"profile.json", "profile.md", "profile.png"}
     assert "| 20 | retrospec |" in (tmp_path / "out" / "profile.md").read_text()
+    formats = prof["floors"]["formats"]  # the same weights' floor in every format, float32 the one that ran
+    assert prof["format"] == "float32" and formats["float32"]["weights_bytes"] == prof["floors"]["weights_bytes"]
+    assert (formats["float32"]["weights_bytes"] > formats["bfloat16"]["weights_bytes"]
+            > formats["int8"]["weights_bytes"] > formats["int4"]["weights_bytes"])
+    assert "Floors by format" in (tmp_path / "out" / "profile.md").read_text()
+
+
+def test_a_weight_only_model_is_profiled_in_its_format(cli, saved_models, tmp_path):
+    run = cli("profile", "--target", saved_models.target, "--dtype", "int8", "--contexts", "20", "--tokens", "1,2",
+              "--reps", "1", "--json", "--out", tmp_path / "out")
+    assert run.rc == 0, run.err
+    prof = json.loads(run.out)
+    assert prof["format"] == "int8" and prof["engine"]["plan"] == "weight-only:int8" and prof["engine"]["row_exact"]
+    assert prof["floors"]["weights_bytes"] == prof["floors"]["formats"]["int8"]["weights_bytes"]
+    assert all(v > 0 for v in prof["floors"]["linear_ms"].values())
 
 
 @pytest.mark.parametrize("flag,value,fragment", [("--tokens", "1,x", "--tokens"), ("--contexts", "0", "--contexts"),

@@ -152,6 +152,15 @@ def quantize_model_(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     return model
 
 
+def matmul_bytes(shapes: list[tuple[int, int]], fmt: str) -> int:
+    """Bytes a forward reads for linear layers of (out, in) ``shapes`` stored in ``fmt``: float32 4 per weight,
+    bfloat16/float16 2; int8 1 plus a 2-byte scale per output row; int4 half a byte plus a 2-byte scale and zero per
+    group of ``GROUP`` inputs."""
+    per = {"float32": lambda o, i: 4 * o * i, "bfloat16": lambda o, i: 2 * o * i, "float16": lambda o, i: 2 * o * i,
+           "int8": lambda o, i: o * i + 2 * o, "int4": lambda o, i: o * i // 2 + 4 * o * (i // GROUP)}[fmt]
+    return sum(per(o, i) for o, i in shapes)
+
+
 def format_of(model: torch.nn.Module) -> str | None:
     """The weight-only format of a model ``quantize_model_`` converted (``int8`` / ``int4``), else None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -25,10 +25,11 @@ import statistics
 import torch
 
 from ..fastpath import device_clock, engine_for, machine_id
-from ..fastpath.linear import PackedLinear, head_logits
+from ..fastpath.linear import PackedLinear
 from ..fastpath.plan import median_ms
 from ..kv import KVCache
 from ..types import DraftTree
+from ..weight_only import WeightOnlyLinear, format_of, matmul_bytes
 from ..verify import Verifier
 
 DEFAULT_CONTEXTS = (300, 2000)
@@ -93,20 +94,21 @@ def linear_ms(model, tokens: tuple[int, ...], reps: int) -> dict[int, float]:
     engine = engine_for(model)
     module = engine.module
     decoder = engine.decoder if engine.decoder is not None else module.get_decoder()
-    lins = [m for m in decoder.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-    head_w = module.get_output_embeddings().weight
+    lins = [m for m in decoder.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, WeightOnlyLinear))]
+    emb = module.get_input_embeddings().weight  # the activations' dtype and device
+    head = module.get_output_embeddings()
+    logits = engine.logits_of if engine.decoder is not None else head  # the head as the engine applies it
     out = {}
     for t in tokens:
-        xs = {m.in_features: torch.randn(1, t, m.in_features, dtype=head_w.dtype, device=head_w.device) for m in lins}
-        h = torch.randn(t, head_w.shape[1], dtype=head_w.dtype, device=head_w.device)
-        layout = engine.plan.head_layout(t) if engine.plan is not None else "linear"
+        xs = {m.in_features: torch.randn(1, t, m.in_features, dtype=emb.dtype, device=emb.device) for m in lins}
+        h = torch.randn(t, head.in_features, dtype=emb.dtype, device=emb.device)
 
         def run():
             for m in lins:
                 m(xs[m.in_features])
-            head_logits(h, head_w, layout, engine.head_packed)
+            logits(h)
 
-        out[t] = median_ms(run, reps, head_w.device)
+        out[t] = median_ms(run, reps, emb.device)
     return out
 
 
@@ -192,10 +194,16 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
         fwd[str(ctx)] = {k: got[k] for k in chains}
         tree_ms[str(ctx)] = {k: got[k] for k in tree_shapes}  # "tree16": a tree of 16 draft nodes
     say("floors")
-    weights = sum(w.numel() * w.element_size() for w in [m.weight for m in model.get_decoder().modules()
-                                                           if isinstance(m, torch.nn.Linear)]
-                  + [model.get_output_embeddings().weight])
+    shapes = [(m.out_features, m.in_features) for m in model.get_decoder().modules()
+              if isinstance(m, (torch.nn.Linear, WeightOnlyLinear))]
+    head = model.get_output_embeddings()
+    shapes.append((head.out_features, head.in_features))
+    fmt = format_of(model) or str(next(model.parameters()).dtype).replace("torch.", "")
+    weights = matmul_bytes(shapes, fmt)
     bw = bandwidth_gbs(device=next(model.parameters()).device)
+    # every format this model could run in, read once at the measured bandwidth (the step's lower bound)
+    formats = {f: {"weights_bytes": matmul_bytes(shapes, f), "floor_ms": matmul_bytes(shapes, f) / bw / 1e6}
+               for f in ("float32", "bfloat16", "int8", "int4")}
     lin = linear_ms(model, tokens, reps)
     out = {
         "target": str(getattr(target, "path", "")),
@@ -204,8 +212,9 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
         "engine": engine.describe(), "contexts": list(contexts), "tokens": list(tokens), "forward_ms": fwd,
         "ratio": {c: {t: v / row[str(tokens[0])] for t, v in row.items()} for c, row in fwd.items()},
         "plain_forward_ms": base, "tree_ms": tree_ms,
+        "format": fmt,
         "floors": {"weights_bytes": weights, "bandwidth_gbs": bw, "bandwidth_floor_ms": weights / bw / 1e6,
-                   "linear_ms": {str(t): v for t, v in lin.items()}},
+                   "linear_ms": {str(t): v for t, v in lin.items()}, "formats": formats},
     }
     short = fwd[str(contexts[0])]
     steps = {int(t): v for t, v in short.items()}
@@ -268,7 +277,13 @@ def render_table(profile: dict) -> str:
     fl = profile["floors"]
     lines += ["| - | linear layers alone | " + " | ".join(f"{fl['linear_ms'][t]:.1f} ms" for t in toks) + " |", ""]
     lines.append(f"Weights {fl['weights_bytes'] / 1e6:.0f} MB at {fl['bandwidth_gbs']:.1f} GB/s: "
-                 f"floor {fl['bandwidth_floor_ms']:.1f} ms per forward.")
+                 f"floor {fl['bandwidth_floor_ms']:.1f} ms per forward"
+                 + (f" ({profile['format']}; a one-token step here is "
+                    f"{profile['forward_ms'][str(profile['contexts'][0])][toks[0]] / fl['bandwidth_floor_ms']:.1f}x "
+                    "its floor)." if profile.get("format") else "."))
+    if fl.get("formats"):
+        lines.append("Floors by format (same weights, read once): " + ", ".join(
+            f"{f} {v['weights_bytes'] / 1e6:.0f} MB = {v['floor_ms']:.1f} ms" for f, v in fl["formats"].items()) + ".")
     for ctx, row in profile["tree_ms"].items():
         one = profile["forward_ms"][ctx][toks[0]]
         for name, ms in row.items():

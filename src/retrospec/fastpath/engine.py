@@ -152,12 +152,12 @@ class EngineModel:
             if "packed" in self.plan.head.values():
                 self.head_packed = pack_weight(head.weight, pack_dtype)
             if attention == "prefix_block" and not draft:  # exact verification where the matmuls allow it
-                self.row_exact = rows_invariant([*linear_modules(decoder), self._head], head.in_features,
+                self.row_exact = rows_invariant([*linear_modules(decoder), self.logits_of], head.in_features,
                                                 clone.get_input_embeddings().weight.dtype)
                 setattr(clone.config, prefix_block.ROW_EXACT, self.row_exact)
         self.module, self.decoder = clone, decoder
 
-    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+    def logits_of(self, rows: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, V] logits, as ``forward`` computes them (the plan's layout for T rows)."""
         if self.head_fn is not None:
             return self.head_fn(rows)
@@ -209,7 +209,7 @@ class EngineModel:
         out = self.decoder(**kwargs)
         hidden = out.last_hidden_state[0]  # [T, H]
         rows = hidden[-1:] if last_only else hidden
-        return self._head(rows), (out.hidden_states[-1][0] if want_hidden else None)
+        return self.logits_of(rows), (out.hidden_states[-1][0] if want_hidden else None)
 
     def describe(self) -> dict:
         """What runs, for reports: mode, attention, the packed row counts and head layouts, where the plan came from."""
