@@ -102,7 +102,8 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
              + ["stdlib", "self-instruct=16000", "tasks=16000"])
     sources = "stdlib=8" if dry_run else ",".join(parts)
     cfg_kw = dict(max_new_tokens=8, batch_size=4, shard_size=8) if dry_run else dict(
-        max_new_tokens=256, batch_size=1024, shard_size=2048)  # launch-bound at 135M: rows are ~free
+        max_new_tokens=256, batch_size=1024, shard_size=2048,  # launch-bound at 135M: rows are ~free
+        max_prompt_tokens=512)  # a batch is padded to its longest prompt: its KV cache is read and copied per step
     gen_dtype = torch.float32 if dry_run else torch.bfloat16
     target = load_model(name, dtype=gen_dtype, device=device)
     corpus = work / "corpus"
