@@ -226,7 +226,7 @@ def test_triton_kernel_equals_reference_tree_part(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                           env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode and "only 0-dimensional arrays can be converted" in proc.stderr:
-        # seen on the H200 image (session 38: triton 3.6, numpy >= 2.4): the interpreter's own __index__ breaks on the
+        # seen on the H200 image (triton 3.6, numpy >= 2.4): the interpreter's own __index__ breaks on the
         # kernel's runtime loop bound (triton-lang/triton#9171); the compiled kernel is checked by tests/test_cuda.py
         pytest.skip("triton's interpreter fails under numpy >= 2.4 (triton-lang/triton#9171)")
     assert proc.returncode == 0, proc.stderr[-3000:]

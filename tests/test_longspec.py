@@ -1,4 +1,4 @@
-"""LongSpec (issue 9, parts 1 and 3): the one-block draft, its ring-buffer state, its checkpoint, and the
+"""LongSpec: the one-block draft, its ring-buffer state, its checkpoint, and the
 ``longspec`` drafter through the engine, the API and the CLI. Tiny Llama and Qwen2 targets, fp32, no training:
 blocks are random (weights scaled up so every branch matters) or identity-initialised.
 

@@ -225,7 +225,7 @@ def test_wsd_run_writes_a_state_that_a_later_run_resumes(saved_models, tmp_path)
 @pytest.mark.parametrize("how", ["seconds", "max_tokens"])
 def test_the_schedule_ends_where_the_run_stops(how):
     """A wsd run whose token budget runs out before its seconds (one pass, the default) still ends its decay there,
-    and ``--max-tokens`` beyond one pass trains further passes (session 41: a pass over the pool stopped a 4,200 s
+    and ``--max-tokens`` beyond one pass trains further passes (measured: a pass over the pool stopped a 4,200 s
     run at 3,372 s with a fifth of its decay done)."""
     from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-"""LongSpec (issue 9, part 2): training the draft block and evaluating it by position bucket.
+"""LongSpec: training the draft block and evaluating it by position bucket.
 
 Tiny Llama targets (fp32, CPU, one thread), windows of 24-40 tokens, max_positions 256:
 - anchor-offset positions: the first s <= 4 kept, the rest contiguous and shifted, all < max_positions; off = 0..L-1;

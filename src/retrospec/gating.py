@@ -1,4 +1,4 @@
-"""Gating: per request, draft only as much as pays, down to no draft at all (issue 11).
+"""Gating: per request, draft only as much as pays, down to no draft at all.
 
 A drafter that does not pay makes speculative decoding slower than plain decoding (an out-of-distribution REST
 store: 0.4x; RAPID self-speculation on items it never agrees on: 0.15x). Before every step the gate picks the node

@@ -146,7 +146,7 @@ def oracle_identity(res, target, draft, prompts, methods, args, max_new: int) ->
 def pytest_part(dry_run: bool, seconds: float) -> dict:
     files = CUDA_TESTS[:1] if dry_run else CUDA_TESTS  # a dry run collects the CUDA file only (seconds)
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-k", "cuda or triton"]
-    # at least 150 s: on the H200 (session 38) these files took ~70 s, building the long zoo pair 36 s of it, and a
+    # at least 150 s: on an H200 these files took ~70 s, building the long zoo pair 36 s of it, and a
     # 65 s limit killed the run with no summary; on a CPU starved by other jobs collection alone took > 60 s
     limit = 600 if dry_run else max(seconds, 150)
     proc = subprocess.run(cmd + ["--collect-only"] * dry_run, capture_output=True, text=True, timeout=limit)

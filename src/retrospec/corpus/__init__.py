@@ -1,4 +1,4 @@
-"""A corpus of the target's own outputs (issue 19): prompt sources (``prompts``) and the batched, sharded,
+"""A corpus of the target's own outputs: prompt sources (``prompts``) and the batched, sharded,
 resumable builder with its manifest (``build``). ``retrospec corpus generate`` is the command."""
 
 from .build import CorpusBuilder, CorpusConfig, check_corpus, read_corpus

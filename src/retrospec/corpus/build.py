@@ -1,4 +1,4 @@
-"""A corpus of the target's own outputs: batched, sharded, resumable, written atomically, with a manifest (issue 19).
+"""A corpus of the target's own outputs: batched, sharded, resumable, written atomically, with a manifest.
 
 Drafts and in-domain datastores learn best from text the target itself wrote. ``CorpusBuilder`` asks the target
 every prompt row (``corpus.prompts``) at every temperature of the config and writes what it answered:

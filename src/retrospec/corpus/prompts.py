@@ -1,4 +1,4 @@
-"""Prompt sources for a corpus of the target's own outputs (issue 19): what the target is asked to write.
+"""Prompt sources for a corpus of the target's own outputs: what the target is asked to write.
 
 Sources (``parse_sources``: a comma-separated list of ``name`` or ``name=ARG``):
 

@@ -1,5 +1,5 @@
 """Distilling a small draft LM (``sd``'s draft, e.g. ``smollm2-135m-draft``) on the target's own outputs
-(``retrospec train draft-distill``, issue 19).
+(``retrospec train draft-distill``).
 
 The bundled draft was first distilled on text the target never wrote, proposing from a vocabulary chosen on that
 text. This trainer reads a corpus of the target's own replies (``retrospec corpus generate``; the records, held-out
@@ -136,7 +136,7 @@ def row_map(theirs: torch.Tensor, own: torch.Tensor, shared: list[int], where: d
     """How a target row [H] becomes a draft row: the least-squares linear map from the target's rows to the draft's
     over the ``shared`` ids (target id -> draft row ``where``), when there are at least H of them; else the target's
     row as it is; None when the widths differ. A draft started from the target's rows has trained them away from it:
-    copied as they are, the new rows out-scored the trained ones (session 37: held-out agreement 0.34 -> 0.16 after
+    copied as they are, the new rows out-scored the trained ones (measured: held-out agreement 0.34 -> 0.16 after
     re-choosing 12,288 ids)."""
     if theirs.shape[1] != own.shape[1]:
         return None

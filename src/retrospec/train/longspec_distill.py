@@ -1,4 +1,4 @@
-"""Distilling the LongSpec block on the target's own outputs (``retrospec train longspec-distill``, issue 19).
+"""Distilling the LongSpec block on the target's own outputs (``retrospec train longspec-distill``).
 
 The bundled block was first trained on code windows the target never wrote; what it meets at inference is text the
 target writes. This trainer reads a corpus of the target's own replies (``retrospec corpus generate``:

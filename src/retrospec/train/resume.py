@@ -1,4 +1,4 @@
-"""Learning-rate schedules the distillers share, and resuming a warmup-stable-decay run (issue 19).
+"""Learning-rate schedules the distillers share, and resuming a warmup-stable-decay run.
 
 Every distillation pass from ``--init`` restarted a warm-up and cosine: the peak rate came back, the held-out
 agreement dipped for about a quarter of the pass, and AdamW's moments started from zero. With ``--schedule wsd``
