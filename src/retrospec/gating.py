@@ -21,7 +21,7 @@ drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the engin
 step is predicted to cost more than twice the top's (verify read on the curve, or extrapolated linearly from the
 plain step through the top's node count beyond what was measured; drafting scaled with the budget): at a long
 context a 64-node verification costs several plain steps, and such a probe rarely pays. Below the top, a probe
-refreshes the estimates as often as its extra cost over a plain step fits in 1.5 % of plain decoding time (every 2
+refreshes the estimates as often as its extra cost over a plain step fits in 3 % of plain decoding time (every 2
 to 128 steps): at the top budget when that costs at most a quarter of a plain step more, else at 2 b* (at least 1);
 a probe that wins is followed at once by the next one, and so is a probe whose whole draft is accepted, at twice its
 budget, so a request that turns speculable climbs back in a few steps while a drafter that is always right but too
@@ -50,7 +50,7 @@ PRIOR_ACCEPT = 0.5  # prior acceptance per position
 GROWTH = 4  # ramp factor at the top of the budgets tried
 SLOW_GROWTH = 2  # ... where a GROWTH step is predicted to cost more than GROWTH_COST x the top's step
 GROWTH_COST = 2.0
-PROBE_OVERHEAD = 0.015  # probes below the top may cost this share of plain decoding time
+PROBE_OVERHEAD = 0.03  # probes below the top may cost this share of plain decoding time
 PROBE_MAX = 128  # steps between probes at most
 CARRY_WEIGHT = 1.0  # a request starts from the last one's estimates, worth this many steps per budget
 CHEAP_PROBE = 0.25  # a probe at the top budget costing at most this share of a plain step more is cheap
