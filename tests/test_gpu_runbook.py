@@ -237,3 +237,20 @@ def test_plan_command_prints_every_call(capsys, monkeypatch):
     assert [c["index"] for c in got["calls"]] == list(range(1, len(got["calls"]) + 1))
     assert [c["step"] for c in got["calls"] if not c["optional"]] == ["stage", "model", "train"]
     assert got["minutes"] <= plan.SESSION_S / 60
+
+
+def test_the_watchdog_writes_what_was_measured_before_a_kill(tmp_path):
+    import time
+
+    from tools.gpu import common
+
+    res, _ = common.start("train", True, 60)
+    res.figures["corpus"] = {"output_tokens": 123}
+    timer = common.watchdog(res, tmp_path, 0.05)
+    timer.join(5)
+    got = json.loads((tmp_path / "train.json").read_text())
+    assert got["figures"]["corpus"]["output_tokens"] == 123 and got["notes"][0].startswith("watchdog: the step was")
+    later = common.watchdog(res, tmp_path / "later", 30)
+    later.cancel()
+    time.sleep(0.05)
+    assert not (tmp_path / "later").exists()  # cancelled: a step that finished writes its own JSON

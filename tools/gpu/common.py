@@ -119,6 +119,22 @@ def finish(result: StepResult, out: Path) -> int:
     return 1 if result.errors else 0
 
 
+def watchdog(result: StepResult, out: Path, after_s: float):
+    """Write ``<step>.json`` as it stands after ``after_s`` seconds (a daemon timer; cancel it when done): a call
+    killed at its limit still returns what was measured by then, with a note saying the step had not finished."""
+    import threading
+
+    def fire():
+        result.notes.append(f"watchdog: the step was still running after {after_s:.0f} s; this JSON holds what was "
+                            "measured by then")
+        finish(result, out)
+
+    timer = threading.Timer(after_s, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

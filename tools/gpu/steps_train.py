@@ -94,6 +94,7 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     from retrospec.train.longspec_distill import DistillConfig, distill_longspec
 
     res, device = common.start("train", dry_run, budget_s)
+    timer = common.watchdog(res, out, budget_s + 20)  # the call's limit is the budget + ~70 s
     name = "zoo" if dry_run else "smollm2-135m"
     bundled = paired_longspec(name)
     work = Path(tempfile.mkdtemp(prefix="rs-gpu-train-"))
@@ -165,4 +166,5 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
                 res.figures["returned"] = {p.name: p.stat().st_size for p in sorted(dest.iterdir())}
                 res.part("int8/tar", lambda: shutil.make_archive(str(out / "block-int8"), "tar", work, "block-int8"))
     res.notes.append("zoo real-draft (the sd draft) is not retrained on CUDA: build_real_draft takes no device")
+    timer.cancel()
     return common.finish(res, out)
