@@ -37,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..attention import hybrid_tree, prefix_block
 from ..weight_only import WeightOnlyLinear
 from .draft import draft_choice, pack_linears
+from .lean import LeanDecoder
 from .linear import head_logits, pack_weight
 from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode
 from .rows import linear_modules, rows_invariant
@@ -118,6 +119,7 @@ class EngineModel:
         self.head_fn: torch.nn.Module | None = None  # a weight-only head: called as it is
         self.hybrid_min_length: int | None = None
         self.row_exact = False  # every verified row computed as a one-token step computes it (see rows_invariant)
+        self.lean: LeanDecoder | None = None  # the decoder's forward as a plain loop (``fastpath.lean``) where it applies
         device = next(model.parameters()).device
         if _on_cuda(device) and how != "off" and attention == "prefix_block" and not draft:
             self._hybrid_tree_copy(model, device)
@@ -156,6 +158,8 @@ class EngineModel:
                                                 clone.get_input_embeddings().weight.dtype)
                 setattr(clone.config, prefix_block.ROW_EXACT, self.row_exact)
         self.module, self.decoder = clone, decoder
+        if LeanDecoder.supports(decoder):
+            self.lean = LeanDecoder(decoder)
 
     def logits_of(self, rows: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, V] logits, as ``forward`` computes them (the plan's layout for T rows)."""
@@ -206,6 +210,10 @@ class EngineModel:
         if self.decoder is None:
             out = self.module(**kwargs, logits_to_keep=1 if last_only else 0)
             return out.logits[0], (out.hidden_states[-1][0] if want_hidden else None)
+        if self.lean is not None and (attention_mask is None or attention_mask.dim() == 4):
+            hidden, _ = self.lean(ids, position_ids, attention_mask, cache)  # [T, H], transformers' last_hidden_state
+            rows = hidden[-1:] if last_only else hidden
+            return self.logits_of(rows), (hidden if want_hidden else None)
         out = self.decoder(**kwargs)
         hidden = out.last_hidden_state[0]  # [T, H]
         rows = hidden[-1:] if last_only else hidden
@@ -214,7 +222,7 @@ class EngineModel:
     def describe(self) -> dict:
         """What runs, for reports: mode, attention, the packed row counts and head layouts, where the plan came from."""
         d = {"mode": self.mode, "attention": getattr(self.module.config, "_attn_implementation", None),
-             "row_exact": self.row_exact}
+             "row_exact": self.row_exact, "loop": "lean" if self.lean is not None else "modules"}
         if self.hybrid_min_length is not None:
             d["hybrid_min_length"] = self.hybrid_min_length
         if self.plan is not None:

@@ -1,0 +1,176 @@
+"""The decoder's forward without the per-module machinery: the same operations on the same weights, fewer calls.
+
+Why: once the matmuls read their weights at memory speed, what is left of a step is dispatch — transformers'
+forward runs each decoder layer through module calls, decorators, keyword plumbing and output recorders, ~2,500
+small operator calls per step for a 30-layer model, 40-60 % of a one-token step on a 2-core CPU with weight-only
+matmuls. ``LeanDecoder`` runs the same layer math as a plain loop over the layers' weights:
+
+    x = embed(ids); cos, sin = rotary(x, position_ids)          # the model's own rotary module (every rope type)
+    per layer:  h = rmsnorm(x); q, k, v = proj(h)                # [1, heads, T, head_dim] after the reshape
+                (Qwen3: q, k = q_norm(q), k_norm(k))
+                q, k = rope(q, k, cos, sin); k, v = cache.update(k, v, layer)
+                x = x + o_proj(attention(q, k, v))               # the engine's attention (``prefix_block``)
+                x = x + down(silu(gate(rmsnorm(x))) * up(rmsnorm(x)))
+    out = norm(x)                                                # [T, H] = transformers' last_hidden_state
+
+Every operation is the one transformers' Llama-family layer applies, in the same order and dtype (the norms and
+projections are the model's own modules, called through ``forward``), so the result equals the module forward
+bitwise in the tests' families (asserted with ``torch.equal`` for Llama, Qwen2 and Qwen3, in float32 and the
+weight-only formats). Nothing of transformers is copied or patched: this is our loop over its public modules.
+
+Weight-only formats also join the projections that share an input (q/k/v; gate/up) into one kernel call each
+(``fuse``: kept only where the joined call gives each part's bits, checked at build), 4 matmul calls a layer
+instead of 7: with 4-bit weights a small projection's call costs several times its memory traffic.
+
+Scope (``LeanDecoder.supports``): model types in ``LEAN_MODEL_TYPES`` with full attention in every layer (no sliding
+window), SiLU-gated MLPs, no tensor-parallel split, an attention implementation whose function is the engine's
+``prefix_block``, and a masks the engine passes itself (none, or a 4D tree mask). Anything else runs as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import prefix_block
+from ..weight_only import WeightOnlyLinear
+
+LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def fuse(linears: list[torch.nn.Module]) -> WeightOnlyLinear | None:
+    """One weight-only layer computing ``linears`` (same format, same input) side by side: [..., in] -> [..., sum of
+    outs], or None where they cannot be joined or the joined layer does not give each part's bits (checked on a
+    probe: the kernels compute each output column alone, so it does wherever the packing concatenates by rows).
+    Costs a second copy of those weights; saves per-call overhead and one activation cast per part."""
+    first = linears[0]
+    if not all(type(m) is WeightOnlyLinear and m.fmt == first.fmt and m.in_features == first.in_features
+               for m in linears):
+        return None
+    if any(m.bias is not None for m in linears) and not all(m.bias is not None for m in linears):
+        return None
+    scale_dim = 0 if first.fmt == "int8" else 1  # int8: [out] | int4: [in / GROUP, out, 2]
+    joined = WeightOnlyLinear(first.fmt, first.in_features, sum(m.out_features for m in linears),
+                              torch.cat([m.qweight for m in linears]),
+                              torch.cat([m.scales for m in linears], dim=scale_dim).contiguous(),
+                              None if first.bias is None else torch.cat([m.bias for m in linears]))
+    probe = torch.randn(3, first.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        if not torch.equal(joined(probe), torch.cat([m(probe) for m in linears], dim=-1)):
+            return None
+    return joined
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    """One decoder layer's pieces, looked up once."""
+
+    __slots__ = ("norm1", "norm2", "q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm", "attn", "index",
+                 "qkv", "gate_up", "splits")
+
+    def __init__(self, layer: torch.nn.Module, index: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn, self.index = attn, index
+        self.norm1, self.norm2 = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.q, self.k, self.v, self.o = (attn.q_proj.forward, attn.k_proj.forward, attn.v_proj.forward,
+                                          attn.o_proj.forward)
+        self.gate, self.up, self.down = mlp.gate_proj.forward, mlp.up_proj.forward, mlp.down_proj.forward
+        self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
+        self.k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
+        qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = fuse([mlp.gate_proj, mlp.up_proj])
+        self.qkv = None if qkv is None else qkv.forward
+        self.gate_up = None if gate_up is None else gate_up.forward
+        self.splits = ([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features],
+                       [mlp.gate_proj.out_features, mlp.up_proj.out_features])
+
+
+class LeanDecoder:
+    """``decoder``'s forward as a plain loop (see the module docstring); ``decoder`` is the engine's private copy."""
+
+    def __init__(self, decoder: torch.nn.Module):
+        cfg = decoder.config
+        self.config = cfg
+        self.embed = decoder.embed_tokens
+        self.rotary = decoder.rotary_emb
+        self.norm = decoder.norm.forward
+        self.layers = [_Layer(layer, i) for i, layer in enumerate(decoder.layers[: cfg.num_hidden_layers])]
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+
+    @staticmethod
+    def supports(decoder: torch.nn.Module) -> bool:
+        cfg = getattr(decoder, "config", None)
+        if getattr(cfg, "model_type", None) not in LEAN_MODEL_TYPES:
+            return False
+        if getattr(cfg, "_attn_implementation", None) != prefix_block.ATTN_NAME:
+            return False
+        if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+            return False
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+            return False
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
+                and cfg.model_type == "mistral":
+            return False
+        layers = getattr(decoder, "layers", None)
+        if not layers or not all(hasattr(decoder, n) for n in ("embed_tokens", "rotary_emb", "norm")):
+            return False
+        for layer in layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if attn is None or mlp is None or not hasattr(layer, "input_layernorm") \
+                    or not hasattr(layer, "post_attention_layernorm"):
+                return False
+            if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+                return False
+            if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                return False
+            if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+                return False
+        return True
+
+    def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache,
+                 want_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """ids/position_ids [1, T] -> (normed last hidden state [T, H], {layer index: its output [T, H]}).
+        ``attention_mask``: None (causal over the cache) or a 4D tree mask [1, 1, T, L]."""
+        t = ids.shape[1]
+        x = self.embed(ids)  # [1, T, H]
+        cos, sin = self.rotary(x, position_ids)  # [1, T, head_dim] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim]
+        qshape, kvshape = (1, t, self.heads, self.head_dim), (1, t, self.kv_heads, self.head_dim)
+        wanted: dict[int, torch.Tensor] = {}
+        for layer in self.layers:
+            h = layer.norm1(x)
+            if layer.qkv is not None and layer.q_norm is None:  # one call, and rotary over q and k heads at once
+                qkv = layer.qkv(h).view(1, t, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+                qk = qkv[:, : self.heads + self.kv_heads]  # [1, heads + kvh, T, d]
+                qk = qk * cos + _rotate_half(qk) * sin  # elementwise: each head's bits as if rotated alone
+                q, k, v = qk[:, : self.heads], qk[:, self.heads:], qkv[:, self.heads + self.kv_heads:]
+            else:
+                if layer.qkv is not None:  # [1, T, q + k + v features] in one call
+                    q, k, v = layer.qkv(h).split(layer.splits[0], dim=-1)
+                else:
+                    q, k, v = layer.q(h), layer.k(h), layer.v(h)
+                q, k, v = q.view(qshape), k.view(kvshape), v.view(kvshape).transpose(1, 2)  # v [1, kvh, T, d]
+                if layer.q_norm is not None:
+                    q, k = layer.q_norm(q), layer.k_norm(k)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads, T, d], [1, kvh, T, d]
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
+            k, v = cache.update(k, v, layer.index)  # [1, kvh, L, d]
+            a, _ = prefix_block.prefix_block_attention(layer.attn, q, k, v, attention_mask,
+                                                       scaling=layer.attn.scaling)  # [1, T, heads, d]
+            x = x + layer.o(a.reshape(1, t, -1))
+            h = layer.norm2(x)
+            if layer.gate_up is not None:
+                g, u = layer.gate_up(h).split(layer.splits[1], dim=-1)
+            else:
+                g, u = layer.gate(h), layer.up(h)
+            x = x + layer.down(F.silu(g) * u)
+            if layer.index in want_layers:
+                wanted[layer.index] = x[0]
+        return self.norm(x)[0], wanted
