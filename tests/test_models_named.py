@@ -37,10 +37,21 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, model, tok, arch: str = "llama") -> None:
+def write_tiny_gguf(path, model, tok, arch: str = "llama", quant: dict[str, str] | None = None) -> None:
+    """``quant``: GGUF tensor name -> quantization type name (``Q4_0``, ``Q4_1``, ``Q8_0``); the rest F32."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
+    add_tensor = w.add_tensor
+
+    def add(name, array):
+        kind = (quant or {}).get(name)
+        if kind is None:
+            return add_tensor(name, array)
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        return add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+
+    w.add_tensor = add
     w.add_name("tiny llama")
     w.add_context_length(model.config.max_position_embeddings)
     w.add_block_count(LAYERS)

@@ -63,10 +63,13 @@ def generate(prompt: str | list[int] | None = None, **kwargs) -> GenerationResul
     ``top_p``, ``top_k``, ``seed``, ``stop`` (stop strings), ``gating`` (None = on except for seeded sampling;
     False: always the full draft; see ``retrospec.gating``) and the method's knobs (``gamma``, ``adaptive_gamma``,
     ``max_ngram``, ``datastore``, ``tree``, ...; an undeclared one is refused). ``device`` (``cpu``, ``cuda``,
-    ``cuda:N``, ``auto``) and ``dtype`` (``float32`` default, ``bfloat16``, ``float16``, or the CPU weight-only
-    formats ``int8`` / ``int4``: ``retrospec.weight_only``) apply to a target and a draft given as directories or
-    names; loaded models run where and as they are. Greedy token identity with ``ar`` holds in float32; with 16-bit
-    weights or activations a k-token verification and a 1-token step round differently, so near-ties may flip.
+    ``cuda:N``, ``auto``) and ``dtype`` (``float32`` default, ``bfloat16``, ``float16``, the CPU weight-only
+    formats ``int8`` / ``int4`` (``retrospec.weight_only``), or ``gguf``: the blocks of the GGUF file the target was
+    converted from, run natively (``models.gguf_native``)) apply to a target and a draft given as directories or
+    names; loaded models run where and as they are. Greedy output of a lossless method is token-identical to ``ar``
+    in the same format: in float32, and wherever the engine measured its matmuls row-invariant (the weight-only
+    formats; ``fastpath.rows``), where a k-token verification is bitwise k one-token steps. Elsewhere (16-bit
+    matmuls whose rows depend on the call) a near-tie may flip.
 
     Chat: ``messages=[{"role": "user", "content": ...}, ...]`` (roles system / user / assistant), or ``prompt`` with
     ``chat=True``; generation stops at the template's end-of-turn token. No chat template = ``RetrospecError``.

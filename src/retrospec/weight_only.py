@@ -161,8 +161,14 @@ def matmul_bytes(shapes: list[tuple[int, int]], fmt: str) -> int:
     return sum(per(o, i) for o, i in shapes)
 
 
+FORMAT_ATTR = "_retrospec_weight_format"  # set on a model whose layers were built from a file's own blocks ("gguf")
+
+
 def format_of(model: torch.nn.Module) -> str | None:
-    """The weight-only format of a model ``quantize_model_`` converted (``int8`` / ``int4``), else None."""
+    """The weight-only format of a model ``quantize_model_`` converted (``int8`` / ``int4``) or one built from a
+    GGUF file's blocks (``gguf``: ``models.gguf_native``), else None."""
+    if getattr(model, FORMAT_ATTR, None):
+        return getattr(model, FORMAT_ATTR)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return head.fmt if isinstance(head, WeightOnlyLinear) else None
 

@@ -34,7 +34,7 @@ PYTHON_ENV = "RETROSPEC_LLAMACPP_PYTHON"
 PEER_VENV = ".venv-peers"
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 GGUF_SOURCE = "smollm2-135m"  # the named model whose GGUF the peer can read
-FILE_FORMATS = {"float32": "f32", "int8": "q8_0", "int4": None}  # our format -> llama.cpp file type (None: as shipped)
+FILE_FORMATS = {"float32": "f32", "int8": "q8_0", "int4": None, "gguf": None}  # ours -> llama.cpp file type (None: as shipped)
 
 
 def peer_python() -> str | None:

@@ -194,16 +194,19 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
         fwd[str(ctx)] = {k: got[k] for k in chains}
         tree_ms[str(ctx)] = {k: got[k] for k in tree_shapes}  # "tree16": a tree of 16 draft nodes
     say("floors")
-    shapes = [(m.out_features, m.in_features) for m in model.get_decoder().modules()
-              if isinstance(m, (torch.nn.Linear, WeightOnlyLinear))]
-    head = model.get_output_embeddings()
-    shapes.append((head.out_features, head.in_features))
+    layers = [m for m in model.get_decoder().modules() if isinstance(m, (torch.nn.Linear, WeightOnlyLinear))]
+    layers.append(model.get_output_embeddings())
+    shapes = [(m.out_features, m.in_features) for m in layers]
     fmt = format_of(model) or str(next(model.parameters()).dtype).replace("torch.", "")
-    weights = matmul_bytes(shapes, fmt)
+    # a file's own blocks mix kinds (4-bit linears, an 8-bit head): count each layer in its kind
+    weights = sum(matmul_bytes([(m.out_features, m.in_features)], m.fmt) for m in layers) if fmt == "gguf" \
+        else matmul_bytes(shapes, fmt)
     bw = bandwidth_gbs(device=next(model.parameters()).device)
     # every format this model could run in, read once at the measured bandwidth (the step's lower bound)
     formats = {f: {"weights_bytes": matmul_bytes(shapes, f), "floor_ms": matmul_bytes(shapes, f) / bw / 1e6}
                for f in ("float32", "bfloat16", "int8", "int4")}
+    if fmt == "gguf":
+        formats["gguf"] = {"weights_bytes": weights, "floor_ms": weights / bw / 1e6}
     lin = linear_ms(model, tokens, reps)
     out = {
         "target": str(getattr(target, "path", "")),

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RetrospecError
+from ..models.loading import FORMAT_NAMES
 
 
 def add_sampling_args(p) -> None:
@@ -32,12 +33,12 @@ def add_sampling_args(p) -> None:
 def add_device_args(p) -> None:
     """``--device`` and ``--dtype`` for the target and the draft (``device_kwargs`` reads them)."""
     p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N | auto (cuda when present)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "int8", "int4"),
+    p.add_argument("--dtype", default="float32", choices=FORMAT_NAMES,
                    help="the weight format of the target and the draft (default float32; 16-bit is for GPUs and "
                         "CPUs with native bf16/fp16 matmuls; int8 / int4: weight-only quantized linears on the CPU, "
-                        "a model of its own). Greedy output is token-identical to ar in float32; with 16-bit "
-                        "weights or activations (bfloat16, float16, int8, int4) a k-token verification and a 1-token "
-                        "step round differently, so near-ties may flip (the bench's lossless column reports it)")
+                        "a model of its own; gguf: the blocks of the GGUF file the model was converted from, run "
+                        "natively (smollm2-135m: the published Q4_1 file; a draft not converted from a GGUF runs in "
+                        "float32)). Every lossless method is token-identical to ar in the same format")
 
 
 def device_kwargs(args) -> dict:

@@ -13,9 +13,10 @@ matmuls. ``LeanDecoder`` runs the same layer math as a plain loop over the layer
                 x = x + down(silu(gate(rmsnorm(x))) * up(rmsnorm(x)))
     out = norm(x)                                                # [T, H] = transformers' last_hidden_state
 
-Every operation is the one transformers' Llama-family layer applies, in the same order and dtype (the norms and
-projections are the model's own modules, called through ``forward``), so the result equals the module forward
-bitwise in the tests' families (asserted with ``torch.equal`` for Llama, Qwen2 and Qwen3, in float32 and the
+Every operation is the one transformers' Llama-family layer applies, in the same order and dtype (the projections
+are the model's own modules, called through ``forward``; an RMSNorm is torch's fused ``F.rms_norm`` where a probe
+shows it gives the module's bits, else the module), so the result equals the module forward bitwise in the tests'
+families (asserted with ``torch.equal`` for Llama, Qwen2 and Qwen3, in float32 and the
 weight-only formats). Nothing of transformers is copied or patched: this is our loop over its public modules.
 
 Weight-only formats also join the projections that share an input (q/k/v; gate/up) into one kernel call each
@@ -61,6 +62,20 @@ def fuse(linears: list[torch.nn.Module]) -> WeightOnlyLinear | None:
     return joined
 
 
+def rms_norm(norm: torch.nn.Module):
+    """A callable computing ``norm`` (an RMSNorm module): torch's one fused ``F.rms_norm`` where it gives the module's
+    bits on a probe here (it does on the CPUs tried: same float32 reduction), else the module's own forward."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if weight is None or eps is None or weight.dim() != 1:
+        return norm.forward
+    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    shape = (weight.shape[0],)
+    with torch.inference_mode():
+        if not torch.equal(F.rms_norm(probe, shape, weight, eps), norm(probe)):
+            return norm.forward
+    return lambda x: F.rms_norm(x, shape, weight, eps)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -75,7 +90,7 @@ class _Layer:
     def __init__(self, layer: torch.nn.Module, index: int):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn, self.index = attn, index
-        self.norm1, self.norm2 = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.norm1, self.norm2 = rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm)
         self.q, self.k, self.v, self.o = (attn.q_proj.forward, attn.k_proj.forward, attn.v_proj.forward,
                                           attn.o_proj.forward)
         self.gate, self.up, self.down = mlp.gate_proj.forward, mlp.up_proj.forward, mlp.down_proj.forward
@@ -97,7 +112,7 @@ class LeanDecoder:
         self.config = cfg
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
-        self.norm = decoder.norm.forward
+        self.norm = rms_norm(decoder.norm)
         self.layers = [_Layer(layer, i) for i, layer in enumerate(decoder.layers[: cfg.num_hidden_layers])]
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads

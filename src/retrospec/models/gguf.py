@@ -28,6 +28,7 @@ from pathlib import Path
 from ..atomic import atomic_build
 from ..errors import RetrospecError
 from .files import first_line, quiet_transformers
+from .gguf_native import write_source
 
 GGUF_MAGIC = b"GGUF"
 
@@ -133,6 +134,7 @@ def convert(file: Path, staging: Path) -> None:
             model.hf_quantizer = None
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+    write_source(staging, file)  # what --dtype gguf runs natively
 
 
 def import_gguf(file, out, *, log: Callable[[str], None] | None = _stderr, message: str | None = None) -> Path:

