@@ -32,14 +32,14 @@ test: $(STAMP)
 # The lowest transformers the library supports (pyproject's lower bound), in a virtualenv of its own, running the
 # exactness tests: greedy token-identical to the oracle (Llama and Qwen2, the fast path and tree attention), the
 # cache's rollback and tree keep (a sliding window included), one chi-square test of speculative sampling through the
-# engine, the GGUF import. Under a minute of pytest on 2 cores. `make test` runs everything on the newest in range.
+# engine, the GGUF import and its native blocks, the engine's lean decoder loop. Under a minute of pytest on 2 cores. `make test` runs everything on the newest in range.
 TF_LOWEST := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 VENV_LOWEST := .venv-lowest
 PY_LOWEST := $(VENV_LOWEST)/bin/python
 STAMP_LOWEST := $(VENV_LOWEST)/.installed
 EXACTNESS_TESTS := tests/test_engine_greedy.py tests/test_tree_cache.py tests/test_hybrid_tree_attention.py \
 	tests/test_fastpath.py "tests/test_engine_sampling.py::test_first_tokens_follow_target_law[chain-t1]" \
-	tests/test_models_named.py
+	tests/test_models_named.py tests/test_gguf_native.py tests/test_lean.py
 
 $(STAMP_LOWEST): pyproject.toml
 	test -n "$(TF_LOWEST)"

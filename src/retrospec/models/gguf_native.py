@@ -1,7 +1,7 @@
 """A GGUF file's quantized tensors run natively (``dtype="gguf"``): a step reads the file's 4-bit blocks, not floats.
 
 ``load_model(src, dtype="gguf")`` loads the float32 checkpoint converted from a GGUF file (``gguf.import_gguf``:
-the named ``smollm2-135m``, or a directory ``retrospec models import`` wrote, which records its source in
+the named ``smollm2-135m``, or a directory ``retrospec models import-gguf`` wrote, which records its source in
 ``SOURCE_FILE``), then replaces each decoder linear and the output head by a ``weight_only.WeightOnlyLinear`` built
 from the file's own blocks:
 
@@ -63,7 +63,7 @@ def source_of(path: Path, named_file: Path | None = None) -> Path:
     record = path / SOURCE_FILE
     if not record.is_file():
         raise RetrospecError(f"--dtype {FORMAT} runs a GGUF file's own tensors, and {path} was not converted from "
-                             "one here (convert it with 'retrospec models import FILE.gguf DIR')")
+                             "one here (convert it with 'retrospec models import-gguf FILE.gguf --out DIR')")
     try:
         file = Path(json.loads(record.read_text())["file"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
