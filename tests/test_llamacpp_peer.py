@@ -105,7 +105,7 @@ def test_peer_rows_run_the_worker_on_the_same_ids(cli, saved_models, tmp_path, f
         assert [len(r["token_ids"]) for r in runs] == [6, 6]  # max_new_tokens (the fake never says EOS)
         assert rows[m]["tokens_per_s"] == pytest.approx(rows[m]["new_tokens"] / rows[m]["decode_s"])
         assert rows[m]["lossless"] is False  # the fake's tokens are not the target's
-        assert got["config"]["peers"][m] == {"llama_cpp": "0.0-fake", "file": "model.F32.gguf"}
+        assert got["config"]["peers"][m] == {"peer": "llama.cpp", "version": "0.0-fake", "file": "model.F32.gguf"}
     log = fake_peer.read_text().splitlines()
     assert log.count("quantize 0 True") == 1  # the F32 file written once, then reused by the second row kind
     assert "load model.F32.gguf lookup=False" in log and "load model.F32.gguf lookup=True" in log

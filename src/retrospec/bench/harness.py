@@ -26,7 +26,6 @@ import contextlib
 import platform
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -46,7 +45,9 @@ from ..verify import PrefillMemo
 from ..weight_only import format_of
 from .hf_peers import HF_METHODS, ForwardProbe, full_vocab_draft, run_hf
 from .hybrid_timing import verify_cost
-from .llamacpp import LLAMACPP_METHODS, open_peers
+from . import llamacpp, vllm_peer
+from .llamacpp import LLAMACPP_METHODS
+from .vllm_peer import VLLM_METHODS
 from .labels import MethodLabel, parse_label
 from .summary import summarize_prompts, summarize_rows
 
@@ -69,8 +70,8 @@ class BenchConfig:
 
 
 def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
-    known = set(SPECS) | set(HF_METHODS) | set(LLAMACPP_METHODS)
-    short = set(registry_methods(context=False)) | set(HF_METHODS) | set(LLAMACPP_METHODS)
+    known = set(SPECS) | set(HF_METHODS) | set(PEER_METHODS)
+    short = set(registry_methods(context=False)) | set(HF_METHODS) | set(PEER_METHODS)
     for label in methods:
         m = parse_label(label).method
         if m not in known:
@@ -159,6 +160,20 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, rows: list[dict], 
     return run(target, draft, rows, cfg, progress)
 
 
+PEER_METHODS = (*LLAMACPP_METHODS, *VLLM_METHODS)  # rows another engine runs, in its own interpreter (bench.peers)
+
+
+def open_peers(methods: list[str], target_path, fmt: str, greedy: bool, threads: int, n_ctx: int, pld_k: int,
+               pld_ngram: int) -> tuple[dict, list[str]]:
+    """A started worker per requested peer row (llama.cpp, vLLM), and one note per row skipped (why)."""
+    peers, notes = {}, []
+    for module in (llamacpp, vllm_peer):
+        got, why = module.open_peers(methods, target_path, fmt, greedy, threads, n_ctx, pld_k, pld_ngram)
+        peers.update(got)
+        notes.extend(why)
+    return peers, notes
+
+
 def _run_prompt_rows(target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: BenchConfig,
                      progress: bool) -> dict:
     encoded, eos = encode_prompts(target, prompts, cfg.chat)
@@ -173,7 +188,7 @@ def _run_prompt_rows(target: LoadedModel, draft: LoadedModel | None, prompts: li
     fmt = format_of(target.model) or str(placement(target)["dtype"]).removeprefix("torch.")
     peers, notes = open_peers(cfg.methods, target.path, fmt, cfg.sampling.greedy, torch.get_num_threads(),
                               max(map(len, encoded)) + cfg.max_new_tokens + 64, cfg.pld_k, cfg.pld_ngram)
-    methods = [m for m in cfg.methods if m not in LLAMACPP_METHODS or m in peers]
+    methods = [m for m in cfg.methods if m not in PEER_METHODS or m in peers]
     try:
         return _interleave(target, draft, prompts, replace(cfg, methods=methods), encoded, eos, pad, peers, progress,
                            notes)
@@ -225,7 +240,7 @@ def _interleave(target: LoadedModel, draft: LoadedModel | None, prompts: list[di
                                  "stats": stats.to_dict() | {"forward_s": forward_s}})
                 bar.update()
     cfg = replace(cfg, methods=methods)
-    peer_info = {m: {"llama_cpp": p.info.get("version"), "file": Path(p.model).name} for m, p in peers.items()}
+    peer_info = {m: p.describe() for m, p in peers.items()}
     return {"config": _describe_prompts(target, draft, prompts, cfg) | {"eos_ids": sorted(eos), "notes": notes}
             | ({"peers": peer_info} if peer_info else {}), "runs": runs,
             "summary": summarize_prompts(runs, cfg.sampling.greedy)}

@@ -19,15 +19,12 @@ tokens equal our ``ar``'s.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 from ..errors import RetrospecError
 from ..paths import cache_home
-from ..types import SpecStats
+from .peers import PeerWorker
 
 LLAMACPP_METHODS = ("llamacpp-ar", "llamacpp-lookup")
 PYTHON_ENV = "RETROSPEC_LLAMACPP_PYTHON"
@@ -69,50 +66,11 @@ def peer_file(target_path: str | Path, fmt: str) -> tuple[dict | None, str | Non
     return {"model": str(dest), "source": str(source), "ftype": ftype}, None
 
 
-class LlamaCppPeer:
-    """One worker process (see ``llamacpp_worker``); ``generate`` answers like our ``_run_ours``."""
+class LlamaCppPeer(PeerWorker):
+    """One ``llamacpp_worker`` process; ``generate`` answers like our ``_run_ours``."""
 
     def __init__(self, python: str, method: str, load: dict):
-        self.method, self.model = method, load["model"]
-        self._err = tempfile.TemporaryFile()  # llama.cpp's own log lines: shown only when the worker fails
-        self.proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, text=True)
-        self.info = self._ask({"op": "load"} | load)
-
-    def _ask(self, request: dict) -> dict:
-        try:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        except (BrokenPipeError, OSError):
-            line = ""
-        if not line:
-            self._err.seek(0)
-            tail = self._err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise RetrospecError(f"{self.method}: the llama.cpp worker stopped ({tail[0]})")
-        answer = json.loads(line)
-        if "error" in answer:
-            raise RetrospecError(f"{self.method}: {answer['error']}")
-        return answer
-
-    def generate(self, prompt_ids: list[int], max_new: int, eos: frozenset[int]) -> tuple[list[int], SpecStats,
-                                                                                          float]:
-        got = self._ask({"op": "generate", "prompt_ids": list(prompt_ids), "max_new_tokens": max_new,
-                         "eos_ids": sorted(eos)})
-        stats = SpecStats(method=self.method, prompt_tokens=len(prompt_ids))
-        stats.new_tokens = len(got["token_ids"])
-        stats.target_calls = stats.new_tokens  # not reported by the peer; prompt lookup makes fewer
-        stats.prefill_s, stats.decode_s = got["prefill_s"], max(1e-9, got["decode_s"])
-        return got["token_ids"], stats, stats.decode_s
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._err.close()
+        super().__init__(python, WORKER, method, load, "llama.cpp")
 
 
 def open_peers(methods: list[str], target_path: str | Path, fmt: str, greedy: bool, threads: int, n_ctx: int,

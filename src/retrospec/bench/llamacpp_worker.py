@@ -23,6 +23,10 @@ import os
 import sys
 import time
 
+# this file's folder holds modules named like the standard library's (``profile``): never import from it
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
 
 def _write_model(source: str, dest: str, ftype: str) -> None:
     import llama_cpp

@@ -70,7 +70,7 @@ def render_markdown(result: dict) -> str:
         *([f"- target attention: `{c['attention']}` (the loaded model, left as it was)"] if c.get("attention")
           else []),
         *([f"- our engine (`fastpath`): {_engine_line(c['engine'])}"] if c.get("engine") else []),
-        *[f"- {m}: llama.cpp {p['llama_cpp']}, `{p['file']}`" for m, p in (c.get("peers") or {}).items()],
+        *[f"- {m}: {p['peer']} {p['version']}, `{p['file']}`" for m, p in (c.get("peers") or {}).items()],
         *[f"- note: {n}" for n in c.get("notes") or []],
         _machine_line(c),
         "",
@@ -85,7 +85,9 @@ def render_markdown(result: dict) -> str:
         "the largest target KV cache at the end of a run. lossless: every output token-identical to `ar` "
         "(greedy runs only). hf-* rows run transformers' own generate(); their decode time is wall time minus "
         "a prompt forward of the same prompt. llamacpp-* rows run llama.cpp (llama-cpp-python) on the same token "
-        "ids, decode timed from its first new token; their lossless column says whether the tokens equal `ar`'s.",
+        "ids, decode timed from its first new token; vllm-* rows run vLLM's offline engine on the same ids, decode "
+        "time = a whole request's minus a one-token request's; a peer's lossless column says whether its tokens "
+        "equal `ar`'s.",
         "",
     ]
     return "\n".join(lines)

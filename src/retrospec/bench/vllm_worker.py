@@ -1,0 +1,87 @@
+"""The vLLM side of the bench's ``vllm-*`` rows, run by the peer's own interpreter (``make peers-vllm``).
+
+This file imports only the standard library and ``vllm``: it runs in the peer's virtualenv as ``python
+vllm_worker.py``, one JSON object per line on stdin and one answer per line on stdout (``bench.vllm_peer`` drives it
+through ``bench.peers.PeerWorker``):
+
+- ``{"op": "load", "model": checkpoint directory, "dtype": "float32" | "bfloat16", "threads": n, "n_ctx": n,
+  "ngram": {"num_speculative_tokens": k, "prompt_lookup_max": n} or null}``: one ``vllm.LLM`` (prefix caching
+  off, so every prompt is prefilled; vLLM's n-gram proposer when ``ngram`` is given); answers
+  ``{"ok": true, "version": ...}``;
+- ``{"op": "generate", "prompt_ids": [...], "max_new_tokens": n, "eos_ids": [...]}``: greedy decoding of the same
+  token ids, run twice: one new token (``prefill_s``: the prompt and the first token), then the whole request;
+  ``decode_s`` = the difference (vLLM's offline API does not stream); answers ``{"token_ids": [...], "prefill_s": s,
+  "decode_s": s}``.
+
+Every failure is answered ``{"error": "one line"}``; vLLM's own log goes to stderr, never stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+# this file's folder holds modules named like the standard library's (``profile``): never import from it
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
+def _load(req: dict):
+    threads = str(req["threads"])
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-%d" % (req["threads"] - 1))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a few prompts of a small model
+    import vllm
+
+    kwargs = {}
+    if req.get("ngram"):
+        kwargs["speculative_config"] = {"method": "ngram", "prompt_lookup_min": 1, **req["ngram"]}
+    llm = vllm.LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["n_ctx"], enable_prefix_caching=False,
+                   gpu_memory_utilization=0.3, seed=0, **kwargs)
+    return llm, vllm.__version__
+
+
+def _run(llm, ids: list[int], max_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=eos, detokenize=False)
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids), time.perf_counter() - t0
+
+
+def _generate(llm, req: dict) -> dict:
+    ids, eos = req["prompt_ids"], req["eos_ids"]
+    _, first = _run(llm, ids, 1, eos)
+    tokens, whole = _run(llm, ids, req["max_new_tokens"], eos)
+    return {"token_ids": tokens, "prefill_s": first, "decode_s": max(1e-9, whole - first)}
+
+
+def main() -> int:
+    llm = None
+    out = sys.stdout
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            with contextlib.redirect_stdout(sys.stderr):  # vLLM prints; the answers own stdout
+                if req["op"] == "load":
+                    llm, version = _load(req)
+                    answer = {"ok": True, "version": version}
+                elif llm is None:
+                    answer = {"error": "no model loaded"}
+                else:
+                    answer = _generate(llm, req)
+        except Exception as exc:  # one line back to the bench, whatever vLLM raised
+            answer = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

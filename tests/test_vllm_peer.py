@@ -1,0 +1,112 @@
+"""vLLM as a bench peer, on a fake ``vllm`` package (the real one is a 130 MB wheel with its own pins: ``make
+peers-vllm``).
+
+- the real worker script (``bench/vllm_worker.py``) runs in a subprocess against the fake package: one engine per
+  row kind on the target's checkpoint directory (prefix caching off; the n-gram proposer with our ``pld`` k and
+  n-gram size for ``vllm-ngram``), greedy on the same token ids our methods get, a one-token request then the whole
+  one (decode time = the difference), stopping at EOS or ``max_new_tokens``; vLLM's prints never reach the answers;
+- the bench gains ``vllm-ar`` / ``vllm-ngram`` rows, the peer's version and model in the config;
+- without the peer, with sampling, or in a format vLLM's CPU build does not run, the rows are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from retrospec.bench import vllm_peer
+
+FAKE = '''
+import os
+__version__ = "0.0-fake"
+LOG = os.environ["FAKE_VLLM_LOG"]
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, stop_token_ids, detokenize):
+        assert temperature == 0.0 and not detokenize
+        self.max_tokens, self.stop = max_tokens, set(stop_token_ids)
+
+class _Seq:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+class _Out:
+    def __init__(self, ids):
+        self.outputs = [_Seq(ids)]
+
+class LLM:
+    def __init__(self, model, dtype, max_model_len, enable_prefix_caching, gpu_memory_utilization, seed,
+                 speculative_config=None):
+        assert os.path.isfile(os.path.join(model, "config.json")) and dtype == "float32"
+        assert not enable_prefix_caching and max_model_len > 0
+        print("vLLM says hello on stdout")  # the worker keeps its answers' channel clean
+        with open(LOG, "a") as f:
+            f.write(f"load {os.path.basename(model)} spec={speculative_config}\\n")
+
+    def generate(self, prompts, params, use_tqdm):
+        assert len(prompts) == 1 and not use_tqdm
+        t, out = prompts[0]["prompt_token_ids"][-1], []
+        while len(out) < params.max_tokens:  # a deterministic stand-in: the next id, then the next
+            t = (t + 1) % 90
+            out.append(t)
+            if t in params.stop:
+                break
+        return [_Out(out)]
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    pkg = tmp_path / "site" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE)
+    log = tmp_path / "peer.log"
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv(vllm_peer.PYTHON_ENV, sys.executable)
+    return log
+
+
+def _bench(cli, models, tmp_path, methods, *extra):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    res = cli("bench", "--target", models.target, "--prompts", prompts, "--methods", methods, "--out", out,
+              "--max-new-tokens", "6", "--no-warmup", *extra)
+    return res, (json.loads((out / "results.json").read_text()) if res.rc == 0 else None)
+
+
+def test_vllm_rows_run_the_worker_on_the_same_ids(cli, saved_models, tmp_path, fake_vllm):
+    res, got = _bench(cli, saved_models, tmp_path, "ar,vllm-ar,vllm-ngram", "--pld-k", "4")
+    assert res.rc == 0, res.err
+    rows = {s["method"]: s for s in got["summary"]}
+    assert set(rows) == {"ar", "vllm-ar", "vllm-ngram"}
+    for m in ("vllm-ar", "vllm-ngram"):
+        runs = [r for r in got["runs"] if r["method"] == m]
+        assert all(1 <= len(r["token_ids"]) <= 6 for r in runs)
+        assert rows[m]["tokens_per_s"] == pytest.approx(rows[m]["new_tokens"] / rows[m]["decode_s"])
+        assert got["config"]["peers"][m] == {"peer": "vLLM", "version": "0.0-fake",
+                                             "file": saved_models.target.name}
+    log = fake_vllm.read_text().splitlines()
+    assert f"load {saved_models.target.name} spec=None" in log
+    assert any(line.startswith(f"load {saved_models.target.name} spec={{'method': 'ngram'") and
+               "'num_speculative_tokens': 4" in line and "'prompt_lookup_max': 3" in line for line in log)
+    assert got["config"]["notes"] == []
+
+
+def test_vllm_rows_are_skipped_with_a_note(cli, saved_models, tmp_path, monkeypatch):
+    monkeypatch.setenv(vllm_peer.PYTHON_ENV, str(tmp_path / "missing-python"))
+    res, got = _bench(cli, saved_models, tmp_path, "ar,vllm-ar")
+    assert res.rc == 0 and [s["method"] for s in got["summary"]] == ["ar"]
+    assert got["config"]["notes"] == ["vllm-ar skipped: vLLM is not installed (make peers-vllm, or "
+                                      f"${vllm_peer.PYTHON_ENV})"]
+    assert "note: vllm-ar skipped" in res.err and "Traceback" not in res.err
+
+
+def test_sampling_and_other_formats_skip_the_rows(saved_models, fake_vllm):
+    peers, notes = vllm_peer.open_peers(["vllm-ar"], saved_models.target, "float32", False, 1, 64, 5, 3)
+    assert peers == {} and notes == ["vllm-ar skipped: vLLM rows run greedy only"]
+    peers, notes = vllm_peer.open_peers(["vllm-ngram"], saved_models.target, "int4", True, 1, 64, 5, 3)
+    assert peers == {} and notes == ["vllm-ngram skipped: vLLM's CPU build has no format matching int4"]
