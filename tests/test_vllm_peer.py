@@ -12,6 +12,7 @@ peers-vllm``).
 from __future__ import annotations
 
 import json
+import stat
 import sys
 
 import pytest
@@ -41,7 +42,8 @@ class LLM:
                  speculative_config=None):
         assert os.path.isfile(os.path.join(model, "config.json")) and dtype == "float32"
         assert not enable_prefix_caching and max_model_len > 0
-        print("vLLM says hello on stdout")  # the worker keeps its answers' channel clean
+        print("vLLM says hello on stdout")  # the worker keeps its answers' channel clean,
+        os.write(1, b"an engine process writes to fd 1\\n")  # also from the processes vLLM starts
         with open(LOG, "a") as f:
             f.write(f"load {os.path.basename(model)} spec={speculative_config}\\n")
 
@@ -110,3 +112,13 @@ def test_sampling_and_other_formats_skip_the_rows(saved_models, fake_vllm):
     assert peers == {} and notes == ["vllm-ar skipped: vLLM rows run greedy only"]
     peers, notes = vllm_peer.open_peers(["vllm-ngram"], saved_models.target, "int4", True, 1, 64, 5, 3)
     assert peers == {} and notes == ["vllm-ngram skipped: vLLM's CPU build has no format matching int4"]
+
+
+def test_a_worker_that_answers_garbage_is_a_note(saved_models, tmp_path, monkeypatch):
+    chatty = tmp_path / "python"
+    chatty.write_text("#!/bin/sh\nread line\necho 'INFO engine starting'\n")
+    chatty.chmod(chatty.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv(vllm_peer.PYTHON_ENV, str(chatty))
+    peers, notes = vllm_peer.open_peers(["vllm-ar"], saved_models.target, "float32", True, 1, 64, 5, 3)
+    assert peers == {} and notes == ["vllm-ar skipped: vllm-ar: the vLLM worker answered something else than "
+                                     "JSON: 'INFO engine starting'"]

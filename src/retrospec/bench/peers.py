@@ -47,7 +47,13 @@ class PeerWorker:
             self._err.seek(0)
             tail = self._err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise RetrospecError(f"{self.method}: the {self.peer} worker stopped ({tail[0]})")
-        answer = json.loads(line)
+        try:
+            answer = json.loads(line)
+        except json.JSONDecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise RetrospecError(f"{self.method}: the {self.peer} worker answered something else than JSON: "
+                                 f"{line.strip()[:120]!r}")
         if "error" in answer:
             raise RetrospecError(f"{self.method}: {answer['error']}")
         return answer

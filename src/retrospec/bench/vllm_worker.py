@@ -18,7 +18,6 @@ Every failure is answered ``{"error": "one line"}``; vLLM's own log goes to stde
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -61,21 +60,24 @@ def _generate(llm, req: dict) -> dict:
 
 
 def main() -> int:
+    # the answers get a private copy of stdout; file descriptor 1 becomes stderr, for this process and the engine
+    # processes vLLM starts (their prints would otherwise land between the answers)
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     llm = None
-    out = sys.stdout
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
-            with contextlib.redirect_stdout(sys.stderr):  # vLLM prints; the answers own stdout
-                if req["op"] == "load":
-                    llm, version = _load(req)
-                    answer = {"ok": True, "version": version}
-                elif llm is None:
-                    answer = {"error": "no model loaded"}
-                else:
-                    answer = _generate(llm, req)
+            if req["op"] == "load":
+                llm, version = _load(req)
+                answer = {"ok": True, "version": version}
+            elif llm is None:
+                answer = {"error": "no model loaded"}
+            else:
+                answer = _generate(llm, req)
         except Exception as exc:  # one line back to the bench, whatever vLLM raised
             answer = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
         out.write(json.dumps(answer) + "\n")
