@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: peers-vllm demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
+.PHONY: peers-vllm peers-test demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -89,7 +89,15 @@ peers-vllm: $(STAMP)
 	$(VENV_VLLM)/bin/python -c "import vllm" 2>/dev/null || { $(VENV_VLLM)/bin/python -m pip install --quiet \
 		"torch==2.13.0" && $(VENV_VLLM)/bin/python -m pip install --quiet "$(VLLM)" && \
 		$(VENV_VLLM)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; }
+	$(VENV_VLLM)/bin/python -m pip install --quiet --no-deps -e .  # our proposer, for vllm-retrospec rows
 	$(VENV_VLLM)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'ready in $(VENV_VLLM)')"
+
+# Our prompt lookup as vLLM's proposer: greedy outputs identical to plain vLLM's on 24 prompts (log in runs/).
+peers-test: peers-vllm
+	mkdir -p runs
+	$(VENV_VLLM)/bin/python -m tools.peers.vllm_exactness --model "$$($(PY) -c 'from retrospec.models.named \
+		import resolve_name; print(resolve_name("smollm2-135m"))')" >runs/peers-test-vllm.log \
+		2>runs/peers-test-vllm.err; rc=$$?; cat runs/peers-test-vllm.log; exit $$rc
 
 # The issue's acceptance bench: 20 MBPP prompts from ../shared/data, greedy, 128 new tokens.
 bench: $(STAMP)

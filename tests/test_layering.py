@@ -33,7 +33,7 @@ RANKS: dict[str, int] = {
     "verify": 4, "acceptance": 4, "sampling": 4,
     "acceptance_rapid": 5, "retrieval": 5, "gating": 5,
     "drafters": 6,
-    "decode": 7, "batched": 7,
+    "decode": 7, "batched": 7, "integrations": 7,
     # requests and the API
     "request": 8,
     "run": 9,

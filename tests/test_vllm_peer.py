@@ -15,9 +15,12 @@ import json
 import stat
 import sys
 
+import numpy as np
 import pytest
 
 from retrospec.bench import vllm_peer
+from retrospec.drafters.prompt_lookup import lookup
+from retrospec.integrations.vllm_proposer import MAX_NGRAM_ENV, PromptLookupProposer
 
 FAKE = '''
 import os
@@ -45,7 +48,8 @@ class LLM:
         print("vLLM says hello on stdout")  # the worker keeps its answers' channel clean,
         os.write(1, b"an engine process writes to fd 1\\n")  # also from the processes vLLM starts
         with open(LOG, "a") as f:
-            f.write(f"load {os.path.basename(model)} spec={speculative_config}\\n")
+            f.write(f"load {os.path.basename(model)} spec={speculative_config} "
+                    f"ngram_env={os.environ.get('RETROSPEC_PLD_MAX_NGRAM')}\\n")
 
     def generate(self, prompts, params, use_tqdm):
         assert len(prompts) == 1 and not use_tqdm
@@ -81,20 +85,22 @@ def _bench(cli, models, tmp_path, methods, *extra):
 
 
 def test_vllm_rows_run_the_worker_on_the_same_ids(cli, saved_models, tmp_path, fake_vllm):
-    res, got = _bench(cli, saved_models, tmp_path, "ar,vllm-ar,vllm-ngram", "--pld-k", "4")
+    res, got = _bench(cli, saved_models, tmp_path, "ar,vllm-ar,vllm-ngram,vllm-retrospec", "--pld-k", "4")
     assert res.rc == 0, res.err
     rows = {s["method"]: s for s in got["summary"]}
-    assert set(rows) == {"ar", "vllm-ar", "vllm-ngram"}
-    for m in ("vllm-ar", "vllm-ngram"):
+    assert set(rows) == {"ar", "vllm-ar", "vllm-ngram", "vllm-retrospec"}
+    for m in ("vllm-ar", "vllm-ngram", "vllm-retrospec"):
         runs = [r for r in got["runs"] if r["method"] == m]
         assert all(1 <= len(r["token_ids"]) <= 6 for r in runs)
         assert rows[m]["tokens_per_s"] == pytest.approx(rows[m]["new_tokens"] / rows[m]["decode_s"])
         assert got["config"]["peers"][m] == {"peer": "vLLM", "version": "0.0-fake",
                                              "file": saved_models.target.name}
     log = fake_vllm.read_text().splitlines()
-    assert f"load {saved_models.target.name} spec=None" in log
+    assert f"load {saved_models.target.name} spec=None ngram_env=None" in log
     assert any(line.startswith(f"load {saved_models.target.name} spec={{'method': 'ngram'") and
                "'num_speculative_tokens': 4" in line and "'prompt_lookup_max': 3" in line for line in log)
+    assert f"load {saved_models.target.name} spec={{'method': 'custom_class', 'model': '{vllm_peer.PROPOSER}', " \
+           "'num_speculative_tokens': 4} ngram_env=3" in log
     assert got["config"]["notes"] == []
 
 
@@ -122,3 +128,27 @@ def test_a_worker_that_answers_garbage_is_a_note(saved_models, tmp_path, monkeyp
     peers, notes = vllm_peer.open_peers(["vllm-ar"], saved_models.target, "float32", True, 1, 64, 5, 3)
     assert peers == {} and notes == ["vllm-ar skipped: vllm-ar: the vLLM worker answered something else than "
                                      "JSON: 'INFO engine starting'"]
+
+
+def _config(k: int, max_model_len: int = 64):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                           model_config=SimpleNamespace(max_model_len=max_model_len))
+
+
+def test_our_proposer_drafts_what_pld_drafts_per_request(monkeypatch):
+    monkeypatch.setenv(MAX_NGRAM_ENV, "2")
+    proposer = PromptLookupProposer(_config(k=4, max_model_len=24))
+    proposer.load_model(object())
+    rows = np.zeros((4, 24), dtype=np.int32)  # vLLM's [max_num_reqs, max_model_len] token rows
+    a = [5, 6, 7, 8, 9, 5, 6]
+    b = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1]  # 22 of 24 positions used
+    rows[0, :7], rows[1, :7], rows[2, :22] = a, a, b
+    counts = np.array([7, 7, 22, 0])
+    drafts = proposer.propose([[6], [], [1], []], counts, rows)
+    assert drafts[0] == lookup(np.array(a), 4, 2, 1) == [7, 8, 9, 5]
+    assert drafts[1] == [] and drafts[3] == []  # requests not decoding this step (prefill, empty slot)
+    assert drafts[2] == [2]  # one position left before max_model_len: one draft token
+    with pytest.raises(ValueError):
+        PromptLookupProposer(_config(k=0))

@@ -9,8 +9,10 @@ Same work as ours: the target's own checkpoint directory in float32 (vLLM's CPU 
 other formats are skipped with a note), the same prompt token ids, greedy, the same EOS ids and ``max_new_tokens``,
 prefix caching off (every prompt is prefilled). vLLM's offline API does not stream, so the worker times a
 one-token request (prefill and the first token) and the whole request, and reports the difference as the decode
-time. ``vllm-ngram`` is vLLM's own n-gram proposer (``speculative_config={"method": "ngram"}``) with our ``pld`` k
-and n-gram size.
+time. ``vllm-ngram`` is vLLM's own n-gram proposer (``speculative_config={"method": "ngram"}``) and
+``vllm-retrospec`` our prompt lookup inside vLLM (``integrations.vllm_proposer``, a ``custom_class`` proposer; the
+peer's virtualenv then needs retrospec installed: ``make peers-vllm`` does it), both with our ``pld`` k and n-gram
+size.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 from ..errors import RetrospecError
 from .peers import PeerWorker
 
-VLLM_METHODS = ("vllm-ar", "vllm-ngram")
+VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-retrospec")
+PROPOSER = "retrospec.integrations.vllm_proposer.PromptLookupProposer"  # our pld as vLLM's custom_class proposer
 PYTHON_ENV = "RETROSPEC_VLLM_PYTHON"
 PEER_VENV = ".venv-peers-vllm"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -42,6 +45,19 @@ class VllmPeer(PeerWorker):
         super().__init__(python, WORKER, method, load, "vLLM")
 
 
+def speculative(method: str, k: int, max_ngram: int) -> dict:
+    """The worker's ``speculative_config`` and ``env`` for a row: none, vLLM's n-gram proposer, or ours."""
+    if method == "vllm-ngram":
+        return {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": max_ngram,
+                                       "prompt_lookup_min": 1}, "env": {}}
+    if method == "vllm-retrospec":
+        from ..integrations.vllm_proposer import MAX_NGRAM_ENV
+
+        return {"speculative_config": {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k},
+                "env": {MAX_NGRAM_ENV: str(max_ngram)}}
+    return {"speculative_config": None, "env": {}}
+
+
 def open_peers(methods: list[str], target_path, fmt: str, greedy: bool, threads: int, n_ctx: int, pld_k: int,
                pld_ngram: int) -> tuple[dict[str, VllmPeer], list[str]]:
     """A started worker per requested ``vllm-*`` method, and one note per method skipped (with why)."""
@@ -58,9 +74,8 @@ def open_peers(methods: list[str], target_path, fmt: str, greedy: bool, threads:
         return {}, [f"{m} skipped: {why}" for m in wanted]
     peers, notes = {}, []
     for m in wanted:
-        ngram = {"num_speculative_tokens": pld_k, "prompt_lookup_max": pld_ngram} if m == "vllm-ngram" else None
         load = {"model": str(Path(target_path).resolve()), "dtype": FORMATS[fmt], "threads": threads,
-                "n_ctx": n_ctx, "ngram": ngram}
+                "n_ctx": n_ctx} | speculative(m, pld_k, pld_ngram)
         try:
             peers[m] = VllmPeer(python, m, load)
         except RetrospecError as exc:

@@ -5,8 +5,8 @@ vllm_worker.py``, one JSON object per line on stdin and one answer per line on s
 through ``bench.peers.PeerWorker``):
 
 - ``{"op": "load", "model": checkpoint directory, "dtype": "float32" | "bfloat16", "threads": n, "n_ctx": n,
-  "ngram": {"num_speculative_tokens": k, "prompt_lookup_max": n} or null}``: one ``vllm.LLM`` (prefix caching
-  off, so every prompt is prefilled; vLLM's n-gram proposer when ``ngram`` is given); answers
+  "speculative_config": vLLM's dict or null, "env": {name: value}}``: ``env`` set, then one ``vllm.LLM`` (prefix
+  caching off, so every prompt is prefilled; speculative decoding as configured); answers
   ``{"ok": true, "version": ...}``;
 - ``{"op": "generate", "prompt_ids": [...], "max_new_tokens": n, "eos_ids": [...]}``: greedy decoding of the same
   token ids, run twice: one new token (``prefill_s``: the prompt and the first token), then the whole request;
@@ -30,14 +30,13 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 def _load(req: dict):
     threads = str(req["threads"])
+    os.environ.update(req.get("env") or {})
     os.environ.setdefault("OMP_NUM_THREADS", threads)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-%d" % (req["threads"] - 1))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a few prompts of a small model
     import vllm
 
-    kwargs = {}
-    if req.get("ngram"):
-        kwargs["speculative_config"] = {"method": "ngram", "prompt_lookup_min": 1, **req["ngram"]}
+    kwargs = {"speculative_config": req["speculative_config"]} if req.get("speculative_config") else {}
     llm = vllm.LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["n_ctx"], enable_prefix_caching=False,
                    gpu_memory_utilization=0.3, seed=0, **kwargs)
     return llm, vllm.__version__

@@ -1,0 +1,1 @@
+"""Our drafters inside other engines (``vllm_proposer``: a vLLM speculative-decoding proposer)."""
