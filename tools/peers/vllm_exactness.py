@@ -60,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=10, help="num_speculative_tokens")
     args = p.parse_args(argv)
+    # the results get a private copy of stdout; fd 1 becomes stderr for vLLM's log and its engine processes
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    threads = len(os.sched_getaffinity(0))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     prompts = _prompts(args.model, args.prompts)
     plain = _engine(args.model, None)
@@ -70,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     got, ours_s = _run(ours, prompts, args.max_new_tokens)
     same = [a == b for a, b in zip(want, got, strict=True)]
     for i, (ok, ids) in enumerate(zip(same, prompts, strict=True)):
-        print(f"prompt {i:2d}: {len(ids):4d} prompt tokens, {len(want[i]):3d} new, identical: {'yes' if ok else 'NO'}")
+        print(f"prompt {i:2d}: {len(ids):4d} prompt tokens, {len(want[i]):3d} new, identical: {'yes' if ok else 'NO'}",
+              file=out)
     tokens = sum(map(len, want))
     print(json.dumps({"prompts": len(prompts), "identical": sum(same), "new_tokens": tokens,
                       "plain_tok_s": round(tokens / plain_s, 1), "retrospec_pld_tok_s": round(tokens / ours_s, 1),
-                      "k": args.k, "max_new_tokens": args.max_new_tokens}))
+                      "k": args.k, "max_new_tokens": args.max_new_tokens, "threads": threads}), file=out)
+    out.flush()
     return 0 if all(same) else 1
 
 
