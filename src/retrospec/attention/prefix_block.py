@@ -85,6 +85,12 @@ def _block_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 def prefix_block_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            is_causal=None, **kwargs):
     q, length = query.shape[2], key.shape[2]
+    if q == 1 < length and attention_mask is None and not module.training and query.shape[1] % key.shape[1] == 0:
+        # a decode step: the same one-row attention, which reads each key/value head once (sdpa's path copies them
+        # per query head first: 1.6-2x the time from 2K cached tokens on, equal below); row-exact or not, a single
+        # row over the whole cache is exactly this
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return _one_row(query, key, value, scale).transpose(1, 2).contiguous(), None
     if (q < length and getattr(getattr(module, "config", None), ROW_EXACT, False) and not module.training
             and query.shape[0] == 1 and query.shape[1] % key.shape[1] == 0):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -93,11 +99,6 @@ def prefix_block_attention(module, query, key, value, attention_mask, dropout: f
             rows = attention_mask[0, 0]  # [q, L]
             visible = rows if rows.dtype == torch.bool else rows == 0
         return _row_exact_attention(query, key, value, scale, visible), None
-    if q == 1 < length and attention_mask is None and not module.training and query.shape[1] % key.shape[1] == 0:
-        # a decode step: the same one-row attention, which reads each key/value head once (sdpa's path copies them
-        # per query head first: 1.6-2x the time from 2K cached tokens on, equal below)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return _one_row(query, key, value, scale).transpose(1, 2).contiguous(), None
     if attention_mask is None and 1 < q < length and not module.training and query.shape[1] % key.shape[1] == 0:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return _block_attention(module, query, key, value, scale), None
