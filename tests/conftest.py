@@ -169,6 +169,17 @@ def cli(capsys):
     return run
 
 
+def bench_two_prompts(cli, models, tmp_path, methods, *extra):
+    """``retrospec bench`` on two short code prompts, 6 new tokens, no warm-up: (CliRun, results.json or None)."""
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    res = cli("bench", "--target", models.target, "--prompts", prompts, "--methods", methods, "--out", out,
+              "--max-new-tokens", "6", "--no-warmup", *extra)
+    return res, (json.loads((out / "results.json").read_text()) if res.rc == 0 else None)
+
 
 @pytest.fixture(scope="module")
 def single_thread():

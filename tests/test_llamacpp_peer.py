@@ -18,6 +18,8 @@ import pytest
 
 from retrospec.bench import llamacpp
 
+from conftest import bench_two_prompts
+
 FAKE = '''
 import ctypes
 import os
@@ -86,13 +88,7 @@ def fake_peer(tmp_path, monkeypatch):
     return log
 
 
-def _bench(cli, models, tmp_path, methods, *extra):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) + "\n" for i in range(2)))
-    out = tmp_path / "out"
-    res = cli("bench", "--target", models.target, "--prompts", prompts, "--methods", methods, "--out", out,
-              "--max-new-tokens", "6", "--no-warmup", *extra)
-    return res, (json.loads((out / "results.json").read_text()) if res.rc == 0 else None)
+_bench = bench_two_prompts
 
 
 def test_peer_rows_run_the_worker_on_the_same_ids(cli, saved_models, tmp_path, fake_peer):

@@ -22,6 +22,8 @@ from retrospec.bench import vllm_peer
 from retrospec.drafters.prompt_lookup import lookup
 from retrospec.integrations.vllm_proposer import MAX_NGRAM_ENV, PromptLookupProposer
 
+from conftest import bench_two_prompts
+
 FAKE = '''
 import os
 __version__ = "0.0-fake"
@@ -75,13 +77,7 @@ def fake_vllm(tmp_path, monkeypatch):
     return log
 
 
-def _bench(cli, models, tmp_path, methods, *extra):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) + "\n" for i in range(2)))
-    out = tmp_path / "out"
-    res = cli("bench", "--target", models.target, "--prompts", prompts, "--methods", methods, "--out", out,
-              "--max-new-tokens", "6", "--no-warmup", *extra)
-    return res, (json.loads((out / "results.json").read_text()) if res.rc == 0 else None)
+_bench = bench_two_prompts
 
 
 def test_vllm_rows_run_the_worker_on_the_same_ids(cli, saved_models, tmp_path, fake_vllm):
