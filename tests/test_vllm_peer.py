@@ -11,7 +11,6 @@ peers-vllm``).
 
 from __future__ import annotations
 
-import json
 import stat
 import sys
 

@@ -18,14 +18,9 @@ Every failure is answered ``{"error": "one line"}``; the worker never prints any
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import sys
 import time
-
-# this file's folder holds modules named like the standard library's (``profile``): never import from it
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def _write_model(source: str, dest: str, ftype: str) -> None:
@@ -76,24 +71,11 @@ def _generate(llm, req: dict) -> dict:
 
 
 def main() -> int:
-    llm = None
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-            if req["op"] == "load":
-                llm, version = _load(req)
-                answer = {"ok": True, "version": version}
-            elif llm is None:
-                answer = {"error": "no model loaded"}
-            else:
-                answer = _generate(llm, req)
-        except Exception as exc:  # one line back to the bench, whatever llama.cpp raised
-            answer = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
-    return 0
+    # from this file's folder, the shared request loop (which then takes the folder off sys.path); imported here, not
+    # at the top: processes the peer spawns re-run this file's top level with the folder already gone
+    import peer_loop
+
+    return peer_loop.serve(_load, _generate)
 
 
 if __name__ == "__main__":

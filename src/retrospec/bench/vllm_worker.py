@@ -18,14 +18,9 @@ Every failure is answered ``{"error": "one line"}``; vLLM's own log goes to stde
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-
-# this file's folder holds modules named like the standard library's (``profile``): never import from it
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def _load(req: dict):
@@ -59,29 +54,11 @@ def _generate(llm, req: dict) -> dict:
 
 
 def main() -> int:
-    # the answers get a private copy of stdout; file descriptor 1 becomes stderr, for this process and the engine
-    # processes vLLM starts (their prints would otherwise land between the answers)
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    llm = None
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-            if req["op"] == "load":
-                llm, version = _load(req)
-                answer = {"ok": True, "version": version}
-            elif llm is None:
-                answer = {"error": "no model loaded"}
-            else:
-                answer = _generate(llm, req)
-        except Exception as exc:  # one line back to the bench, whatever vLLM raised
-            answer = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
-    return 0
+    # from this file's folder, the shared request loop (which then takes the folder off sys.path); imported here, not
+    # at the top: processes the peer spawns re-run this file's top level with the folder already gone
+    import peer_loop
+
+    return peer_loop.serve(_load, _generate)
 
 
 if __name__ == "__main__":

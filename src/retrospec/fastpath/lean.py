@@ -109,7 +109,6 @@ class LeanDecoder:
 
     def __init__(self, decoder: torch.nn.Module):
         cfg = decoder.config
-        self.config = cfg
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
         self.norm = rms_norm(decoder.norm)

@@ -1,0 +1,46 @@
+"""The request loop every peer worker script runs (``llamacpp_worker.py``, ``vllm_worker.py``): standard library only.
+
+A worker runs in its peer's own interpreter, where retrospec is not installed; it imports this file from its own
+folder (``import peer_loop``) and calls ``serve``. The protocol is ``bench.peers``'s: one JSON request per line on
+stdin, one JSON answer per line on stdout, every failure answered ``{"error": "one line"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def serve(load: Callable[[dict], tuple[object, str]], generate: Callable[[object, dict], dict]) -> int:
+    """Answer requests until stdin closes: ``{"op": "load", ...}`` -> ``load(request)`` = (engine, version), answered
+    ``{"ok": true, "version": ...}``; any other request -> ``generate(engine, request)``.
+
+    Before anything is imported: this folder leaves ``sys.path`` (it holds modules named like the standard library's,
+    ``profile``), and the answers get a private copy of stdout while file descriptor 1 becomes stderr, for this process
+    and any the peer starts (their prints would otherwise land between the answers)."""
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    engine = None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            if req["op"] == "load":
+                engine, version = load(req)
+                answer = {"ok": True, "version": version}
+            elif engine is None:
+                answer = {"error": "no model loaded"}
+            else:
+                answer = generate(engine, req)
+        except Exception as exc:  # one line back to the bench, whatever the peer raised
+            answer = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    return 0
