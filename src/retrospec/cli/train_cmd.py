@@ -3,7 +3,8 @@
 per position bucket on long held-out documents, and the target's loss under anchor-offset positions;
 ``retrospec train longspec-pack``: re-save a block with another weight storage (int8: ~1/4 of float32, lossy);
 ``retrospec train longspec-distill`` / ``draft-distill``: distil the LongSpec block / a small draft LM on a corpus of
-the target's own outputs.
+the target's own outputs; under ``torchrun`` / ``accelerate launch`` they train data-parallel
+(``train.distributed``).
 
 Training of the other models lives under ``retrospec zoo`` (the zoo pair, ``real-draft``).
 """
@@ -149,6 +150,9 @@ def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, 
     p.add_argument("--resume", default=None, help="go on from a --schedule wsd run's output directory (its resume.pt: "
                                                   "weights and optimiser state before the decay, its vocabulary), no "
                                                   "warm-up; instead of --init")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="where the target loads and the model trains (default cpu); cuda under torchrun / "
+                        "accelerate launch: each process on cuda:LOCAL_RANK")
     add_common(p)
     return p
 
@@ -191,13 +195,15 @@ def run_draft_distill(args) -> int:
 
 
 def _run(cfg, check, train, threads: int, describe=None) -> int:
-    """Check a trainer's config (user errors before any loading), run it with progress lines, print its curve."""
+    """Check a trainer's config (user errors before any loading), run it with progress lines, print its curve (under
+    several processes: rank 0 prints)."""
     from ..train.common import set_threads
+    from ..train.distributed import env
 
     check(cfg)
     set_threads(threads)
     manifest = train(cfg, log=lambda msg: print(msg, flush=True))
-    if describe is not None:
+    if describe is not None and env().main:
         print(describe(manifest))
     return 0
 

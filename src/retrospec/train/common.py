@@ -60,10 +60,16 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> float:
 
 
 def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params: Iterable[torch.nn.Parameter],
-                   clip: float) -> float:
-    """Backward ``loss``, clip the gradient norm of ``params`` to ``clip``, step; returns the loss."""
+                   clip: float, dist=None) -> float:
+    """Backward ``loss``, clip the gradient norm of ``params`` to ``clip``, step; returns the loss. ``dist``
+    (``distributed.Dist``, several processes): the gradients and ``loss`` (this process's share) summed over the
+    processes before clipping; returns the summed loss."""
+    params = list(params)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if dist is None or loss.requires_grad:  # a process with no rows of a batch has nothing to differentiate
+        loss.backward()
+    if dist is not None:
+        loss = dist.sum_grads(params, loss)
     torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
     return float(loss.detach())

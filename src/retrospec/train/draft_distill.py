@@ -19,12 +19,14 @@ split, batches and learning curve of ``train.longspec_distill``) and:
 - **precision**: the training forwards in float32 or under bfloat16 autocast (``train.common.pick_precision``;
   ``auto`` measures which is faster here); agreement is measured in float32;
 - **schedule**: ``cosine``, or ``wsd`` with ``resume`` (``train.resume``: a later run goes on from ``resume.pt``, the
-  draft and AdamW's state before the decay, keeping that draft's vocabulary).
+  draft and AdamW's state before the decay, keeping that draft's vocabulary);
+- **several processes** (``torchrun`` / ``accelerate launch``; ``train.distributed``): data-parallel, each process
+  computing its rows of every batch (the target beside it), the gradients summed; rank 0 logs and writes.
 
-The draft trains on the target's device (measured on CPU only, CUDA untested). Output: a Hugging Face checkpoint
-(float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve, seconds, and
-``target_identity``: ``identity.target_record`` of the target it was distilled for), the layout of ``zoo real-draft``
-(``train.real_draft.save_draft``), and with ``wsd`` ``resume.pt``; written atomically.
+The draft trains on the target's device (``device``; measured on CPU only, CUDA untested). Output: a Hugging Face
+checkpoint (float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve,
+seconds, and ``target_identity``: ``identity.target_record`` of the target it was distilled for), the layout of ``zoo
+real-draft`` (``train.real_draft.save_draft``), and with ``wsd`` ``resume.pt``; written atomically.
 
 Refusals (one ``RetrospecError`` line each, before training): a corpus the target did not write
 (``corpus.check_corpus``); a draft to start from whose ids live in another vocabulary (its
@@ -46,6 +48,7 @@ from ..models.files import read_json
 from ..models.loading import load_model
 from ..models.vocab import VocabMap
 from .common import adamw, autocast, jsonable, kl, optimizer_step, pick_precision
+from .distributed import setup
 from .longspec_distill import (Tally, check_distill, coverage, first_batch, frequency_vocab, load_split, pad_batch,
                                sequence_of, teacher_forced, train_curve)
 from .real_draft import blank_draft, save_draft
@@ -78,6 +81,7 @@ class DraftDistillConfig:
     schedule: str = "cosine"  # learning rate: cosine, or wsd (warm-up, stable, decay; saves a state to resume from)
     decay: float = 0.2  # wsd: the share of the budget the learning rate decays over, at its end
     resume: str | None = None  # a draft directory a wsd run wrote: go on from its stable weights and optimiser state
+    device: str = "cpu"  # where the target loads and the draft trains: cpu, cuda, cuda:N or auto (train.distributed)
 
 
 def check_config(cfg: DraftDistillConfig) -> None:
@@ -176,13 +180,16 @@ def agreement(draft, target, vmap: VocabMap, records: list[dict], max_len: int) 
 
 
 def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
-    """Distil ``cfg.init`` for ``cfg.target`` on ``cfg.corpus`` and save it to ``cfg.out``; returns the manifest."""
+    """Distil ``cfg.init`` for ``cfg.target`` on ``cfg.corpus`` and save it to ``cfg.out``; returns the manifest.
+    Under several processes (``train.distributed``) each runs this; rank 0 logs and saves."""
     check_config(cfg)
+    dist = setup(cfg.device)
+    log = dist.log(log)
     train, held, records, loaded, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
-                                                   target)
+                                                   target, device=dist.device)
     tmodel = loaded.model
     record = target_record(tmodel, loaded.tokenizer, getattr(loaded, "path", cfg.target))
-    init = load_model(cfg.resume or cfg.init, role="draft")
+    init = load_model(cfg.resume or cfg.init, role="draft", device=tmodel.get_output_embeddings().weight.device)
     V = tmodel.get_output_embeddings().weight.shape[0]
     check_init(init, cfg.resume or cfg.init, record)
     old_ids = init.vocab_map.tolist() if init.vocab_map is not None else list(range(init.vocab_size))
@@ -204,34 +211,41 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     pad = min(eos) if eos else 0
     opt = adamw(draft.parameters(), cfg.lr, cfg.weight_decay)
     cfg, previous, before = resume_run(cfg, draft, opt, MANIFEST, log, target=tmodel)
+    dist.same_start(draft)
     stable: dict = {}
 
     def loss_of(batch: list[dict], how: str) -> tuple[torch.Tensor, int]:
+        """(this process's share of the batch's loss, the batch's real tokens)."""
         ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in batch], pad)
         ids, mask = ids.to(device), mask.to(device)
         with autocast(how, device):
-            return distill_loss(draft, tmodel, vmap, head_rows, ids, mask), int(mask.sum())
+            return dist.local_loss(lambda i, m: distill_loss(draft, tmodel, vmap, head_rows, i, m), mask, ids,
+                                   mask), int(mask.sum())
 
     first = first_batch(train, cfg)
-    precision = pick_precision(cfg.precision, device, lambda: loss_of(first, "float32"), log)
+    precision = dist.same(pick_precision(cfg.precision, device, lambda: loss_of(first, "float32"), log))
 
     def step(batch: list[dict]) -> tuple[float, int]:
         loss, n = loss_of(batch, precision)
-        return optimizer_step(opt, loss, draft.parameters(), cfg.grad_clip), n
+        return optimizer_step(opt, loss, draft.parameters(), cfg.grad_clip, dist), n
 
     result = train_curve(draft, opt, train, cfg, budget, [c for c in cfg.curve if c < budget], rng, log, step=step,
                          evaluate=lambda: agreement(draft, tmodel, vmap, held, cfg.max_len), desc="distil draft",
                          next_pass=lambda: None if cfg.seconds is None and cfg.max_tokens is None else train,
-                         snapshot=lambda done: stable.update(stable_state(draft, opt, before + done, record)))
+                         snapshot=lambda done: stable.update(stable_state(draft, opt, before + done, record)),
+                         dist=dist)
     manifest = {"kind": "retrospec real-model draft", "what": "draft distilled on the target's own outputs",
                 "config": jsonable(cfg), "target": getattr(loaded, "path", cfg.target), "target_identity": record,
                 "init": getattr(init, "path", cfg.resume or cfg.init),
                 "corpus": {"path": cfg.corpus, "records": len(records), "heldout_records": len(held)},
                 "draft_params": sum(p.numel() for p in draft.parameters()),
                 "heldout_coverage": round(coverage(new_ids, held), 4), "precision": precision, **result,
-                "date": time.strftime("%Y-%m-%d %H:%M"), **chain_fields(previous, before, result["tokens_seen"])}
-    save_draft(draft.cpu(), new_ids, V, manifest, Path(cfg.out),
-               extra=(lambda d: save_stable_state(stable, d)) if stable else None)
+                "date": time.strftime("%Y-%m-%d %H:%M"), **chain_fields(previous, before, result["tokens_seen"]),
+                **dist.manifest()}
+    if dist.main:
+        save_draft(draft.cpu(), new_ids, V, manifest, Path(cfg.out),
+                   extra=(lambda d: save_stable_state(stable, d)) if stable else None)
+    dist.barrier()
     return manifest
 
 

@@ -31,7 +31,10 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
   target's greedy token per kind (chat / code) at each point of ``curve`` (corpus output tokens seen; the learning
   rate at an early point is still high, so it under-states what a smaller corpus trained to the end would reach);
 - **schedule**: ``cosine`` (warm-up, cosine to 0), or ``wsd`` with ``resume`` (``train.resume``): runs spread over
-  several sessions train as one, without the dip a restart from ``--init`` costs.
+  several sessions train as one, without the dip a restart from ``--init`` costs;
+- **several processes** (``torchrun`` / ``accelerate launch``; ``train.distributed``): data-parallel, each process
+  computing its rows of every batch, the gradients summed; the loss, curve and block are one process's of the same
+  batches (up to float summation order); rank 0 logs and writes; ``follow`` is one process only.
 
 Output: a block directory (``storage`` int8 by default) plus ``manifest.json`` (config, corpus, draft-vocabulary
 coverage, learning curve, seconds; ``tokens_total``: tokens trained since the first of a chain of resumed runs) and,
@@ -61,6 +64,7 @@ from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
                      warmup_cosine, warmup_stable_decay)
+from .distributed import Dist, check_global_batch, env, setup
 from .longspec import draft_logits, sample_positions, save_block, target_logits
 from .resume import chain_fields, check_schedule, resume_run, save_stable_state, stable_state
 
@@ -95,6 +99,7 @@ class DistillConfig:
     schedule: str = "cosine"  # learning rate: cosine, or wsd (warm-up, stable, decay; saves a state to resume from)
     decay: float = 0.2  # wsd: the share of the budget the learning rate decays over, at its end
     resume: str | None = None  # a block directory a wsd run wrote: go on from its stable weights and optimiser state
+    device: str = "cpu"  # where the target loads and the block trains: cpu, cuda, cuda:N or auto (train.distributed)
 
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -142,9 +147,10 @@ def sequence_of(record: dict, max_len: int) -> tuple[list[int], int]:
 
 
 def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_records: int, target=None,
-               growing: bool = False, parts: list[tuple[str, list[dict]]] | None = None):
+               growing: bool = False, parts: list[tuple[str, list[dict]]] | None = None, device="cpu"):
     """What every distiller starts from: (training records, ``eval_records`` held-out records, all records with
-    outputs, the target loaded (or ``target``) with its weights frozen, a ``random.Random(seed)``); torch seeded.
+    outputs, the target loaded on ``device`` (or ``target``) with its weights frozen, a ``random.Random(seed)``);
+    torch seeded.
     The evaluated records: ``heldout_sample``; ``growing``: see ``corpus_records``; ``parts``: ``corpus_parts``
     already read (instead of reading ``corpus``). Every corpus must be the target's own (``check_corpus``: one
     ``RetrospecError`` line for a corpus another model wrote, or one with token ids outside its vocabulary)."""
@@ -154,7 +160,7 @@ def load_split(corpus: str, target_src: str, seed: int, heldout: float, eval_rec
         raise RetrospecError(f"corpus {corpus} holds no generated outputs yet")
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    target = target if target is not None else load_model(target_src)
+    target = target if target is not None else load_model(target_src, device=device)
     for d, part in parts:  # a corpus another model wrote is refused before anything trains on it
         check_corpus(d, part, target, name=target_src if isinstance(target_src, str) else None)
     model = as_module(target).eval()
@@ -301,22 +307,27 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
 
 
 def batch_loss(block, target, records: list[dict], cfg: DistillConfig, rng: random.Random, pad: int,
-               precision: str) -> torch.Tensor:
-    """The distillation loss of one batch of ``records`` (positions and shift drawn from ``rng``)."""
+               precision: str, dist: Dist = Dist()) -> torch.Tensor:
+    """The distillation loss of one batch of ``records`` (positions and shift drawn from ``rng``); ``dist``: this
+    process's share of it (its rows of the batch drawn whole, ``Dist.local_loss``)."""
     ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in records], pad)
     anchored = rng.random() < cfg.anchor_share
     positions = sample_positions(ids.shape[0], ids.shape[1], cfg.max_positions, rng, anchor_offset=anchored)
     dev = block.norm1.weight.device  # the target's device (the block lives beside it)
     ids, mask, positions = ids.to(dev), mask.to(dev), positions.to(dev)
+    shift = rng.randint(1, cfg.noisy_max)
     with autocast(precision, dev):
-        return distill_loss(block, target, ids, positions, mask, rng.randint(1, cfg.noisy_max))
+        return dist.local_loss(lambda i, p, m: distill_loss(block, target, i, p, m, shift), mask, ids, positions,
+                               mask)
 
 
 def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng: random.Random,
-               pad: int, precision: str = "float32") -> tuple[float, int]:
-    """One optimizer step on ``records``; returns (the batch's KL, its output tokens)."""
-    loss = batch_loss(block, target, records, cfg, rng, pad, precision)
-    return optimizer_step(opt, loss, block.parameters(), cfg.grad_clip), sum(len(r["output_ids"]) for r in records)
+               pad: int, precision: str = "float32", dist: Dist = Dist()) -> tuple[float, int]:
+    """One optimizer step on ``records``; returns (the batch's KL, its output tokens); ``dist``: see
+    ``train.distributed``."""
+    loss = batch_loss(block, target, records, cfg, rng, pad, precision, dist)
+    return (optimizer_step(opt, loss, block.parameters(), cfg.grad_clip, dist),
+            sum(len(r["output_ids"]) for r in records))
 
 
 def check_distill(cfg, vocab_ok: bool, vocab_rule: str) -> None:
@@ -333,6 +344,7 @@ def check_distill(cfg, vocab_ok: bool, vocab_rule: str) -> None:
     if (cfg.max_tokens is not None and cfg.max_tokens < 1) or (cfg.seconds is not None and not cfg.seconds > 0):
         raise RetrospecError("--max-tokens / --seconds must be positive")
     check_precision(cfg.precision)
+    check_global_batch(cfg.batch_tokens, "--batch-tokens")
 
 
 def check_config(cfg: DistillConfig) -> None:
@@ -344,12 +356,15 @@ def check_config(cfg: DistillConfig) -> None:
         raise RetrospecError("--keep-vocab keeps the --init block's draft vocabulary: give --init")
     if cfg.follow and cfg.seconds is None:
         raise RetrospecError("--follow trains until --seconds run out: give --seconds")
+    if cfg.follow and env().world > 1:
+        raise RetrospecError("--follow runs in one process (the processes would read a growing corpus at different "
+                             "moments); run it without torchrun / accelerate launch")
 
 
 def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[int], rng: random.Random, log, *,
                 step: Callable[[list[dict]], tuple[float, int]], evaluate: Callable[[], dict], desc: str,
                 next_pass: Callable[[], list[dict] | None], extra: Callable[[], dict] = dict,
-                snapshot: Callable[[int], None] | None = None):
+                snapshot: Callable[[int], None] | None = None, dist: Dist = Dist()):
     """The distillers' loop: passes over ``make_batches(train)``, each batch one ``step`` (returning its loss and
     the tokens it counts). The learning rate follows progress = tokens counted / ``budget``, or with ``cfg.seconds``
     the larger of that and elapsed / ``cfg.seconds`` (a run stops at whichever comes first, and its schedule ends
@@ -357,14 +372,15 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
     cosine, or with ``cfg.schedule == "wsd"`` ``warmup_stable_decay`` over the last ``cfg.decay``, with
     ``snapshot(tokens counted)`` called once as the decay starts (or at the end, if it never started). Stops at the
     budget, or when ``next_pass()`` (after each pass) gives no records. ``evaluate`` runs (``model`` in eval mode)
-    before training, once the tokens counted pass each of ``points``, and at the end. Returns the manifest's
-    ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
+    before training, once the tokens counted pass each of ``points``, and at the end. ``dist`` (several processes):
+    the elapsed share of ``cfg.seconds`` is the largest of the processes' (they stop at the same step), the progress
+    bar is rank 0's. Returns the manifest's ``steps``, ``tokens_seen``, ``seconds`` and ``curve``."""
     wsd = cfg.schedule == "wsd"
     model.eval()
     curve = [{**evaluate(), "tokens": 0}]
     log(f"before: {curve[0]}")
     started, seen, n_steps, losses = time.perf_counter(), 0, 0, []
-    bar = tqdm(total=None if cfg.seconds else budget, unit="tok", desc=desc, mininterval=5.0)
+    bar = tqdm(total=None if cfg.seconds else budget, unit="tok", desc=desc, mininterval=5.0, disable=not dist.main)
 
     def row(**more) -> dict:
         model.eval()
@@ -378,7 +394,7 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
         for batch in make_batches(train, cfg.max_len, cfg.batch_tokens, rng):
             progress = seen / budget
             if cfg.seconds is not None:
-                progress = max(progress, (time.perf_counter() - started) / cfg.seconds)
+                progress = max(progress, dist.most((time.perf_counter() - started) / cfg.seconds))
             if seen >= budget or progress >= 1:
                 train = None
                 break
@@ -409,11 +425,14 @@ def train_curve(model, opt, train: list[dict], cfg, budget: int, points: list[in
 
 
 def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
-    """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest."""
+    """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest. Under
+    several processes (``train.distributed``) each runs this; rank 0 logs and saves."""
     check_config(cfg)
+    dist = setup(cfg.device)
+    log = dist.log(log)
     parts = corpus_parts(cfg.corpus, growing=cfg.follow)
     train, held, _, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
-                                              target, growing=cfg.follow, parts=parts)
+                                              target, growing=cfg.follow, parts=parts, device=dist.device)
     start = cfg.resume or cfg.init
     block = load_block(start, target) if start else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
@@ -437,10 +456,11 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     record = target_record(as_module(target), getattr(target, "tokenizer", None),
                            getattr(target, "path", None) or cfg.target)
     cfg, previous, before = resume_run(cfg, block, opt, MANIFEST, log, target=as_module(target))
+    dist.same_start(block)
     stable: dict = {}
     first = first_batch(train, cfg)
-    precision = pick_precision(cfg.precision, block.norm1.weight.device,
-                               lambda: batch_loss(block, target, first, cfg, random.Random(0), pad, "float32"), log)
+    precision = dist.same(pick_precision(cfg.precision, block.norm1.weight.device, lambda: batch_loss(
+        block, target, first, cfg, random.Random(0), pad, "float32", dist), log))
     pool, unique = list(train), total_out  # training records; their tokens
     seen = {d: len(part) for d, part in parts}  # corpus directory -> records read
 
@@ -460,10 +480,10 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
 
     result = train_curve(
         block, opt, train, cfg, budget, [c for c in cfg.curve if c < budget] + ([] if cfg.follow else [budget]), rng,
-        log, step=lambda batch: train_step(block, target, opt, batch, cfg, rng, pad, precision), desc="distill",
-        evaluate=lambda: agreement(block, target, held, cfg.max_len, pad), next_pass=next_pass,
+        log, step=lambda batch: train_step(block, target, opt, batch, cfg, rng, pad, precision, dist),
+        desc="distill", evaluate=lambda: agreement(block, target, held, cfg.max_len, pad), next_pass=next_pass,
         extra=lambda: {"corpus_tokens": unique},
-        snapshot=lambda done: stable.update(stable_state(block, opt, before + done, record)))
+        snapshot=lambda done: stable.update(stable_state(block, opt, before + done, record)), dist=dist)
     for p in block.parameters():
         p.requires_grad_(False)
     manifest = {"what": "LongSpec block distilled on the target's own outputs (FR-Spec draft vocabulary)",
@@ -471,9 +491,11 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
                 "target_identity": record,
                 "corpus": {"path": cfg.corpus, "records": sum(seen.values()), "heldout_records": len(held)},
                 "draft_vocab": block.draft_vocab_size, "heldout_coverage": held_coverage, "precision": precision,
-                **result, **chain_fields(previous, before, result["tokens_seen"])}
-    save_block(block, target, manifest, Path(cfg.out), cfg.storage,
-               extra=(lambda d: save_stable_state(stable, d)) if stable else None)
+                **result, **chain_fields(previous, before, result["tokens_seen"]), **dist.manifest()}
+    if dist.main:
+        save_block(block, target, manifest, Path(cfg.out), cfg.storage,
+                   extra=(lambda d: save_stable_state(stable, d)) if stable else None)
+    dist.barrier()
     return manifest
 
 
