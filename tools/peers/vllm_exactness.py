@@ -1,11 +1,13 @@
-"""Our prompt lookup inside vLLM changes nothing but speed: greedy outputs equal plain vLLM's, prompt for prompt.
+"""Our proposers inside vLLM change nothing but speed: greedy outputs equal plain vLLM's, prompt for prompt.
 
 Run in the vLLM peer's virtualenv (``make peers-test``; retrospec installed there by ``make peers-vllm``)::
 
-    .venv-peers-vllm/bin/python -m tools.peers.vllm_exactness --model DIR [--prompts 24] [--max-new-tokens 64]
+    .venv-peers-vllm/bin/python -m tools.peers.vllm_exactness --model DIR [--prompts 24] [--max-new-tokens 64] \
+        [--proposers PromptLookupProposer,ServedOutputProposer]
 
-Two engines on the same checkpoint (float32, prefix caching off): plain, and with
-``retrospec.integrations.vllm_proposer.PromptLookupProposer`` as vLLM's ``custom_class`` proposer. Prompts: held-out
+Engines on the same checkpoint (float32, prefix caching off): plain, then one per proposer class of
+``retrospec.integrations.vllm_proposer`` as vLLM's ``custom_class`` proposer (the served-output store fills as the
+prompts go by, so later prompts draft from earlier answers). Prompts: held-out
 stdlib functions and chat questions (the bench's ``heldout`` and ``chat-tasks`` presets, as token ids through the
 model's tokenizer and chat template). Prints one line per prompt and a summary; exit 1 on any difference.
 """
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=10, help="num_speculative_tokens")
+    p.add_argument("--proposers", default="PromptLookupProposer,ServedOutputProposer",
+                   help="comma-separated classes of retrospec.integrations.vllm_proposer (RestProposer needs "
+                        "RETROSPEC_DATASTORE)")
     args = p.parse_args(argv)
     # the results get a private copy of stdout; fd 1 becomes stderr for vLLM's log and its engine processes
     out = os.fdopen(os.dup(1), "w")
@@ -72,19 +77,24 @@ def main(argv: list[str] | None = None) -> int:
     plain = _engine(args.model, None)
     want, plain_s = _run(plain, prompts, args.max_new_tokens)
     del plain
-    ours = _engine(args.model, {"method": "custom_class", "num_speculative_tokens": args.k,
-                                "model": "retrospec.integrations.vllm_proposer.PromptLookupProposer"})
-    got, ours_s = _run(ours, prompts, args.max_new_tokens)
-    same = [a == b for a, b in zip(want, got, strict=True)]
-    for i, (ok, ids) in enumerate(zip(same, prompts, strict=True)):
-        print(f"prompt {i:2d}: {len(ids):4d} prompt tokens, {len(want[i]):3d} new, identical: {'yes' if ok else 'NO'}",
-              file=out)
     tokens = sum(map(len, want))
-    print(json.dumps({"prompts": len(prompts), "identical": sum(same), "new_tokens": tokens,
-                      "plain_tok_s": round(tokens / plain_s, 1), "retrospec_pld_tok_s": round(tokens / ours_s, 1),
-                      "k": args.k, "max_new_tokens": args.max_new_tokens, "threads": threads}), file=out)
+    summary = {"prompts": len(prompts), "new_tokens": tokens, "plain_tok_s": round(tokens / plain_s, 1), "k": args.k,
+               "max_new_tokens": args.max_new_tokens, "threads": threads}
+    all_same = True
+    for name in args.proposers.split(","):
+        ours = _engine(args.model, {"method": "custom_class", "num_speculative_tokens": args.k,
+                                    "model": f"retrospec.integrations.vllm_proposer.{name}"})
+        got, ours_s = _run(ours, prompts, args.max_new_tokens)
+        del ours
+        same = [a == b for a, b in zip(want, got, strict=True)]
+        for i, (ok, ids) in enumerate(zip(same, prompts, strict=True)):
+            print(f"{name} prompt {i:2d}: {len(ids):4d} prompt tokens, {len(want[i]):3d} new, identical: "
+                  f"{'yes' if ok else 'NO'}", file=out)
+        summary[name] = {"identical": sum(same), "tok_s": round(tokens / ours_s, 1)}
+        all_same &= all(same)
+    print(json.dumps(summary), file=out)
     out.flush()
-    return 0 if all(same) else 1
+    return 0 if all_same else 1
 
 
 if __name__ == "__main__":

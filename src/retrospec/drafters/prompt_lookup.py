@@ -18,6 +18,11 @@ from .registry import Knob, MethodSpec, gamma_knob, register
 
 def lookup(tokens: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Continuation of the most recent earlier match of the longest matching suffix n-gram, or []."""
+    return lookup_match(tokens, k, max_ngram, min_ngram)[1]
+
+
+def lookup_match(tokens: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, list[int]]:
+    """(n, draft): the matched suffix n-gram's length and ``lookup``'s draft; (0, []) without a match."""
     n_tok = len(tokens)
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         pattern = tokens[n_tok - n :]
@@ -31,10 +36,10 @@ def lookup(tokens: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -
             start = int(hits[-1]) + n
             period = n_tok - start  # distance from the match's continuation to the end, >= 1
             if period >= k:
-                return tokens[start : start + k].tolist()
+                return n, tokens[start : start + k].tolist()
             cycle = tokens[start:].tolist()  # overlapping copy: the continuation repeats with this period
-            return [cycle[i % period] for i in range(k)]
-    return []
+            return n, [cycle[i % period] for i in range(k)]
+    return 0, []
 
 
 class PromptLookupDrafter:
