@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: peers-vllm peers-test demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
+.PHONY: peers-vllm peers-test peers-serving demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -98,6 +98,12 @@ peers-test: peers-vllm
 	$(VENV_VLLM)/bin/python -m tools.peers.vllm_exactness --model "$$($(PY) -c 'from retrospec.models.named \
 		import resolve_name; print(resolve_name("smollm2-135m"))')" >runs/peers-test-vllm.log \
 		2>runs/peers-test-vllm.err; rc=$$?; cat runs/peers-test-vllm.log; exit $$rc
+
+# Serving many clients (docs/peers.md): the same greedy completions through the OpenAI API at 1, 4 and 16 concurrent
+# clients, to `retrospec serve` (default method, and ar) and to vLLM's server (plain, n-gram, our proposer), one server
+# at a time; report in runs/serving. Each vLLM start compiles the model (2-4 minutes on 2 cores): 20-30 minutes in all.
+peers-serving: peers-vllm
+	$(PY) -m retrospec.bench.serving --out runs/serving
 
 # The issue's acceptance bench: 20 MBPP prompts from ../shared/data, greedy, 128 new tokens.
 bench: $(STAMP)
