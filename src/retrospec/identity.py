@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -120,12 +121,34 @@ def head_rows(model: torch.nn.Module) -> int:
     return int(rows if rows is not None else head.weight.shape[0])
 
 
+def portable_path(path) -> str | None:
+    """How an artefact records where its model came from, without the machine's layout: a named model's converted
+    checkpoint (``<cache_home>/models/<name>``) as its name, a path inside the working directory relative to it, any
+    other path as given (None stays None). Artefacts built on one machine and loaded on another then name the same
+    model, and no bundled file holds a home directory."""
+    if path is None:
+        return None
+    from .paths import cache_home
+
+    p = Path(str(path)).expanduser()
+    if not p.is_absolute():
+        return str(path)
+    try:
+        resolved = p.resolve()
+        models = (cache_home() / "models").resolve()
+        if resolved.parent == models:
+            return resolved.name
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except (OSError, ValueError):
+        return str(path)
+
+
 def target_record(model: torch.nn.Module, tokenizer=None, path: str | None = None) -> dict:
     """``model_identity(model)`` plus ``vocab_size`` (rows of the output head), ``hidden_size``, ``model_type``,
-    ``tokenizer_fingerprint`` (None without a tokenizer) and ``path``: the record ``same_model`` and a vocabulary
-    check read back."""
+    ``tokenizer_fingerprint`` (None without a tokenizer) and ``path`` (``portable_path``): the record ``same_model``
+    and a vocabulary check read back."""
     cfg = model.config
     return model_identity(model) | {
         "vocab_size": head_rows(model),
         "hidden_size": int(cfg.hidden_size), "model_type": getattr(cfg, "model_type", None),
-        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "path": None if path is None else str(path)}
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "path": portable_path(path)}

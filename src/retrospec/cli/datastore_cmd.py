@@ -199,8 +199,11 @@ def run_eval(args) -> int:
     _check(args, ("max_tokens", "max_queries", "k", "match_len"))
     meta = load_meta(args.dir)
     recorded = (meta.get("target") or {}).get("path") or (meta.get("tokenizer") or {}).get("source")
-    if args.target is None and recorded and Path(recorded).is_dir():
-        args.target = recorded
+    if args.target is None and recorded:
+        from ..models.named import lookup
+
+        if Path(recorded).is_dir() or lookup(recorded) is not None:  # a directory, or a named model's name
+            args.target = recorded
     target = _load_target(args.target)
     store = open_store(args.dir, meta["kind"], target=target)
     docs, desc = _documents(args.corpus, target, args.max_tokens)
