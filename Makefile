@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: peers-vllm peers-test peers-serving demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
+.PHONY: peers-vllm peers-test peers-repeated peers-serving demo test test-lowest install bench clean gpu gpu-done gpu-dry-run peers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -98,6 +98,14 @@ peers-test: peers-vllm
 	$(VENV_VLLM)/bin/python -m tools.peers.vllm_exactness --model "$$($(PY) -c 'from retrospec.models.named \
 		import resolve_name; print(resolve_name("smollm2-135m"))')" >runs/peers-test-vllm.log \
 		2>runs/peers-test-vllm.err; rc=$$?; cat runs/peers-test-vllm.log; exit $$rc
+
+# The served-output store on a repeated workload (docs/scaling-out.md): 40 MBPP problems from ../shared/data, each
+# asked three ways, in random order, through vLLM with our proposers; τ by the time a problem is asked.
+peers-repeated: peers-vllm
+	mkdir -p runs
+	$(VENV_VLLM)/bin/python -m tools.peers.vllm_repeated --model "$$($(PY) -c 'from retrospec.models.named \
+		import resolve_name; print(resolve_name("smollm2-135m"))')" --mbpp ../shared/data/mbpp_sanitized.jsonl \
+		--k 16 --plain >runs/peers-repeated.log 2>runs/peers-repeated.err; rc=$$?; cat runs/peers-repeated.log; exit $$rc
 
 # Serving many clients (docs/peers.md): the same greedy completions through the OpenAI API at 1, 4 and 16 concurrent
 # clients, to `retrospec serve` (default method, and ar) and to vLLM's server (plain, n-gram, our proposer), one server

@@ -52,7 +52,7 @@ class ServedStore:
     """Served outputs indexed for drafting (see the module docstring). Not thread-safe: one engine process, one
     caller at a time (vLLM calls its proposer from one thread)."""
 
-    def __init__(self, capacity: int = 1 << 20, *, min_suffix: int = 2, max_suffix: int = 16, max_hits: int = 64,
+    def __init__(self, capacity: int = 1 << 20, *, min_suffix: int = 2, max_suffix: int = 16, max_hits: int = 16,
                  min_share: float = 0.0):
         if capacity < 2 or not 1 <= min_suffix <= max_suffix or max_hits < 1:
             raise ValueError(f"need capacity >= 2, 1 <= min_suffix <= max_suffix and max_hits >= 1, got {capacity}, "
