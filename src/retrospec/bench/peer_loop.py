@@ -15,9 +15,11 @@ from collections.abc import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def serve(load: Callable[[dict], tuple[object, str]], generate: Callable[[object, dict], dict]) -> int:
+def serve(load: Callable[[dict], tuple[object, str]], generate: Callable[[object, dict], dict],
+          ops: dict[str, Callable[[object, dict], dict]] | None = None) -> int:
     """Answer requests until stdin closes: ``{"op": "load", ...}`` -> ``load(request)`` = (engine, version), answered
-    ``{"ok": true, "version": ...}``; any other request -> ``generate(engine, request)``.
+    ``{"ok": true, "version": ...}``; a request whose op ``ops`` names -> ``ops[op](engine, request)``; any other
+    request -> ``generate(engine, request)``.
 
     Before anything is imported: this folder leaves ``sys.path`` (it holds modules named like the standard library's,
     ``profile``), and the answers get a private copy of stdout while file descriptor 1 becomes stderr, for this process
@@ -38,7 +40,7 @@ def serve(load: Callable[[dict], tuple[object, str]], generate: Callable[[object
             elif engine is None:
                 answer = {"error": "no model loaded"}
             else:
-                answer = generate(engine, req)
+                answer = (ops or {}).get(req["op"], generate)(engine, req)
         except Exception as exc:  # one line back to the bench, whatever the peer raised
             answer = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
         out.write(json.dumps(answer) + "\n")

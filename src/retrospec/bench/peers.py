@@ -8,6 +8,8 @@ library plus the peer) through pipes. ``PeerWorker`` is that driver, whatever th
 - ``{"op": "generate", "prompt_ids": [...], "max_new_tokens": n, "eos_ids": [...]}`` per prompt, answered
   ``{"token_ids": [...], "prefill_s": s, "decode_s": s}``: the same token ids our methods get, greedy, decode timed
   from the first new token on (our bench's decode phase);
+- a worker may answer other ops of its own (``ask``: any request, one answer), e.g. ``vllm_worker``'s
+  ``generate_batch`` for a corpus;
 - any failure is answered ``{"error": "one line"}``; a worker that dies is reported with the last line it wrote to
   stderr (kept off the terminal otherwise).
 
@@ -34,9 +36,15 @@ class PeerWorker:
         self._err = tempfile.TemporaryFile()  # the peer's own log lines: shown only when the worker fails
         self.proc = subprocess.Popen([python, str(worker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._err, text=True)
-        self.info = self._ask({"op": "load"} | load)
+        try:
+            self.info = self.ask({"op": "load"} | load)
+        except RetrospecError:
+            self.close()  # a worker that could not load leaves no process behind
+            raise
 
-    def _ask(self, request: dict) -> dict:
+    def ask(self, request: dict) -> dict:
+        """Send one request, return its answer; a failure, a dead worker or a non-JSON answer is one
+        ``RetrospecError`` line."""
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -60,7 +68,7 @@ class PeerWorker:
 
     def generate(self, prompt_ids: list[int], max_new: int, eos: frozenset[int]) -> tuple[list[int], SpecStats,
                                                                                           float]:
-        got = self._ask({"op": "generate", "prompt_ids": list(prompt_ids), "max_new_tokens": max_new,
+        got = self.ask({"op": "generate", "prompt_ids": list(prompt_ids), "max_new_tokens": max_new,
                          "eos_ids": sorted(eos)})
         stats = SpecStats(method=self.method, prompt_tokens=len(prompt_ids))
         stats.new_tokens = len(got["token_ids"])

@@ -23,13 +23,21 @@ def add_parser(sub) -> None:
     g.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy (default 0,0.7)")
     g.add_argument("--top-p", type=float, default=0.95, help="for sampled temperatures (default 0.95)")
     g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--batch-size", type=int, default=32, help="sequences decoded together (default 32)")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="sequences decoded together (default 32; with --engine vllm: the whole shard, one "
+                        "LLM.generate call)")
     g.add_argument("--limit-per-source", type=int, default=None, metavar="N",
                    help="use the first N rows of each source")
     g.add_argument("--shard-size", type=int, default=128, help="items per shard file (default 128)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     g.add_argument("--out", required=True, help="corpus directory (rerun the same command to resume)")
+    g.add_argument("--engine", choices=("retrospec", "vllm"), default="retrospec",
+                   help="what generates: retrospec (default: batched decoding in this process) or vllm (vLLM's "
+                        "offline LLM.generate in its own interpreter: make peers-vllm or $RETROSPEC_VLLM_PYTHON; "
+                        "the same corpus format, each record sampled with its own seed)")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="--engine vllm: GPUs the target is split over (vLLM's tensor_parallel_size; default 1)")
     from .generate_cmd import add_device_args
 
     add_device_args(g)
@@ -84,9 +92,20 @@ def run_generate(args) -> int:
         temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
     except ValueError:
         raise RetrospecError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+    if args.tensor_parallel < 1:
+        raise RetrospecError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.engine == "vllm":
+        from ..bench.vllm_corpus import DTYPES, vllm_python
+
+        vllm_python()  # no vLLM: one line now, before anything loads or is written
+        if args.dtype not in DTYPES:
+            raise RetrospecError(f"--engine vllm runs the target in {', '.join(DTYPES)}, not {args.dtype}")
+    elif args.tensor_parallel != 1:
+        raise RetrospecError("--tensor-parallel is vLLM's: use it with --engine vllm")
     sources = parse_sources(args.sources)
+    batch = args.batch_size if args.batch_size is not None else args.shard_size if args.engine == "vllm" else 32
     cfg = CorpusConfig(sources=args.sources, temperatures=temps, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                       batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
+                       batch_size=batch, shard_size=args.shard_size, seed=args.seed,
                        max_prompt_tokens=args.max_prompt_tokens)
     if args.limit_per_source is not None and args.limit_per_source < 1:
         raise RetrospecError("--limit-per-source must be >= 1")
@@ -95,10 +114,25 @@ def run_generate(args) -> int:
 
     target = load_model(default_target() if args.target is None else args.target, role="target",
                         **device_kwargs(args))
-    manifest = CorpusBuilder(target, rows, args.out, cfg).build()
+    engine = None
+    try:
+        if args.engine == "vllm":
+            from ..bench.vllm_corpus import VllmCorpusEngine
+            from ..corpus.build import INSTRUCTION_TOKENS
+
+            n_ctx = cfg.max_prompt_tokens + max(cfg.max_new_tokens, INSTRUCTION_TOKENS)
+            limit = getattr(target.model.config, "max_position_embeddings", None)
+            engine = VllmCorpusEngine(target.path, args.dtype, min(n_ctx, limit) if limit else n_ctx, seed=cfg.seed,
+                                      tensor_parallel=args.tensor_parallel)
+        manifest = CorpusBuilder(target, rows, args.out, cfg, engine=engine).build()
+    finally:
+        if engine is not None:
+            engine.close()
+    seconds = manifest["seconds"]
     print(f"{args.out}: {sum(s['records'] for s in manifest['shards'].values()):,} replies, "
-          f"{manifest['output_tokens']:,} output tokens in {manifest['seconds']:.0f} s "
-          f"({'complete' if manifest.get('complete') else 'partial'})")
+          f"{manifest['output_tokens']:,} output tokens in {seconds:.0f} s "
+          f"({manifest['output_tokens'] / max(seconds, 1e-9):.0f} tokens/s, {manifest['engine']['name']} engine; "
+          f"{'complete' if manifest.get('complete') else 'partial'})")
     return 0
 
 

@@ -8,8 +8,11 @@ every prompt row (``corpus.prompts``) at every temperature of the config and wri
   self-instruct and tasks, the instruction the target wrote: for tasks, a task's opening words and its
   continuation), ``prompt_ids``, ``output_ids``, ``finished`` (ended at an end-of-turn / EOS id rather than at
   ``max_new_tokens``);
-- a shard is decoded in batches of ``batch_size`` sequences (``batched.generate_batch``), rows sorted by prompt
-  length; sampled shards draw from a generator seeded by (seed, shard);
+- a shard is decoded by an *engine* (``CorpusEngine``): by default ``RetrospecEngine``, in batches of ``batch_size``
+  sequences (``batched.generate_batch``), rows sorted by prompt length, sampled rows drawing from one generator
+  seeded by (seed, shard); or an engine in another interpreter (``bench.vllm_corpus``: vLLM's offline
+  ``LLM.generate``, each record sampled with its own seed, ``record_seed``). The manifest records the engine
+  (``engine``: name, version, how it seeds), and a corpus resumes only with the engine that began it;
 - each shard file, then ``manifest.json``, is written atomically, so a killed build leaves whole shards only; a
   rerun with the same ``--out`` and config skips the shards the manifest lists (an unlisted shard file is generated
   again, identically), and a different config is refused (one line), never mixed in.
@@ -32,6 +35,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -41,7 +45,7 @@ from ..batched import generate_batch
 from ..chat import build_chat_prompt, end_of_turn_ids, render
 from ..config import SamplingConfig
 from ..errors import RetrospecError
-from ..identity import head_rows, same_model, target_record, tokenizer_fingerprint
+from ..identity import head_rows, portable_path, same_model, target_record, tokenizer_fingerprint
 from ..models.files import read_json, read_jsonl
 from ..models.loading import as_module
 from .prompts import WRITTEN, PromptRow
@@ -49,6 +53,81 @@ from .prompts import WRITTEN, PromptRow
 MANIFEST = "manifest.json"
 INSTRUCTION_TOKENS = 96  # the most a self-written instruction may take
 MARK = "\x00RETROSPEC-USER\x00"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One sequence an engine generates: the prompt's ids, how to sample (temperature, top-p), the most new tokens,
+    and the record's own seed (``record_seed``; engines that seed per request use it, ``RetrospecEngine`` draws
+    from the shard's generator instead)."""
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    max_new_tokens: int
+    seed: int
+
+
+def record_seed(seed: int, item: int, phase: int) -> int:
+    """A record's own 63-bit seed: from the config's seed, the item's index in the whole build and the phase (0: the
+    instruction a self-instruct / tasks row writes first, 1: the reply). The same for the same item whatever
+    shard, batch or order it is generated in, so a shard generated again (resume) is the same."""
+    digest = hashlib.blake2b(f"{seed}/{item}/{phase}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class CorpusEngine(Protocol):
+    """What writes a corpus's outputs: ``generate`` answers every job, in order (token ids, the stopping EOS id
+    included when one was produced); ``record`` is what the manifest keeps (``name``, ``version``, ``seeding``)."""
+
+    name: str
+
+    def start(self) -> None:
+        """Get ready (load a model): called before the first shard is timed, only when a shard is to be written."""
+
+    def record(self) -> dict: ...
+
+    def generate(self, jobs: list[Job], batch_size: int, eos: frozenset[int],
+                 generator: torch.Generator) -> list[list[int]]: ...
+
+
+class RetrospecEngine:
+    """The default engine: ``batched.generate_batch`` on the loaded target, in this process. Jobs run in the order
+    given, in batches of ``batch_size`` cut within each run of equal sampling settings; sampled rows draw from the
+    shard's generator in that order (a shard generated again draws the same)."""
+
+    name = "retrospec"
+    seeding = ("per shard: one generator seeded seed * 1000003 + shard, drawn by every sampled row of the shard in "
+               "batch order")
+
+    def __init__(self, model, pad_id: int):
+        self.model, self.pad = model, pad_id
+
+    def start(self) -> None:
+        pass  # the target is loaded already
+
+    def record(self) -> dict:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ours = version("retrospec")
+        except PackageNotFoundError:
+            ours = None
+        return {"name": self.name, "version": ours, "torch": torch.__version__, "seeding": self.seeding}
+
+    def generate(self, jobs: list[Job], batch_size: int, eos: frozenset[int],
+                 generator: torch.Generator) -> list[list[int]]:
+        out: list[list[int]] = []
+        k = 0
+        while k < len(jobs):
+            run = k + 1  # jobs[k:run]: one batch, equal settings
+            while run < len(jobs) and run - k < batch_size and (jobs[run].sampling, jobs[run].max_new_tokens) == (
+                    jobs[k].sampling, jobs[k].max_new_tokens):
+                run += 1
+            res = generate_batch(self.model, [j.prompt_ids for j in jobs[k:run]],
+                                 max_new_tokens=jobs[k].max_new_tokens, eos_ids=eos, pad_id=self.pad,
+                                 sampling=jobs[k].sampling, generator=generator)
+            out += res.tokens
+            k = run
+        return out
 
 
 @dataclass
@@ -89,7 +168,8 @@ def self_instruct_prefix(tokenizer) -> list[int]:
 
 
 class CorpusBuilder:
-    def __init__(self, target, rows: list[PromptRow], out: str | Path, cfg: CorpusConfig):
+    def __init__(self, target, rows: list[PromptRow], out: str | Path, cfg: CorpusConfig,
+                 engine: CorpusEngine | None = None):
         if not rows:
             raise RetrospecError("no prompt rows to generate from")
         if cfg.batch_size < 1 or cfg.shard_size < 1 or cfg.max_new_tokens < 1:
@@ -107,6 +187,7 @@ class CorpusBuilder:
         self.items = [(i, t) for i in range(len(rows)) for t in cfg.temperatures]  # (row, temperature)
         self.eos = target.eos_ids() | end_of_turn_ids(tok)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.engine = engine if engine is not None else RetrospecEngine(target.model, self.pad)
 
     def _manifest(self) -> dict:
         path = self.out / MANIFEST
@@ -118,8 +199,15 @@ class CorpusBuilder:
             if bad is not None:
                 raise RetrospecError(f"corrupt corpus {self.out}: {MANIFEST} has no {bad!r}; remove the directory or "
                                      "choose another --out")
+            engine = m.get("engine")
+            began = engine.get("name") if isinstance(engine, dict) else RetrospecEngine.name  # unrecorded: ours
+            if began != self.engine.name:
+                raise RetrospecError(f"{self.out} holds a corpus generated by the {began} engine; resume it with "
+                                     f"--engine {began} (this run uses {self.engine.name})")
+            if "engine" not in m:
+                m["engine"] = self.engine.record()
             was, now = m["target"], target_identity(self.target)
-            if m.get("config_key") != self.cfg.key() or was.get("path") != now["path"]:
+            if m.get("config_key") != self.cfg.key() or portable_path(was.get("path")) != now["path"]:
                 raise RetrospecError(f"{self.out} holds a corpus built with another config or target; choose "
                                      "another --out (or rerun with the same arguments to resume)")
             if was.get("dtype", now["dtype"]) != now["dtype"]:  # one corpus, one precision of the target
@@ -132,8 +220,8 @@ class CorpusBuilder:
         if self.out.is_dir() and any(p for p in self.out.iterdir() if not p.name.startswith(".")):
             raise RetrospecError(f"{self.out} exists and is not a corpus directory; choose another --out")
         return {"config": asdict(self.cfg), "config_key": self.cfg.key(), "target": target_identity(self.target),
-                "rows": len(self.rows), "items": len(self.items), "shards": {}, "by_source": {},
-                "by_temperature": {}, "prompt_tokens": 0, "output_tokens": 0, "skipped_long": 0, "seconds": 0.0}
+                "engine": self.engine.record(), "rows": len(self.rows), "items": len(self.items), "shards": {},
+                "by_source": {}, "by_temperature": {}, "prompt_tokens": 0, "output_tokens": 0, "skipped_long": 0, "seconds": 0.0}
 
     def _encode(self, row: PromptRow, instruction: str | None = None) -> tuple[str, list[int]]:
         tok = self.target.tokenizer
@@ -142,24 +230,21 @@ class CorpusBuilder:
             return text, build_chat_prompt(tok, [{"role": "user", "content": text}]).prompt_ids
         return text, list(tok(text, add_special_tokens=False)["input_ids"])
 
-    def _instructions(self, openers: list[str], gen: torch.Generator) -> list[str]:
-        """One user instruction written by the target (sampled at temperature 1, top-p 0.95) from each opener: the
-        chat template up to the user's turn, then the opener's words ("" = Magpie's unseeded instruction)."""
+    def _instructions(self, openers: list[tuple[int, str]], gen: torch.Generator) -> list[str]:
+        """One user instruction written by the target (sampled at temperature 1, top-p 0.95) from each (item, opener):
+        the chat template up to the user's turn, then the opener's words ("" = Magpie's unseeded instruction)."""
         tok = self.target.tokenizer
         prefix, sampling = self_instruct_prefix(tok), SamplingConfig(temperature=1.0, top_p=0.95)
-        starts = [list(tok(o, add_special_tokens=False)["input_ids"]) if o else [] for o in openers]
-        out = []
-        for k in range(0, len(starts), self.cfg.batch_size):
-            res = generate_batch(self.target.model, [prefix + s for s in starts[k:k + self.cfg.batch_size]],
-                                 max_new_tokens=INSTRUCTION_TOKENS, eos_ids=self.eos, pad_id=self.pad,
-                                 sampling=sampling, generator=gen)
-            out += [tok.decode(s + t, skip_special_tokens=True).strip()
-                    for s, t in zip(starts[k:k + self.cfg.batch_size], res.tokens)]
-        return out
+        starts = [list(tok(o, add_special_tokens=False)["input_ids"]) if o else [] for _, o in openers]
+        jobs = [Job(prefix + s, sampling, INSTRUCTION_TOKENS, record_seed(self.cfg.seed, item, 0))
+                for (item, _), s in zip(openers, starts)]
+        written = self.engine.generate(jobs, self.cfg.batch_size, self.eos, gen)
+        return [tok.decode(s + t, skip_special_tokens=True).strip() for s, t in zip(starts, written)]
 
     def run_shard(self, index: int, items: list[tuple[int, float]]) -> list[dict]:
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + index)
-        openers = [self.rows[i].text for i, _ in items if self.rows[i].source in WRITTEN]
+        first = index * self.cfg.shard_size  # the index of items[0] in the whole build
+        openers = [(first + o, self.rows[i].text) for o, (i, _) in enumerate(items) if self.rows[i].source in WRITTEN]
         written = iter(self._instructions(openers, gen) if openers else ())
         prepared = []  # (item order, row, temperature, prompt text, prompt ids)
         for order, (i, temp) in enumerate(items):
@@ -167,18 +252,15 @@ class CorpusBuilder:
             text, ids = self._encode(row, next(written) if row.source in WRITTEN else None)
             if text.strip() and 0 < len(ids) <= self.cfg.max_prompt_tokens:
                 prepared.append((order, row, temp, text, ids))
-        records: dict[int, dict] = {}
-        for temp in sorted({p[2] for p in prepared}):
-            group = sorted((p for p in prepared if p[2] == temp), key=lambda p: len(p[4]))
-            sampling = SamplingConfig(temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0)
-            for k in range(0, len(group), self.cfg.batch_size):
-                batch = group[k:k + self.cfg.batch_size]
-                res = generate_batch(self.target.model, [p[4] for p in batch], max_new_tokens=self.cfg.max_new_tokens,
-                                     eos_ids=self.eos, pad_id=self.pad, sampling=sampling, generator=gen)
-                for (order, row, t, text, ids), toks in zip(batch, res.tokens):
-                    records[order] = {"source": row.source, "chat": row.chat, "temperature": t, "prompt": text,
-                                      "prompt_ids": ids, "output_ids": toks,
-                                      "finished": bool(toks) and toks[-1] in self.eos}
+        # by temperature, then by prompt length within one (batches pad little)
+        prepared.sort(key=lambda p: (p[2], len(p[4])))
+        jobs = [Job(ids, SamplingConfig(temperature=t, top_p=self.cfg.top_p if t > 0 else 1.0),
+                    self.cfg.max_new_tokens, record_seed(self.cfg.seed, first + order, 1))
+                for order, _, t, _, ids in prepared]
+        outputs = self.engine.generate(jobs, self.cfg.batch_size, self.eos, gen) if jobs else []
+        records = {order: {"source": row.source, "chat": row.chat, "temperature": t, "prompt": text,
+                           "prompt_ids": ids, "output_ids": toks, "finished": bool(toks) and toks[-1] in self.eos}
+                   for (order, row, t, text, ids), toks in zip(prepared, outputs)}
         return [records[o] for o in sorted(records)]
 
     def build(self, progress: bool = True) -> dict:
@@ -191,30 +273,33 @@ class CorpusBuilder:
         # (killed between the two renames) is generated again: the same seed gives the same records
         todo = [k for k in range(len(shards))
                 if f"{k:05d}" not in manifest["shards"] or not (self.out / f"shard-{k:05d}.jsonl").is_file()]
-        bar = tqdm(total=len(self.items), initial=len(self.items) - sum(len(shards[k]) for k in todo),
-                   desc="corpus", unit="seq", disable=not progress, dynamic_ncols=True)
-        for k in todo:
-            t0 = time.perf_counter()
-            records = self.run_shard(k, shards[k])
-            write_text_atomic(self.out / f"shard-{k:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-            out_tokens = sum(len(r["output_ids"]) for r in records)
-            manifest["shards"][f"{k:05d}"] = {"items": len(shards[k]), "records": len(records),
-                                              "output_tokens": out_tokens,
-                                              "seconds": round(time.perf_counter() - t0, 2)}
-            manifest["skipped_long"] += len(shards[k]) - len(records)
-            manifest["prompt_tokens"] += sum(len(r["prompt_ids"]) for r in records)
-            manifest["output_tokens"] += out_tokens
-            manifest["seconds"] = round(manifest["seconds"] + time.perf_counter() - t0, 2)
-            for r in records:
-                for key, val in (("by_source", r["source"]), ("by_temperature", str(r["temperature"]))):
-                    slot = manifest[key].setdefault(val, {"records": 0, "output_tokens": 0})
-                    slot["records"] += 1
-                    slot["output_tokens"] += len(r["output_ids"])
-            manifest["complete"] = len(manifest["shards"]) == len(shards)
-            write_text_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-            bar.update(len(shards[k]))
-            bar.set_postfix_str(f"{manifest['output_tokens']:,} tokens")
-        bar.close()
+        if todo:
+            self.engine.start()
+        # the bar is closed on a failure too: its last line ends before the error's
+        with tqdm(total=len(self.items), initial=len(self.items) - sum(len(shards[k]) for k in todo),
+                  desc="corpus", unit="seq", disable=not progress, dynamic_ncols=True) as bar:
+            for k in todo:
+                t0 = time.perf_counter()
+                records = self.run_shard(k, shards[k])
+                text = "".join(json.dumps(r) + "\n" for r in records)
+                write_text_atomic(self.out / f"shard-{k:05d}.jsonl", text)
+                out_tokens = sum(len(r["output_ids"]) for r in records)
+                manifest["shards"][f"{k:05d}"] = {"items": len(shards[k]), "records": len(records),
+                                                  "output_tokens": out_tokens,
+                                                  "seconds": round(time.perf_counter() - t0, 2)}
+                manifest["skipped_long"] += len(shards[k]) - len(records)
+                manifest["prompt_tokens"] += sum(len(r["prompt_ids"]) for r in records)
+                manifest["output_tokens"] += out_tokens
+                manifest["seconds"] = round(manifest["seconds"] + time.perf_counter() - t0, 2)
+                for r in records:
+                    for key, val in (("by_source", r["source"]), ("by_temperature", str(r["temperature"]))):
+                        slot = manifest[key].setdefault(val, {"records": 0, "output_tokens": 0})
+                        slot["records"] += 1
+                        slot["output_tokens"] += len(r["output_ids"])
+                manifest["complete"] = len(manifest["shards"]) == len(shards)
+                write_text_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+                bar.update(len(shards[k]))
+                bar.set_postfix_str(f"{manifest['output_tokens']:,} tokens")
         return manifest
 
 
