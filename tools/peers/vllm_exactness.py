@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+
+from tools.peers.common import engine, private_stdout
 
 
 def _prompts(model: str, n: int) -> list[list[int]]:
@@ -33,13 +34,6 @@ def _prompts(model: str, n: int) -> list[list[int]]:
     ids += [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
                                     return_dict=True)["input_ids"] for p in chat]
     return ids
-
-
-def _engine(model: str, spec: dict | None):
-    from vllm import LLM
-
-    return LLM(model=model, dtype="float32", max_model_len=2048, enable_prefix_caching=False,
-               gpu_memory_utilization=0.3, seed=0, **({"speculative_config": spec} if spec else {}))
 
 
 def _run(llm, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
@@ -65,16 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated classes of retrospec.integrations.vllm_proposer (RestProposer needs "
                         "RETROSPEC_DATASTORE)")
     args = p.parse_args(argv)
-    # the results get a private copy of stdout; fd 1 becomes stderr for vLLM's log and its engine processes
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    threads = len(os.sched_getaffinity(0))
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out, threads = private_stdout()
     prompts = _prompts(args.model, args.prompts)
-    plain = _engine(args.model, None)
+    plain = engine(args.model, None)
     want, plain_s = _run(plain, prompts, args.max_new_tokens)
     del plain
     tokens = sum(map(len, want))
@@ -82,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                "max_new_tokens": args.max_new_tokens, "threads": threads}
     all_same = True
     for name in args.proposers.split(","):
-        ours = _engine(args.model, {"method": "custom_class", "num_speculative_tokens": args.k,
+        ours = engine(args.model, {"method": "custom_class", "num_speculative_tokens": args.k,
                                     "model": f"retrospec.integrations.vllm_proposer.{name}"})
         got, ours_s = _run(ours, prompts, args.max_new_tokens)
         del ours

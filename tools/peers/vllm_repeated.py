@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools.peers.common import engine, private_stdout
+
 
 DOCSTRING = "'" * 3
 
@@ -49,13 +51,6 @@ def _ids(model: str, requests: list[tuple[int, str]]) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model)
     return [tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                                     return_dict=True)["input_ids"] for _, text in requests]
-
-
-def _engine(model: str, spec: dict | None):
-    from vllm import LLM
-
-    return LLM(model=model, dtype="float32", max_model_len=2048, enable_prefix_caching=False,
-               gpu_memory_utilization=0.3, seed=0, **({"speculative_config": spec} if spec else {}))
 
 
 def _serve(llm, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
@@ -98,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--proposers", default="ServedOutputProposer,PromptLookupProposer")
     p.add_argument("--plain", action="store_true", help="also plain vLLM: tokens/s baseline and output identity")
     args = p.parse_args(argv)
-    out = os.fdopen(os.dup(1), "w")  # results on a private stdout; vLLM's log and engine processes get stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    threads = len(os.sched_getaffinity(0))
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out, threads = private_stdout()
     requests = _phrasings(args.mbpp, args.problems)
     random.Random(args.seed).shuffle(requests)
     seen: dict[int, int] = {}
@@ -117,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                      "k": args.k, "threads": threads, "seed": args.seed}
     want = None
     if args.plain:
-        llm = _engine(args.model, None)
+        llm = engine(args.model, None)
         want, seconds = _serve(llm, prompts, args.max_new_tokens)
         del llm
         summary["plain"] = {"tok_s": round(sum(map(len, want)) / seconds, 1)}
@@ -126,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             stats_file = Path(tmp) / "stats.jsonl"
             os.environ["RETROSPEC_PROPOSER_STATS"] = str(stats_file)
-            llm = _engine(args.model, {"method": "custom_class", "num_speculative_tokens": args.k,
+            llm = engine(args.model, {"method": "custom_class", "num_speculative_tokens": args.k,
                                        "model": f"retrospec.integrations.vllm_proposer.{name}"})
             outs, seconds = _serve(llm, prompts, args.max_new_tokens)
             del llm
