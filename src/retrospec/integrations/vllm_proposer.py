@@ -108,15 +108,18 @@ class RequestTracker:
 
     @staticmethod
     def _find(row: np.ndarray, previous: dict[int, RequestState], claimed: set[int], hint: int) -> RequestState | None:
-        order = ([hint] if hint in previous else []) + [s for s in previous if s != hint]
-        for slot in order:
+        def same(slot: int) -> bool:
             state = previous[slot]
             n = state.seen
-            if (slot not in claimed and n <= len(row) and np.array_equal(row[: len(state.head)], state.head)
-                    and np.array_equal(row[n - len(state.tail) : n], state.tail)):
-                claimed.add(slot)
-                return state
-        return None
+            return (slot not in claimed and n <= len(row) and np.array_equal(row[: len(state.head)], state.head)
+                    and np.array_equal(row[n - len(state.tail) : n], state.tail))
+
+        # the row's own slot first (the common case: constant work per row); the others only when rows moved
+        slot = hint if hint in previous and same(hint) else next((s for s in previous if s != hint and same(s)), None)
+        if slot is None:
+            return None
+        claimed.add(slot)
+        return previous[slot]
 
     def _take_in(self, state: RequestState, row: np.ndarray, sampled: list[int]) -> None:
         if len(sampled):
