@@ -35,11 +35,16 @@ def _one_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scalin
     """One query position over the keys it sees, as a one-token decode step computes it. query [b, h, 1, d];
     key/value [b, kvh, n, d] (n keys, in cache order) -> [b, h, 1, d]."""
     b, h, _, d = query.shape
-    kvh = key.shape[1]
-    qg = query.reshape(b, kvh, h // kvh, d)  # [b, kvh, rep, d]: heads sharing a key/value head
-    scores = torch.matmul(qg, key.transpose(-1, -2)) * scaling  # [b, kvh, rep, n]
-    probs = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, value).reshape(b, h, 1, d)
+    kvh, n = key.shape[1], key.shape[2]
+    qg = query.reshape(b * kvh, h // kvh, d)  # [b * kvh, rep, d]: heads sharing a key/value head
+    # bmm over [b * kvh] (a view of the cache where its strides allow): the same products as a 4D matmul, without
+    # its broadcasting machinery (~20 % of this call at 2K cached tokens)
+    scores = torch.bmm(qg, key.reshape(b * kvh, n, d).transpose(1, 2)) * scaling  # [b * kvh, rep, n]
+    if scores.dtype == torch.float32:
+        probs = scores.softmax(-1)  # the same kernel as with dtype=float32, one dispatch less
+    else:
+        probs = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
+    return torch.bmm(probs, value.reshape(b * kvh, n, d)).reshape(b, h, 1, d)
 
 
 def _row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
