@@ -4,7 +4,7 @@ per position bucket on long held-out documents, and the target's loss under anch
 ``retrospec train longspec-pack``: re-save a block with another weight storage (int8: ~1/4 of float32, lossy);
 ``retrospec train longspec-distill`` / ``draft-distill``: distil the LongSpec block / a small draft LM on a corpus of
 the target's own outputs; under ``torchrun`` / ``accelerate launch`` they train data-parallel
-(``train.distributed``).
+(``train.distributed``), with ``--fsdp`` the frozen target sharded over the processes (``train.fsdp``).
 
 Training of the other models lives under ``retrospec zoo`` (the zoo pair, ``real-draft``).
 """
@@ -153,6 +153,10 @@ def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, 
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                    help="where the target loads and the model trains (default cpu); cuda under torchrun / "
                         "accelerate launch: each process on cuda:LOCAL_RANK")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun / accelerate launch: shard the frozen target's decoder layers over the "
+                        "processes (FSDP), each holding 1/N of them, for a target too big for one device; the model "
+                        "being trained stays whole and data-parallel")
     add_common(p)
     return p
 

@@ -82,6 +82,14 @@ def as_module(model) -> torch.nn.Module:
 
 _CACHE: dict[tuple[str, str, str], LoadedModel] = {}
 
+
+def forget(model) -> None:
+    """Drop ``model`` (a module or ``LoadedModel``) from ``load_model``'s cache: a later ``load_model`` of the same
+    source loads it afresh (for a caller about to change the loaded instance, e.g. shard it)."""
+    module = as_module(model)
+    for key in [k for k, v in _CACHE.items() if v.model is module]:
+        del _CACHE[key]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what --dtype / dtype= take: a float dtype, a weight-only format, or a GGUF file's own blocks (``gguf_native``)
 FORMAT_NAMES = (*DTYPES, *WEIGHT_ONLY, GGUF_FORMAT)

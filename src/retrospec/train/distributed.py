@@ -23,6 +23,10 @@ train as one):
 - **Decisions made once**: what a process would decide on its own (the measured precision, elapsed time towards a
   ``--seconds`` budget) is rank 0's (``same``) or the largest (``most``), so every process takes the same steps.
 - **Rank 0 writes**: logs, progress bars, checkpoints and the final artefact (``main``); the others compute.
+- **A sharded target** (``--fsdp``, ``setup(device, fsdp=True)``; ``train.fsdp``): the frozen target's decoder layers
+  are split over the processes and gathered in each forward, so every process runs every forward of the target: a
+  process with no rows of a batch runs the target alone on the batch's first row, without gradient, and discards it
+  (``local_loss``). The trained model stays data-parallel as above.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    fsdp: bool = False  # the target is sharded (``train.fsdp``): every process takes part in each of its forwards
 
     @property
     def main(self) -> bool:
@@ -61,15 +66,21 @@ class Dist:
         """This process's contiguous rows of an ``n``-row batch (empty when ``n`` < world for some ranks)."""
         return slice(self.rank * n // self.world, (self.rank + 1) * n // self.world)
 
-    def local_loss(self, loss: Callable[..., torch.Tensor], mask: torch.Tensor, *batch: torch.Tensor) -> torch.Tensor:
+    def local_loss(self, loss: Callable[..., torch.Tensor], mask: torch.Tensor, *batch: torch.Tensor,
+                   target: Callable[..., object] | None = None) -> torch.Tensor:
         """``loss(*batch)``, a mean over the real tokens (``mask`` [b, L]: 1 on them) of a global batch (tensors
         [b, ...]); several processes: ``loss`` of this process's rows times their share of the batch's real tokens
-        (a zero with no gradient, and no forward, when it has none)."""
+        (a zero with no gradient, and no forward, when it has none; with ``fsdp``, ``target`` (the target's forward,
+        taking what ``loss`` takes) then runs on the batch's first row without gradient, its output discarded: the
+        sharded target's collectives need every process)."""
         if self.world == 1:
             return loss(*batch)
         part = self.rows(mask.shape[0])
         mine, total = int(mask[part].sum()), int(mask.sum())
         if mine == 0:
+            if self.fsdp and target is not None:
+                with torch.no_grad():
+                    target(*(t[:1] for t in batch))
             return torch.zeros((), device=mask.device)
         return loss(*(t[part] for t in batch)) * (mine / total)
 
@@ -122,7 +133,7 @@ class Dist:
 
     def manifest(self) -> dict:
         """What a manifest records of the run's processes (nothing for one process)."""
-        return {"processes": self.world} if self.world > 1 else {}
+        return ({"processes": self.world} | ({"fsdp": "target"} if self.fsdp else {})) if self.world > 1 else {}
 
 
 def env() -> Dist:
@@ -150,11 +161,12 @@ def check_global_batch(size: int, flag: str) -> None:
                              f"{world}")
 
 
-def setup(device: str | torch.device = "cpu") -> Dist:
+def setup(device: str | torch.device = "cpu", fsdp: bool = False) -> Dist:
     """This process's ``Dist``, training on ``device`` (``models.loading.resolve_device``: cpu, cuda, cuda:N or
     auto). Several processes: CUDA is ``cuda:LOCAL_RANK`` (made the current device), and the default process group
     is initialised once per process from the launcher's environment (``env://``: ``MASTER_ADDR``, ``MASTER_PORT``),
-    nccl on CUDA, gloo on the CPU; it is destroyed at exit. One process: no process group."""
+    nccl on CUDA, gloo on the CPU; it is destroyed at exit; ``fsdp``: the target will be sharded (``train.fsdp``).
+    One process: no process group, and ``fsdp`` changes nothing."""
     d = env()
     if d.world > 1 and str(device) != "cpu" and (str(device) != "auto" or torch.cuda.is_available()):
         device = f"cuda:{d.local_rank}"
@@ -166,7 +178,7 @@ def setup(device: str | torch.device = "cpu") -> Dist:
     if not tdist.is_initialized():
         tdist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=d.rank, world_size=d.world)
         atexit.register(_destroy)
-    return Dist(d.rank, d.world, d.local_rank, device)
+    return Dist(d.rank, d.world, d.local_rank, device, fsdp)
 
 
 def _destroy() -> None:

@@ -21,7 +21,9 @@ split, batches and learning curve of ``train.longspec_distill``) and:
 - **schedule**: ``cosine``, or ``wsd`` with ``resume`` (``train.resume``: a later run goes on from ``resume.pt``, the
   draft and AdamW's state before the decay, keeping that draft's vocabulary);
 - **several processes** (``torchrun`` / ``accelerate launch``; ``train.distributed``): data-parallel, each process
-  computing its rows of every batch (the target beside it), the gradients summed; rank 0 logs and writes.
+  computing its rows of every batch (the target beside it), the gradients summed; rank 0 logs and writes;
+  ``fsdp``: the frozen target's decoder layers sharded over the processes (``train.fsdp``), the draft data-parallel
+  as before.
 
 The draft trains on the target's device (``device``; measured on CPU only, CUDA untested). Output: a Hugging Face
 checkpoint (float16) with ``draft_vocab.json`` and ``real_draft.json`` (config, corpus, coverage, learning curve,
@@ -49,6 +51,7 @@ from ..models.loading import load_model
 from ..models.vocab import VocabMap
 from .common import adamw, autocast, jsonable, kl, optimizer_step, pick_precision
 from .distributed import setup
+from .fsdp import shard_target
 from .longspec_distill import (Tally, check_distill, coverage, first_batch, frequency_vocab, load_split, pad_batch,
                                sequence_of, teacher_forced, train_curve)
 from .real_draft import blank_draft, save_draft
@@ -82,6 +85,7 @@ class DraftDistillConfig:
     decay: float = 0.2  # wsd: the share of the budget the learning rate decays over, at its end
     resume: str | None = None  # a draft directory a wsd run wrote: go on from its stable weights and optimiser state
     device: str = "cpu"  # where the target loads and the draft trains: cpu, cuda, cuda:N or auto (train.distributed)
+    fsdp: bool = False  # several processes: shard the frozen target's decoder layers over them (train.fsdp)
 
 
 def check_config(cfg: DraftDistillConfig) -> None:
@@ -183,12 +187,15 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
     """Distil ``cfg.init`` for ``cfg.target`` on ``cfg.corpus`` and save it to ``cfg.out``; returns the manifest.
     Under several processes (``train.distributed``) each runs this; rank 0 logs and saves."""
     check_config(cfg)
-    dist = setup(cfg.device)
+    dist = setup(cfg.device, fsdp=cfg.fsdp)
     log = dist.log(log)
     train, held, records, loaded, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
-                                                   target, device=dist.device)
+                                                   target, device="cpu" if dist.fsdp else dist.device)
     tmodel = loaded.model
-    record = target_record(tmodel, loaded.tokenizer, getattr(loaded, "path", cfg.target))
+    record = target_record(tmodel, loaded.tokenizer, getattr(loaded, "path", cfg.target))  # reads every weight
+    # the frozen forwards run on ``teacher``: the target, or with --fsdp its module with the layers sharded (what
+    # this reads of the target outside them, its embedding and head, stays whole: ``train.fsdp``)
+    teacher = shard_target(loaded, dist, private=target is not None) if dist.fsdp else tmodel
     init = load_model(cfg.resume or cfg.init, role="draft", device=tmodel.get_output_embeddings().weight.device)
     V = tmodel.get_output_embeddings().weight.shape[0]
     check_init(init, cfg.resume or cfg.init, record)
@@ -219,8 +226,8 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
         ids, mask = pad_batch([sequence_of(r, cfg.max_len)[0] for r in batch], pad)
         ids, mask = ids.to(device), mask.to(device)
         with autocast(how, device):
-            return dist.local_loss(lambda i, m: distill_loss(draft, tmodel, vmap, head_rows, i, m), mask, ids,
-                                   mask), int(mask.sum())
+            return dist.local_loss(lambda i, m: distill_loss(draft, teacher, vmap, head_rows, i, m), mask, ids,
+                                   mask, target=lambda i, m: _teacher(teacher, i, m)), int(mask.sum())
 
     first = first_batch(train, cfg)
     precision = dist.same(pick_precision(cfg.precision, device, lambda: loss_of(first, "float32"), log))
@@ -230,7 +237,7 @@ def distill_draft(cfg: DraftDistillConfig, log=print, target=None) -> dict:
         return optimizer_step(opt, loss, draft.parameters(), cfg.grad_clip, dist), n
 
     result = train_curve(draft, opt, train, cfg, budget, [c for c in cfg.curve if c < budget], rng, log, step=step,
-                         evaluate=lambda: agreement(draft, tmodel, vmap, held, cfg.max_len), desc="distil draft",
+                         evaluate=lambda: agreement(draft, teacher, vmap, held, cfg.max_len), desc="distil draft",
                          next_pass=lambda: None if cfg.seconds is None and cfg.max_tokens is None else train,
                          snapshot=lambda done: stable.update(stable_state(draft, opt, before + done, record)),
                          dist=dist)

@@ -31,10 +31,11 @@ target writes. This trainer reads a corpus of the target's own replies (``retros
   target's greedy token per kind (chat / code) at each point of ``curve`` (corpus output tokens seen; the learning
   rate at an early point is still high, so it under-states what a smaller corpus trained to the end would reach);
 - **schedule**: ``cosine`` (warm-up, cosine to 0), or ``wsd`` with ``resume`` (``train.resume``): runs spread over
-  several sessions train as one, without the dip a restart from ``--init`` costs;
+  several sittings train as one, without the dip a restart from ``--init`` costs;
 - **several processes** (``torchrun`` / ``accelerate launch``; ``train.distributed``): data-parallel, each process
   computing its rows of every batch, the gradients summed; the loss, curve and block are one process's of the same
-  batches (up to float summation order); rank 0 logs and writes; ``follow`` is one process only.
+  batches (up to float summation order); rank 0 logs and writes; ``follow`` is one process only; ``fsdp``: the
+  frozen target's decoder layers sharded over the processes (``train.fsdp``), the block data-parallel as before.
 
 Output: a block directory (``storage`` int8 by default) plus ``manifest.json`` (config, corpus, draft-vocabulary
 coverage, learning curve, seconds; ``tokens_total``: tokens trained since the first of a chain of resumed runs) and,
@@ -65,6 +66,7 @@ from ..models.longspec import LongSpecDraft
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
                      warmup_cosine, warmup_stable_decay)
 from .distributed import Dist, check_global_batch, env, setup
+from .fsdp import shard_target
 from .longspec import draft_logits, sample_positions, save_block, target_logits
 from .resume import chain_fields, check_schedule, resume_run, save_stable_state, stable_state
 
@@ -100,6 +102,7 @@ class DistillConfig:
     decay: float = 0.2  # wsd: the share of the budget the learning rate decays over, at its end
     resume: str | None = None  # a block directory a wsd run wrote: go on from its stable weights and optimiser state
     device: str = "cpu"  # where the target loads and the block trains: cpu, cuda, cuda:N or auto (train.distributed)
+    fsdp: bool = False  # several processes: shard the frozen target's decoder layers over them (train.fsdp)
 
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -318,7 +321,7 @@ def batch_loss(block, target, records: list[dict], cfg: DistillConfig, rng: rand
     shift = rng.randint(1, cfg.noisy_max)
     with autocast(precision, dev):
         return dist.local_loss(lambda i, p, m: distill_loss(block, target, i, p, m, shift), mask, ids, positions,
-                               mask)
+                               mask, target=lambda i, p, m: target_logits(target, i, p, m, head=False))
 
 
 def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng: random.Random,
@@ -428,11 +431,17 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest. Under
     several processes (``train.distributed``) each runs this; rank 0 logs and saves."""
     check_config(cfg)
-    dist = setup(cfg.device)
+    dist = setup(cfg.device, fsdp=cfg.fsdp)
     log = dist.log(log)
     parts = corpus_parts(cfg.corpus, growing=cfg.follow)
+    given = target is not None
     train, held, _, target, rng = load_split(cfg.corpus, cfg.target, cfg.seed, cfg.heldout, cfg.eval_records,
-                                              target, growing=cfg.follow, parts=parts, device=dist.device)
+                                              target, growing=cfg.follow, parts=parts,
+                                              device="cpu" if dist.fsdp else dist.device)
+    record = target_record(as_module(target), getattr(target, "tokenizer", None),
+                           getattr(target, "path", None) or cfg.target)  # before sharding: it reads every weight
+    # the frozen forwards run on ``teacher``: the target, or with --fsdp its module with the layers sharded
+    teacher = shard_target(target, dist, private=given) if dist.fsdp else target
     start = cfg.resume or cfg.init
     block = load_block(start, target) if start else LongSpecDraft.for_target(target, init="identity")
     eos = set(getattr(target, "eos_ids", lambda: set())())
@@ -453,14 +462,12 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     for p in block.parameters():
         p.requires_grad_(True)
     opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
-    record = target_record(as_module(target), getattr(target, "tokenizer", None),
-                           getattr(target, "path", None) or cfg.target)
     cfg, previous, before = resume_run(cfg, block, opt, MANIFEST, log, target=as_module(target))
     dist.same_start(block)
     stable: dict = {}
     first = first_batch(train, cfg)
     precision = dist.same(pick_precision(cfg.precision, block.norm1.weight.device, lambda: batch_loss(
-        block, target, first, cfg, random.Random(0), pad, "float32", dist), log))
+        block, teacher, first, cfg, random.Random(0), pad, "float32", dist), log))
     pool, unique = list(train), total_out  # training records; their tokens
     seen = {d: len(part) for d, part in parts}  # corpus directory -> records read
 
@@ -480,8 +487,8 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
 
     result = train_curve(
         block, opt, train, cfg, budget, [c for c in cfg.curve if c < budget] + ([] if cfg.follow else [budget]), rng,
-        log, step=lambda batch: train_step(block, target, opt, batch, cfg, rng, pad, precision, dist),
-        desc="distill", evaluate=lambda: agreement(block, target, held, cfg.max_len, pad), next_pass=next_pass,
+        log, step=lambda batch: train_step(block, teacher, opt, batch, cfg, rng, pad, precision, dist),
+        desc="distill", evaluate=lambda: agreement(block, teacher, held, cfg.max_len, pad), next_pass=next_pass,
         extra=lambda: {"corpus_tokens": unique},
         snapshot=lambda done: stable.update(stable_state(block, opt, before + done, record)), dist=dist)
     for p in block.parameters():

@@ -5,7 +5,7 @@ agreement dipped for about a quarter of the pass, and AdamW's moments started fr
 (``common.warmup_stable_decay``; Hägele et al. 2024) a run holds the peak rate, decays only over its last ``decay``
 share, and keeps the model and AdamW's state **as the decay starts** in ``resume.pt`` beside the decayed weights it
 saves. ``--resume DIR`` loads that state and goes on at the stable rate with no warm-up and DIR's vocabulary, so runs
-spread over sessions train as one long run, each ending in its own decay.
+spread over several sittings train as one long run, each ending in its own decay.
 
 Invariants: ``resume.pt`` holds float32 CPU tensors only (``torch.load(weights_only=True)`` reads it), the state is
 taken before any decayed step, and a file this cannot use is one ``RetrospecError`` line, before training starts.
