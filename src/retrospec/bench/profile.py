@@ -29,7 +29,8 @@ from ..fastpath.linear import PackedLinear
 from ..fastpath.plan import median_ms
 from ..kv import KVCache
 from ..types import DraftTree
-from ..weight_only import WeightOnlyLinear, format_of, matmul_bytes
+from ..weight_only import WeightOnlyLinear, matmul_bytes
+from .format_steps import render as render_formats, weight_bytes
 from ..verify import Verifier
 
 DEFAULT_CONTEXTS = (300, 2000)
@@ -194,13 +195,7 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
         fwd[str(ctx)] = {k: got[k] for k in chains}
         tree_ms[str(ctx)] = {k: got[k] for k in tree_shapes}  # "tree16": a tree of 16 draft nodes
     say("floors")
-    layers = [m for m in model.get_decoder().modules() if isinstance(m, (torch.nn.Linear, WeightOnlyLinear))]
-    layers.append(model.get_output_embeddings())
-    shapes = [(m.out_features, m.in_features) for m in layers]
-    fmt = format_of(model) or str(next(model.parameters()).dtype).replace("torch.", "")
-    # a file's own blocks mix kinds (4-bit linears, an 8-bit head): count each layer in its kind
-    weights = sum(matmul_bytes([(m.out_features, m.in_features)], m.fmt) for m in layers) if fmt == "gguf" \
-        else matmul_bytes(shapes, fmt)
+    fmt, weights, shapes = weight_bytes(model)
     bw = bandwidth_gbs(device=next(model.parameters()).device)
     # every format this model could run in, read once at the measured bandwidth (the step's lower bound)
     formats = {f: {"weights_bytes": matmul_bytes(shapes, f), "floor_ms": matmul_bytes(shapes, f) / bw / 1e6}
@@ -298,6 +293,9 @@ def render_table(profile: dict) -> str:
     for m, row in profile["gamma"].items():
         picks = ", ".join(f"alpha {a}: gamma {v['gamma']} (~{v['expected_speedup']:.2f}x)" for a, v in row.items())
         lines.append(f"Best chain for {m}: {picks}.")
+    if profile.get("format_steps"):
+        lines += render_formats(profile["format_steps"], profile["contexts"][0])
+        lines.append("")
     e = profile["engine"]
     lines.append(f"Engine: {e.get('mode')} (attention {e.get('attention')}, prepacked linears for "
                  f"{e.get('packed_rows', [])} rows, head {e.get('head', {})}; plan {e.get('plan', '-')}).")

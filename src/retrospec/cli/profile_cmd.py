@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
     from .generate_cmd import add_device_args
 
     add_device_args(p)
+    p.add_argument("--formats", metavar="LIST",
+                   help="also measure a one-token step in each of these weight formats (comma-separated, or 'all': "
+                        "float32,int8,int4 and gguf where the target has a GGUF source), beside each format's floor "
+                        "and llama.cpp's decode step on the matching file where the peer is installed (make peers)")
     p.add_argument("--json", action="store_true", help="print one JSON object (forward_ms[context][tokens] = ms)")
     p.add_argument("--plot", metavar="PNG", help="write the plot here")
     p.add_argument("--out", metavar="DIR", help="write profile.json, profile.md and profile.png here")
@@ -68,6 +72,31 @@ def save_for_gate(model, prof: dict) -> None:
         pass  # a read-only cache: the gate learns its costs as before
 
 
+def _formats(text: str | None, target: str | None) -> list[str]:
+    """``--formats``: the names, checked; ``all``: float32, int8, int4, and gguf where the target has a GGUF source."""
+    from ..models import default_target
+    from ..models.gguf_native import converted_from_gguf
+    from ..models.loading import FORMAT_NAMES, model_dir
+    from ..models.named import gguf_of
+
+    if not text:
+        return []
+    if text.strip() == "all":
+        names = ["float32", "int8", "int4"]
+        try:
+            path = model_dir(default_target() if target is None else target)
+            if converted_from_gguf(path, gguf_of(path)):
+                names.append("gguf")
+        except RetrospecError:
+            pass  # the target itself is checked (one line) when it loads
+        return names
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in FORMAT_NAMES]
+    if not names or bad:
+        raise RetrospecError(f"--formats takes 'all' or names from {', '.join(FORMAT_NAMES)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
 def run(args) -> int:
     from ..atomic import write_text_atomic
     from ..bench.profile import render_plot, render_table, run_profile
@@ -83,6 +112,7 @@ def run(args) -> int:
         raise RetrospecError(f"--plot must be a file, but {args.plot} is a directory")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise RetrospecError(f"--out must be a directory, but {args.out} is a file")
+    formats = _formats(args.formats, args.target)
     load = device_kwargs(args)
     target = load_model(default_target() if args.target is None else args.target, role="target", **load)
     if target.max_positions and max(contexts) + max(tokens) > target.max_positions:
@@ -109,6 +139,11 @@ def run(args) -> int:
     prof = run_profile(target, draft, contexts, tokens, reps=args.reps, plain=not args.no_plain,
                        trees=not args.no_trees, progress=say)
     save_for_gate(target.model, prof)
+    if formats:
+        from ..bench.format_steps import format_steps
+
+        prof["format_steps"] = format_steps(target.path, formats, contexts[0], args.reps,
+                                            prof["floors"]["bandwidth_gbs"], device=args.device, progress=say)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
