@@ -53,7 +53,7 @@ test-lowest: $(STAMP_LOWEST)
 	$(PY_LOWEST) -c "import transformers; assert transformers.__version__ == '$(TF_LOWEST)', transformers.__version__"
 	$(PY_LOWEST) -m pytest $(EXACTNESS_TESTS) -n $(TEST_WORKERS)
 
-# The peers the bench compares with (docs/peers.md), each in a virtualenv of its own, never in `make demo`/`make test`:
+# The peers the bench compares with (docs/guide/benchmarking.md), each in a virtualenv of its own, never in `make demo`/`make test`:
 # llama.cpp through llama-cpp-python, compiled from source here (~10 minutes on 2 cores). `retrospec bench` then
 # adds the llamacpp-* rows it is asked for (--methods llamacpp-ar,llamacpp-lookup), finding the interpreter in
 # .venv-peers (or RETROSPEC_LLAMACPP_PYTHON).
@@ -99,7 +99,7 @@ peers-test: peers-vllm
 		import resolve_name; print(resolve_name("smollm2-135m"))')" >runs/peers-test-vllm.log \
 		2>runs/peers-test-vllm.err; rc=$$?; cat runs/peers-test-vllm.log; exit $$rc
 
-# The served-output store on a repeated workload (docs/scaling-out.md): 40 MBPP problems from ../shared/data, each
+# The served-output store on a repeated workload (docs/guide/serving.md): 40 MBPP problems from ../shared/data, each
 # asked three ways, in random order, through vLLM with our proposers; τ by the time a problem is asked.
 peers-repeated: peers-vllm
 	mkdir -p runs
@@ -107,7 +107,7 @@ peers-repeated: peers-vllm
 		import resolve_name; print(resolve_name("smollm2-135m"))')" --mbpp ../shared/data/mbpp_sanitized.jsonl \
 		--k 16 --plain >runs/peers-repeated.log 2>runs/peers-repeated.err; rc=$$?; cat runs/peers-repeated.log; exit $$rc
 
-# Serving many clients (docs/peers.md): the same greedy completions through the OpenAI API at 1, 4 and 16 concurrent
+# Serving many clients (docs/guide/serving.md): the same greedy completions through the OpenAI API at 1, 4 and 16 concurrent
 # clients, to `retrospec serve` (default method, and ar) and to vLLM's server (plain, n-gram, our proposer), one server
 # at a time; report in runs/serving. Each vLLM start compiles the model (2-4 minutes on 2 cores): 20-30 minutes in all.
 peers-serving: peers-vllm
@@ -118,7 +118,7 @@ bench: $(STAMP)
 	$(VENV)/bin/retrospec bench --prompts ../shared/data/mbpp_sanitized.jsonl --limit 20 --max-new-tokens 128 \
 		--methods ar,hf-ar,sd,pld,hf-assisted,hf-assisted-default,hf-pld --out runs/bench-mbpp
 
-# The GPU runbook (docs/gpu.md): development tooling in tools/gpu/, run from here as `python -m tools.gpu`.
+# The GPU runbook (tools/gpu/README.md): development tooling in tools/gpu/, run from here as `python -m tools.gpu`.
 # `make gpu`: the bundled weights out of git's index so that a device call sends only
 # what it carries (`make gpu-done` puts them back: a hook refuses commits until then), the carry folders (.gpu/: the
 # real model's GGUF in parts that fit a device call beside the tree, the CPU's reference logits, bench prompts; .whl/:

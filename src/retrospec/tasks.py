@@ -11,7 +11,7 @@ fields kept). Presets need no external data:
 - ``chat``: ``presets/chat.jsonl``, short instructions and questions written for this project (explain, summarise,
   list, rewrite, how-to, general knowledge, a few code requests), meant for ``--chat`` (one user message each);
 - ``chat-tasks``: ``presets/chat-tasks.jsonl``, 25 chat prompts of five task kinds (instructions, QA, summarisation,
-  translation, maths; 5 each, interleaved by kind), written for the drafts issue and never used in training;
+  translation, maths; 5 each, interleaved by kind), held out from every training corpus;
 - ``lcc`` (long code completion, as in LongSpec's and MagicDec's evaluations): plain continuation of 4K-7K target
   tokens of held-out package source; ``lcc-8k`` / ``lcc-16k`` / ``lcc-32k``: the same at a fixed length (for the
   ``zoo`` target, whose context is 64K). See ``lcc_prompts``.

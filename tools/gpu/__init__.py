@@ -9,7 +9,7 @@ A lent machine is bare and brief (no network, an older stack: torch 2.11, transf
 ``plan``: the budget arithmetic and the ordered device calls; ``prepare``: ``make gpu``, the carry folders;
 ``common``: device choice, timing, JSON output; ``steps_*``: one function per step, each writing ``<step>.json``
 into ``--out`` and dry-runnable on CPU with tiny models through the same code as on CUDA; ``report``: those JSON
-files -> ``docs/gpu.md``-ready markdown.
+files -> ``tools/gpu/README.md``-ready markdown.
 
 Invariants: nothing here makes the project need a GPU (CUDA is chosen only when asked for and present); nothing
 here edits another module's behaviour (no monkey-patching); every step ends inside its ``--budget-s`` and writes

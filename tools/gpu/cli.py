@@ -1,4 +1,4 @@
-"""``python -m tools.gpu plan|prepare|slim|step|report``: the GPU runbook's command line (docs/gpu.md).
+"""``python -m tools.gpu plan|prepare|slim|step|report``: the GPU runbook's command line (tools/gpu/README.md).
 
 Under the ``retrospec`` CLI's contract (``retrospec.cli.common.guarded``): a user error is one line
 ``retrospec: error: ...`` on stderr and exit code 2. ``plan`` exits 2 when a call breaks a device limit. Run from the

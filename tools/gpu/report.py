@@ -1,4 +1,4 @@
-"""``python -m tools.gpu report DIR|FILE...``: the steps' JSON files as ``docs/gpu.md``-ready markdown.
+"""``python -m tools.gpu report DIR|FILE...``: the steps' JSON files as ``tools/gpu/README.md``-ready markdown.
 
 Every section says where its figures come from (device, torch, transformers) and a dry run's sections are headed
 "DRY RUN (CPU, tiny models): not GPU figures", so a rehearsal can never be pasted as a measurement. Projections

@@ -1,4 +1,4 @@
-"""Steps ``tests`` and ``bench`` (docs/gpu.md: what each measures, known gaps).
+"""Steps ``tests`` and ``bench`` (tools/gpu/README.md: what each measures, known gaps).
 
 Both run the bench harness (``bench.harness.run_bench``) unchanged on models loaded with ``load_model(...,
 device=...)``, with the per-label options (rest/dresd stores, longspec's block) built as ``cli.bench_cmd`` builds

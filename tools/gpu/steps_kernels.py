@@ -1,4 +1,4 @@
-"""Steps ``kernels`` and ``costmodel`` (docs/gpu.md: what each measures).
+"""Steps ``kernels`` and ``costmodel`` (tools/gpu/README.md: what each measures).
 
 ``kernels``: tree verification attention through masked SDPA, ``attention.hybrid_tree`` (rows from
 ``bench.hybrid_timing.measure``) and the Triton tree kernel (CUDA only, ``bench.hybrid_timing.triton_row``); ``max_diff`` is |fast - masked| so a wrong

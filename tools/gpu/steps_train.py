@@ -6,7 +6,7 @@ is distilled on it (``train.longspec_distill.distill_longspec``) for the rest, l
 block is evaluated against the bundled one and re-saved as int8 into ``$OUT/block-int8.tar``. The corpus comes back
 packed (``corpus.pack``) in one tar cut into parts of at most ``PART_BYTES`` (``corpus.tar.000``, ...): ``cat``
 them together and ``tar -x`` gives the pack, which ``retrospec.corpus.pack.unpack`` turns back into the corpus.
-Gaps: docs/gpu.md. Dry run: the zoo target on the CPU, a few stdlib rows, 8 tokens, 2 optimizer steps.
+Gaps: tools/gpu/README.md. Dry run: the zoo target on the CPU, a few stdlib rows, 8 tokens, 2 optimizer steps.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
                             draft_vocab=64 if dry_run else 16384, max_len=64 if dry_run else 768,
                             batch_tokens=128 if dry_run else 16384, heldout=0.3 if dry_run else 0.04,
                             # a trained block: the CPU passes went 5e-4 -> 2e-4 -> 1e-4 at 2,048-token batches
-                            # (docs/drafts.md 13-17); 3e-4 is 1e-4 scaled by sqrt(8) for 8x the batch
+                            # (its CPU distillation runs); 3e-4 is 1e-4 scaled by sqrt(8) for 8x the batch
                             lr=3e-4,
                             eval_records=4 if dry_run else 96, seconds=train_s, curve=(64,) if dry_run else
                             (250_000, 500_000, 1_000_000, 2_000_000, 4_000_000, 8_000_000, 16_000_000),

@@ -25,21 +25,9 @@ from typing import Callable
 import torch
 
 from ..types import DraftTree
-from ..weight_only import WeightOnlyLinear, format_of, matmul_bytes
+from .profile import verify_ms, weight_bytes
 
 PEER_TOKENS = 32  # tokens llama.cpp decodes per timing
-
-
-def weight_bytes(model: torch.nn.Module) -> tuple[str, int, list[tuple[int, int]]]:
-    """(format, bytes a forward reads for the decoder's linears and the head, their (out, in) shapes). A GGUF file's
-    own blocks mix kinds (4-bit linears, an 8-bit head): each layer is counted in its kind."""
-    layers = [m for m in model.get_decoder().modules() if isinstance(m, (torch.nn.Linear, WeightOnlyLinear))]
-    layers.append(model.get_output_embeddings())
-    shapes = [(m.out_features, m.in_features) for m in layers]
-    fmt = format_of(model) or str(next(model.parameters()).dtype).replace("torch.", "")
-    if fmt == "gguf":
-        return fmt, sum(matmul_bytes([(m.out_features, m.in_features)], m.fmt) for m in layers), shapes
-    return fmt, matmul_bytes(shapes, fmt), shapes
 
 
 def _peer(target_path: str, fmt: str, context: int):
@@ -58,7 +46,6 @@ def format_steps(target_path: str | Path, formats: list[str], context: int, reps
     """{format: {"step_ms", "floor_ms", "weights_bytes", "llamacpp_ms" | "llamacpp_note"}} (see the module
     docstring). Each format's model is loaded (``load_model``'s cache keeps it for the process)."""
     from ..models import load_model
-    from .profile import verify_ms
 
     say = progress or (lambda _msg: None)
     out: dict[str, dict] = {}
@@ -89,20 +76,3 @@ def format_steps(target_path: str | Path, formats: list[str], context: int, reps
             row["llamacpp_note"] = why
         out[fmt] = row
     return out
-
-
-def render(rows: dict, context: int) -> list[str]:
-    """Markdown lines: one row per format, ours and llama.cpp's step against the format's floor."""
-    lines = ["", f"Decode step by format (context {context}; floor: weights read once at the measured bandwidth):", "",
-             "| format | weights | floor | retrospec step | llama.cpp step | retrospec / llama.cpp speed |",
-             "|---|---|---|---|---|---|"]
-    for fmt, r in rows.items():
-        ours = f"{r['step_ms']:.1f} ms ({r['step_ms'] / r['floor_ms']:.2f}x floor)"
-        if "llamacpp_ms" in r:
-            peer = f"{r['llamacpp_ms']:.1f} ms ({r['llamacpp_ms'] / r['floor_ms']:.2f}x floor)"
-            ratio = f"{r['llamacpp_ms'] / r['step_ms']:.2f}x"
-        else:
-            peer, ratio = f"— ({r['llamacpp_note']})", "—"
-        lines.append(f"| {fmt} | {r['weights_bytes'] / 1e6:.0f} MB | {r['floor_ms']:.1f} ms | {ours} | {peer} | "
-                     f"{ratio} |")
-    return lines

@@ -29,8 +29,7 @@ from ..fastpath.linear import PackedLinear
 from ..fastpath.plan import median_ms
 from ..kv import KVCache
 from ..types import DraftTree
-from ..weight_only import WeightOnlyLinear, matmul_bytes
-from .format_steps import render as render_formats, weight_bytes
+from ..weight_only import WeightOnlyLinear, format_of, matmul_bytes
 from ..verify import Verifier
 
 DEFAULT_CONTEXTS = (300, 2000)
@@ -231,6 +230,35 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
     return out
 
 
+def weight_bytes(model: torch.nn.Module) -> tuple[str, int, list[tuple[int, int]]]:
+    """(format, bytes a forward reads for the decoder's linears and the head, their (out, in) shapes). A GGUF file's
+    own blocks mix kinds (4-bit linears, an 8-bit head): each layer is counted in its kind."""
+    layers = [m for m in model.get_decoder().modules() if isinstance(m, (torch.nn.Linear, WeightOnlyLinear))]
+    layers.append(model.get_output_embeddings())
+    shapes = [(m.out_features, m.in_features) for m in layers]
+    fmt = format_of(model) or str(next(model.parameters()).dtype).replace("torch.", "")
+    if fmt == "gguf":
+        return fmt, sum(matmul_bytes([(m.out_features, m.in_features)], m.fmt) for m in layers), shapes
+    return fmt, matmul_bytes(shapes, fmt), shapes
+
+
+def render_format_steps(rows: dict, context: int) -> list[str]:
+    """Markdown lines: one row per format, ours and llama.cpp's step against the format's floor."""
+    lines = ["", f"Decode step by format (context {context}; floor: weights read once at the measured bandwidth):", "",
+             "| format | weights | floor | retrospec step | llama.cpp step | retrospec / llama.cpp speed |",
+             "|---|---|---|---|---|---|"]
+    for fmt, r in rows.items():
+        ours = f"{r['step_ms']:.1f} ms ({r['step_ms'] / r['floor_ms']:.2f}x floor)"
+        if "llamacpp_ms" in r:
+            peer = f"{r['llamacpp_ms']:.1f} ms ({r['llamacpp_ms'] / r['floor_ms']:.2f}x floor)"
+            ratio = f"{r['llamacpp_ms'] / r['step_ms']:.2f}x"
+        else:
+            peer, ratio = f"— ({r['llamacpp_note']})", "—"
+        lines.append(f"| {fmt} | {r['weights_bytes'] / 1e6:.0f} MB | {r['floor_ms']:.1f} ms | {ours} | {peer} | "
+                     f"{ratio} |")
+    return lines
+
+
 def render_plot(profile: dict, path) -> None:
     """ms per forward by tokens, one line per context (engine solid, plain transformers dashed), floors dotted."""
     import matplotlib
@@ -294,7 +322,7 @@ def render_table(profile: dict) -> str:
         picks = ", ".join(f"alpha {a}: gamma {v['gamma']} (~{v['expected_speedup']:.2f}x)" for a, v in row.items())
         lines.append(f"Best chain for {m}: {picks}.")
     if profile.get("format_steps"):
-        lines += render_formats(profile["format_steps"], profile["contexts"][0])
+        lines += render_format_steps(profile["format_steps"], profile["contexts"][0])
         lines.append("")
     e = profile["engine"]
     lines.append(f"Engine: {e.get('mode')} (attention {e.get('attention')}, prepacked linears for "

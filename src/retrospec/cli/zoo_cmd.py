@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     lz = zsub.add_parser("long", help="add a long-context target (and optionally a small draft) to a zoo: "
                                       "continue the zoo target on code + retrieval tasks at <= 2K tokens (RAPID)")
     lz.add_argument("--base", help="zoo directory with target/ and draft/, as written by 'zoo build' (the bundled "
-                                   "zoo no longer ships them)")
+                                   "zoo holds only target-long/ and draft-long/)")
     lz.add_argument("--out", help="zoo directory to write target-long/, draft-long/, long.json (default: --base)")
     lz.add_argument("--seed", type=int, default=0)
     lz.add_argument("--steps", type=int, default=400)
