@@ -271,3 +271,12 @@ def test_cli_user_errors(cli, saved_models, tmp_path):
     cli("train", "longspec-eval", "--target", saved_models.target, "--draft", tmp_path / "nodraft",
         "--corpus", corpus).assert_user_error("not found")
     assert not any(p.name.startswith("o") for p in tmp_path.iterdir())
+
+
+def test_longspec_eval_takes_a_bundled_blocks_name(cli, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n\n" * 80)
+    run = cli("train", "longspec-eval", "--target", "zoo", "--draft", "zoo-longspec", "--corpus", corpus,
+              "--seq-len", 64, "--docs", 1, "--bucket", 32, "--threads", 1, "--no-target-check")
+    assert run.rc == 0, run.err
+    assert "zoo-longspec" in run.out and "draft loss" in run.out

@@ -80,7 +80,7 @@ def add_parser(sub) -> None:
 
     ev = tsub.add_parser("longspec-eval", help="LongSpec blocks' loss per position bucket on long held-out documents")
     ev.add_argument("--target", required=True, help=TARGET_HELP.format("zoo"))
-    ev.add_argument("--draft", action="append", required=True, help="block directory (repeatable)")
+    ev.add_argument("--draft", action="append", required=True, help="block directory or name (repeatable)")
     ev.add_argument("--seq-len", type=int, default=8192, help="document length in tokens (default 8192)")
     ev.add_argument("--docs", type=int, default=4, help="documents (default 4)")
     ev.add_argument("--bucket", type=int, default=1024, help="positions per bucket (default 1024)")
@@ -221,7 +221,10 @@ def run_longspec_eval(args) -> int:
     set_threads(args.threads)
     if args.out and Path(args.out).is_dir():
         raise RetrospecError(f"--out {args.out} is a directory; give a JSON file path")
-    result = evaluate_drafts(args.target, args.draft, docs=args.docs, seq_len=args.seq_len, bucket=args.bucket,
+    from ..models.named import longspec_dir
+
+    drafts = [str(longspec_dir(d)) for d in args.draft]  # a block directory or a bundled block's name
+    result = evaluate_drafts(args.target, drafts, docs=args.docs, seq_len=args.seq_len, bucket=args.bucket,
                              corpus=args.corpus, device=args.device, anchor=args.anchor, seed=args.seed,
                              check_target=not args.no_target_check)
     data = result["data"]
