@@ -260,7 +260,7 @@ def guide_env(stand_in, monkeypatch):
     import importlib
 
     for mod in ("retrospec.stdlib_corpus", "retrospec.corpus.prompts", "retrospec.retrieval.corpus",
-                "retrospec.train.longspec", "retrospec.train.zoo", "retrospec.train.long_zoo", "retrospec.tasks"):
+                "retrospec.train.longspec", "retrospec.train.zoo", "retrospec.tasks"):
         module = importlib.import_module(mod)
         if hasattr(module, "stdlib_files"):
             monkeypatch.setattr(module, "stdlib_files", few_stdlib_files)

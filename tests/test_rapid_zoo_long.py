@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_task_example_masks_the_completion(saved_models):
-    from retrospec.train.long_zoo import task_example
+    from retrospec.train.zoo import task_example
 
     tok = load_model(saved_models.target).tokenizer
     for kind in ("kv", "passkey", "facts"):
@@ -34,7 +34,7 @@ def test_task_example_masks_the_completion(saved_models):
 
 
 def test_build_long_zoo_smoke(saved_models, tmp_path):
-    from retrospec.train.long_zoo import LongZooConfig, build_long_zoo
+    from retrospec.train.zoo import LongZooConfig, build_long_zoo
 
     tok = load_model(saved_models.target).tokenizer
     stream = np.array(tok(open(torch.__file__).read() * 3)["input_ids"], dtype=np.int64)
@@ -84,7 +84,7 @@ def test_prefix_block_attention_equals_sdpa(make):
 
 
 def _sampler_batches(saved_models, n: int, **over) -> list:
-    from retrospec.train.long_zoo import LongZooConfig, MixSampler
+    from retrospec.train.zoo import LongZooConfig, MixSampler
 
     tok = load_model(saved_models.target).tokenizer
     stream = np.arange(20_000) % 250
@@ -114,7 +114,7 @@ def test_mix_sampler_batch_tokens_sets_rows_per_length(saved_models):
 def test_long_zoo_time_budget_and_kept_target(saved_models, tmp_path):
     """--seconds replaces the step count; --steps 0 keeps --init-target byte for byte and only trains the draft
     (here on labels), and the earlier stage's manifest is kept inside the new one."""
-    from retrospec.train.long_zoo import LongZooConfig, build_long_zoo
+    from retrospec.train.zoo import LongZooConfig, build_long_zoo
 
     tok = load_model(saved_models.target).tokenizer
     stream = np.array(tok(open(torch.__file__).read() * 3)["input_ids"], dtype=np.int64)
@@ -186,7 +186,7 @@ def test_zoo_stream_round_trip(tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_build_long_zoo_on_cuda(saved_models, tmp_path):
     """The GPU path (bf16 autocast, workers) trains, distils and saves float16 weights loadable on the CPU."""
-    from retrospec.train.long_zoo import LongZooConfig, build_long_zoo
+    from retrospec.train.zoo import LongZooConfig, build_long_zoo
 
     tok = load_model(saved_models.target).tokenizer
     stream = np.array(tok(open(torch.__file__).read() * 3)["input_ids"], dtype=np.int64)

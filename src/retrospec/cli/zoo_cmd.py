@@ -114,7 +114,7 @@ def run_long(args) -> int:
 
     from ..models import ZOO_DIR
     from ..train.common import resolve_device
-    from ..train.long_zoo import LongZooConfig, build_long_zoo
+    from ..train.zoo import LongZooConfig, build_long_zoo
 
     base = Path(args.base) if args.base else ZOO_DIR
     if not (base / "target" / "config.json").is_file():
@@ -153,7 +153,7 @@ def run_stream(args) -> int:
     import numpy as np
 
     from ..models import default_target, model_dir
-    from ..train.long_zoo import load_tokenizer, stdlib_train_stream
+    from ..train.zoo import load_tokenizer, stdlib_train_stream
 
     src = model_dir(args.tokenizer) if args.tokenizer else default_target()
     if not (src / "tokenizer.json").is_file() and not (src / "tokenizer_config.json").is_file():
