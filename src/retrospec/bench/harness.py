@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from ..chat import build_chat_prompt
 from ..config import SamplingConfig
-from ..drafters.registry import SPECS, methods as registry_methods
+from ..drafters.registry import BASELINE, CONTEXT_BASELINE, SPECS, methods as registry_methods
 from ..errors import RetrospecError
 from ..fastpath import engine_for
 from ..models import LoadedModel, placement
@@ -81,7 +81,7 @@ def validate_methods(methods: list[str], has_draft: bool) -> list[str]:
                                  "'context' field (retrospec tasks make)")
         if (m in SPECS and SPECS[m].draft == "lm" or m.startswith("hf-assisted")) and not has_draft:
             raise RetrospecError(f"method '{m}' needs a draft model (--draft DIR)")
-    return with_baseline(list(dict.fromkeys(methods)), "ar")
+    return with_baseline(list(dict.fromkeys(methods)), BASELINE)
 
 
 def with_baseline(labels: list[str], base: str) -> list[str]:
@@ -310,7 +310,7 @@ def _run_context_rows(target: LoadedModel, draft: LoadedModel | None, rows: list
     for i, row in enumerate(rows):
         if not isinstance(row.get("context"), str) or not isinstance(row.get("prompt"), str):
             raise RetrospecError(f"row {i} needs string fields 'context' and 'prompt'")
-    methods = [parse_label(m, context=True) for m in with_baseline(cfg.methods, "lc")]
+    methods = [parse_label(m, context=True) for m in with_baseline(cfg.methods, CONTEXT_BASELINE)]
     tok = target.tokenizer
     torch.manual_seed(0)
     retriever = next((m.method for m in methods if SPECS[m.method].retrieval), None)  # one retrieval per row
@@ -341,7 +341,7 @@ def _run_context_rows(target: LoadedModel, draft: LoadedModel | None, rows: list
                 bar.update()
             if cfg.verify_probe_gamma and length not in probed and "full" in memos:
                 probed.add(length)
-                ids = plan("lc", row["context"], row["prompt"], tok, cfg.sampling, cfg.options).target_prompt_ids
+                ids = plan(CONTEXT_BASELINE, row["context"], row["prompt"], tok, cfg.sampling, cfg.options).target_prompt_ids
                 probe = verify_cost(target.model, ids, cfg.verify_probe_gamma, memo=memos["full"])
                 probes.append(probe | {"length": length})
     return {"config": _describe_rows(target, draft, rows, cfg, methods), "runs": runs,

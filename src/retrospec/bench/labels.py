@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..drafters.longspec import parse_tree
-from ..drafters.registry import SPECS
+from ..drafters.registry import BASELINE, SPECS
 from ..errors import RetrospecError
 from ..request import LongContextOptions
 
@@ -57,7 +57,7 @@ def parse_label(label: str, context: bool = False) -> MethodLabel:
     """A label -> ``MethodLabel`` (see the module docstring); ``context``: the run's rows have a long context."""
     name, *opts = label.split("@")
     spec = SPECS.get(name)
-    ours = spec is not None and name != "ar"
+    ours = spec is not None and name != BASELINE
     keys = LONG_KEYS if context else SHORT_KEYS
     fields = set(LongContextOptions.__dataclass_fields__)
     seen: dict[str, object] = {}

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ..atomic import write_text_atomic
+from ..drafters.registry import CONTEXT_BASELINE
 
 COLUMNS = ("method", "tokens/s", "speedup", "no-overhead", "tau", "acceptance", "no-draft", "draft state", "target KV",
            "lossless")
@@ -169,7 +170,7 @@ def _context_row(s: dict, lossy: str = "**LOSSY** ") -> list[str]:
             f"{s['forward_speedup']:.2f}x" if s["forward_speedup"] else "-", f"{s['mean_accepted_tokens']:.2f}",
             f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] else "-",
             f"{s['gated_share']:.0%}" if s.get("gating") else "-",
-            f"{s['verify_ratio']:.2f}" if s["method"] != "lc" else "1.00",
+            f"{s['verify_ratio']:.2f}" if s["method"] != CONTEXT_BASELINE else "1.00",
             f"{s['accuracy']:.2f}", _f(s["same_as_lc"], ".2f"), _f(s["prefill_full_s"], ".2f"),
             _f(None if s["retrieval_s"] is None else 1000 * s["retrieval_s"], ".0f"),
             _f(s["retrieved_tokens"], ".0f"), ("" if s["lossless"] else lossy) + s["rule"]]

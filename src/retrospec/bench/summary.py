@@ -24,6 +24,8 @@ the baseline's runs of the same group (``ar`` for prompt rows, ``lc`` for rows w
 
 from __future__ import annotations
 
+from ..drafters.registry import BASELINE, CONTEXT_BASELINE
+
 
 def _sum(rs: list[dict], key: str) -> float:
     return sum(r["stats"][key] for r in rs)
@@ -58,7 +60,7 @@ def summarize_prompts(runs: list[dict], greedy: bool) -> list[dict]:
     by_label: dict[str, list[dict]] = {}
     for r in runs:
         by_label.setdefault(r["method"], []).append(r)
-    base = by_label["ar"]
+    base = by_label[BASELINE]
     ar_by_prompt = {r["prompt_index"]: r for r in base}
     b_new, b_dec = _sum(base, "new_tokens"), _sum(base, "decode_s")
     out = []
@@ -81,9 +83,9 @@ def summarize_rows(runs: list[dict]) -> list[dict]:
     for r in runs:
         groups.setdefault((r["length"], "all", r["method"]), []).append(r)
         groups.setdefault((r["length"], r["task"], r["method"]), []).append(r)
-    lc_by_row = {r["row"]: r for r in runs if r["method"] == "lc"}
+    lc_by_row = {r["row"]: r for r in runs if r["method"] == CONTEXT_BASELINE}
     for (length, task, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "all", kv[0][1])):
-        base = groups.get((length, task, "lc"), [])
+        base = groups.get((length, task, CONTEXT_BASELINE), [])
         row = {"length": length, "task": task, "method": method, "rows": len(rs)} | common(rs, base)
         steps, drafted = _sum(rs, "target_calls"), _sum(rs, "drafted_tokens")
         b_steps = _sum(base, "target_calls")

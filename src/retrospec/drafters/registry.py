@@ -21,6 +21,8 @@ from typing import Callable
 
 from ..errors import RetrospecError
 
+BASELINE = "ar"  # plain decoding through the engine: what every prompt row's speedup is measured against
+CONTEXT_BASELINE = "lc"  # the target over the whole long context: the baseline of long-context rows
 MAX_DRAFT = 64  # the most tokens one draft may hold (a chain's length, a tree's depth): one step's work stays bounded
 MODEL_ARGS = ("target", "draft", "draft_model")  # what a request hands a factory besides the method's options
 
