@@ -1,6 +1,6 @@
 """The device calls of the GPU runbook, in order, with the budget arithmetic that makes each one fit.
 
-Limits of a device ``run`` call (``/work/.library/device/README.md``): the constants below; a session has
+Limits of a device ``run`` call (the device tool's README): the constants below; a session has
 ``SESSION_S`` of device time, a machine start included. Files outside the tree (the staging folder ``/tmp/rs``)
 survive only while the machine stays warm (30 s), so the calls are made back to back. The real model travels as its
 GGUF (98 MB, Q4_1: the exact source of the float32 weights the CPU uses) in parts: ``stage`` calls take all but the
