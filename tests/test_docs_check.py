@@ -1,6 +1,6 @@
 """The user-facing text stays about the library, not about how it was developed, and its links resolve.
 
-(a) No development-diary wording (a numbered session, pass or issue; "this session", "the eighth pass", ...) in
+(a) No development-diary wording (a numbered session, pass or issue; "this session", "the eighth training pass", ...) in
     README.md, docs/**/*.md, the docstrings and comments of src/**/*.py (the whole source file is read) and the
     bundled JSON under src/retrospec/zoo/.
 (b) No absolute machine path (under root, home or work at the top of the file system, build temp folders /tmp/tmp..., /tmp/pytest-...) in any file
@@ -94,7 +94,7 @@ def report(hits: list[str], what: str) -> str:
 def test_the_patterns_catch_diary_wording_and_spare_ordinary_words():
     s, i = "session", "issue"  # built here so that the repository's own wording checks do not match this test
     diary = [f"in {s} 37", f"{s}s 40-41", f"the {s}-29 draft", f"this {s}", f"last {s}'s sample",
-             f"over several {s}s", "the eighth pass", "a twelfth-pass block", "pass 3", f"{i} 19",
+             f"over several {s}s", "the eighth " + "pass", "a twelfth-pass block", "pass 3", f"{i} 19",
              f"{i}s #18", f"the {s}'s own checkout", f"in earlier {s}s"]
     ordinary = ["an HTTP requests.Session", "start_new_session=True", "a process session of its own",
                 "onnxruntime.InferenceSession", "one forward pass over the prompt", "passkey@4096", "compass 3",
