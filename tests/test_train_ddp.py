@@ -83,6 +83,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def two_and_one(worker, paths: tuple, tmp_path, one_process):
+    """Start ``worker`` on WORLD processes, run ``one_process()`` here while they start, wait for them (120 s at most);
+    -> (its result, each rank's saved record)."""
+    procs = mp.start_processes(worker, args=(free_port(), str(tmp_path), paths), nprocs=WORLD, join=False,
+                               start_method="fork")
+    try:
+        one = one_process()
+        deadline = time.monotonic() + 120
+        while not procs.join(timeout=5):
+            assert time.monotonic() < deadline, "the two processes did not finish"
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+    return one, [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
 def test_two_processes_train_as_one(saved_models, tmp_path):
     from retrospec.models import load_model
     from retrospec.models.longspec import load_longspec
@@ -92,18 +109,7 @@ def test_two_processes_train_as_one(saved_models, tmp_path):
     target = load_model(saved_models.target)
     tiny_corpus(target, tmp_path / "corpus")
     paths = (str(saved_models.target), str(saved_models.draft), str(tmp_path / "corpus"))
-    procs = mp.start_processes(worker, args=(free_port(), str(tmp_path), paths), nprocs=WORLD, join=False,
-                               start_method="fork")
-    try:
-        one = run_both(target, configs(*paths, tmp_path / "one"))  # the one-process run, while they start
-        deadline = time.monotonic() + 120
-        while not procs.join(timeout=5):
-            assert time.monotonic() < deadline, "the two processes did not finish"
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    one, ranks = two_and_one(worker, paths, tmp_path, lambda: run_both(target, configs(*paths, tmp_path / "one")))
     alone = 0
     for name in ("block", "draft"):
         ref, r0, r1 = one[name], ranks[0][name], ranks[1][name]

@@ -11,20 +11,18 @@ forward equal to the whole model's, and ``load_model`` no longer returning the d
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from retrospec.train import draft_distill, longspec_distill
 from retrospec.train.distributed import Dist
 from retrospec.train.fsdp import local_share
 
-from test_train_ddp import WORLD, configs, free_port, run_both
+from test_train_ddp import WORLD, configs, run_both, two_and_one
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -111,19 +109,9 @@ def test_two_processes_with_a_sharded_target_train_as_one(saved_models, tmp_path
     target = load_model(saved_models.target)
     tiny_corpus(target, tmp_path / "corpus")
     paths = (str(saved_models.target), str(saved_models.draft), str(tmp_path / "corpus"))
-    procs = mp.start_processes(worker, args=(free_port(), str(tmp_path), paths), nprocs=WORLD, join=False,
-                               start_method="fork")
-    try:
-        # the one-process run while they start (fsdp asked for, and with one process nothing to shard)
-        one = run_both(target, [replace(c, fsdp=True) for c in configs(*paths, tmp_path / "one")])
-        deadline = time.monotonic() + 120
-        while not procs.join(timeout=5):
-            assert time.monotonic() < deadline, "the two processes did not finish"
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    # the one-process run while they start (fsdp asked for, and with one process nothing to shard)
+    one, ranks = two_and_one(worker, paths, tmp_path, lambda: run_both(
+        target, [replace(c, fsdp=True) for c in configs(*paths, tmp_path / "one")]))
     idle = 0
     for name in ("block", "draft"):
         ref, r0, r1 = one[name], ranks[0][name], ranks[1][name]
