@@ -259,9 +259,12 @@ def guide_env(stand_in, monkeypatch):
 
     import importlib
 
-    for mod in ("retrospec.stdlib_corpus", "retrospec.corpus.prompts", "retrospec.retrieval.corpus",
-                "retrospec.train.longspec", "retrospec.train.zoo", "retrospec.tasks"):
-        module = importlib.import_module(mod)
+    # every module imported before any is patched: a module first imported after ``stdlib_corpus`` was patched would
+    # bind the stand-in at import, and monkeypatch would "restore" it to the stand-in for the rest of the process
+    modules = [importlib.import_module(mod) for mod in (
+        "retrospec.stdlib_corpus", "retrospec.corpus.prompts", "retrospec.retrieval.corpus",
+        "retrospec.train.longspec", "retrospec.train.zoo", "retrospec.tasks")]
+    for module in modules:
         if hasattr(module, "stdlib_files"):
             monkeypatch.setattr(module, "stdlib_files", few_stdlib_files)
     monkeypatch.setenv("RETROSPEC_FASTPATH", os.environ.get("RETROSPEC_FASTPATH", "packed"))
