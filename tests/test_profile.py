@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from retrospec.bench.profile import best_gamma, tree_shape
 
@@ -122,3 +123,18 @@ def test_remeasure_measures_the_drafts_path_again(cli, saved_models, tmp_path, m
         assert run.rc == 0, run.err
         assert len(calls) > measured
         calls.clear()
+
+
+def test_the_bandwidth_probe_outgrows_the_last_level_cache(tmp_path, monkeypatch):
+    from retrospec.bench import profile
+
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "307200K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "index1").mkdir()  # a cache without a size file is skipped
+    assert profile.last_level_cache_bytes(str(tmp_path)) == 300 << 20
+    assert profile.last_level_cache_bytes(str(tmp_path / "missing")) == 0
+    sizes = []
+    monkeypatch.setattr(profile, "last_level_cache_bytes", lambda: 200 << 20)
+    monkeypatch.setattr(profile.torch, "ones", lambda n, device=None: sizes.append(n) or torch.zeros(8))
+    assert profile.bandwidth_gbs() > 0 and sizes == [400 * (1 << 20) // 4]  # twice a 200 MiB cache, in float32s

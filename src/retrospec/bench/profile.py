@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -48,10 +49,25 @@ def tree_shape(fanout: tuple[int, ...]) -> DraftTree:
     return DraftTree(torch.arange(10, 10 + len(parents)), torch.tensor(parents, dtype=torch.long))
 
 
-def bandwidth_gbs(mib: int = 256, device: torch.device | None = None) -> float:
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The host's largest CPU cache in bytes as the kernel reports it (Linux sysfs), 0 where unknown."""
+    best = 0
+    for f in Path(root).glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            best = max(best, int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return best
+
+
+def bandwidth_gbs(mib: int | None = None, device: torch.device | None = None) -> float:
     """Memory read bandwidth of ``device`` (the host's by default; a GPU's own memory on CUDA): a sum over ``mib``
-    MiB of touched float32 memory (best of 5; synchronised on CUDA)."""
+    MiB of touched float32 memory (best of 5; synchronised on CUDA). Default size: 256 MiB, and on the host at least
+    twice the last-level cache (some server CPUs have hundreds of MiB of L3: a smaller probe would time the cache)."""
     device = device or torch.device("cpu")
+    if mib is None:
+        mib = 256 if device.type != "cpu" else max(256, 2 * last_level_cache_bytes() >> 20)
     x = torch.ones(mib * (1 << 20) // 4, device=device)
     clock = device_clock(device)
     x.sum()
