@@ -15,6 +15,8 @@ torch.set_num_threads(1)  # tiny models gain nothing from threads; a busy CI mac
 # Every test runs the engine's fast path (prepacked linears, packed head, prefix + block attention: ``fastpath``)
 # whatever this machine would measure, so the oracle tests prove it; test_fastpath covers the other modes.
 os.environ.setdefault("RETROSPEC_FASTPATH", "packed")
+# Compiling decoder layers ahead of time takes ~half a minute per layer shape: only test_compiled turns it on.
+os.environ.setdefault("RETROSPEC_COMPILE", "off")
 # Nothing a test runs writes into the user's cache home (converted models, measured plans, saved profiles that seed
 # the gate of every later process): one private home per test run, removed at exit; tests that need their own set it.
 os.environ["RETROSPEC_HOME"] = tempfile.mkdtemp(prefix="retrospec-tests-")

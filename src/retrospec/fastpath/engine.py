@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import sys
 import types
 import warnings
 import weakref
@@ -36,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import hybrid_tree, prefix_block
 from ..weight_only import WeightOnlyLinear
+from . import compiled
 from .draft import draft_choice, pack_linears
 from .lean import LeanDecoder
 from .linear import head_logits, pack_weight
@@ -69,6 +71,10 @@ def _private_copy(model: torch.nn.Module) -> torch.nn.Module:
     """New modules and config over the same weight tensors (every parameter and buffer memoised to itself)."""
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     return copy.deepcopy(model, memo)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _on_cuda(device: torch.device) -> bool:
@@ -120,6 +126,7 @@ class EngineModel:
         self.hybrid_min_length: int | None = None
         self.row_exact = False  # every verified row computed as a one-token step computes it (see rows_invariant)
         self.lean: LeanDecoder | None = None  # the decoder's forward as a plain loop (``fastpath.lean``) where it applies
+        self.compiled: dict = {}  # whether its layers run as compiled programs, and why (``fastpath.compiled.build``)
         device = next(model.parameters()).device
         if _on_cuda(device) and how != "off" and attention == "prefix_block" and not draft:
             self._hybrid_tree_copy(model, device)
@@ -160,6 +167,8 @@ class EngineModel:
         self.module, self.decoder = clone, decoder
         if LeanDecoder.supports(decoder):
             self.lean = LeanDecoder(decoder)
+            if not draft and how != "off":
+                self.lean.compiled, self.compiled = compiled.build(self.lean, decoder, self.row_exact, _say)
 
     def logits_of(self, rows: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, V] logits, as ``forward`` computes them (the plan's layout for T rows)."""
@@ -223,6 +232,10 @@ class EngineModel:
         """What runs, for reports: mode, attention, the packed row counts and head layouts, where the plan came from."""
         d = {"mode": self.mode, "attention": getattr(self.module.config, "_attn_implementation", None),
              "row_exact": self.row_exact, "loop": "lean" if self.lean is not None else "modules"}
+        if self.lean is not None and self.lean.compiled is not None:
+            d["loop"] = "compiled"
+        if self.compiled:
+            d["compiled"] = self.compiled
         if self.hybrid_min_length is not None:
             d["hybrid_min_length"] = self.hybrid_min_length
         if self.plan is not None:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..attention import prefix_block
 from ..weight_only import WeightOnlyLinear
+from .compiled import MAX_ROWS
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -81,17 +82,29 @@ def project(linear: torch.nn.Module):
     return fn
 
 
-def rms_norm(norm: torch.nn.Module):
-    """A callable computing ``norm`` (an RMSNorm module): torch's one fused ``F.rms_norm`` where it gives the module's
-    bits on a probe here (it does on the CPUs tried: same float32 reduction), else the module's own forward."""
+def rms_params(norm: torch.nn.Module) -> tuple[torch.Tensor | None, float | None]:
+    """(weight [H], eps) where torch's one fused ``F.rms_norm`` gives ``norm``'s bits on a probe here (it does on the
+    CPUs tried: same float32 reduction), else (None, None)."""
     weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     if weight is None or eps is None or weight.dim() != 1:
-        return norm.forward
+        return None, None
     probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    shape = (weight.shape[0],)
     with torch.inference_mode():
-        if not torch.equal(F.rms_norm(probe, shape, weight, eps), norm(probe)):
-            return norm.forward
+        if not torch.equal(F.rms_norm(probe, (weight.shape[0],), weight, eps), norm(probe)):
+            return None, None
+    return weight, eps
+
+
+def rms_norm(norm: torch.nn.Module):
+    """A callable computing ``norm`` (an RMSNorm module): ``F.rms_norm`` where ``rms_params`` allows, else the
+    module's own forward."""
+    return _norm_call(norm, *rms_params(norm))
+
+
+def _norm_call(norm: torch.nn.Module, weight: torch.Tensor | None, eps: float | None):
+    if weight is None:
+        return norm.forward
+    shape = (weight.shape[0],)
     return lambda x: F.rms_norm(x, shape, weight, eps)
 
 
@@ -106,12 +119,14 @@ class _Layer:
     """One decoder layer's pieces, looked up once."""
 
     __slots__ = ("norm1", "norm2", "q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm", "attn", "index",
-                 "qkv", "gate_up", "splits")
+                 "qkv", "gate_up", "splits", "norm_params", "qkv_module", "gate_up_module", "projections")
 
     def __init__(self, layer: torch.nn.Module, index: int):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn, self.index = attn, index
-        self.norm1, self.norm2 = rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm)
+        self.norm_params = (rms_params(layer.input_layernorm), rms_params(layer.post_attention_layernorm))
+        self.norm1 = _norm_call(layer.input_layernorm, *self.norm_params[0])
+        self.norm2 = _norm_call(layer.post_attention_layernorm, *self.norm_params[1])
         self.q, self.k, self.v, self.o = map(project, (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
         self.gate, self.up, self.down = map(project, (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
@@ -120,12 +135,17 @@ class _Layer:
         gate_up = fuse([mlp.gate_proj, mlp.up_proj])
         self.qkv = None if qkv is None else qkv.forward
         self.gate_up = None if gate_up is None else gate_up.forward
+        self.qkv_module, self.gate_up_module = qkv, gate_up
+        self.projections = ([qkv] if qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]) + [attn.o_proj] \
+            + ([gate_up] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]) + [mlp.down_proj]
         self.splits = ([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features],
                        [mlp.gate_proj.out_features, mlp.up_proj.out_features])
 
 
 class LeanDecoder:
-    """``decoder``'s forward as a plain loop (see the module docstring); ``decoder`` is the engine's private copy."""
+    """``decoder``'s forward as a plain loop (see the module docstring); ``decoder`` is the engine's private copy.
+    ``compiled``: the layers' parts around attention as compiled programs (``fastpath.compiled``), when the engine
+    built them; the loop then calls them in place of ``pre_eager`` / ``post_eager``."""
 
     def __init__(self, decoder: torch.nn.Module):
         cfg = decoder.config
@@ -136,6 +156,38 @@ class LeanDecoder:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.compiled = None  # fastpath.compiled.CompiledLayers
+
+    def pre_eager(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H]; cos / signed sin [1, 1, T, d] -> q [1, heads, T, d], k / v [1, kvh, T, d] (rotary applied)."""
+        t = x.shape[0]
+        h = layer.norm1(x)
+        if layer.qkv is not None and layer.q_norm is None:  # one call, and rotary over q and k heads at once
+            qkv = layer.qkv(h).view(1, t, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+            qk = qkv[:, : self.heads + self.kv_heads]  # [1, heads + kvh, T, d]
+            qk = _rope(qk, cos, sin)  # elementwise: each head's bits as if rotated alone
+            return qk[:, : self.heads], qk[:, self.heads:], qkv[:, self.heads + self.kv_heads:]
+        if layer.qkv is not None:  # [T, q + k + v features] in one call
+            q, k, v = layer.qkv(h).split(layer.splits[0], dim=-1)
+        else:
+            q, k, v = layer.q(h), layer.k(h), layer.v(h)
+        q, k = q.view(1, t, self.heads, self.head_dim), k.view(1, t, self.kv_heads, self.head_dim)
+        v = v.view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, kvh, T, d]
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads, T, d], [1, kvh, T, d]
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    @staticmethod
+    def post_eager(layer: _Layer, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """x [T, H], the attention's output a [T, heads * d] -> the layer's output [T, H]."""
+        x = x + layer.o(a)
+        h = layer.norm2(x)
+        if layer.gate_up is not None:
+            g, u = layer.gate_up(h).split(layer.splits[1], dim=-1)
+        else:
+            g, u = layer.gate(h), layer.up(h)
+        return x + layer.down(F.silu(g) * u)
 
     @staticmethod
     def supports(decoder: torch.nn.Module) -> bool:
@@ -178,35 +230,20 @@ class LeanDecoder:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim]
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # signed, for ``_rope``
-        qshape, kvshape = (1, t, self.heads, self.head_dim), (1, t, self.kv_heads, self.head_dim)
         wanted: dict[int, torch.Tensor] = {}
+        fast = self.compiled if self.compiled is not None and t <= MAX_ROWS else None
+        if fast is not None:
+            cos2, sin2 = cos[0, 0], sin[0, 0]  # [T, head_dim]
         for layer in self.layers:
-            h = layer.norm1(x)
-            if layer.qkv is not None and layer.q_norm is None:  # one call, and rotary over q and k heads at once
-                qkv = layer.qkv(h).view(1, t, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
-                qk = qkv[:, : self.heads + self.kv_heads]  # [1, heads + kvh, T, d]
-                qk = _rope(qk, cos, sin)  # elementwise: each head's bits as if rotated alone
-                q, k, v = qk[:, : self.heads], qk[:, self.heads:], qkv[:, self.heads + self.kv_heads:]
+            if fast is not None:
+                q, k, v = fast.run_pre(layer.index, x, cos2, sin2, self.heads, self.kv_heads)
             else:
-                if layer.qkv is not None:  # [T, q + k + v features] in one call
-                    q, k, v = layer.qkv(h).split(layer.splits[0], dim=-1)
-                else:
-                    q, k, v = layer.q(h), layer.k(h), layer.v(h)
-                q, k, v = q.view(qshape), k.view(kvshape), v.view(kvshape).transpose(1, 2)  # v [1, kvh, T, d]
-                if layer.q_norm is not None:
-                    q, k = layer.q_norm(q), layer.k_norm(k)
-                q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads, T, d], [1, kvh, T, d]
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                q, k, v = self.pre_eager(layer, x, cos, sin)
             k, v = cache.update(k, v, layer.index)  # [1, kvh, L, d]
             a, _ = prefix_block.prefix_block_attention(layer.attn, q, k, v, attention_mask,
                                                        scaling=layer.attn.scaling)  # [1, T, heads, d]
-            x = x + layer.o(a.reshape(t, -1))  # [T, H]
-            h = layer.norm2(x)
-            if layer.gate_up is not None:
-                g, u = layer.gate_up(h).split(layer.splits[1], dim=-1)
-            else:
-                g, u = layer.gate(h), layer.up(h)
-            x = x + layer.down(F.silu(g) * u)
+            a = a.reshape(t, -1)  # [T, heads * d]
+            x = fast.run_post(layer.index, x, a) if fast is not None else self.post_eager(layer, x, a)
             if layer.index in want_layers:
                 wanted[layer.index] = x
         return self.norm(x), wanted

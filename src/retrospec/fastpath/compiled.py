@@ -1,0 +1,346 @@
+"""Each decoder layer's work around attention as two ahead-of-time compiled programs: the step without dispatch.
+
+Why: with the matmuls near their kernels' speed, a one-token step of a 30-layer model is ~2,000 small operator
+calls (norms, rotary, casts, residual adds, SiLU), 2-7 us each on a 2-core CPU: 40-50 % of a 4-bit step. Compiled
+with AOTInductor (PyTorch's own ahead-of-time compiler: ``torch.export`` + ``aoti_compile_and_package``), each part is
+a few fused C++ loops around the same matmul kernels, called from a C++ runner with no Python per operation:
+
+    pre   (x [T, H], cos [T, d], signed_sin [T, d], layer weights) -> [T, heads + 2 kv_heads, d]
+          rmsnorm -> q/k/v projections -> rotary over the q and k heads (the lean loop's, ``fastpath.lean``)
+    post  (x [T, H], attention output [T, heads * d], layer weights) -> x [T, H]
+          x + o_proj(a) -> rmsnorm -> silu(gate) * up -> x + down
+
+The cache update and the attention stay the engine's own (``prefix_block``: each verified row computed as a one-token
+step computes it, where the matmuls allow). The weights are inputs, not constants: one program serves every layer of
+the same shapes and formats, and no weight is copied. T is dynamic (1 .. ``MAX_ROWS``).
+
+When it is used (``RETROSPEC_COMPILE``: ``auto``, the default; ``on``; ``off``): ``auto`` compiles for models of at
+least ``AUTO_MIN_LAYERS`` layers and hidden size ``AUTO_MIN_HIDDEN`` (a compile takes about a minute once per
+machine, model shape and format; smaller models do not repay it), ``on`` for any model the lean loop runs. Programs are
+cached under ``cache_home()/compiled/``, keyed by machine, torch version, threads and the layer's signature; building
+a cached one takes milliseconds. After building, the engine keeps the programs only where they pass, on a probe of
+the model's own first layer: (1) each part equals the lean loop's within ``TOLERANCE`` (relative), (2) a T-row call's
+rows are bitwise the one-row calls' (so the engine's row-exact verification holds), (3) the compiled layers are
+faster than the lean ones on this machine (timed, interleaved; the verdict is cached beside the programs). A failed
+compile (no C++ compiler, an unsupported op) falls back to the lean loop with one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..atomic import write_text_atomic
+from ..errors import RetrospecError
+from ..paths import cache_home
+from ..weight_only import GROUP, WeightOnlyLinear
+from .plan import machine_id
+
+MODES = ("auto", "on", "off")
+AUTO_MIN_LAYERS, AUTO_MIN_HIDDEN = 8, 256  # ``auto`` compiles models at least this deep and wide
+MAX_ROWS = 4096  # the programs' largest T (a longer forward runs the lean loop)
+TOLERANCE = 1e-4  # relative max difference allowed against the lean loop (fused float32 norms may round differently)
+PROGRAM_VERSION = 2
+_LOADED: dict[str, object] = {}  # package path -> loaded runner (one per process)
+
+
+def compile_mode() -> str:
+    m = os.environ.get("RETROSPEC_COMPILE", "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise RetrospecError(f"RETROSPEC_COMPILE must be one of {', '.join(MODES)}, got {m!r}")
+    return m
+
+
+@dataclass(frozen=True)
+class Proj:
+    """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``) or a
+    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back)."""
+
+    kind: str
+    in_features: int
+    out_features: int
+    bias: bool
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> "Proj | None":
+        if type(module) is torch.nn.Linear:
+            return Proj("linear", module.in_features, module.out_features, module.bias is not None)
+        if type(module) is WeightOnlyLinear:
+            return Proj(module.fmt, module.in_features, module.out_features, module.bias is not None)
+        return None
+
+    @staticmethod
+    def tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+        if type(module) is torch.nn.Linear:
+            ts = [module.weight]
+        else:
+            ts = [module.qweight, module.scales]
+        return ts + ([module.bias] if module.bias is not None else [])
+
+    def width(self) -> int:
+        return (1 if self.kind == "linear" else 2) + int(self.bias)
+
+    def apply(self, x: torch.Tensor, ts: list[torch.Tensor]) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.kind == "linear":
+            return torch.mm(x, ts[0].t()) if not self.bias else torch.addmm(ts[1], x, ts[0].t())
+        rows = x.to(torch.bfloat16)
+        if self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(rows, ts[0], ts[1])
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, ts[0], GROUP, ts[1])
+        y = y.to(x.dtype)
+        return y + ts[2] if self.bias else y
+
+
+def _take(projs: tuple[Proj, ...], ts: tuple[torch.Tensor, ...]) -> list[list[torch.Tensor]]:
+    out, i = [], 0
+    for p in projs:
+        out.append(list(ts[i:i + p.width()]))
+        i += p.width()
+    return out
+
+
+class _Pre(torch.nn.Module):
+    """rmsnorm -> projections (q/k/v, or one joined q+k+v) -> rotary; see the module docstring."""
+
+    def __init__(self, projs: tuple[Proj, ...], heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.projs, self.heads, self.kv_heads, self.head_dim, self.eps = projs, heads, kv_heads, head_dim, eps
+
+    def forward(self, x, cos, sin, norm_w, *ts):
+        t, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        hx = F.rms_norm(x, (x.shape[-1],), norm_w, self.eps)  # [T, H]
+        outs = [p.apply(hx, w) for p, w in zip(self.projs, _take(self.projs, ts))]
+        qkv = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, (h + 2 kvh) d]
+        qkv = qkv.view(t, h + 2 * kvh, d)
+        qk = qkv[:, : h + kvh]  # [T, h + kvh, d]
+        turned = torch.cat((qk[..., d // 2:], qk[..., : d // 2]), dim=-1)  # = qk.roll(d / 2, -1), lowered plainly
+        qk = qk * cos[:, None] + turned * sin[:, None]  # rotary, as ``lean._rope``
+        return torch.cat((qk, qkv[:, h + kvh:]), dim=1)  # [T, h + 2 kvh, d]: rotated q and k heads, then v
+
+
+class _Post(torch.nn.Module):
+    """x + o_proj(a) -> rmsnorm -> silu(gate) * up (one joined projection, or two) -> x + down."""
+
+    def __init__(self, o: Proj, mlp: tuple[Proj, ...], down: Proj, intermediate: int, eps: float):
+        super().__init__()
+        self.o, self.mlp, self.down, self.intermediate, self.eps = o, mlp, down, intermediate, eps
+
+    def forward(self, x, a, norm_w, *ts):
+        projs = (self.o, *self.mlp, self.down)
+        parts = _take(projs, ts)
+        x = x + self.o.apply(a, parts[0])  # [T, H]
+        hx = F.rms_norm(x, (x.shape[-1],), norm_w, self.eps)
+        if len(self.mlp) == 1:
+            g, u = self.mlp[0].apply(hx, parts[1]).split(self.intermediate, dim=-1)
+        else:
+            g, u = self.mlp[0].apply(hx, parts[1]), self.mlp[1].apply(hx, parts[2])
+        return x + self.down.apply(F.silu(g) * u, parts[-1])
+
+
+def _key(kind: str, signature: tuple) -> str:
+    text = json.dumps([PROGRAM_VERSION, kind, machine_id(), torch.__version__, torch.get_num_threads(),
+                       repr(signature)])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _runner(program: torch.nn.Module, example: list[torch.Tensor], key: str, progress=None):
+    """The loaded AOTInductor runner of ``program`` (compiled and cached on first use): ``run(list) -> list``."""
+    folder = cache_home() / "compiled"
+    path = folder / f"{key}.pt2"
+    if str(path) in _LOADED:
+        return _LOADED[str(path)]
+    if not path.exists():
+        if progress:
+            progress(f"compiling a decoder layer ahead of time ({type(program).__name__.strip('_').lower()}, "
+                     "once per machine and model shape; about a minute)")
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
+        lead = 2 if isinstance(program, _Post) else 3  # the row-carrying inputs; then a norm weight and *tensors
+        dims = (*({0: rows} for _ in range(lead)), None, tuple(None for _ in example[lead + 1:]))
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations inside export
+            exported = torch.export.export(program, tuple(example), dynamic_shapes=dims, strict=False)
+        tmp = folder / f".{key}.{os.getpid()}.pt2"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        loaded = torch._inductor.aoti_load_package(str(path))
+    run = getattr(getattr(loaded, "loader", None), "run", None)  # the C++ runner: no per-call pytree handling
+    if run is None:
+        run = lambda args, _m=loaded: list(_m(*args))  # noqa: E731
+    _LOADED[str(path)] = run
+    return run
+
+
+@dataclass
+class CompiledLayers:
+    """Per decoder layer: the argument lists of its two programs and the runners (shared by equal layers)."""
+
+    pre: list  # [(run, [norm_w, *projection tensors])]
+    post: list
+    describe: dict
+
+    def run_pre(self, i: int, x, cos, sin, heads: int, kv_heads: int):
+        """-> q [1, heads, T, d], k / v [1, kv_heads, T, d]: views laid out as the lean loop's (so the attention
+        reads the same strides and gives the same bits)."""
+        run, args = self.pre[i]
+        qkv = run([x, cos, sin, *args])[0]  # [T, heads + 2 kv_heads, d]
+        qkv = qkv.unsqueeze(0).transpose(1, 2)  # [1, heads + 2 kv_heads, T, d]
+        return qkv[:, :heads], qkv[:, heads: heads + kv_heads], qkv[:, heads + kv_heads:]
+
+    def run_post(self, i: int, x, a):
+        run, args = self.post[i]
+        return run([x, a, *args])[0]
+
+
+def wanted(n_layers: int, hidden: int) -> bool:
+    m = compile_mode()
+    return m == "on" or (m == "auto" and n_layers >= AUTO_MIN_LAYERS and hidden >= AUTO_MIN_HIDDEN)
+
+
+def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
+    """(pre, post) per layer (runner, tensors), or None where a layer has a part the programs do not express."""
+    pre, post = [], []
+    for layer, pieces in zip(layers, lean.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if pieces.q_norm is not None or pieces.norm_params[0] is None or pieces.norm_params[1] is None:
+            return None
+        qkv = [pieces.qkv_module] if pieces.qkv_module is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        gu = [pieces.gate_up_module] if pieces.gate_up_module is not None else [mlp.gate_proj, mlp.up_proj]
+        mods = [*qkv, attn.o_proj, *gu, mlp.down_proj]
+        projs = [Proj.of(m) for m in mods]
+        if any(p is None for p in projs):
+            return None
+        (w1, eps1), (w2, eps2) = pieces.norm_params
+        nq = len(qkv)
+        pre_sig = (tuple(projs[:nq]), lean.heads, lean.kv_heads, lean.head_dim, eps1)
+        post_sig = (projs[nq], tuple(projs[nq + 1:-1]), projs[-1], mlp.down_proj.in_features, eps2)
+        pre_args = [w1] + [t for m in qkv for t in Proj.tensors(m)]
+        post_args = [w2] + [t for m in [attn.o_proj, *gu, mlp.down_proj] for t in Proj.tensors(m)]
+        hidden, rows = w1.shape[0], 2
+        x = torch.randn(rows, hidden)
+        cos, sin = torch.randn(rows, lean.head_dim), torch.randn(rows, lean.head_dim)  # distinct: never one input twice
+        a = torch.randn(rows, lean.heads * lean.head_dim)
+        pre.append((_runner(_Pre(*pre_sig), [x, cos, sin, *pre_args], _key("pre", pre_sig), progress), pre_args))
+        post.append((_runner(_Post(*post_sig), [x, a, *post_args], _key("post", post_sig), progress), post_args))
+    return pre, post
+
+
+def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
+    """Why the programs must not be used (None: they pass): equality with the lean loop within ``TOLERANCE`` on the
+    first layer, and bitwise row invariance where the engine verifies row-exactly."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = lean.layers[0].norm_params[0][0].shape[0]
+    t, d = 3, lean.head_dim
+    x = torch.randn(t, hidden, generator=gen)
+    angle = torch.randn(t, d // 2, generator=gen)
+    cos = torch.cat([angle.cos()] * 2, -1)
+    sin = torch.cat([-angle.sin(), angle.sin()], -1)
+    a = torch.randn(t, lean.heads * d, generator=gen)
+    with torch.inference_mode():
+        ours = [*compiled.run_pre(0, x, cos, sin, lean.heads, lean.kv_heads), compiled.run_post(0, x, a)]
+        ref = [*lean.pre_eager(lean.layers[0], x, cos[None, None], sin[None, None]), lean.post_eager(lean.layers[0], x, a)]
+        for o, r in zip(ours, ref):
+            if o.shape != r.shape or not torch.isfinite(o).all():
+                return "a compiled part's output has another shape or is not finite"
+            if (o - r).abs().max() > TOLERANCE * max(1.0, r.abs().max().item()):
+                return f"a compiled part differs from the lean loop by {(o - r).abs().max().item():.2g}"
+        if row_exact:
+            one = [[*compiled.run_pre(0, x[i:i + 1], cos[i:i + 1], sin[i:i + 1], lean.heads, lean.kv_heads),
+                    compiled.run_post(0, x[i:i + 1], a[i:i + 1])] for i in range(t)]
+            for j, whole in enumerate(ours):
+                rows = torch.cat([one[i][j] for i in range(t)], dim=-2)
+                if not torch.equal(rows, whole):
+                    return "a compiled part's rows depend on how many rows share the call"
+    return None
+
+
+def _timed(lean, compiled: CompiledLayers, reps: int = 7) -> tuple[float, float]:
+    """Median ms of every layer's pre + post for one row: (lean loop, compiled), interleaved."""
+    hidden = lean.layers[0].norm_params[0][0].shape[0]
+    x = torch.randn(1, hidden)
+    cos, sin = torch.ones(1, lean.head_dim), torch.zeros(1, lean.head_dim)
+    a = torch.randn(1, lean.heads * lean.head_dim)
+
+    def eager():
+        for layer in lean.layers:
+            lean.pre_eager(layer, x, cos[None, None], sin[None, None])
+            lean.post_eager(layer, x, a)
+
+    def fast():
+        for i in range(len(lean.layers)):
+            compiled.run_pre(i, x, cos, sin, lean.heads, lean.kv_heads)
+            compiled.run_post(i, x, a)
+
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    with torch.inference_mode():
+        for rep in range(reps + 1):
+            for name, fn in (("eager", eager), ("compiled", fast)):
+                t0 = time.perf_counter()
+                fn()
+                if rep:
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times["eager"]), statistics.median(times["compiled"])
+
+
+def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers | None, dict]:
+    """The compiled layers for ``lean`` (``fastpath.lean.LeanDecoder``) when wanted, compiled, correct and faster
+    here; else (None, why). Never raises: any failure falls back to the lean loop."""
+    layers = decoder.layers[: len(lean.layers)]
+    first = lean.layers[0].norm_params[0][0]
+    if not wanted(len(lean.layers), first.shape[0] if first is not None else 0):
+        why = "RETROSPEC_COMPILE=off" if compile_mode() == "off" else (
+            f"smaller than {AUTO_MIN_LAYERS} layers of hidden size {AUTO_MIN_HIDDEN} (RETROSPEC_COMPILE=on compiles it)")
+        return None, {"compiled": False, "why": why}
+    t0 = time.perf_counter()
+    try:
+        parts = layer_programs(lean, layers, progress)
+    except Exception as exc:  # no C++ compiler, an op inductor cannot lower, a full disk: the lean loop still runs
+        warnings.warn(f"the decoder layers were not compiled ({type(exc).__name__}: {str(exc).splitlines()[0][:200]});"
+                      " running the lean loop", RuntimeWarning, stacklevel=3)
+        return None, {"compiled": False, "why": f"compile failed: {type(exc).__name__}"}
+    if parts is None:
+        return None, {"compiled": False, "why": "a layer the programs do not express"}
+    compiled = CompiledLayers(pre=parts[0], post=parts[1], describe={})
+    why = _checked(lean, compiled, row_exact)
+    if why is not None:
+        return None, {"compiled": False, "why": why}
+    verdict_path = cache_home() / "compiled" / f"{_key('verdict', _verdict_sig(lean))}.json"
+    verdict = None
+    if verdict_path.exists():
+        try:
+            verdict = json.loads(verdict_path.read_text())
+        except (OSError, ValueError):
+            verdict = None
+    if verdict is None:
+        eager_ms, compiled_ms = _timed(lean, compiled)
+        verdict = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3)}
+        write_text_atomic(verdict_path, json.dumps(verdict))
+    info = {"compiled": verdict["compiled_ms"] < verdict["eager_ms"], **verdict,
+            "seconds": round(time.perf_counter() - t0, 2)}
+    if not info["compiled"]:
+        info["why"] = "not faster than the lean loop here"
+        return None, info
+    compiled.describe = info
+    return compiled, info
+
+
+def _verdict_sig(lean) -> tuple:
+    layer = lean.layers[0]
+    return (len(lean.layers), lean.heads, lean.kv_heads, lean.head_dim, layer.norm_params[0][0].shape[0],
+            tuple(repr(Proj.of(m)) for m in layer.projections))
