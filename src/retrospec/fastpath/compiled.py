@@ -15,7 +15,7 @@ step computes it, where the matmuls allow). The weights are inputs, not constant
 the same shapes and formats, and no weight is copied. T is dynamic (1 .. ``MAX_ROWS``).
 
 When it is used (``RETROSPEC_COMPILE``: ``auto``, the default; ``on``; ``off``): ``auto`` compiles for models of at
-least ``AUTO_MIN_LAYERS`` layers and hidden size ``AUTO_MIN_HIDDEN`` (a compile takes about a minute once per
+least ``AUTO_MIN_LAYERS`` layers and hidden size ``AUTO_MIN_HIDDEN`` (a compile takes about half a minute once per
 machine, model shape and format; smaller models do not repay it), ``on`` for any model the lean loop runs. Programs are
 cached under ``cache_home()/compiled/``, keyed by machine, torch version, threads and the layer's signature; building
 a cached one takes milliseconds. After building, the engine keeps the programs only where they pass, on a probe of
@@ -161,7 +161,7 @@ def _runner(program: torch.nn.Module, example: list[torch.Tensor], key: str, pro
     if not path.exists():
         if progress:
             progress(f"compiling a decoder layer ahead of time ({type(program).__name__.strip('_').lower()}, "
-                     "once per machine and model shape; about a minute)")
+                     "once per machine and model shape; about half a minute)")
         folder.mkdir(parents=True, exist_ok=True)
         rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
         lead = 2 if isinstance(program, _Post) else 3  # the row-carrying inputs; then a norm weight and *tensors
