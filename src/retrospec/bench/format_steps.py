@@ -4,7 +4,8 @@ floor and llama.cpp's decode step on the matching file.
 Per format (``float32``, ``int8``, ``int4``, ``gguf``: the file's own blocks, ...), measured in one process:
 
 - ``step_ms``: one ``Verifier.score`` of the root alone (a one-token decode step, logits included) over a cache of
-  ``context`` tokens, through the engine's fast path in that format;
+  ``context`` tokens, through the engine's fast path in that format; ``loop``: how its decoder layers ran
+  (``compiled``, ``lean``, ``modules``: ``EngineModel.describe``);
 - ``floor_ms``: the format's matmul weights read once at the measured memory bandwidth (``weights_bytes`` /
   ``bandwidth_gbs``), the least a decode step can cost when reading weights is what bounds it;
 - ``llamacpp_ms`` (where the peer is installed, ``bench.llamacpp``): llama.cpp's decode time per token after the same
@@ -25,6 +26,7 @@ from typing import Callable
 import torch
 
 from ..types import DraftTree
+from ..fastpath import engine_for
 from .profile import verify_ms, weight_bytes
 
 PEER_TOKENS = 32  # tokens llama.cpp decodes per timing
@@ -69,7 +71,7 @@ def format_steps(target_path: str | Path, formats: list[str], context: int, reps
             if peer is not None:
                 peer.close()
         row = {"format": kind, "weights_bytes": weights, "floor_ms": weights / bandwidth_gbs / 1e6,
-               "step_ms": statistics.median(ours)}
+               "step_ms": statistics.median(ours), "loop": engine_for(model).describe()["loop"]}
         if theirs:
             row["llamacpp_ms"] = statistics.median(theirs)
         else:

@@ -270,7 +270,8 @@ def render_format_steps(rows: dict, context: int) -> list[str]:
             ratio = f"{r['llamacpp_ms'] / r['step_ms']:.2f}x"
         else:
             peer, ratio = f"— ({r['llamacpp_note']})", "—"
-        lines.append(f"| {fmt} | {r['weights_bytes'] / 1e6:.0f} MB | {r['floor_ms']:.1f} ms | {ours} | {peer} | "
+        loop = f" ({r['loop']} layers)" if r.get("loop") else ""
+        lines.append(f"| {fmt}{loop} | {r['weights_bytes'] / 1e6:.0f} MB | {r['floor_ms']:.1f} ms | {ours} | {peer} | "
                      f"{ratio} |")
     return lines
 
@@ -342,5 +343,6 @@ def render_table(profile: dict) -> str:
         lines.append("")
     e = profile["engine"]
     lines.append(f"Engine: {e.get('mode')} (attention {e.get('attention')}, prepacked linears for "
-                 f"{e.get('packed_rows', [])} rows, head {e.get('head', {})}; plan {e.get('plan', '-')}).")
+                 f"{e.get('packed_rows', [])} rows, head {e.get('head', {})}; plan {e.get('plan', '-')}; decoder layers "
+                 f"{e.get('loop', '-')}).")
     return "\n".join(lines) + "\n"
