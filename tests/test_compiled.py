@@ -2,7 +2,8 @@
 
 On a tiny Llama model in float32 and int4 (``RETROSPEC_COMPILE=on``; one compile per layer shape, ~30 s each, cached
 for the rest of the run): the engine's logits equal the lean loop's within float tolerance for a prefill, a step, a
-chain and a draft tree; in int4 a verification's rows are still bitwise one-token steps (row-exact), and greedy
+chain and a draft tree; in int4 a verification's rows (a chain's, a tree's) are still bitwise one-token steps
+(row-exact: the compiled attention included), and greedy
 ``ar``, ``sd`` and ``pld`` through the compiled engine are token-identical to the naive oracle's ``generate()``.
 A failed compile falls back to the lean loop with one warning; a second engine loads the cached programs; ``auto``
 leaves small models alone.
@@ -81,6 +82,10 @@ def test_int4_verification_stays_row_exact(models, monkeypatch):
     model = models["int4"]
     engine = engine_for(model, "auto", remeasure=True)
     assert engine.row_exact and engine.describe()["loop"] == "compiled"
+    fast = engine.lean.compiled
+    if fast.attn is None:  # the speed verdict kept the engine's attention here: prove the program all the same
+        assert "not faster" in engine.describe()["compiled"]["attention"]
+        fast.attn = compiled.attention_program(engine.lean, float(engine.lean.layers[0].attn.scaling))
     verifier = Verifier(model)
     verifier.prefill(PROMPT)
     chain = verifier.score(17, DraftTree.chain([23, 8, 40, 3]))  # [5, V]
@@ -88,6 +93,14 @@ def test_int4_verification_stays_row_exact(models, monkeypatch):
     _run(engine, PROMPT, list(range(len(PROMPT))), None, cache, last_only=True)
     steps = torch.cat([_run(engine, [t], [len(PROMPT) + i], None, cache) for i, t in enumerate([17, 23, 8, 40, 3])])
     assert torch.equal(chain, steps)
+    verifier.kv.cache.crop(-5)
+    # a tree: root 17; nodes 0 (23) and 1 (9) under it, node 2 (8) under 0, node 3 (6) under 1
+    scored = verifier.score(17, DraftTree(torch.tensor([23, 9, 8, 6]), torch.tensor([-1, -1, 0, 1])))  # [5, V]
+    for rows, path in (([0, 1, 3], [17, 23, 8]), ([0, 2, 4], [17, 9, 6])):
+        cache = DynamicCache()
+        _run(engine, PROMPT, list(range(len(PROMPT))), None, cache, last_only=True)
+        steps = torch.cat([_run(engine, [t], [len(PROMPT) + i], None, cache) for i, t in enumerate(path)])
+        assert torch.equal(scored[rows], steps)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int4"])

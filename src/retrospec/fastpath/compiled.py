@@ -48,7 +48,7 @@ MODES = ("auto", "on", "off")
 AUTO_MIN_LAYERS, AUTO_MIN_HIDDEN = 8, 256  # ``auto`` compiles models at least this deep and wide
 MAX_ROWS = 4096  # the programs' largest T (a longer forward runs the lean loop)
 TOLERANCE = 1e-4  # relative max difference allowed against the lean loop (fused float32 norms may round differently)
-PROGRAM_VERSION = 2
+PROGRAM_VERSION = 3
 _LOADED: dict[str, object] = {}  # package path -> loaded runner (one per process)
 
 
@@ -146,6 +146,28 @@ class _Post(torch.nn.Module):
         return x + self.down.apply(F.silu(g) * u, parts[-1])
 
 
+class _Attn(torch.nn.Module):
+    """Attention of T query rows over the first L cached keys, each row masked by ``bias`` (0 visible, -inf not):
+    the scores and the weighted sum as plain broadcast products and sums (fused loops, no BLAS), so a row's result
+    depends only on the keys before its last visible one and not on how many rows share the call (a chain's row i,
+    whose hidden keys all come after its visible ones, equals the one-row call over those keys; checked at build)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, scaling: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
+
+    def forward(self, qkv, kbuf, vbuf, bias):
+        t, length = bias.shape  # bias [T, L]; qkv [T, heads + 2 kv_heads, d] (the pre program's output)
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        q = qkv[:, :h].permute(1, 0, 2).reshape(kvh, h // kvh, t, 1, d)  # heads sharing a key/value head
+        k = kbuf[0, :, :length].reshape(kvh, 1, 1, length, d)  # kbuf / vbuf [1, kvh, C >= L, d]
+        v = vbuf[0, :, :length].reshape(kvh, 1, 1, length, d)
+        scores = (q * k).sum(-1) * self.scaling + bias  # [kvh, rep, T, L]
+        probs = scores.softmax(-1)
+        out = (probs.unsqueeze(-1) * v).sum(-2)  # [kvh, rep, T, d]
+        return out.permute(2, 0, 1, 3).reshape(t, h * d)
+
+
 def _key(kind: str, signature: tuple) -> str:
     text = json.dumps([PROGRAM_VERSION, kind, machine_id(), torch.__version__, torch.get_num_threads(),
                        repr(signature)])
@@ -164,8 +186,12 @@ def _runner(program: torch.nn.Module, example: list[torch.Tensor], key: str, pro
                      "once per machine and model shape; about half a minute)")
         folder.mkdir(parents=True, exist_ok=True)
         rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
-        lead = 2 if isinstance(program, _Post) else 3  # the row-carrying inputs; then a norm weight and *tensors
-        dims = (*({0: rows} for _ in range(lead)), None, tuple(None for _ in example[lead + 1:]))
+        if isinstance(program, _Attn):
+            cap, length = torch.export.Dim("capacity", min=2), torch.export.Dim("length", min=2)
+            dims = ({0: rows}, {2: cap}, {2: cap}, {0: rows, 1: length})
+        else:
+            lead = 2 if isinstance(program, _Post) else 3  # the row-carrying inputs; then a norm weight and *tensors
+            dims = (*({0: rows} for _ in range(lead)), None, tuple(None for _ in example[lead + 1:]))
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations inside export
             exported = torch.export.export(program, tuple(example), dynamic_shapes=dims, strict=False)
@@ -189,23 +215,58 @@ def _runner(program: torch.nn.Module, example: list[torch.Tensor], key: str, pro
 
 @dataclass
 class CompiledLayers:
-    """Per decoder layer: the argument lists of its two programs and the runners (shared by equal layers)."""
+    """Per decoder layer: the runners of its programs and their weight arguments (equal layers share runners);
+    ``attn``: the attention program (one for all layers), None where the engine's own attention runs."""
 
     pre: list  # [(run, [norm_w, *projection tensors])]
     post: list
-    describe: dict
+    heads: int
+    kv_heads: int
+    attn: object = None
+    describe: dict | None = None
 
-    def run_pre(self, i: int, x, cos, sin, heads: int, kv_heads: int):
-        """-> q [1, heads, T, d], k / v [1, kv_heads, T, d]: views laid out as the lean loop's (so the attention
-        reads the same strides and gives the same bits)."""
+    def run_qkv(self, i: int, x, cos, sin) -> torch.Tensor:
+        """x [T, H], cos / signed sin [T, d] -> [T, heads + 2 kv_heads, d]: rotated q and k heads, then v."""
         run, args = self.pre[i]
-        qkv = run([x, cos, sin, *args])[0]  # [T, heads + 2 kv_heads, d]
+        return run([x, cos, sin, *args])[0]
+
+    def split(self, qkv: torch.Tensor):
+        """-> q [1, heads, T, d], k / v [1, kv_heads, T, d]: views laid out as the lean loop's (so the engine's
+        attention reads the same strides and gives the same bits)."""
         qkv = qkv.unsqueeze(0).transpose(1, 2)  # [1, heads + 2 kv_heads, T, d]
-        return qkv[:, :heads], qkv[:, heads: heads + kv_heads], qkv[:, heads + kv_heads:]
+        h, kvh = self.heads, self.kv_heads
+        return qkv[:, :h], qkv[:, h: h + kvh], qkv[:, h + kvh:]
+
+    def run_pre(self, i: int, x, cos, sin):
+        return self.split(self.run_qkv(i, x, cos, sin))
 
     def run_post(self, i: int, x, a):
         run, args = self.post[i]
         return run([x, a, *args])[0]
+
+    def attend(self, qkv, layer_cache, keys, values, bias=None, visible=None) -> torch.Tensor:
+        """The attention program over a layer's cache -> [T, heads * d]. ``bias`` [T, L] (0 / -inf) masks rows in one
+        call (a chain: row i's hidden keys all follow its visible ones); with ``visible`` [T, L] bool (a draft tree,
+        verified row-exactly) each row runs alone over exactly the keys it sees, gathered in cache order, as the
+        one-token step along its path reads them. keys / values [1, kvh, L, d]: the layer's cache after the update."""
+        buffers = getattr(layer_cache, "buffers", None)
+        if visible is None:
+            kb, vb = buffers() if buffers is not None else (keys.contiguous(), values.contiguous())
+            return self.attn([qkv, kb, vb, bias])[0]
+        rows = []
+        for i in range(qkv.shape[0]):
+            seen = visible[i].nonzero()[:, 0]  # [n] increasing: the prefix, then the node's ancestors and itself
+            rows.append(self.attn([qkv[i:i + 1], keys.index_select(2, seen), values.index_select(2, seen),
+                                   torch.zeros(1, seen.numel(), dtype=qkv.dtype)])[0])
+        return torch.cat(rows)
+
+
+def chain_bias(rows: int, length: int, dtype=torch.float32) -> torch.Tensor:
+    """[rows, length] additive mask of a chain whose rows are the last ``rows`` of ``length`` cached positions."""
+    bias = torch.zeros(rows, length, dtype=dtype)
+    if rows > 1:
+        bias[:, length - rows:].masked_fill_(torch.ones(rows, rows, dtype=torch.bool).triu_(1), float("-inf"))
+    return bias
 
 
 def wanted(n_layers: int, hidden: int) -> bool:
@@ -241,6 +302,14 @@ def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
     return pre, post
 
 
+def attention_program(lean, scaling: float, progress=None):
+    """The runner of ``_Attn`` for ``lean``'s head shapes."""
+    sig = (lean.heads, lean.kv_heads, lean.head_dim, float(scaling))
+    qkv = torch.randn(3, lean.heads + 2 * lean.kv_heads, lean.head_dim)
+    kbuf, vbuf = (torch.randn(1, lean.kv_heads, 40, lean.head_dim) for _ in "kv")
+    return _runner(_Attn(*sig), [qkv, kbuf, vbuf, chain_bias(3, 24)], _key("attn", sig), progress)
+
+
 def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
     """Why the programs must not be used (None: they pass): equality with the lean loop within ``TOLERANCE`` on the
     first layer, and bitwise row invariance where the engine verifies row-exactly."""
@@ -253,7 +322,7 @@ def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
     sin = torch.cat([-angle.sin(), angle.sin()], -1)
     a = torch.randn(t, lean.heads * d, generator=gen)
     with torch.inference_mode():
-        ours = [*compiled.run_pre(0, x, cos, sin, lean.heads, lean.kv_heads), compiled.run_post(0, x, a)]
+        ours = [*compiled.run_pre(0, x, cos, sin), compiled.run_post(0, x, a)]
         ref = [*lean.pre_eager(lean.layers[0], x, cos[None, None], sin[None, None]), lean.post_eager(lean.layers[0], x, a)]
         for o, r in zip(ours, ref):
             if o.shape != r.shape or not torch.isfinite(o).all():
@@ -261,13 +330,59 @@ def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
             if (o - r).abs().max() > TOLERANCE * max(1.0, r.abs().max().item()):
                 return f"a compiled part differs from the lean loop by {(o - r).abs().max().item():.2g}"
         if row_exact:
-            one = [[*compiled.run_pre(0, x[i:i + 1], cos[i:i + 1], sin[i:i + 1], lean.heads, lean.kv_heads),
+            one = [[*compiled.run_pre(0, x[i:i + 1], cos[i:i + 1], sin[i:i + 1]),
                     compiled.run_post(0, x[i:i + 1], a[i:i + 1])] for i in range(t)]
             for j, whole in enumerate(ours):
                 rows = torch.cat([one[i][j] for i in range(t)], dim=-2)
                 if not torch.equal(rows, whole):
                     return "a compiled part's rows depend on how many rows share the call"
     return None
+
+
+def _attention_checked(lean, run, scaling: float) -> str | None:
+    """Why the attention program must not be used (None: it passes): within ``TOLERANCE`` of the engine's one-row
+    attention, and a chain's row i bitwise the one-row call over the keys it sees (at lengths around vector widths)."""
+    from ..attention.prefix_block import _one_row
+
+    gen = torch.Generator().manual_seed(1)
+    h, kvh, d = lean.heads, lean.kv_heads, lean.head_dim
+    kbuf, vbuf = (torch.randn(1, kvh, 80, d, generator=gen) for _ in "kv")
+    with torch.inference_mode():
+        for rows, length in ((1, 37), (3, 40), (5, 50), (8, 73)):
+            qkv = torch.randn(rows, h + 2 * kvh, d, generator=gen)
+            whole = run([qkv, kbuf, vbuf, chain_bias(rows, length)])[0]  # [rows, h * d]
+            for i in range(rows):
+                seen = length - rows + i + 1
+                one = run([qkv[i:i + 1], kbuf, vbuf, torch.zeros(1, seen)])[0]
+                if not torch.equal(one[0], whole[i]):
+                    return "the attention program's rows depend on how many rows share the call"
+                q = qkv[i:i + 1, :h].transpose(0, 1).unsqueeze(0)  # [1, h, 1, d]
+                ref = _one_row(q, kbuf[:, :, :seen], vbuf[:, :, :seen], scaling).reshape(1, -1)
+                if (ref - one).abs().max() > TOLERANCE * max(1.0, ref.abs().max().item()):
+                    return "the attention program differs from the engine's attention"
+    return None
+
+
+def _attention_timed(lean, run, scaling: float, length: int = 512, reps: int = 7) -> tuple[float, float]:
+    """Median ms of one layer's one-row attention over ``length`` cached keys: (the engine's, the program)."""
+    from ..attention.prefix_block import _one_row
+
+    h, kvh, d = lean.heads, lean.kv_heads, lean.head_dim
+    kbuf, vbuf = (torch.randn(1, kvh, length + 64, d) for _ in "kv")
+    qkv = torch.randn(1, h + 2 * kvh, d)
+    q, bias = qkv[:, :h].transpose(0, 1).unsqueeze(0), torch.zeros(1, length)
+    k, v = kbuf[:, :, :length], vbuf[:, :, :length]
+    calls = {"eager": lambda: _one_row(q, k, v, scaling), "compiled": lambda: run([qkv, kbuf, vbuf, bias])}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    with torch.inference_mode():
+        for rep in range(reps + 1):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                if rep:
+                    times[name].append((time.perf_counter() - t0) * 100)
+    return statistics.median(times["eager"]), statistics.median(times["compiled"])
 
 
 def _timed(lean, compiled: CompiledLayers, reps: int = 7) -> tuple[float, float]:
@@ -284,7 +399,7 @@ def _timed(lean, compiled: CompiledLayers, reps: int = 7) -> tuple[float, float]
 
     def fast():
         for i in range(len(lean.layers)):
-            compiled.run_pre(i, x, cos, sin, lean.heads, lean.kv_heads)
+            compiled.run_pre(i, x, cos, sin)
             compiled.run_post(i, x, a)
 
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
@@ -307,6 +422,8 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
         why = "RETROSPEC_COMPILE=off" if compile_mode() == "off" else (
             f"smaller than {AUTO_MIN_LAYERS} layers of hidden size {AUTO_MIN_HIDDEN} (RETROSPEC_COMPILE=on compiles it)")
         return None, {"compiled": False, "why": why}
+    if lean.embed.weight.dtype != torch.float32:
+        return None, {"compiled": False, "why": "activations in a dtype other than float32"}
     t0 = time.perf_counter()
     try:
         parts = layer_programs(lean, layers, progress)
@@ -316,10 +433,21 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
         return None, {"compiled": False, "why": f"compile failed: {type(exc).__name__}"}
     if parts is None:
         return None, {"compiled": False, "why": "a layer the programs do not express"}
-    compiled = CompiledLayers(pre=parts[0], post=parts[1], describe={})
+    compiled = CompiledLayers(pre=parts[0], post=parts[1], heads=lean.heads, kv_heads=lean.kv_heads)
     why = _checked(lean, compiled, row_exact)
     if why is not None:
         return None, {"compiled": False, "why": why}
+    scalings = {float(layer.attn.scaling) for layer in lean.layers}
+    attn, attn_why = None, None
+    if len(scalings) != 1:
+        attn_why = "layers of different attention scalings"
+    else:
+        try:
+            attn = attention_program(lean, scalings.pop(), progress)
+        except Exception as exc:  # the layers stay compiled; the engine's attention runs
+            attn_why = f"compile failed: {type(exc).__name__}"
+        else:
+            attn_why = _attention_checked(lean, attn, float(lean.layers[0].attn.scaling))
     verdict_path = cache_home() / "compiled" / f"{_key('verdict', _verdict_sig(lean))}.json"
     verdict = None
     if verdict_path.exists():
@@ -327,15 +455,25 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
             verdict = json.loads(verdict_path.read_text())
         except (OSError, ValueError):
             verdict = None
-    if verdict is None:
+    if verdict is None or "attention_eager_ms" not in verdict:
         eager_ms, compiled_ms = _timed(lean, compiled)
         verdict = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3)}
+        if attn is not None and attn_why is None:
+            a_eager, a_compiled = _attention_timed(lean, attn, float(lean.layers[0].attn.scaling))
+            verdict.update(attention_eager_ms=round(a_eager, 4), attention_compiled_ms=round(a_compiled, 4))
+        else:
+            verdict.update(attention_eager_ms=None, attention_compiled_ms=None)
         write_text_atomic(verdict_path, json.dumps(verdict))
     info = {"compiled": verdict["compiled_ms"] < verdict["eager_ms"], **verdict,
             "seconds": round(time.perf_counter() - t0, 2)}
     if not info["compiled"]:
         info["why"] = "not faster than the lean loop here"
         return None, info
+    if attn_why is None and verdict["attention_compiled_ms"] is not None \
+            and verdict["attention_compiled_ms"] >= verdict["attention_eager_ms"]:
+        attn_why = "not faster than the engine's attention here"
+    info["attention"] = "compiled" if attn_why is None else f"the engine's ({attn_why})"
+    compiled.attn = attn if attn_why is None else None
     compiled.describe = info
     return compiled, info
 

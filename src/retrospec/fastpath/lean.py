@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..attention import prefix_block
 from ..weight_only import WeightOnlyLinear
+from . import compiled
 from .compiled import MAX_ROWS
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -157,6 +158,18 @@ class LeanDecoder:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.compiled = None  # fastpath.compiled.CompiledLayers
+        self.row_exact = False  # the engine verifies row-exactly (set by the engine with ``compiled``)
+
+    def _attention_mask(self, attention_mask, rows: int, length: int):
+        """(bias [T, L] 0 / -inf, None) for one call of the compiled attention; or (None, visible [T, L] bool) for a
+        draft tree verified row-exactly (each row alone over the keys it sees: ``CompiledLayers.attend``)."""
+        if attention_mask is None:
+            return compiled.chain_bias(rows, length), None
+        block = attention_mask[0, 0]  # [T, L]
+        seen = block if block.dtype == torch.bool else block == 0
+        if self.row_exact:
+            return None, seen
+        return torch.zeros(rows, length).masked_fill_(~seen, float("-inf")), None
 
     def pre_eager(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, H]; cos / signed sin [1, 1, T, d] -> q [1, heads, T, d], k / v [1, kvh, T, d] (rotary applied)."""
@@ -234,15 +247,22 @@ class LeanDecoder:
         fast = self.compiled if self.compiled is not None and t <= MAX_ROWS else None
         if fast is not None:
             cos2, sin2 = cos[0, 0], sin[0, 0]  # [T, head_dim]
+        bias = visible = None  # the compiled attention's mask, built at the first layer (it needs the length)
         for layer in self.layers:
             if fast is not None:
-                q, k, v = fast.run_pre(layer.index, x, cos2, sin2, self.heads, self.kv_heads)
+                qkv = fast.run_qkv(layer.index, x, cos2, sin2)  # [T, heads + 2 kvh, d]
+                q, k, v = fast.split(qkv)
             else:
                 q, k, v = self.pre_eager(layer, x, cos, sin)
             k, v = cache.update(k, v, layer.index)  # [1, kvh, L, d]
-            a, _ = prefix_block.prefix_block_attention(layer.attn, q, k, v, attention_mask,
-                                                       scaling=layer.attn.scaling)  # [1, T, heads, d]
-            a = a.reshape(t, -1)  # [T, heads * d]
+            if fast is not None and fast.attn is not None and t < k.shape[2]:
+                if bias is None and visible is None:
+                    bias, visible = self._attention_mask(attention_mask, t, k.shape[2])
+                a = fast.attend(qkv, cache.layers[layer.index], k, v, bias, visible)  # [T, heads * d]
+            else:
+                a, _ = prefix_block.prefix_block_attention(layer.attn, q, k, v, attention_mask,
+                                                           scaling=layer.attn.scaling)  # [1, T, heads, d]
+                a = a.reshape(t, -1)  # [T, heads * d]
             x = fast.run_post(layer.index, x, a) if fast is not None else self.post_eager(layer, x, a)
             if layer.index in want_layers:
                 wanted[layer.index] = x

@@ -56,6 +56,11 @@ class BufferLayer(CacheLayerMixin):
             setattr(self, name, new)
         self.capacity = cap
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers [batch, kv_heads, capacity, head_dim] (contiguous; the first ``length``
+        positions are the cache): for kernels that take a buffer and a length instead of a strided view."""
+        return self._k, self._v
+
     def _refresh_views(self) -> None:
         self.keys = self._k[:, :, : self.length]
         self.values = self._v[:, :, : self.length]
