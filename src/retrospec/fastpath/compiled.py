@@ -1,28 +1,39 @@
-"""Each decoder layer's work around attention as two ahead-of-time compiled programs: the step without dispatch.
+"""Each decoder layer's work as ahead-of-time compiled programs: the step without per-operation dispatch.
 
 Why: with the matmuls near their kernels' speed, a one-token step of a 30-layer model is ~2,000 small operator
-calls (norms, rotary, casts, residual adds, SiLU), 2-7 us each on a 2-core CPU: 40-50 % of a 4-bit step. Compiled
-with AOTInductor (PyTorch's own ahead-of-time compiler: ``torch.export`` + ``aoti_compile_and_package``), each part is
-a few fused C++ loops around the same matmul kernels, called from a C++ runner with no Python per operation:
+calls (norms, rotary, casts, residual adds, SiLU, attention), 2-7 us each on a 2-core CPU: 40-50 % of a 4-bit step.
+Compiled with AOTInductor (PyTorch's own ahead-of-time compiler: ``torch.export`` + ``aoti_compile_and_package``),
+each part is a few fused C++ loops around the same matmul kernels, called from a C++ runner with no Python per
+operation:
 
-    pre   (x [T, H], cos [T, d], signed_sin [T, d], layer weights) -> [T, heads + 2 kv_heads, d]
+    pre   (x [T, H], cos [T, d], signed_sin [T, d], layer weights) -> qkv [T, heads + 2 kv_heads, d]
           rmsnorm -> q/k/v projections -> rotary over the q and k heads (the lean loop's, ``fastpath.lean``)
+    attn  (qkv, key / value buffers [1, kv_heads, C, d], bias [T, L]) -> [T, heads * d]
+          softmax(q k^T * scaling + bias) v over the first L cached positions, as broadcast products and sums
     post  (x [T, H], attention output [T, heads * d], layer weights) -> x [T, H]
           x + o_proj(a) -> rmsnorm -> silu(gate) * up -> x + down
 
-The cache update and the attention stay the engine's own (``prefix_block``: each verified row computed as a one-token
-step computes it, where the matmuls allow). The weights are inputs, not constants: one program serves every layer of
-the same shapes and formats, and no weight is copied. T is dynamic (1 .. ``MAX_ROWS``).
+The cache update stays the engine's (``kv.cache``); attention runs the program where it passed its checks, else the
+engine's own (``prefix_block``). The weights are inputs, not constants: one program serves every layer of the same
+shapes and formats, and no weight is copied. T is dynamic (1 .. ``MAX_ROWS``); the prefill (T = L) keeps the engine's
+attention.
 
-When it is used (``RETROSPEC_COMPILE``: ``auto``, the default; ``on``; ``off``): ``auto`` compiles for models of at
-least ``AUTO_MIN_LAYERS`` layers and hidden size ``AUTO_MIN_HIDDEN`` (a compile takes about half a minute once per
-machine, model shape and format; smaller models do not repay it), ``on`` for any model the lean loop runs. Programs are
-cached under ``cache_home()/compiled/``, keyed by machine, torch version, threads and the layer's signature; building
-a cached one takes milliseconds. After building, the engine keeps the programs only where they pass, on a probe of
-the model's own first layer: (1) each part equals the lean loop's within ``TOLERANCE`` (relative), (2) a T-row call's
-rows are bitwise the one-row calls' (so the engine's row-exact verification holds), (3) the compiled layers are
-faster than the lean ones on this machine (timed, interleaved; the verdict is cached beside the programs). A failed
-compile (no C++ compiler, an unsupported op) falls back to the lean loop with one warning.
+Exactness: a chain's row i in ``attn`` is computed over all L keys with the later ones at -inf, which adds exact
+zeros to sums whose order is fixed by key position, so it equals the one-row call over the keys it sees; a draft
+tree's rows, whose visible keys are not a prefix, run one by one over exactly their keys (``CompiledLayers.attend``).
+Where the engine verifies row-exactly (``fastpath.rows``), a k-token verification through the programs is then
+bitwise k one-token steps through them, and every lossless method token-identical to ``ar`` in that format.
+
+When it is used (``RETROSPEC_COMPILE``: ``auto``, the default; ``on``; ``off``): ``auto`` compiles for float32
+activations and models of at least ``AUTO_MIN_LAYERS`` layers and hidden size ``AUTO_MIN_HIDDEN`` (a compile takes
+about half a minute per program once per machine, model shape and format; smaller models do not repay it), ``on``
+for any model the lean loop runs. Programs are cached under ``cache_home()/compiled/``, keyed by machine, torch
+version, threads and the program's signature; loading a cached one takes milliseconds. The engine keeps the
+programs only where they pass, on probes of the model's own first layer: (1) each equals the lean loop's (the
+engine's attention) within ``TOLERANCE`` (relative), (2) a T-row call's rows are bitwise the one-row calls' (layers:
+where the engine verifies row-exactly; attention: always), (3) they are faster here (timed, interleaved; the verdict
+is cached beside the programs). A failed compile (no C++ compiler, an unsupported op) falls back to the lean loop
+with one warning.
 """
 
 from __future__ import annotations
