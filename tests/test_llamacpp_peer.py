@@ -167,6 +167,8 @@ def test_profile_formats_beside_the_peer(cli, saved_models, tmp_path, fake_peer)
         assert r["step_ms"] > 0 and r["floor_ms"] > 0 and r["llamacpp_ms"] > 0
     table = (tmp_path / "out" / "profile.md").read_text()
     assert "| float32 |" in table and "| int8 |" in table and "x floor" in table
+    assert all(r["loop"] in ("compiled", "lean", "modules") for r in rows.values())
+    assert "| our layers |" in table  # how each format's decoder layers ran
     assert fake_peer.read_text().count("load model.F32.gguf lookup=False") == 2  # one worker per format
 
 

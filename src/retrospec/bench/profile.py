@@ -261,8 +261,8 @@ def weight_bytes(model: torch.nn.Module) -> tuple[str, int, list[tuple[int, int]
 def render_format_steps(rows: dict, context: int) -> list[str]:
     """Markdown lines: one row per format, ours and llama.cpp's step against the format's floor."""
     lines = ["", f"Decode step by format (context {context}; floor: weights read once at the measured bandwidth):", "",
-             "| format | weights | floor | retrospec step | llama.cpp step | retrospec / llama.cpp speed |",
-             "|---|---|---|---|---|---|"]
+             "| format | weights | floor | retrospec step | llama.cpp step | retrospec / llama.cpp speed | our layers |",
+             "|---|---|---|---|---|---|---|"]
     for fmt, r in rows.items():
         ours = f"{r['step_ms']:.1f} ms ({r['step_ms'] / r['floor_ms']:.2f}x floor)"
         if "llamacpp_ms" in r:
@@ -270,9 +270,8 @@ def render_format_steps(rows: dict, context: int) -> list[str]:
             ratio = f"{r['llamacpp_ms'] / r['step_ms']:.2f}x"
         else:
             peer, ratio = f"— ({r['llamacpp_note']})", "—"
-        loop = f" ({r['loop']} layers)" if r.get("loop") else ""
-        lines.append(f"| {fmt}{loop} | {r['weights_bytes'] / 1e6:.0f} MB | {r['floor_ms']:.1f} ms | {ours} | {peer} | "
-                     f"{ratio} |")
+        lines.append(f"| {fmt} | {r['weights_bytes'] / 1e6:.0f} MB | {r['floor_ms']:.1f} ms | {ours} | {peer} | "
+                     f"{ratio} | {r.get('loop', '-')} |")
     return lines
 
 
