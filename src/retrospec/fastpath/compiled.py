@@ -233,6 +233,7 @@ class CompiledLayers:
     post: list
     heads: int
     kv_heads: int
+    row_exact: bool  # the engine verifies row-exactly: a draft tree's rows then attend one by one (``attend``)
     attn: object = None
     describe: dict | None = None
 
@@ -290,10 +291,9 @@ def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
     pre, post = [], []
     for layer, pieces in zip(layers, lean.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if pieces.q_norm is not None or pieces.norm_params[0] is None or pieces.norm_params[1] is None:
+        if pieces.q_norm is not None or pieces.norm_params[0][0] is None or pieces.norm_params[1][0] is None:
             return None
-        qkv = [pieces.qkv_module] if pieces.qkv_module is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-        gu = [pieces.gate_up_module] if pieces.gate_up_module is not None else [mlp.gate_proj, mlp.up_proj]
+        qkv, gu = pieces.qkv_modules, pieces.mlp_modules
         mods = [*qkv, attn.o_proj, *gu, mlp.down_proj]
         projs = [Proj.of(m) for m in mods]
         if any(p is None for p in projs):
@@ -444,7 +444,8 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
         return None, {"compiled": False, "why": f"compile failed: {type(exc).__name__}"}
     if parts is None:
         return None, {"compiled": False, "why": "a layer the programs do not express"}
-    compiled = CompiledLayers(pre=parts[0], post=parts[1], heads=lean.heads, kv_heads=lean.kv_heads)
+    compiled = CompiledLayers(pre=parts[0], post=parts[1], heads=lean.heads, kv_heads=lean.kv_heads,
+                              row_exact=row_exact)
     why = _checked(lean, compiled, row_exact)
     if why is not None:
         return None, {"compiled": False, "why": why}
@@ -459,7 +460,7 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
             attn_why = f"compile failed: {type(exc).__name__}"
         else:
             attn_why = _attention_checked(lean, attn, float(lean.layers[0].attn.scaling))
-    verdict_path = cache_home() / "compiled" / f"{_key('verdict', _verdict_sig(lean))}.json"
+    verdict_path = cache_home() / "compiled" / f"{_key('verdict', _verdict_sig(lean, layers[0]))}.json"
     verdict = None
     if verdict_path.exists():
         try:
@@ -489,7 +490,8 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
     return compiled, info
 
 
-def _verdict_sig(lean) -> tuple:
+def _verdict_sig(lean, first: torch.nn.Module) -> tuple:
     layer = lean.layers[0]
     return (len(lean.layers), lean.heads, lean.kv_heads, lean.head_dim, layer.norm_params[0][0].shape[0],
-            tuple(repr(Proj.of(m)) for m in layer.projections))
+            tuple(repr(Proj.of(m)) for m in [*layer.qkv_modules, layer.attn.o_proj, *layer.mlp_modules,
+                                             first.mlp.down_proj]))

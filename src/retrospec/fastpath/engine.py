@@ -168,7 +168,6 @@ class EngineModel:
         if LeanDecoder.supports(decoder):
             self.lean = LeanDecoder(decoder)
             if not draft and how != "off":
-                self.lean.row_exact = self.row_exact
                 self.lean.compiled, self.compiled = compiled.build(self.lean, decoder, self.row_exact, _say)
 
     def logits_of(self, rows: torch.Tensor) -> torch.Tensor:

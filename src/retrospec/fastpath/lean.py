@@ -120,7 +120,7 @@ class _Layer:
     """One decoder layer's pieces, looked up once."""
 
     __slots__ = ("norm1", "norm2", "q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm", "attn", "index",
-                 "qkv", "gate_up", "splits", "norm_params", "qkv_module", "gate_up_module", "projections")
+                 "qkv", "gate_up", "splits", "norm_params", "qkv_modules", "mlp_modules")
 
     def __init__(self, layer: torch.nn.Module, index: int):
         attn, mlp = layer.self_attn, layer.mlp
@@ -136,9 +136,8 @@ class _Layer:
         gate_up = fuse([mlp.gate_proj, mlp.up_proj])
         self.qkv = None if qkv is None else qkv.forward
         self.gate_up = None if gate_up is None else gate_up.forward
-        self.qkv_module, self.gate_up_module = qkv, gate_up
-        self.projections = ([qkv] if qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]) + [attn.o_proj] \
-            + ([gate_up] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]) + [mlp.down_proj]
+        self.qkv_modules = [qkv] if qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]  # as computed
+        self.mlp_modules = [gate_up] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]
         self.splits = ([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features],
                        [mlp.gate_proj.out_features, mlp.up_proj.out_features])
 
@@ -158,7 +157,6 @@ class LeanDecoder:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.compiled = None  # fastpath.compiled.CompiledLayers
-        self.row_exact = False  # the engine verifies row-exactly (set by the engine with ``compiled``)
 
     def _attention_mask(self, attention_mask, rows: int, length: int):
         """(bias [T, L] 0 / -inf, None) for one call of the compiled attention; or (None, visible [T, L] bool) for a
@@ -167,7 +165,7 @@ class LeanDecoder:
             return compiled.chain_bias(rows, length), None
         block = attention_mask[0, 0]  # [T, L]
         seen = block if block.dtype == torch.bool else block == 0
-        if self.row_exact:
+        if self.compiled.row_exact:
             return None, seen
         return torch.zeros(rows, length).masked_fill_(~seen, float("-inf")), None
 
