@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
-from retrospec.fastpath import compiled, engine_for
+from retrospec.fastpath import aot, compiled, engine_for
 from retrospec.fastpath.engine import EngineModel
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
@@ -40,7 +40,7 @@ def _model(fmt: str):
 
 @pytest.fixture(scope="module")
 def models():
-    return {fmt: _model(fmt) for fmt in ("float32", "int4")}
+    return {fmt: _model(fmt) for fmt in ("float32", "int4", "w8a8")}
 
 
 def _engines(model, monkeypatch) -> tuple[EngineModel, EngineModel]:
@@ -119,10 +119,49 @@ def test_greedy_methods_through_compiled_layers_match_the_oracle(models, fmt, mo
         assert out == oracle, drafter
 
 
+def test_w8a8_layers_around_fbgemm_stay_row_exact_and_lossless(models, monkeypatch):
+    """w8a8: five programs per layer around fbgemm's integer matmuls (``fastpath.w8a8``). Within the format's
+    tolerance of the lean loop (an activation may round to the neighbouring int8 value); a chain's and a tree's rows
+    bitwise one-token steps; greedy ``pld`` and ``sd`` through the compiled engine token-identical to its ``ar``."""
+    model = models["w8a8"]
+    lean, fast = _engines(model, monkeypatch)
+    if lean.lean.layers[0].qkv_modules[0].packed() is None:
+        pytest.skip("this torch build has no fbgemm kernels")
+    assert fast.describe()["loop"] == "compiled", fast.describe()
+    n, caches = len(PROMPT), [DynamicCache(), DynamicCache()]
+    for ids in (PROMPT, [17], [23, 8, 40]):
+        pos = list(range(caches[0].get_seq_length(), caches[0].get_seq_length() + len(ids)))
+        outs = [_run(e, ids, pos, None, c) for e, c in zip((lean, fast), caches)]
+        assert (outs[1] - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max()
+    engine = engine_for(model, "auto", remeasure=True)
+    assert engine.row_exact and engine.describe()["loop"] == "compiled"
+    verifier = Verifier(model)
+    verifier.prefill(PROMPT)
+    chain = verifier.score(17, DraftTree.chain([23, 8, 40, 3]))  # [5, V]
+    verifier.commit([])
+    verifier.kv.crop(len(PROMPT))
+    scored = verifier.score(17, DraftTree(torch.tensor([23, 9, 8, 6]), torch.tensor([-1, -1, 0, 1])))  # [5, V]
+    for rows, path in (([0, 1, 2, 3, 4], [17, 23, 8, 40, 3]), ([0, 1, 3], [17, 23, 8]), ([0, 2, 4], [17, 9, 6])):
+        cache = DynamicCache()
+        _run(engine, PROMPT, list(range(n)), None, cache, last_only=True)
+        steps = torch.cat([_run(engine, [t], [n + i], None, cache) for i, t in enumerate(path)])
+        assert torch.equal((chain if len(rows) == 5 else scored)[rows], steps)
+    greedy = SamplingConfig(temperature=0.0)
+    draft = tiny_llama(seed=5, layers=1, hidden=64)
+
+    def run(drafter):
+        return [t for chunk in speculative_generate(model, drafter, PROMPT, sampling=greedy, max_new_tokens=32)
+                for t in chunk]
+
+    plain = run(REGISTRY["ar"]())
+    assert run(REGISTRY["pld"](gamma=4)) == plain
+    assert run(REGISTRY["sd"](draft_model=draft, gamma=3, adaptive=False)) == plain
+
+
 def test_a_failed_compile_falls_back_to_the_lean_loop(monkeypatch, tmp_path):
     monkeypatch.setenv("RETROSPEC_COMPILE", "on")
     monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))  # nothing cached: the compile must run, and fails
-    monkeypatch.setattr(compiled, "_LOADED", {})
+    monkeypatch.setattr(aot, "_LOADED", {})
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
@@ -137,7 +176,7 @@ def test_a_failed_compile_falls_back_to_the_lean_loop(monkeypatch, tmp_path):
 def test_cached_programs_load_without_compiling(models, monkeypatch):
     monkeypatch.setenv("RETROSPEC_COMPILE", "on")
     EngineModel(models["int4"], "plain")  # compiled (or already cached) by the tests above
-    monkeypatch.setattr(compiled, "_LOADED", {})  # forget what this process loaded: read the packages again
+    monkeypatch.setattr(aot, "_LOADED", {})  # forget what this process loaded: read the packages again
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled again")

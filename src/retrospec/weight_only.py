@@ -6,26 +6,36 @@ Formats (``load_model(..., dtype=...)``, ``--dtype`` on every command that loads
   (symmetric, round to nearest), computed by ``torch.ops.aten._weight_int8pack_mm``;
 - ``int4``: the same layers as 4-bit integers in groups of ``GROUP`` (32) along the input, each group with a
   bfloat16 scale and zero (``w = (q - 8) * scale + zero``, ``q`` in 0..15, round to nearest from the group's min and
-  max), computed by ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
+  max), computed by ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
+- ``w8a8``: the ``int8`` weights, and each activation row quantized to int8 as it enters a layer (symmetric, one
+  float32 scale per row: its largest magnitude / 127, round to nearest), multiplied in integers by ``torch._int_mm``
+  (int32 sums, exact) and scaled back in float32 (``sum * row scale * weight scale``). The integer matmul's cost
+  hardly grows with the row count (oneDNN's int8 kernels; measured flat from 1 to 16 rows on a 2-core Xeon where the
+  two kernels above cost ~3x more at 8 rows than at 1), so verifying a draft costs about a plain step: the format
+  for speculative decoding on CPUs. Like llama.cpp's Q8_0 path, which also quantizes activations to 8 bits (there
+  per block of 32), it is lossier than ``int8``.
 
-Both kernels take bfloat16 activations: a layer casts its float32 input to bfloat16 and its output back. Norms,
-attention, rotary embeddings and the embedding lookup stay float32. Each format is a model of its own, and the
+``int8`` and ``int4`` take bfloat16 activations: a layer casts its float32 input to bfloat16 and its output back.
+Norms, attention, rotary embeddings and the embedding lookup stay float32 in every format. Each format is a model of its own, and the
 identity of a quantized model is that of its float32 source (``identity.derive``), so artefacts built for the source
 (LongSpec blocks, datastores, drafts) load on it.
 
-Row invariance: both kernels compute each output row from that row alone, in the same order whatever the number of
-rows (tested bitwise by ``row_invariant``). Attention is made so too: the engine measures its matmuls row-invariant
+Row invariance: every format computes each output row from that row alone, in the same order whatever the number of
+rows (tested bitwise by ``row_invariant``; ``w8a8`` by construction too: a row's scale is its own and integer sums
+do not depend on their order). Attention is made so too: the engine measures its matmuls row-invariant
 (``fastpath.rows``) and then runs each verified row's attention alone, as a one-token step does
 (``prefix_block.ROW_EXACT``), so a k-token verification's logits are bitwise those of k one-token steps and every
 lossless method is token-identical to ``ar`` in the same format, near-ties included. (Without that, float32
 attention over a block and over one token differ by ~1e-7, and the cast to bfloat16 before the next matmul can turn
 that into a one-ulp activation change and a flipped near-tie.)
 
-Why these kernels: they are PyTorch's own CPU weight-only paths (the ones torchao's CPU layouts call), so nothing
-is hand-written here but the packing of the weights they expect.
+Why these kernels: they are PyTorch's own CPU quantized matmuls (the weight-only ones are those torchao's CPU layouts
+call), so nothing is hand-written here but the packing of the weights they expect and ``w8a8``'s row quantization.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -38,14 +48,79 @@ FORMATS = {
     "int8": "int8 weight-only: int8 weights, one bfloat16 scale per output row; bfloat16 activations in the matmuls",
     "int4": f"int4 weight-only: 4-bit weights in groups of {GROUP} with bfloat16 scale and zero; bfloat16 "
             "activations in the matmuls",
+    "w8a8": "int8 weights (as int8) and int8 activations, one scale per row (dynamic): integer matmuls whose cost "
+            "hardly grows with the rows verified",
 }
+INT8_WEIGHTS = ("int8", "w8a8")  # formats holding int8 [out, in] weights with one bfloat16 scale per output row
 
 
 def available(fmt: str) -> bool:
     """Whether this torch build has the CPU kernel of ``fmt``."""
     ops = torch.ops.aten
+    if fmt == "w8a8":
+        return _int_mm_runs()
     return hasattr(ops, "_weight_int8pack_mm") if fmt == "int8" else (
         hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu"))
+
+
+_INT_MM: list[bool] = []  # whether ``torch._int_mm`` runs on the CPU here (probed once)
+
+
+def _int_mm_runs() -> bool:
+    if not _INT_MM:
+        try:
+            ok = torch.equal(torch._int_mm(torch.ones(1, 32, dtype=torch.int8), torch.ones(32, 16, dtype=torch.int8)),
+                             torch.full((1, 16), 32, dtype=torch.int32))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            ok = False
+        _INT_MM.append(ok)
+    return _INT_MM[0]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, in] float32 -> (int8 [M, in], float32 scales [M, 1]): each row symmetric on its own largest magnitude."""
+    scale = row_scales(x)
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """[M, in] float32 -> [M, 1]: each row's largest magnitude / 127 (its int8 step)."""
+    return x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127
+
+
+def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, packed=None) -> torch.Tensor:
+    """[M, in] float32 rows x int8 [out, in] with bfloat16 [out] scales -> float32 [M, out]: each row divided by its
+    scale and rounded to int8, integer products summed in int32 (exact), then ``sum * weight scale * row scale``.
+    ``packed``: the same weights prepacked for fbgemm (``prepack_w8a8``), whose one call rounds, multiplies and
+    scales by the weight (given the scaled rows and a unit input scale); else ``torch._int_mm``."""
+    scale = row_scales(x)
+    if packed is not None:
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x / scale, 1.0, 128, packed)
+        return y * scale
+    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    return torch._int_mm(q, qweight.t()).float() * scales.float() * scale
+
+
+def prepack_w8a8(qweight: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed form of int8 [out, in] weights with [out] scales, or None where this build has no fbgemm
+    (then ``torch._int_mm`` computes the same sums). PyTorch's quantized-tensor API, which fbgemm's packing takes,
+    is deprecated: its warning is silenced here."""
+    ops = torch.ops.quantized
+    if "fbgemm" not in torch.backends.quantized.supported_engines or not hasattr(
+            ops, "linear_with_input_q_dq_qweight_dq_output_fp32"):
+        return None
+    before = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "fbgemm"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(
+                qweight, scales.double(), torch.zeros(len(scales), dtype=torch.long), 0)
+            return ops.linear_prepack(qw, None)
+    except (RuntimeError, AttributeError):
+        return None
+    finally:
+        torch.backends.quantized.engine = before
 
 
 class WeightOnlyLinear(torch.nn.Module):
@@ -55,12 +130,17 @@ class WeightOnlyLinear(torch.nn.Module):
                  scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
-        self.register_buffer("qweight", qweight)  # int8 [out, in] | int4 packed (uint8, the kernel's layout)
-        self.register_buffer("scales", scales)  # int8: bf16 [out] | int4: bf16 [in / GROUP, out, 2] (scale, zero)
+        self.register_buffer("qweight", qweight)  # int8 / w8a8: int8 [out, in] | int4 packed (uint8, the kernel's layout)
+        self.register_buffer("scales", scales)  # int8 / w8a8: bf16 [out] | int4: bf16 [in / GROUP, out, 2] (scale, zero)
         self.register_buffer("bias", bias)  # float [out] or None
         self._weight: torch.Tensor | None = None  # ``weight``'s cache (not a buffer: never saved)
+        self._packed: list | None = None  # w8a8: [fbgemm's packed weights or None], built on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.fmt == "w8a8":
+            y = w8a8_matmul(x.reshape(-1, self.in_features).float(), self.qweight, self.scales, self.packed())
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
         if self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, out] bf16
@@ -68,6 +148,12 @@ class WeightOnlyLinear(torch.nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, GROUP, self.scales)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def packed(self):
+        """``w8a8``: the weights prepacked for fbgemm (``prepack_w8a8``; None without fbgemm), built on first use."""
+        if self._packed is None:
+            self._packed = [prepack_w8a8(self.qweight, self.scales) if self.fmt == "w8a8" else None]
+        return self._packed[0]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -79,7 +165,7 @@ class WeightOnlyLinear(torch.nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] this layer computes with (for tests and references)."""
-        if self.fmt == "int8":
+        if self.fmt in INT8_WEIGHTS:
             return self.qweight.float() * self.scales.float()[:, None]
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)  # each basis row picks one input column
         cols = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, self.scales)  # [in, out] bf16
@@ -92,7 +178,7 @@ class WeightOnlyLinear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, fmt: str) -> "WeightOnlyLinear":
         w = linear.weight.detach().float()  # [out, in]
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        if fmt == "int8":
+        if fmt in INT8_WEIGHTS:
             q, s = quantize_int8(w)
         else:
             q, s = quantize_int4(w)
@@ -154,10 +240,10 @@ def quantize_model_(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
 
 def matmul_bytes(shapes: list[tuple[int, int]], fmt: str) -> int:
     """Bytes a forward reads for linear layers of (out, in) ``shapes`` stored in ``fmt``: float32 4 per weight,
-    bfloat16/float16 2; int8 1 plus a 2-byte scale per output row; int4 half a byte plus a 2-byte scale and zero per
+    bfloat16/float16 2; int8 and w8a8 1 plus a 2-byte scale per output row; int4 half a byte plus a 2-byte scale and zero per
     group of ``GROUP`` inputs."""
     per = {"float32": lambda o, i: 4 * o * i, "bfloat16": lambda o, i: 2 * o * i, "float16": lambda o, i: 2 * o * i,
-           "int8": lambda o, i: o * i + 2 * o, "int4": lambda o, i: o * i // 2 + 4 * o * (i // GROUP)}[fmt]
+           "int8": lambda o, i: o * i + 2 * o, "w8a8": lambda o, i: o * i + 2 * o, "int4": lambda o, i: o * i // 2 + 4 * o * (i // GROUP)}[fmt]
     return sum(per(o, i) for o, i in shapes)
 
 
@@ -182,8 +268,14 @@ def _set_head(model: torch.nn.Module, head: torch.nn.Module) -> None:
 
 
 def reference_forward(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
-    """What ``layer`` computes, in float32 from its dequantized weight (bfloat16-rounded input)."""
-    return F.linear(x.to(torch.bfloat16).float(), layer.dequantized(), layer.bias)
+    """What ``layer`` computes, in float32 from its dequantized weight (bfloat16-rounded input; ``w8a8``: the input
+    rows quantized as the layer quantizes them)."""
+    if layer.fmt == "w8a8":
+        q, row_scale = quantize_rows(x.reshape(-1, layer.in_features).float())
+        x = (q.float() * row_scale).reshape(x.shape)
+    else:
+        x = x.to(torch.bfloat16).float()
+    return F.linear(x, layer.dequantized(), layer.bias)
 
 
 def row_invariant(layer: WeightOnlyLinear, rows: int = 8, seed: int = 0) -> bool:

@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
     add_device_args(p)
     p.add_argument("--formats", metavar="LIST",
                    help="also measure a one-token step in each of these weight formats (comma-separated, or 'all': "
-                        "float32,int8,int4 and gguf where the target has a GGUF source), beside each format's floor "
+                        "float32,int8,w8a8,int4 and gguf where the target has a GGUF source), beside each format's floor "
                         "and llama.cpp's decode step on the matching file where the peer is installed (make peers)")
     p.add_argument("--json", action="store_true", help="print one JSON object (forward_ms[context][tokens] = ms)")
     p.add_argument("--plot", metavar="PNG", help="write the plot here")
@@ -73,7 +73,8 @@ def save_for_gate(model, prof: dict) -> None:
 
 
 def _formats(text: str | None, target: str | None) -> list[str]:
-    """``--formats``: the names, checked; ``all``: float32, int8, int4, and gguf where the target has a GGUF source."""
+    """``--formats``: the names, checked; ``all``: float32, int8, w8a8, int4, and gguf where the target has a GGUF
+    source."""
     from ..models import default_target
     from ..models.gguf_native import converted_from_gguf
     from ..models.loading import FORMAT_NAMES, model_dir
@@ -82,7 +83,7 @@ def _formats(text: str | None, target: str | None) -> list[str]:
     if not text:
         return []
     if text.strip() == "all":
-        names = ["float32", "int8", "int4"]
+        names = ["float32", "int8", "w8a8", "int4"]
         try:
             path = model_dir(default_target() if target is None else target)
             if converted_from_gguf(path, gguf_of(path)):

@@ -38,7 +38,6 @@ with one warning.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -52,15 +51,13 @@ import torch.nn.functional as F
 from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 from ..paths import cache_home
-from ..weight_only import GROUP, WeightOnlyLinear
-from .plan import machine_id
+from ..weight_only import GROUP, WeightOnlyLinear, w8a8_matmul
+from . import aot, w8a8
+from .aot import MAX_ROWS
 
 MODES = ("auto", "on", "off")
 AUTO_MIN_LAYERS, AUTO_MIN_HIDDEN = 8, 256  # ``auto`` compiles models at least this deep and wide
-MAX_ROWS = 4096  # the programs' largest T (a longer forward runs the lean loop)
 TOLERANCE = 1e-4  # relative max difference allowed against the lean loop (fused float32 norms may round differently)
-PROGRAM_VERSION = 3
-_LOADED: dict[str, object] = {}  # package path -> loaded runner (one per process)
 
 
 def compile_mode() -> str:
@@ -73,7 +70,8 @@ def compile_mode() -> str:
 @dataclass(frozen=True)
 class Proj:
     """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``) or a
-    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back)."""
+    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w8a8``: rows quantized, an
+    integer matmul, scaled back: ``weight_only.w8a8_matmul``)."""
 
     kind: str
     in_features: int
@@ -102,6 +100,9 @@ class Proj:
     def apply(self, x: torch.Tensor, ts: list[torch.Tensor]) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.kind == "linear":
             return torch.mm(x, ts[0].t()) if not self.bias else torch.addmm(ts[1], x, ts[0].t())
+        if self.kind == "w8a8":
+            y = w8a8_matmul(x, ts[0], ts[1])
+            return y + ts[2] if self.bias else y
         rows = x.to(torch.bfloat16)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, ts[0], ts[1])
@@ -131,11 +132,7 @@ class _Pre(torch.nn.Module):
         hx = F.rms_norm(x, (x.shape[-1],), norm_w, self.eps)  # [T, H]
         outs = [p.apply(hx, w) for p, w in zip(self.projs, _take(self.projs, ts))]
         qkv = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, (h + 2 kvh) d]
-        qkv = qkv.view(t, h + 2 * kvh, d)
-        qk = qkv[:, : h + kvh]  # [T, h + kvh, d]
-        turned = torch.cat((qk[..., d // 2:], qk[..., : d // 2]), dim=-1)  # = qk.roll(d / 2, -1), lowered plainly
-        qk = qk * cos[:, None] + turned * sin[:, None]  # rotary, as ``lean._rope``
-        return torch.cat((qk, qkv[:, h + kvh:]), dim=1)  # [T, h + 2 kvh, d]: rotated q and k heads, then v
+        return w8a8.rotary_heads(qkv.view(t, h + 2 * kvh, d), cos, sin, h, kvh)  # [T, h + 2 kvh, d]: q, k rotated
 
 
 class _Post(torch.nn.Module):
@@ -179,49 +176,16 @@ class _Attn(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(t, h * d)
 
 
-def _key(kind: str, signature: tuple) -> str:
-    text = json.dumps([PROGRAM_VERSION, kind, machine_id(), torch.__version__, torch.get_num_threads(),
-                       repr(signature)])
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def _runner(program: torch.nn.Module, example: list[torch.Tensor], key: str, progress=None):
-    """The loaded AOTInductor runner of ``program`` (compiled and cached on first use): ``run(list) -> list``."""
-    folder = cache_home() / "compiled"
-    path = folder / f"{key}.pt2"
-    if str(path) in _LOADED:
-        return _LOADED[str(path)]
-    if not path.exists():
-        if progress:
-            progress(f"compiling a decoder layer ahead of time ({type(program).__name__.strip('_').lower()}, "
-                     "once per machine and model shape; about half a minute)")
-        folder.mkdir(parents=True, exist_ok=True)
-        rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
-        if isinstance(program, _Attn):
-            cap, length = torch.export.Dim("capacity", min=2), torch.export.Dim("length", min=2)
-            dims = ({0: rows}, {2: cap}, {2: cap}, {0: rows, 1: length})
-        else:
-            lead = 2 if isinstance(program, _Post) else 3  # the row-carrying inputs; then a norm weight and *tensors
-            dims = (*({0: rows} for _ in range(lead)), None, tuple(None for _ in example[lead + 1:]))
-        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations inside export
-            exported = torch.export.export(program, tuple(example), dynamic_shapes=dims, strict=False)
-        tmp = folder / f".{key}.{os.getpid()}.pt2"
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        loaded = torch._inductor.aoti_load_package(str(path))
-    run = getattr(getattr(loaded, "loader", None), "run", None)  # the C++ runner: no per-call pytree handling
-    if run is None:
-        run = lambda args, _m=loaded: list(_m(*args))  # noqa: E731
-    _LOADED[str(path)] = run
-    return run
+def _runner(program: torch.nn.Module, example: list[torch.Tensor], name: str, progress=None):
+    """``aot.runner`` with the dynamic dimensions of ``_Pre``, ``_Post`` and ``_Attn``."""
+    rows = aot.rows_dim()
+    if isinstance(program, _Attn):
+        cap, length = torch.export.Dim("capacity", min=2), torch.export.Dim("length", min=2)
+        dims = ({0: rows}, {2: cap}, {2: cap}, {0: rows, 1: length})
+    else:
+        lead = 2 if isinstance(program, _Post) else 3  # the row-carrying inputs; then a norm weight and *tensors
+        dims = (*({0: rows} for _ in range(lead)), None, tuple(None for _ in example[lead + 1:]))
+    return aot.runner(program, example, name, dims, progress)
 
 
 @dataclass
@@ -287,7 +251,11 @@ def wanted(n_layers: int, hidden: int) -> bool:
 
 
 def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
-    """(pre, post) per layer (runner, tensors), or None where a layer has a part the programs do not express."""
+    """(pre, post) per layer (runner, tensors), or None where a layer has a part the programs do not express
+    (``w8a8`` layers: ``fastpath.w8a8``'s programs around fbgemm's matmuls)."""
+    if all(type(m) is WeightOnlyLinear and m.fmt == "w8a8" for m in layers[0].modules() if hasattr(m, "fmt")) \
+            and any(type(m) is WeightOnlyLinear for m in layers[0].modules()):
+        return w8a8.layer_programs(lean, layers, progress)
     pre, post = [], []
     for layer, pieces in zip(layers, lean.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -308,8 +276,8 @@ def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
         x = torch.randn(rows, hidden)
         cos, sin = torch.randn(rows, lean.head_dim), torch.randn(rows, lean.head_dim)  # distinct: never one input twice
         a = torch.randn(rows, lean.heads * lean.head_dim)
-        pre.append((_runner(_Pre(*pre_sig), [x, cos, sin, *pre_args], _key("pre", pre_sig), progress), pre_args))
-        post.append((_runner(_Post(*post_sig), [x, a, *post_args], _key("post", post_sig), progress), post_args))
+        pre.append((_runner(_Pre(*pre_sig), [x, cos, sin, *pre_args], aot.key("pre", pre_sig), progress), pre_args))
+        post.append((_runner(_Post(*post_sig), [x, a, *post_args], aot.key("post", post_sig), progress), post_args))
     return pre, post
 
 
@@ -318,12 +286,14 @@ def attention_program(lean, scaling: float, progress=None):
     sig = (lean.heads, lean.kv_heads, lean.head_dim, float(scaling))
     qkv = torch.randn(3, lean.heads + 2 * lean.kv_heads, lean.head_dim)
     kbuf, vbuf = (torch.randn(1, lean.kv_heads, 40, lean.head_dim) for _ in "kv")
-    return _runner(_Attn(*sig), [qkv, kbuf, vbuf, chain_bias(3, 24)], _key("attn", sig), progress)
+    return _runner(_Attn(*sig), [qkv, kbuf, vbuf, chain_bias(3, 24)], aot.key("attn", sig), progress)
 
 
 def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
     """Why the programs must not be used (None: they pass): equality with the lean loop within ``TOLERANCE`` on the
-    first layer, and bitwise row invariance where the engine verifies row-exactly."""
+    first layer (``w8a8.TOLERANCE`` for ``w8a8`` layers), and bitwise row invariance where the engine verifies
+    row-exactly."""
+    tolerance = w8a8.TOLERANCE if getattr(lean.layers[0].qkv_modules[0], "fmt", None) == "w8a8" else TOLERANCE
     gen = torch.Generator().manual_seed(0)
     hidden = lean.layers[0].norm_params[0][0].shape[0]
     t, d = 3, lean.head_dim
@@ -338,7 +308,7 @@ def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
         for o, r in zip(ours, ref):
             if o.shape != r.shape or not torch.isfinite(o).all():
                 return "a compiled part's output has another shape or is not finite"
-            if (o - r).abs().max() > TOLERANCE * max(1.0, r.abs().max().item()):
+            if (o - r).abs().max() > tolerance * max(1.0, r.abs().max().item()):
                 return f"a compiled part differs from the lean loop by {(o - r).abs().max().item():.2g}"
         if row_exact:
             one = [[*compiled.run_pre(0, x[i:i + 1], cos[i:i + 1], sin[i:i + 1]),
@@ -460,7 +430,7 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
             attn_why = f"compile failed: {type(exc).__name__}"
         else:
             attn_why = _attention_checked(lean, attn, float(lean.layers[0].attn.scaling))
-    verdict_path = cache_home() / "compiled" / f"{_key('verdict', _verdict_sig(lean, layers[0]))}.json"
+    verdict_path = cache_home() / "compiled" / f"{aot.key('verdict', _verdict_sig(lean, layers[0]))}.json"
     verdict = None
     if verdict_path.exists():
         try:

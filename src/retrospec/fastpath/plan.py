@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..atomic import write_text_atomic
 from ..paths import cache_home
+from ..weight_only import FORMAT_ATTR
 from .linear import HEAD_LAYOUTS, head_logits, onednn_available, pack_weight, packed_matmul
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a forward of r rows uses the bucket >= r
@@ -113,14 +114,21 @@ def plan_key(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor |
 
 
 def model_plan_key(model: torch.nn.Module) -> str | None:
-    """``plan_key`` of a causal LM's decoder linears and output head (None when it has neither accessor)."""
+    """``plan_key`` of a causal LM's decoder linears and output head (None when it has neither accessor); a model
+    whose layers are held in a quantized format (``weight_only``) gets a key of its own per format, since its
+    costs are not the float model's nor another format's."""
     try:
         decoder, head = model.get_decoder(), model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         return None
     if decoder is None or head is None:
         return None
-    return plan_key(linear_layers(decoder), head.weight)
+    key = plan_key(linear_layers(decoder), head.weight)
+    formats = sorted({str(m.fmt) for m in [*decoder.modules(), head] if hasattr(m, "fmt") and hasattr(m, "qweight")})
+    if not formats:
+        return key
+    return hashlib.sha1("|".join([key, *formats, str(getattr(model, FORMAT_ATTR, ""))]).encode()) \
+        .hexdigest()[:16]
 
 
 def device_clock(device: torch.device):
