@@ -141,7 +141,7 @@ def _run(args) -> int:
     from .bench.profile import run_profile
 
     console.rule("[bold]profile: one target forward on this machine (context 300)")
-    prof = run_profile(target, draft, contexts=(300,), tokens=(1, 2, 3, 5, 8, 16), reps=5, trees=False)
+    prof = run_profile(target, draft, contexts=(300,), tokens=(1, 2, 3, 4, 5, 8, 16), reps=5, trees=False)
     _print_profile(console, prof)
     out.mkdir(parents=True, exist_ok=True)
     render_profile_plot(prof, out / "profile.png")

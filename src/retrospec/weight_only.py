@@ -8,17 +8,17 @@ Formats (``load_model(..., dtype=...)``, ``--dtype`` on every command that loads
   bfloat16 scale and zero (``w = (q - 8) * scale + zero``, ``q`` in 0..15, round to nearest from the group's min and
   max), computed by ``torch.ops.aten._weight_int4pack_mm_for_cpu``;
 - ``w8a8``: the ``int8`` weights, and each activation row quantized to int8 as it enters a layer (symmetric, one
-  float32 scale per row: its largest magnitude / 127, round to nearest), multiplied in integers by ``torch._int_mm``
-  (int32 sums, exact) and scaled back in float32 (``sum * row scale * weight scale``). The integer matmul's cost
-  hardly grows with the row count (oneDNN's int8 kernels; measured flat from 1 to 16 rows on a 2-core Xeon where the
-  two kernels above cost ~3x more at 8 rows than at 1), so verifying a draft costs about a plain step: the format
-  for speculative decoding on CPUs. Like llama.cpp's Q8_0 path, which also quantizes activations to 8 bits (there
+  float32 scale per row: its largest magnitude / 127, round to nearest), multiplied in integers (fbgemm's prepacked
+  kernels, else ``torch._int_mm``; int32 sums, exact) and scaled back in float32 (``sum * weight scale * row
+  scale``). The integer matmul's cost grows slowly with the row count (a 16-token verification ~2x a one-token step
+  on a 2-core Xeon, where the two kernels above cost ~5x), so long drafts and trees verify cheaply; its one-token
+  step may cost more than ``int4``'s. Like llama.cpp's Q8_0 path, which also quantizes activations to 8 bits (there
   per block of 32), it is lossier than ``int8``.
 
 ``int8`` and ``int4`` take bfloat16 activations: a layer casts its float32 input to bfloat16 and its output back.
-Norms, attention, rotary embeddings and the embedding lookup stay float32 in every format. Each format is a model of its own, and the
-identity of a quantized model is that of its float32 source (``identity.derive``), so artefacts built for the source
-(LongSpec blocks, datastores, drafts) load on it.
+Norms, attention, rotary embeddings and the embedding lookup stay float32 in every format. Each format is a model of
+its own, and the identity of a quantized model is that of its float32 source (``identity.derive``), so artefacts
+built for the source (LongSpec blocks, datastores, drafts) load on it.
 
 Row invariance: every format computes each output row from that row alone, in the same order whatever the number of
 rows (tested bitwise by ``row_invariant``; ``w8a8`` by construction too: a row's scale is its own and integer sums
@@ -130,8 +130,8 @@ class WeightOnlyLinear(torch.nn.Module):
                  scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
-        self.register_buffer("qweight", qweight)  # int8 / w8a8: int8 [out, in] | int4 packed (uint8, the kernel's layout)
-        self.register_buffer("scales", scales)  # int8 / w8a8: bf16 [out] | int4: bf16 [in / GROUP, out, 2] (scale, zero)
+        self.register_buffer("qweight", qweight)  # int8, w8a8: int8 [out, in] | int4: packed (uint8, the kernel's)
+        self.register_buffer("scales", scales)  # int8, w8a8: bf16 [out] | int4: bf16 [in / GROUP, out, 2] (scale, zero)
         self.register_buffer("bias", bias)  # float [out] or None
         self._weight: torch.Tensor | None = None  # ``weight``'s cache (not a buffer: never saved)
         self._packed: list | None = None  # w8a8: [fbgemm's packed weights or None], built on first use

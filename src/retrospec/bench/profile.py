@@ -34,7 +34,7 @@ from ..weight_only import WeightOnlyLinear, format_of, matmul_bytes
 from ..verify import Verifier
 
 DEFAULT_CONTEXTS = (300, 2000)
-DEFAULT_TOKENS = (1, 2, 3, 5, 8, 16)
+DEFAULT_TOKENS = (1, 2, 3, 4, 5, 8, 16)  # 4: the last row count of the quantized kernels' 4-row blocks
 TREES = ((4, 3), (4, 2, 2, 1))  # children per node per depth: 4 + 12 = 16 nodes; 4 + 8 + 16 + 16 = 44 nodes
 ALPHAS = (0.5, 0.7, 0.9)
 

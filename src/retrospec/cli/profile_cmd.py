@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--draft", help="draft model or LongSpec block (directory or name): its cost per drafted "
                                         "token")
     p.add_argument("--contexts", default="300,2000", help="cached context lengths (default 300,2000)")
-    p.add_argument("--tokens", default="1,2,3,5,8,16", help="tokens per forward, root included (default 1,2,3,5,8,16)")
+    p.add_argument("--tokens", default="1,2,3,4,5,8,16",
+                   help="tokens per forward, root included (default 1,2,3,4,5,8,16)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point, median reported (default 7)")
     p.add_argument("--no-plain", action="store_true", help="skip the plain transformers forward (half the time)")
     p.add_argument("--no-trees", action="store_true", help="skip the tree shapes")
@@ -49,8 +50,8 @@ def add_parser(sub) -> None:
     add_device_args(p)
     p.add_argument("--formats", metavar="LIST",
                    help="also measure a one-token step in each of these weight formats (comma-separated, or 'all': "
-                        "float32,int8,w8a8,int4 and gguf where the target has a GGUF source), beside each format's floor "
-                        "and llama.cpp's decode step on the matching file where the peer is installed (make peers)")
+                        "float32,int8,w8a8,int4 and gguf where the target has a GGUF source), beside each format's "
+                        "floor and llama.cpp's decode step on the matching file where the peer is installed (make peers)")
     p.add_argument("--json", action="store_true", help="print one JSON object (forward_ms[context][tokens] = ms)")
     p.add_argument("--plot", metavar="PNG", help="write the plot here")
     p.add_argument("--out", metavar="DIR", help="write profile.json, profile.md and profile.png here")
