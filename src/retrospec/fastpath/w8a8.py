@@ -133,7 +133,9 @@ def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
     """(pre, post) per layer as ``fastpath.compiled.CompiledLayers`` takes them (``run(list) -> list`` and its
     tensors), or None where a layer is not all ``w8a8`` with joined q/k/v and gate/up projections, or this build has
     no fbgemm kernels."""
-    linear = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    linear = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
+    if linear is None:
+        return None
     pre, post = [], []
     built: dict[tuple, object] = {}
 
