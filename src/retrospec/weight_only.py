@@ -93,11 +93,11 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pa
     scale and rounded to int8, integer products summed in int32 (exact), then ``sum * weight scale * row scale``.
     ``packed``: the same weights prepacked for fbgemm (``prepack_w8a8``), whose one call rounds, multiplies and
     scales by the weight (given the scaled rows and a unit input scale); else ``torch._int_mm``."""
-    scale = row_scales(x)
     if packed is not None:
+        scale = row_scales(x)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x / scale, 1.0, 128, packed)
         return y * scale
-    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    q, scale = quantize_rows(x)
     return torch._int_mm(q, qweight.t()).float() * scales.float() * scale
 
 
@@ -124,7 +124,7 @@ def prepack_w8a8(qweight: torch.Tensor, scales: torch.Tensor):
 
 
 class WeightOnlyLinear(torch.nn.Module):
-    """A linear layer whose weight is held quantized (``int8`` or ``int4``); float input and output."""
+    """A linear layer whose weight is held quantized (``int8``, ``int4`` or ``w8a8``); float input and output."""
 
     def __init__(self, fmt: str, in_features: int, out_features: int, qweight: torch.Tensor,
                  scales: torch.Tensor, bias: torch.Tensor | None):

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 from ..paths import cache_home
-from ..weight_only import GROUP, WeightOnlyLinear, w8a8_matmul
+from ..weight_only import GROUP, WeightOnlyLinear
 from . import aot, w8a8
 from .aot import MAX_ROWS
 
@@ -70,8 +70,8 @@ def compile_mode() -> str:
 @dataclass(frozen=True)
 class Proj:
     """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``) or a
-    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w8a8``: rows quantized, an
-    integer matmul, scaled back: ``weight_only.w8a8_matmul``)."""
+    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w8a8`` layers run
+    ``fastpath.w8a8``'s programs instead, and ``Proj`` only names them in the speed verdict's key)."""
 
     kind: str
     in_features: int
@@ -100,9 +100,6 @@ class Proj:
     def apply(self, x: torch.Tensor, ts: list[torch.Tensor]) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.kind == "linear":
             return torch.mm(x, ts[0].t()) if not self.bias else torch.addmm(ts[1], x, ts[0].t())
-        if self.kind == "w8a8":
-            y = w8a8_matmul(x, ts[0], ts[1])
-            return y + ts[2] if self.bias else y
         rows = x.to(torch.bfloat16)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, ts[0], ts[1])
@@ -250,11 +247,14 @@ def wanted(n_layers: int, hidden: int) -> bool:
     return m == "on" or (m == "auto" and n_layers >= AUTO_MIN_LAYERS and hidden >= AUTO_MIN_HIDDEN)
 
 
+def _is_w8a8(lean) -> bool:
+    return getattr(lean.layers[0].qkv_modules[0], "fmt", None) == "w8a8"
+
+
 def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
     """(pre, post) per layer (runner, tensors), or None where a layer has a part the programs do not express
     (``w8a8`` layers: ``fastpath.w8a8``'s programs around fbgemm's matmuls)."""
-    if all(type(m) is WeightOnlyLinear and m.fmt == "w8a8" for m in layers[0].modules() if hasattr(m, "fmt")) \
-            and any(type(m) is WeightOnlyLinear for m in layers[0].modules()):
+    if _is_w8a8(lean):
         return w8a8.layer_programs(lean, layers, progress)
     pre, post = [], []
     for layer, pieces in zip(layers, lean.layers):
@@ -293,7 +293,7 @@ def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
     """Why the programs must not be used (None: they pass): equality with the lean loop within ``TOLERANCE`` on the
     first layer (``w8a8.TOLERANCE`` for ``w8a8`` layers), and bitwise row invariance where the engine verifies
     row-exactly."""
-    tolerance = w8a8.TOLERANCE if getattr(lean.layers[0].qkv_modules[0], "fmt", None) == "w8a8" else TOLERANCE
+    tolerance = w8a8.TOLERANCE if _is_w8a8(lean) else TOLERANCE
     gen = torch.Generator().manual_seed(0)
     hidden = lean.layers[0].norm_params[0][0].shape[0]
     t, d = 3, lean.head_dim

@@ -137,13 +137,9 @@ def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
     if linear is None:
         return None
     pre, post = [], []
-    built: dict[tuple, object] = {}
 
-    def program(module, example, signature):
-        sig = (type(module).__name__, *signature)
-        if sig not in built:
-            built[sig] = _program(module, example, signature, progress)
-        return built[sig]
+    def program(module, example, signature):  # equal layers share one runner (``aot.runner`` keeps them loaded)
+        return _program(module, example, signature, progress)
 
     for layer, pieces in zip(layers, lean.layers):
         mods = [*pieces.qkv_modules, layer.self_attn.o_proj, *pieces.mlp_modules, layer.mlp.down_proj]
