@@ -21,8 +21,21 @@ os.environ.setdefault("RETROSPEC_COMPILE", "off")
 # the gate of every later process): one private home per test run, removed at exit; tests that need their own set it.
 os.environ["RETROSPEC_HOME"] = tempfile.mkdtemp(prefix="retrospec-tests-")
 atexit.register(shutil.rmtree, os.environ["RETROSPEC_HOME"], True)
+# ... except hand-written kernels (``retrospec.kernels``): built once per checkout (about half a minute), kept beside
+# pytest's own cache.
+os.environ.setdefault("RETROSPEC_KERNELS_HOME",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
+                                   "retrospec-kernels"))
 
 VOCAB = 96
+
+
+def formats_here() -> list[str]:
+    """The weight-only formats this machine can run (``w4a8`` needs AVX-512 VNNI; its kernel builds on first use)."""
+    from retrospec import kernels
+    from retrospec.weight_only import FORMATS
+
+    return [f for f in FORMATS if f != "w4a8" or kernels.w4a8_cpu()]
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 32, vocab: int = VOCAB, max_pos: int = 256):

@@ -24,6 +24,7 @@ from retrospec.fastpath import aot, compiled, engine_for
 from retrospec.fastpath.engine import EngineModel
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
+from retrospec import weight_only
 from retrospec.weight_only import quantize_model_
 
 from conftest import tiny_llama
@@ -40,7 +41,8 @@ def _model(fmt: str):
 
 @pytest.fixture(scope="module")
 def models():
-    return {fmt: _model(fmt) for fmt in ("float32", "int4", "w8a8")}
+    return {fmt: _model(fmt) for fmt in ("float32", "int4", "w8a8", "w4a8") if weight_only.available(fmt)
+            or fmt == "float32"}
 
 
 def _engines(model, monkeypatch) -> tuple[EngineModel, EngineModel]:
@@ -119,13 +121,16 @@ def test_greedy_methods_through_compiled_layers_match_the_oracle(models, fmt, mo
         assert out == oracle, drafter
 
 
-def test_w8a8_layers_around_fbgemm_stay_row_exact_and_lossless(models, monkeypatch):
-    """w8a8: five programs per layer around fbgemm's integer matmuls (``fastpath.w8a8``). Within the format's
+@pytest.mark.parametrize("fmt", ["w8a8", "w4a8"])
+def test_integer_format_layers_around_their_kernels_stay_row_exact_and_lossless(models, fmt, monkeypatch):
+    """w8a8 / w4a8: small programs per layer around the integer matmuls (``fastpath.integer``). Within the format's
     tolerance of the lean loop (an activation may round to the neighbouring int8 value); a chain's and a tree's rows
     bitwise one-token steps; greedy ``pld`` and ``sd`` through the compiled engine token-identical to its ``ar``."""
-    model = models["w8a8"]
+    if fmt not in models:
+        pytest.skip(f"this machine has no {fmt} kernel")
+    model = models[fmt]
     lean, fast = _engines(model, monkeypatch)
-    if lean.lean.layers[0].qkv_modules[0].packed() is None:
+    if fmt == "w8a8" and lean.lean.layers[0].qkv_modules[0].packed() is None:
         pytest.skip("this torch build has no fbgemm kernels")
     assert fast.describe()["loop"] == "compiled", fast.describe()
     n, caches = len(PROMPT), [DynamicCache(), DynamicCache()]

@@ -26,7 +26,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "retrospec"
 RANKS: dict[str, int] = {
     # shared I/O and data sources: no retrospec imports, or only errors
     "errors": 0, "types": 0, "paths": 0, "stdlib_corpus": 0,
-    "atomic": 1, "identity": 1, "config": 1, "text": 1,
+    "atomic": 1, "identity": 1, "config": 1, "text": 1, "kernels": 1,
     # the core
     "kv": 2, "tree": 2, "attention": 2, "chat": 2, "weight_only": 2, "tasks": 2,
     "fastpath": 3, "models": 3,

@@ -20,9 +20,9 @@ from retrospec.fastpath import engine_for
 from retrospec.fastpath.rows import rows_invariant
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
-from retrospec.weight_only import FORMATS, WeightOnlyLinear, quantize_model_
+from retrospec.weight_only import WeightOnlyLinear, quantize_model_
 
-from conftest import tiny_llama, tiny_qwen2
+from conftest import formats_here, tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -58,7 +58,7 @@ def _steps(engine, tokens: list[int]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "bfloat16"])
+@pytest.mark.parametrize("fmt", [*formats_here(), "bfloat16"])
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_a_verification_equals_one_token_steps_bit_for_bit(fmt, build):
     model = _model(build, fmt)
@@ -78,7 +78,7 @@ def test_a_verification_equals_one_token_steps_bit_for_bit(fmt, build):
     assert torch.equal(scored[[0, 1, 3]], left) and torch.equal(scored[[0, 2, 4]], right)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", formats_here())
 def test_exact_rows_match_the_plain_forward_and_the_block_attention_within_rounding(fmt):
     model = _model("llama", fmt)
     engine = engine_for(model, "auto")

@@ -1,4 +1,4 @@
-"""Weight-only formats (int8, int4): each a model of its own, exact within it.
+"""Weight-only formats (int8, int4, w8a8, w4a8): each a model of its own, exact within it.
 
 - a layer computes what its dequantized weight computes (bfloat16 activations), and is row-invariant: a k-row call
   equals k one-row calls bit for bit on this machine (what keeps a verification equal to one-token steps);
@@ -25,9 +25,9 @@ from retrospec.errors import RetrospecError
 from retrospec.fastpath import engine_for
 from retrospec.identity import model_identity, same_model
 from retrospec.models import LoadedModel, load_model
-from retrospec.weight_only import FORMATS, WeightOnlyLinear, quantize_model_, reference_forward, row_invariant
+from retrospec.weight_only import WeightOnlyLinear, quantize_model_, reference_forward, row_invariant
 
-from conftest import sharpen, tiny_llama, tiny_qwen2
+from conftest import formats_here, sharpen, tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -36,7 +36,7 @@ def quantized(model, fmt):
     return quantize_model_(copy.deepcopy(model), fmt)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", formats_here())
 @pytest.mark.parametrize("shape", [(96, 32), (64, 128), (576, 1536)])
 def test_a_layer_computes_its_dequantized_weight_and_is_row_invariant(fmt, shape):
     torch.manual_seed(0)
@@ -51,7 +51,7 @@ def test_a_layer_computes_its_dequantized_weight_and_is_row_invariant(fmt, shape
         assert row_invariant(layer, rows), (fmt, shape, rows)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", formats_here())
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
 def test_the_engine_path_equals_the_plain_forward(fmt, build):
     model = quantized(sharpen(build(seed=3)), fmt)
@@ -66,7 +66,7 @@ def test_the_engine_path_equals_the_plain_forward(fmt, build):
     assert torch.allclose(logits, plain, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", formats_here())
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
 def test_lossless_methods_equal_ar_in_the_same_format_on_tiny_models(fmt, build):
     tgt = LoadedModel(quantized(sharpen(build(seed=5)), fmt), None, "t")
@@ -82,7 +82,7 @@ def test_lossless_methods_equal_ar_in_the_same_format_on_tiny_models(fmt, build)
     assert len(oracle) and len(float_oracle)  # both ran; they may differ: a format is a model of its own
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", formats_here())
 def test_sampling_follows_the_quantized_target_law(fmt, monkeypatch):
     """sd at temperature 1 on a quantized target: (x1, x2) against that model's own exact law (1,500 runs; a
     16-token vocabulary, which int4's kernel needs)."""
@@ -107,7 +107,7 @@ def test_sampling_follows_the_quantized_target_law(fmt, monkeypatch):
 
 def test_identity_is_the_source_and_artefacts_accept_it():
     f32 = load_model("zoo")
-    for fmt in FORMATS:
+    for fmt in formats_here():
         q = load_model("zoo", dtype=fmt)
         assert q.model is not f32.model and isinstance(q.model.get_output_embeddings(), WeightOnlyLinear)
         ident = model_identity(q.model)
@@ -131,3 +131,61 @@ def test_formats_on_the_cli_and_their_errors(cli):
 def test_int4_needs_groups_of_32():
     with pytest.raises(RetrospecError, match="divisible by 32 and output features by 16"):
         WeightOnlyLinear.from_linear(torch.nn.Linear(48, 8), "int4")
+
+
+W4A8_HERE = pytest.mark.skipif("w4a8" not in formats_here(), reason="this CPU has no AVX-512 VNNI")
+
+
+@W4A8_HERE
+def test_w4a8_computes_its_formula_exactly_where_floats_are_exact():
+    """Weights (q - 8) * scale + zero and activations already on their int8 steps (each group's largest magnitude
+    127, so the step is 1): integer products and power-of-two scales leave no rounding, so the kernel's sum must equal
+    the exact one; and a group of zeros contributes nothing (its step is 0)."""
+    from retrospec.weight_only import pack_w4a8
+
+    gen = torch.Generator().manual_seed(0)
+    out, inp = 32, 96
+    q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.int32)
+    scale = torch.full((out, inp // 32), 0.25).to(torch.bfloat16)
+    zero = torch.randint(-4, 5, (out, inp // 32), generator=gen).float().to(torch.bfloat16)
+    layer = WeightOnlyLinear("w4a8", inp, out, *pack_w4a8(q, scale, zero), None)
+    x = torch.randint(-127, 128, (3, inp), generator=gen).float()
+    x[:, ::32] = 127.0  # every group's largest magnitude: step 1
+    x[2, 32:64] = 0.0  # one group of zeros
+    w = (q.double() - 8) * 0.25 + zero.double().repeat_interleave(32, dim=1)
+    assert torch.equal(layer(x).double(), x.double() @ w.t())
+    assert torch.equal(layer.dequantized().double(), w)
+
+
+@W4A8_HERE
+def test_w4a8_keeps_int4_weights_and_its_own_layout_round_trips():
+    from retrospec.weight_only import int4_groups, pack_w4a8, unpack_w4a8
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    q, scale, zero = int4_groups(w)
+    back = unpack_w4a8(*pack_w4a8(q, scale, zero))
+    assert torch.equal(back[0].int(), q) and torch.equal(back[1], scale) and torch.equal(back[2], zero)
+    lin = torch.nn.Linear(64, 48, bias=False)
+    lin.weight.data = w
+    int4 = WeightOnlyLinear.from_linear(lin, "int4").dequantized()
+    w4a8 = WeightOnlyLinear.from_linear(lin, "w4a8").dequantized()
+    assert (int4 - w4a8).abs().max() <= 0.01 * w.abs().max()  # the same weights (int4's are read back in bfloat16)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_its_format_unavailable(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    from retrospec import kernels
+
+    monkeypatch.setenv("RETROSPEC_KERNELS_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BUILT", {})
+    monkeypatch.setattr(kernels, "w4a8_cpu", lambda: True)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert kernels.w4a8() is None
+    with pytest.raises(RetrospecError, match="AVX-512 VNNI and a C\\+\\+ compiler"):
+        quantize_model_(tiny_llama(seed=0), "w4a8")

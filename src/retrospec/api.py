@@ -64,7 +64,7 @@ def generate(prompt: str | list[int] | None = None, **kwargs) -> GenerationResul
     False: always the full draft; see ``retrospec.gating``) and the method's knobs (``gamma``, ``adaptive_gamma``,
     ``max_ngram``, ``datastore``, ``tree``, ...; an undeclared one is refused). ``device`` (``cpu``, ``cuda``,
     ``cuda:N``, ``auto``) and ``dtype`` (``float32`` default, ``bfloat16``, ``float16``, the CPU weight-only
-    formats ``int8`` / ``int4`` / ``w8a8`` (``retrospec.weight_only``), or ``gguf``: the blocks of the GGUF file the target was
+    formats ``int8`` / ``int4`` / ``w8a8`` / ``w4a8`` (``retrospec.weight_only``), or ``gguf``: the blocks of the GGUF file the target was
     converted from, run natively (``models.gguf_native``)) apply to a target and a draft given as directories or
     names; loaded models run where and as they are. Greedy output of a lossless method is token-identical to ``ar``
     in the same format: in float32, and wherever the engine measured its matmuls row-invariant (the weight-only

@@ -31,8 +31,9 @@ PYTHON_ENV = "RETROSPEC_LLAMACPP_PYTHON"
 PEER_VENV = ".venv-peers"
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 GGUF_SOURCE = "smollm2-135m"  # the named model whose GGUF the peer can read
-# ours -> llama.cpp file type (None: as shipped); w8a8 beside Q8_0, whose path also quantizes activations to 8 bits
-FILE_FORMATS = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "int4": None, "gguf": None}
+# ours -> llama.cpp file type (None: as shipped); w8a8 beside Q8_0 and w4a8 beside Q4_1, whose paths also quantize
+# activations to 8 bits
+FILE_FORMATS = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "int4": None, "w4a8": None, "gguf": None}
 
 
 def peer_python() -> str | None:

@@ -214,7 +214,7 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
     bw = bandwidth_gbs(device=next(model.parameters()).device)
     # every format this model could run in, read once at the measured bandwidth (the step's lower bound)
     formats = {f: {"weights_bytes": matmul_bytes(shapes, f), "floor_ms": matmul_bytes(shapes, f) / bw / 1e6}
-               for f in ("float32", "bfloat16", "int8", "w8a8", "int4")}
+               for f in ("float32", "bfloat16", "int8", "w8a8", "int4", "w4a8")}
     if fmt == "gguf":
         formats["gguf"] = {"weights_bytes": weights, "floor_ms": weights / bw / 1e6}
     lin = linear_ms(model, tokens, reps)

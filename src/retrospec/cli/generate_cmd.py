@@ -37,7 +37,9 @@ def add_device_args(p) -> None:
                    help="the weight format of the target and the draft (default float32; 16-bit is for GPUs and "
                         "CPUs with native bf16/fp16 matmuls; int8 / int4: weight-only quantized linears on the CPU, "
                         "a model of its own; w8a8: int8 weights and int8 activation rows, integer matmuls whose cost "
-                        "hardly grows with the tokens verified; gguf: the blocks of the GGUF file the model was converted from, run "
+                        "hardly grows with the tokens verified; w4a8: int4 weights and int8 activation blocks, integer "
+                        "dot products (llama.cpp's Q4_1 computation; CPUs with AVX-512 VNNI, a kernel compiled once); "
+                        "gguf: the blocks of the GGUF file the model was converted from, run "
                         "natively (smollm2-135m: the published Q4_1 file; a draft not converted from a GGUF runs in "
                         "float32)). Every lossless method is token-identical to ar in the same format")
 

@@ -50,8 +50,9 @@ def add_parser(sub) -> None:
     add_device_args(p)
     p.add_argument("--formats", metavar="LIST",
                    help="also measure a one-token step in each of these weight formats (comma-separated, or 'all': "
-                        "float32,int8,w8a8,int4 and gguf where the target has a GGUF source), beside each format's "
-                        "floor and llama.cpp's decode step on the matching file where the peer is installed (make peers)")
+                        "float32,int8,w8a8,int4, w4a8 where the CPU runs it, gguf where the target has a GGUF "
+                        "source), beside each format's floor and llama.cpp's decode step on the matching file where "
+                        "the peer is installed (make peers)")
     p.add_argument("--json", action="store_true", help="print one JSON object (forward_ms[context][tokens] = ms)")
     p.add_argument("--plot", metavar="PNG", help="write the plot here")
     p.add_argument("--out", metavar="DIR", help="write profile.json, profile.md and profile.png here")
@@ -74,8 +75,8 @@ def save_for_gate(model, prof: dict) -> None:
 
 
 def _formats(text: str | None, target: str | None) -> list[str]:
-    """``--formats``: the names, checked; ``all``: float32, int8, w8a8, int4, and gguf where the target has a GGUF
-    source."""
+    """``--formats``: the names, checked; ``all``: float32, int8, w8a8, int4, w4a8 where this CPU runs it, and gguf
+    where the target has a GGUF source."""
     from ..models import default_target
     from ..models.gguf_native import converted_from_gguf
     from ..models.loading import FORMAT_NAMES, model_dir
@@ -84,7 +85,9 @@ def _formats(text: str | None, target: str | None) -> list[str]:
     if not text:
         return []
     if text.strip() == "all":
-        names = ["float32", "int8", "w8a8", "int4"]
+        from ..kernels import w4a8_cpu
+
+        names = ["float32", "int8", "w8a8", "int4", *(["w4a8"] if w4a8_cpu() else [])]
         try:
             path = model_dir(default_target() if target is None else target)
             if converted_from_gguf(path, gguf_of(path)):

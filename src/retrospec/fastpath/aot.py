@@ -5,7 +5,7 @@ A program is a small ``torch.nn.Module`` exported with ``torch.export`` (rows dy
 kind and signature, this machine, the torch version and thread count), and is loaded once per process. ``runner``
 returns the package's C++ runner as ``run(list of tensors) -> list of tensors``: ~4 us per call, where the module's
 Python ``__call__`` would add tens of microseconds of argument handling. Callers decide what to compile and check
-what they get (``fastpath.compiled``, ``fastpath.w8a8``).
+what they get (``fastpath.compiled``, ``fastpath.integer``).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 from ..paths import cache_home
 from ..weight_only import GROUP, WeightOnlyLinear
-from . import aot, w8a8
+from . import aot, integer
 from .aot import MAX_ROWS
 
 MODES = ("auto", "on", "off")
@@ -70,8 +70,8 @@ def compile_mode() -> str:
 @dataclass(frozen=True)
 class Proj:
     """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``) or a
-    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w8a8`` layers run
-    ``fastpath.w8a8``'s programs instead, and ``Proj`` only names them in the speed verdict's key)."""
+    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w8a8`` and ``w4a8`` layers run
+    ``fastpath.integer``'s programs instead, and ``Proj`` only names them in the speed verdict's key)."""
 
     kind: str
     in_features: int
@@ -129,7 +129,7 @@ class _Pre(torch.nn.Module):
         hx = F.rms_norm(x, (x.shape[-1],), norm_w, self.eps)  # [T, H]
         outs = [p.apply(hx, w) for p, w in zip(self.projs, _take(self.projs, ts))]
         qkv = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, (h + 2 kvh) d]
-        return w8a8.rotary_heads(qkv.view(t, h + 2 * kvh, d), cos, sin, h, kvh)  # [T, h + 2 kvh, d]: q, k rotated
+        return integer.rotary_heads(qkv.view(t, h + 2 * kvh, d), cos, sin, h, kvh)  # [T, h + 2 kvh, d]: q, k rotated
 
 
 class _Post(torch.nn.Module):
@@ -247,15 +247,15 @@ def wanted(n_layers: int, hidden: int) -> bool:
     return m == "on" or (m == "auto" and n_layers >= AUTO_MIN_LAYERS and hidden >= AUTO_MIN_HIDDEN)
 
 
-def _is_w8a8(lean) -> bool:
-    return getattr(lean.layers[0].qkv_modules[0], "fmt", None) == "w8a8"
+def _is_integer(lean) -> bool:
+    return getattr(lean.layers[0].qkv_modules[0], "fmt", None) in integer.FORMATS
 
 
 def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
     """(pre, post) per layer (runner, tensors), or None where a layer has a part the programs do not express
-    (``w8a8`` layers: ``fastpath.w8a8``'s programs around fbgemm's matmuls)."""
-    if _is_w8a8(lean):
-        return w8a8.layer_programs(lean, layers, progress)
+    (``w8a8`` and ``w4a8`` layers: ``fastpath.integer``'s programs around the integer matmuls)."""
+    if _is_integer(lean):
+        return integer.layer_programs(lean, layers, progress)
     pre, post = [], []
     for layer, pieces in zip(layers, lean.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -291,9 +291,9 @@ def attention_program(lean, scaling: float, progress=None):
 
 def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
     """Why the programs must not be used (None: they pass): equality with the lean loop within ``TOLERANCE`` on the
-    first layer (``w8a8.TOLERANCE`` for ``w8a8`` layers), and bitwise row invariance where the engine verifies
-    row-exactly."""
-    tolerance = w8a8.TOLERANCE if _is_w8a8(lean) else TOLERANCE
+    first layer (``integer.TOLERANCE`` for the integer formats' layers), and bitwise row invariance where the engine
+    verifies row-exactly."""
+    tolerance = integer.TOLERANCE if _is_integer(lean) else TOLERANCE
     gen = torch.Generator().manual_seed(0)
     hidden = lean.layers[0].norm_params[0][0].shape[0]
     t, d = 3, lean.head_dim

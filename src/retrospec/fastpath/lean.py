@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import prefix_block
-from ..weight_only import INT8_WEIGHTS, WeightOnlyLinear
+from ..weight_only import WeightOnlyLinear
 from . import compiled
 from .compiled import MAX_ROWS
 
@@ -53,7 +53,7 @@ def fuse(linears: list[torch.nn.Module]) -> WeightOnlyLinear | None:
         return None
     if any(m.bias is not None for m in linears) and not all(m.bias is not None for m in linears):
         return None
-    scale_dim = 0 if first.fmt in INT8_WEIGHTS else 1  # int8 / w8a8: [out] | int4: [in / GROUP, out, 2]
+    scale_dim = 1 if first.fmt == "int4" else 0  # int4: [in / GROUP, out, 2] | int8, w8a8: [out] | w4a8: by tile
     joined = WeightOnlyLinear(first.fmt, first.in_features, sum(m.out_features for m in linears),
                               torch.cat([m.qweight for m in linears]),
                               torch.cat([m.scales for m in linears], dim=scale_dim).contiguous(),

@@ -15,8 +15,8 @@ where ``token_ids[i]`` is the target token id that the draft's output row ``i`` 
 
 Devices (``resolve_device``): ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when present); dtypes
 (``resolve_format``): a ``torch.dtype`` or ``float32`` / ``bfloat16`` / ``float16``, or a quantized format ``int8`` /
-``int4`` / ``w8a8`` (``weight_only``: loaded in float32, then its linears quantized; CPU only). Anything else, or CUDA asked for
-where there is none, is one ``RetrospecError`` line. A draft given by path or name loads where its target is, in
+``int4`` / ``w8a8`` / ``w4a8`` (``weight_only``: loaded in float32, then its linears quantized; CPU only). Anything
+else, or CUDA asked for where there is none, is one ``RetrospecError`` line. A draft given by path or name loads where its target is, in
 its dtype, unless told otherwise (``placement``). Loaded models are cached by (resolved path, dtype, device), so
 repeated API calls with the same paths reuse them.
 """
