@@ -77,6 +77,28 @@ void tile_rows(const int8_t* a, int64_t K, const float* step, const int32_t* qsu
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, out[r]);
 }
 
+// 32 activations -> int8 on their group's step (largest magnitude / 127, round half to even; a group of zeros stays
+// zero), that step, the sum of the integers and step * that sum. Vector division and rounding are IEEE-exact, so
+// this equals the scalar loop bit for bit (and ``weight_only.quantize_group_rows``' rounding).
+inline void quantize_group(const float* x, int8_t* out, float& step, int32_t& qsum, float& stepq) {
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float s = amax / 127.f;
+  __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+  if (s > 0.f) {
+    const __m512 d = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    q0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(v0, d), kNearest))));
+    q1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(v1, d), kNearest))));
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
+  const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  step = s;
+  qsum = total;
+  stepq = s * static_cast<float>(total);
+}
+
 using TileFn = void (*)(const int8_t*, int64_t, const float*, const int32_t*, const float*, int64_t, const uint8_t*,
                         const uint16_t*, float*, int64_t);
 const TileFn kTileFns[] = {nullptr, tile_rows<1>, tile_rows<2>, tile_rows<3>, tile_rows<4>,
@@ -98,24 +120,10 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   std::vector<int8_t> a(M * K);
   std::vector<float> step(M * groups), stepq(M * groups);
   std::vector<int32_t> qsum(M * groups);
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = xp + r * K + g * kGroup;
-      float amax = 0.f;
-      for (int k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xg[k]));
-      const float s = amax / 127.f;
-      int32_t total = 0;
-      for (int k = 0; k < kGroup; ++k) {
-        const float v = s > 0.f ? std::nearbyint(xg[k] / s) : 0.f;
-        const int32_t q = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
-        a[r * K + g * kGroup + k] = static_cast<int8_t>(q);
-        total += q;
-      }
-      step[r * groups + g] = s;
-      qsum[r * groups + g] = total;
-      stepq[r * groups + g] = s * static_cast<float>(total);
-    }
-  }
+  at::parallel_for(0, M * groups, 256, [&](int64_t i0, int64_t i1) {  // one (row, group) per i; parallel in prefills
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_group(xp + i * kGroup, a.data() + i * kGroup, step[i], qsum[i], stepq[i]);
+  });
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
