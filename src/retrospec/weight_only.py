@@ -20,7 +20,7 @@ Formats (``load_model(..., dtype=...)``, ``--dtype`` on every command that loads
   float32 (``scale * step * (sum - 8 * sum of the activation integers) + zero * step * that sum``, group by group):
   the computation llama.cpp runs its Q4_1 files with (4-bit weights with a scale and minimum per 32, times 8-bit
   activation blocks of 32). A one-token step reads what ``int4`` reads with far less arithmetic, and a 5-token
-  verification costs ~1.5x one where ``int4``'s float kernel costs ~2.2x. Needs a CPU with AVX-512 VNNI and a C++
+  verification costs ~1.4x one where ``int4``'s float kernel costs ~2.2x. Needs a CPU with AVX-512 VNNI and a C++
   compiler (the kernel is built once per machine: ``kernels``).
 
 ``int8`` and ``int4`` take bfloat16 activations: a layer casts its float32 input to bfloat16 and its output back.
