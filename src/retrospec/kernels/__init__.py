@@ -53,20 +53,26 @@ def _build(name: str, source: Path, flags: tuple[str, ...]):
                                      " ".join(flags).encode()])).hexdigest()[:16]
     folder = kernels_home() / f"{name}-{key}"
     folder.mkdir(parents=True, exist_ok=True)
-    scripts = sysconfig.get_path("scripts")  # a pip-installed ninja lives beside this interpreter
-    path = os.environ.get("PATH", "")
-    if scripts and scripts not in path.split(os.pathsep):
-        os.environ["PATH"] = scripts + os.pathsep + path
     if not (folder / f"retrospec_{name}_{key}.so").exists():
         print(f"[retrospec] compiling the {name} kernel for this machine (once; about half a minute)",
               file=sys.stderr, flush=True)
+    scripts = sysconfig.get_path("scripts")  # a pip-installed ninja lives beside this interpreter
+    had, path = "PATH" in os.environ, os.environ.get("PATH", "")
     try:
+        if scripts and scripts not in path.split(os.pathsep):
+            os.environ["PATH"] = scripts + os.pathsep + path  # for the build only
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return cpp_extension.load(f"retrospec_{name}_{key}", [str(source)], extra_cflags=list(flags),
                                       extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
                                       build_directory=str(folder), verbose=False)
     except (RuntimeError, OSError, ImportError, SystemExit) as e:  # no compiler or ninja, a failed build
-        warnings.warn(f"the {name} kernel could not be built here ({(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}); "
-                      f"the {name} format is unavailable", RuntimeWarning, stacklevel=3)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        warnings.warn(f"the {name} kernel could not be built here ({why}); the {name} format is unavailable",
+                      RuntimeWarning, stacklevel=3)
         return None
+    finally:
+        if had:
+            os.environ["PATH"] = path
+        else:
+            os.environ.pop("PATH", None)
