@@ -155,20 +155,16 @@ class WeightOnlyLinear(torch.nn.Module):
         self._packed: list | None = None  # w8a8: [fbgemm's packed weights or None], built on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, self.in_features)  # [M, in]
         if self.fmt == "w8a8":
-            y = w8a8_matmul(x.reshape(-1, self.in_features).float(), self.qweight, self.scales, self.packed())
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        if self.fmt == "w4a8":
-            y = kernels.w4a8().w4a8_mm(x.reshape(-1, self.in_features).float(), self.qweight, self.scales)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
-        if self.fmt == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, out] bf16
+            y = w8a8_matmul(rows.float(), self.qweight, self.scales, self.packed())
+        elif self.fmt == "w4a8":
+            y = kernels.w4a8().w4a8_mm(rows.float(), self.qweight, self.scales)
+        elif self.fmt == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight, self.scales)  # bf16
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, GROUP, self.scales)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.qweight, GROUP, self.scales)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # [..., out]
         return y if self.bias is None else y + self.bias
 
     def packed(self):
@@ -219,11 +215,6 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(torch.bfloat16)  # [out]
     q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
-
-
-def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (packed int4, bfloat16 [in / GROUP, out, 2] scale and zero), asymmetric per group."""
-    return pack_int4(*int4_groups(w))
 
 
 def int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
