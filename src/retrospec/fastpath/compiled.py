@@ -70,8 +70,9 @@ def compile_mode() -> str:
 @dataclass(frozen=True)
 class Proj:
     """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``) or a
-    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w8a8`` and ``w4a8`` layers run
-    ``fastpath.integer``'s programs instead, and ``Proj`` only names them in the speed verdict's key)."""
+    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w4a8``: its operator on the
+    float32 rows; ``w8a8`` layers run ``fastpath.integer``'s programs instead, and ``Proj`` only names them in the
+    speed verdict's key)."""
 
     kind: str
     in_features: int
@@ -100,6 +101,9 @@ class Proj:
     def apply(self, x: torch.Tensor, ts: list[torch.Tensor]) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.kind == "linear":
             return torch.mm(x, ts[0].t()) if not self.bias else torch.addmm(ts[1], x, ts[0].t())
+        if self.kind == "w4a8":
+            y = torch.ops.retrospec.w4a8_mm(x, ts[0], ts[1])
+            return y + ts[2] if self.bias else y
         rows = x.to(torch.bfloat16)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, ts[0], ts[1])
@@ -247,14 +251,14 @@ def wanted(n_layers: int, hidden: int) -> bool:
     return m == "on" or (m == "auto" and n_layers >= AUTO_MIN_LAYERS and hidden >= AUTO_MIN_HIDDEN)
 
 
-def _is_integer(lean) -> bool:
-    return getattr(lean.layers[0].qkv_modules[0], "fmt", None) in integer.FORMATS
+def _format(lean) -> str | None:
+    return getattr(lean.layers[0].qkv_modules[0], "fmt", None)
 
 
 def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
     """(pre, post) per layer (runner, tensors), or None where a layer has a part the programs do not express
-    (``w8a8`` and ``w4a8`` layers: ``fastpath.integer``'s programs around the integer matmuls)."""
-    if _is_integer(lean):
+    (``w8a8`` layers: ``fastpath.integer``'s programs around fbgemm's matmuls)."""
+    if _format(lean) == "w8a8":
         return integer.layer_programs(lean, layers, progress)
     pre, post = [], []
     for layer, pieces in zip(layers, lean.layers):
@@ -293,7 +297,7 @@ def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
     """Why the programs must not be used (None: they pass): equality with the lean loop within ``TOLERANCE`` on the
     first layer (``integer.TOLERANCE`` for the integer formats' layers), and bitwise row invariance where the engine
     verifies row-exactly."""
-    tolerance = integer.TOLERANCE if _is_integer(lean) else TOLERANCE
+    tolerance = integer.TOLERANCE if _format(lean) in integer.FORMATS else TOLERANCE
     gen = torch.Generator().manual_seed(0)
     hidden = lean.layers[0].norm_params[0][0].shape[0]
     t, d = 3, lean.head_dim

@@ -1,24 +1,23 @@
-"""Decoder layers in the integer-matmul formats (``w8a8``, ``w4a8``): compiled programs around the integer kernels.
+"""Decoder layers in the ``w8a8`` format: compiled programs around fbgemm's integer matmuls.
 
-Both formats quantize activation rows to int8 as they enter a projection and multiply in integers, at nearly the same
-cost for 1 to 8 rows, so a verification costs little more than a plain step: ``w8a8`` through fbgemm's prepacked
-kernels (``weight_only.prepack_w8a8``; each row divided by its scale here, the scale applied after), ``w4a8`` through
-``kernels/w4a8.cpp`` (which quantizes each group of a row itself). Neither kernel can be traced by ``torch.export``
-(packed weights; a compiled extension), so a layer is not one program around them (as ``fastpath.compiled`` builds
-for the other formats) but a few small ones called between the four matmuls (rows T dynamic, float32; ``[s]``: the
-row scales, ``w8a8`` only):
+``w8a8`` quantizes activation rows to int8 as they enter a projection and multiplies in integers, at nearly the same
+cost for 1 to 8 rows, so a verification costs little more than a plain step, through fbgemm's prepacked kernels
+(``weight_only.prepack_w8a8``; each row divided by its scale here, the scale applied after). fbgemm's packed weights
+cannot be traced by ``torch.export``, so a layer is not one program around them (as ``fastpath.compiled`` builds for
+the other formats, ``w4a8``'s operator included) but a few small ones called between the four matmuls (rows T
+dynamic, float32; s: the row scales):
 
-    norm    x [T, H], norm weight               -> rows [T, H] [, s [T, 1]]
+    norm    x [T, H], norm weight               -> rows [T, H], s [T, 1]
     (qkv matmul)
-    rotary  y [T, (h + 2 kvh) d] [, s], cos, signed sin [, bias] -> [T, h + 2 kvh, d]  (rotated q, k; then v)
+    rotary  y [T, (h + 2 kvh) d], s, cos, signed sin [, bias] -> [T, h + 2 kvh, d]  (rotated q, k; then v)
     (attention: ``fastpath.compiled``'s program or the engine's)
-    scale   a [T, h d]                          -> a / s, s   (w8a8; w4a8 passes a as it is)
+    scale   a [T, h d]                          -> a / s, s
     (o matmul)
-    mid     x, y [, s], norm weight [, bias]    -> x + o, its normed rows [, s]
+    mid     x, y, s, norm weight [, bias]       -> x + o, its normed rows, s
     (gate + up matmul, joined)
-    act     y [, s] [, bias]                    -> silu(gate) * up [, s]
+    act     y, s [, bias]                       -> silu(gate) * up, s
     (down matmul)
-    out     x, y [, s] [, bias]                 -> x + down
+    out     x, y, s [, bias]                    -> x + down
 
 Each step computes what the lean loop's ``WeightOnlyLinear`` does, fused with the norms and activations around it;
 the fused norms round differently from ATen's, and an activation that lands on a rounding boundary can then take
@@ -31,11 +30,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
 from ..weight_only import WeightOnlyLinear, row_scales
 from . import aot
 
-FORMATS = ("w8a8", "w4a8")
+FORMATS = ("w8a8", "w4a8")  # formats whose activations are quantized to int8 (``w8a8``: this module's programs)
 TOLERANCE = 1e-2  # relative, against the lean loop: a few activations may round to the neighbouring int8 value
 
 
@@ -49,28 +47,25 @@ def rotary_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads:
 
 
 class _Step(torch.nn.Module):
-    """One program: its first ``rows_in`` inputs carry rows (dynamic), the rest are fixed. ``scaled`` (``w8a8``): a
-    matmul's result comes with its row scales (``TAKES_SCALE``: right after the row inputs), and rows leave divided
-    by theirs."""
+    """One program: its first ``rows_in`` inputs carry rows (dynamic), the rest are fixed. A matmul's result comes
+    with its row scales (``TAKES_SCALE``: right after the row inputs), and rows leave divided by theirs."""
 
     ROWS, TAKES_SCALE = 1, False  # row-carrying inputs besides a scale; whether a matmul result's scale comes in
     NAMED = 1  # inputs named in ``forward`` before ``*args`` (the rest arrive as one tuple)
 
-    def __init__(self, scaled: bool, *params):
+    def __init__(self, *params):
         super().__init__()
-        self.scaled, self.params = scaled, params
-        self.rows_in = self.ROWS + int(scaled and self.TAKES_SCALE)
+        self.params = params
+        self.rows_in = self.ROWS + int(self.TAKES_SCALE)
 
-    def result(self, y, args):
-        """(the matmul's float result: y, times its row scales where ``scaled``; the args after that scale)."""
-        if self.scaled:
-            y, args = y * args[0], args[1:]
-        return y, args
+    @staticmethod
+    def result(y, args):
+        """(the matmul's float result times its row scales; the args after that scale)."""
+        return y * args[0], args[1:]
 
-    def rows(self, h) -> tuple:
-        """What enters the next matmul: (h / s, s) for ``w8a8``, (h,) for ``w4a8``."""
-        if not self.scaled:
-            return (h,)
+    @staticmethod
+    def rows(h) -> tuple:
+        """What enters the next matmul: (h / s, s)."""
         s = row_scales(h)
         return h / s, s
 
@@ -127,79 +122,61 @@ class _Out(_Step):
         return x + _biased(y, bias)
 
 
-def _program(fmt: str, module: _Step, example: list[torch.Tensor], progress):
+def _program(module: _Step, example: list[torch.Tensor], progress):
     """The runner of one step (rows dynamic in its first ``rows_in`` inputs; those after its ``NAMED`` ones as the
     one ``*args`` tuple)."""
     rows = aot.rows_dim()
     dims = [*({0: rows} for _ in range(module.rows_in)), *(None for _ in example[module.rows_in:])]
     if len(example) > module.NAMED:
         dims = [*dims[:module.NAMED], tuple(dims[module.NAMED:])]
-    signature = (module.scaled, module.params, tuple(tuple(t.shape[1:]) for t in example))
-    name = aot.key(f"{fmt}:" + type(module).__name__.strip("_").lower(), signature)
+    signature = (module.params, tuple(tuple(t.shape[1:]) for t in example))
+    name = aot.key("w8a8:" + type(module).__name__.strip("_").lower(), signature)
     return aot.runner(module, example, name, tuple(dims), progress)
-
-
-def _matmuls(fmt: str, mods: list[WeightOnlyLinear]):
-    """Per projection, ``mm(rows) -> [T, out]`` (without the bias; ``w8a8``: before the row scales), or None where
-    this build lacks the kernel."""
-    if fmt == "w8a8":
-        linear = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
-        packed = [m.packed() for m in mods]
-        if linear is None or any(p is None for p in packed):
-            return None
-        return [lambda rows, p=p: linear(rows, 1.0, 128, p) for p in packed]
-    kernel = kernels.w4a8()
-    if kernel is None:
-        return None
-    return [lambda rows, m=m: kernel.w4a8_mm(rows, m.qweight, m.scales) for m in mods]
 
 
 def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
     """(pre, post) per layer as ``fastpath.compiled.CompiledLayers`` takes them (``run(list) -> list`` and its
-    tensors), or None where a layer is not all one integer format with joined q/k/v and gate/up projections, or this
-    build lacks the format's kernel."""
+    tensors), or None where a layer is not all ``w8a8`` with joined q/k/v and gate/up projections, or this build
+    lacks fbgemm's kernel."""
+    linear = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
     pre, post = [], []
     for layer, pieces in zip(layers, lean.layers):
         mods = [*pieces.qkv_modules, layer.self_attn.o_proj, *pieces.mlp_modules, layer.mlp.down_proj]
-        fmt = getattr(mods[0], "fmt", None)
-        if fmt not in FORMATS or len(mods) != 4 or pieces.q_norm is not None or not all(
-                type(m) is WeightOnlyLinear and m.fmt == fmt for m in mods):
+        if len(mods) != 4 or pieces.q_norm is not None or not all(
+                type(m) is WeightOnlyLinear and m.fmt == "w8a8" for m in mods):
             return None
-        mm = _matmuls(fmt, mods)
+        packed = [m.packed() for m in mods]
         (w1, eps1), (w2, eps2) = pieces.norm_params
-        if mm is None or w1 is None or w2 is None:
+        if linear is None or any(p is None for p in packed) or w1 is None or w2 is None:
             return None
-        scaled = fmt == "w8a8"
+        mm = [lambda rows, p=p: linear(rows, 1.0, 128, p) for p in packed]  # [T, in] -> [T, out], before the scales
         qkv, o, gu, down = mods
         bias = [[] if m.bias is None else [m.bias] for m in mods]
         h, kvh, d, hidden = lean.heads, lean.kv_heads, lean.head_dim, w1.shape[0]
         t = 2
-        x, s = torch.randn(t, hidden), [torch.rand(t, 1) + 0.5] if scaled else []
+        x, s = torch.randn(t, hidden), torch.rand(t, 1) + 0.5
         cos, sin = torch.randn(t, d), torch.randn(t, d)
         y_qkv, y_o = torch.randn(t, qkv.out_features), torch.randn(t, o.out_features)
         y_gu, y_down = torch.randn(t, gu.out_features), torch.randn(t, down.out_features)
-
-        def program(cls, params, example):  # equal layers share one runner (``aot.runner`` keeps them loaded)
-            return _program(fmt, cls(scaled, *params), example, progress)
-
-        norm = program(_Norm, (eps1,), [x, w1])
-        rotary = program(_Rotary, (h, kvh, d), [y_qkv, *s, cos, sin, *bias[0]])
-        scale = program(_Scale, (), [torch.randn(t, o.in_features)]) if scaled else None
-        mid = program(_Mid, (eps2,), [x, y_o, *s, w2, *bias[1]])
-        act = program(_Act, (down.in_features,), [y_gu, *s, *bias[2]])
-        out = program(_Out, (), [x, y_down, *s, *bias[3]])
+        # equal layers share one runner (``aot.runner`` keeps them loaded)
+        norm = _program(_Norm(eps1), [x, w1], progress)
+        rotary = _program(_Rotary(h, kvh, d), [y_qkv, s, cos, sin, *bias[0]], progress)
+        scale = _program(_Scale(), [torch.randn(t, o.in_features)], progress)
+        mid = _program(_Mid(eps2), [x, y_o, s, w2, *bias[1]], progress)
+        act = _program(_Act(down.in_features), [y_gu, s, *bias[2]], progress)
+        out = _program(_Out(), [x, y_down, s, *bias[3]], progress)
 
         def run_pre(args, mm=mm, norm=norm, rotary=rotary, b=bias[0]):
             x, cos, sin, w = args  # [T, H], [T, d], [T, d], the norm weight
-            rows, *s = norm([x, w])
-            return rotary([mm[0](rows), *s, cos, sin, *b])
+            rows, s = norm([x, w])
+            return rotary([mm[0](rows), s, cos, sin, *b])
 
         def run_post(args, mm=mm, scale=scale, mid=mid, act=act, out=out, b=bias):
             x, a, w = args  # [T, H], [T, heads * d], the norm weight
-            rows, *s = scale([a]) if scale is not None else (a,)
-            x, rows, *s = mid([x, mm[1](rows), *s, w, *b[1]])
-            rows, *s = act([mm[2](rows), *s, *b[2]])
-            return out([x, mm[3](rows), *s, *b[3]])
+            rows, s = scale([a])
+            x, rows, s = mid([x, mm[1](rows), s, w, *b[1]])
+            rows, s = act([mm[2](rows), s, *b[2]])
+            return out([x, mm[3](rows), s, *b[3]])
 
         pre.append((run_pre, [w1]))
         post.append((run_post, [w2]))

@@ -6,7 +6,8 @@ with PyTorch's extension builder (``torch.utils.cpp_extension.load``: a C++ comp
 it in milliseconds; where the CPU lacks the instructions, the compiler is missing or the build fails, the kernel is
 None (with one warning for a failed build) and its format reports itself unavailable.
 
-- ``w4a8()``: ``w4a8_mm(x, w, sz)``, the ``w4a8`` weight format's matmul (``w4a8.cpp``; AVX-512 VNNI).
+- ``w4a8()``: ``w4a8_mm(x, w, sz)``, the ``w4a8`` weight format's matmul (``w4a8.cpp``; AVX-512 VNNI); loading it
+  also registers the operator ``torch.ops.retrospec.w4a8_mm`` (with a shape function, so ``torch.export`` traces it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..paths import cache_home
 HERE = Path(__file__).resolve().parent
 W4A8_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
 _BUILT: dict[str, object] = {}  # kernel name -> loaded module, or None where it cannot run here
+_SHAPES: list = []  # the operators' shape functions, registered (once per process)
 
 
 def kernels_home() -> Path:
@@ -41,8 +43,16 @@ def w4a8_cpu() -> bool:
 def w4a8():
     """The ``w4a8`` kernel module (``w4a8_mm``), or None where this CPU has no AVX-512 VNNI or it cannot be built."""
     if "w4a8" not in _BUILT:
-        _BUILT["w4a8"] = _build("w4a8", HERE / "w4a8.cpp", W4A8_FLAGS) if w4a8_cpu() else None
+        built = _build("w4a8", HERE / "w4a8.cpp", W4A8_FLAGS) if w4a8_cpu() else None
+        if built is not None and not _SHAPES:  # once per process, however often it is loaded
+            _SHAPES.append(torch.library.register_fake("retrospec::w4a8_mm")(_w4a8_shape))
+        _BUILT["w4a8"] = built
     return _BUILT["w4a8"]
+
+
+def _w4a8_shape(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """The operator's result without computing it: x [M, K], w [N / 16, K / 32, 256] -> [M, N] float32."""
+    return x.new_empty(x.shape[0], w.shape[0] * 16)
 
 
 def _build(name: str, source: Path, flags: tuple[str, ...]):
