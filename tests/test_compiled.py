@@ -22,6 +22,7 @@ from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
 from retrospec.fastpath import aot, compiled, engine_for
 from retrospec.fastpath.engine import EngineModel
+from retrospec.fastpath.linear import kernel_available
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
 from retrospec import weight_only
@@ -105,12 +106,17 @@ def test_int4_verification_stays_row_exact(models, monkeypatch):
         assert torch.equal(scored[rows], steps)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int4"])
-def test_greedy_methods_through_compiled_layers_match_the_oracle(models, fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,how", [("float32", "plain"), ("int4", "plain"), ("float32", "kernel")])
+def test_greedy_methods_through_compiled_layers_match_the_oracle(models, fmt, how, monkeypatch):
+    """float32 linears as plain matmuls or through ``kernels.f32`` (row-invariant: then verification is row-exact),
+    int4 through its kernel: the programs express each."""
+    if how == "kernel" and not kernel_available(torch.ones(1)):
+        pytest.skip("the f32 kernel is not built here")
     monkeypatch.setenv("RETROSPEC_COMPILE", "on")
-    monkeypatch.setenv("RETROSPEC_FASTPATH", "plain")  # float32 linears as plain matmuls, which the programs express
+    monkeypatch.setenv("RETROSPEC_FASTPATH", how)
     model = models[fmt]
     assert engine_for(model).describe()["loop"] == "compiled"
+    assert engine_for(model).row_exact or how == "plain"
     greedy = SamplingConfig(temperature=0.0)
     oracle = autoregressive_generate(model, PROMPT, sampling=greedy, max_new_tokens=32)
     draft = tiny_llama(seed=5, layers=1, hidden=64)

@@ -16,12 +16,16 @@ from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
 from retrospec.fastpath import engine as engine_mod
 from retrospec.fastpath import engine_for
-from retrospec.fastpath.linear import HEAD_LAYOUTS, PackedLinear, head_logits, onednn_available, pack_weight
+from retrospec.fastpath.linear import (HEAD_LAYOUTS, KernelLinear, PackedLinear, head_logits, kernel_available,
+                                       onednn_available, pack_weight)
+from retrospec.fastpath.rows import rows_invariant
 from retrospec.fastpath.plan import ROWS, Plan, load_or_measure, linear_layers
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
+HAS_KERNEL = kernel_available(torch.ones(1))
+HOWS = ["packed", "plain", *(["kernel"] if HAS_KERNEL else [])]  # forced matmul paths (``RETROSPEC_FASTPATH``)
 
 
 @needs_onednn
@@ -37,10 +41,31 @@ def test_packed_linear_equals_linear(bias):
     assert packed.weight is lin.weight  # shared, never copied
 
 
+@pytest.mark.skipif(not HAS_KERNEL, reason="no AVX-512 or no C++ compiler here: the f32 kernel is not built")
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_linear_equals_linear_and_each_row_is_alone(bias):
+    """``kernels.f32`` on shapes off its blocking (inputs not a multiple of 16, outputs not of 8): within float
+    tolerance of the float64 product, a row's bits the same whatever the number of rows (up to 64), and over 64 rows
+    (a prompt) the plain matmul's result."""
+    torch.manual_seed(0)
+    for n, k in ((80, 48), (37, 50), (9, 16), (300, 23)):
+        lin = torch.nn.Linear(k, n, bias=bias)
+        fast = KernelLinear(lin)
+        with torch.inference_mode():
+            for rows in (1, 2, 3, 4, 5, 7, 9, 64, 65):
+                x = torch.randn(rows, k)
+                exact = (x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)).float()
+                torch.testing.assert_close(fast(x), exact, rtol=1e-5, atol=1e-5)
+            assert rows_invariant([fast]) and torch.equal(fast(x[None])[0], fast(x))
+    assert fast.weight is lin.weight  # shared, never copied
+
+
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
 def test_every_head_layout_equals_the_model_logits(target, layout):
     if layout == "packed" and not onednn_available():
         pytest.skip("PyTorch built without oneDNN")
+    if layout == "kernel" and not HAS_KERNEL:
+        pytest.skip("the f32 kernel is not built here")
     w = target.get_output_embeddings().weight
     ids = torch.tensor([[5, 17, 3, 42, 8, 61, 2]])
     with torch.inference_mode():
@@ -61,7 +86,7 @@ def _scores(model, how, prompt, trees):
     return out
 
 
-@pytest.mark.parametrize("how", ["packed", "plain"])
+@pytest.mark.parametrize("how", HOWS)
 def test_fast_verifier_equals_the_model_as_it_is(target, how):
     prompt = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
     trees = [DraftTree.empty(), DraftTree.chain([4, 5, 6, 7]),
@@ -69,9 +94,11 @@ def test_fast_verifier_equals_the_model_as_it_is(target, how):
     for got, ref in zip(_scores(target, how, prompt, trees), _scores(target, "off", prompt, trees)):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert engine_for(target, how).mode == how
+    if how == "kernel":  # every matmul row-invariant: a verification is bitwise one-token steps
+        assert engine_for(target, how).row_exact
 
 
-@pytest.mark.parametrize("how", ["packed", "plain"])
+@pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("method", ["ar", "pld", "sd"])
 def test_greedy_through_the_fast_path_equals_the_oracle(arch, method, how):
     target = sharpen(tiny_llama(seed=3, layers=2) if arch == "llama" else __import__("conftest").tiny_qwen2(seed=3))

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..fastpath import device_clock, engine_for, machine_id
-from ..fastpath.linear import PackedLinear
+from ..fastpath.linear import KernelLinear, PackedLinear
 from ..fastpath.plan import median_ms
 from ..kv import KVCache
 from ..types import DraftTree
@@ -110,7 +110,8 @@ def linear_ms(model, tokens: tuple[int, ...], reps: int) -> dict[int, float]:
     engine = engine_for(model)
     module = engine.module
     decoder = engine.decoder if engine.decoder is not None else module.get_decoder()
-    lins = [m for m in decoder.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, WeightOnlyLinear))]
+    kinds = (torch.nn.Linear, PackedLinear, KernelLinear, WeightOnlyLinear)
+    lins = [m for m in decoder.modules() if isinstance(m, kinds)]
     emb = module.get_input_embeddings().weight  # the activations' dtype and device
     head = module.get_output_embeddings()
     logits = engine.logits_of if engine.decoder is not None else head  # the head as the engine applies it

@@ -53,6 +53,7 @@ from ..errors import RetrospecError
 from ..paths import cache_home
 from ..weight_only import GROUP, WeightOnlyLinear
 from . import aot, integer
+from .linear import KernelLinear
 from .aot import MAX_ROWS
 
 MODES = ("auto", "on", "off")
@@ -69,8 +70,8 @@ def compile_mode() -> str:
 
 @dataclass(frozen=True)
 class Proj:
-    """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``) or a
-    weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w4a8``: its operator on the
+    """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``), ``f32``
+    (``KernelLinear``: ``kernels.f32``'s operator on the weight as it is) or a weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w4a8``: its operator on the
     float32 rows; ``w8a8`` layers run ``fastpath.integer``'s programs instead, and ``Proj`` only names them in the
     speed verdict's key)."""
 
@@ -83,27 +84,30 @@ class Proj:
     def of(module: torch.nn.Module) -> "Proj | None":
         if type(module) is torch.nn.Linear:
             return Proj("linear", module.in_features, module.out_features, module.bias is not None)
+        if type(module) is KernelLinear:
+            return Proj("f32", module.in_features, module.out_features, module.bias is not None)
         if type(module) is WeightOnlyLinear:
             return Proj(module.fmt, module.in_features, module.out_features, module.bias is not None)
         return None
 
     @staticmethod
     def tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-        if type(module) is torch.nn.Linear:
+        if type(module) in (torch.nn.Linear, KernelLinear):
             ts = [module.weight]
         else:
             ts = [module.qweight, module.scales]
         return ts + ([module.bias] if module.bias is not None else [])
 
     def width(self) -> int:
-        return (1 if self.kind == "linear" else 2) + int(self.bias)
+        return (1 if self.kind in ("linear", "f32") else 2) + int(self.bias)
 
     def apply(self, x: torch.Tensor, ts: list[torch.Tensor]) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.kind == "linear":
             return torch.mm(x, ts[0].t()) if not self.bias else torch.addmm(ts[1], x, ts[0].t())
-        if self.kind == "w4a8":
-            y = torch.ops.retrospec.w4a8_mm(x, ts[0], ts[1])
-            return y + ts[2] if self.bias else y
+        if self.kind in ("w4a8", "f32"):
+            y = torch.ops.retrospec.w4a8_mm(x, ts[0], ts[1]) if self.kind == "w4a8" else \
+                torch.ops.retrospec.f32_mm(x, ts[0])
+            return y + ts[-1] if self.bias else y
         rows = x.to(torch.bfloat16)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, ts[0], ts[1])

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ..errors import RetrospecError
 from ..paths import cache_home
-from .linear import PackedLinear, onednn_available, pack_weight, packed_matmul, packed_or_plain
+from .linear import KernelLinear, PackedLinear, kernel_available, onednn_available, pack_weight, packed_matmul, \
+    packed_or_plain
 from .plan import cached_json, machine_id, median_ms, mode
 
 CHOICES = ("plain", "packed", "packed-bf16")
@@ -113,13 +114,16 @@ def _pack_dtype(choice: str) -> torch.dtype | None:
 
 
 def pack_linears(module: torch.nn.Module, choice: str, max_rows: int = MAX_ROWS) -> None:
-    """Swap ``module``'s own ``nn.Linear`` children (recursively) for ``PackedLinear`` per ``choice`` (in place: call
-    it on a private copy only)."""
+    """Swap ``module``'s own ``nn.Linear`` children (recursively) for ``PackedLinear`` per ``choice``, or for
+    ``KernelLinear`` (``kernel``; float32 weights) (in place: call it on a private copy only)."""
     if choice == "plain":
         return
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
+            if type(child) is torch.nn.Linear and choice == "kernel":
+                if kernel_available(child.weight):
+                    setattr(parent, name, KernelLinear(child))
+            elif type(child) is torch.nn.Linear:
                 packed = pack_weight(child.weight, _pack_dtype(choice))
                 if packed is not None:
                     setattr(parent, name, PackedLinear(child, packed, max_rows))

@@ -157,6 +157,8 @@ class EngineModel:
                 self.plan = forced_plan(how)
             if self.plan.packed_rows:  # the copy's own decoder linears; the caller's modules are untouched
                 pack_linears(decoder, "packed-bf16" if pack_dtype else "packed", max(self.plan.packed_rows))
+            elif self.plan.kernel:
+                pack_linears(decoder, "kernel")
             self.head_weight = getattr(head, "weight", None)
             if "packed" in self.plan.head.values():
                 self.head_packed = pack_weight(head.weight, pack_dtype)
@@ -239,8 +241,8 @@ class EngineModel:
         if self.hybrid_min_length is not None:
             d["hybrid_min_length"] = self.hybrid_min_length
         if self.plan is not None:
-            d.update(packed_rows=self.plan.packed_rows, head=self.plan.head, plan=self.plan.source,
-                     plan_seconds=round(self.plan.seconds, 2))
+            d.update(packed_rows=self.plan.packed_rows, kernel=self.plan.kernel, head=self.plan.head,
+                     plan=self.plan.source, plan_seconds=round(self.plan.seconds, 2))
         return d
 
 

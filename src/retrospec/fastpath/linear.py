@@ -6,9 +6,10 @@ T = 1 and 51 ms at T = 2; oneDNN with a prepacked weight 21-25 ms at both), so `
 
 ``PackedLinear`` multiplies by a weight reordered once by oneDNN (``mkldnn._reorder_linear_weight``, as inductor's
 freezing pass does) through ``mkldnn._linear_pointwise``; over ``max_rows`` rows (a prefill) it takes ``F.linear``.
-``head_logits`` computes ``hidden @ W.T`` in one of ``HEAD_LAYOUTS``. All compute the same products (tested within
-tolerance, greedy identical). A bfloat16 packed copy is for drafts only. Invariant: a ``PackedLinear`` never owns
-or writes the caller's weight.
+``KernelLinear`` multiplies by the weight as it is through ``kernels.f32`` (AVX-512 dot products, each row's bits
+independent of how many rows share the call). ``head_logits`` computes ``hidden @ W.T`` in one of ``HEAD_LAYOUTS``.
+All compute the same products (tested within tolerance, greedy identical). A bfloat16 packed copy is for drafts
+only. Invariant: a ``PackedLinear`` or ``KernelLinear`` never owns or writes the caller's weight.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-HEAD_LAYOUTS = ("linear", "wht", "packed")  # F.linear(h, W) | (W @ h.T).T | oneDNN prepacked
+from .. import kernels
+
+HEAD_LAYOUTS = ("linear", "wht", "packed", "kernel")  # F.linear(h, W) | (W @ h.T).T | oneDNN prepacked | kernels.f32
 PACK_HINT = 8  # the batch-size hint given to the reorder (measured: a hint of 8 serves 1..16 rows well)
 
 
@@ -69,11 +72,36 @@ class PackedLinear(torch.nn.Module):
         return packed_or_plain(x, self.weight, self.bias, self.packed, self.packed_bias, self.max_rows)
 
 
+def kernel_available(weight: torch.Tensor) -> bool:
+    """Whether ``kernels.f32`` can multiply by this weight here (float32 on the CPU, the kernel built)."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and kernels.f32() is not None
+
+
+def kernel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., in] x [out, in] -> [..., out] through ``kernels.f32`` (float32 rows)."""
+    y = torch.ops.retrospec.f32_mm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+class KernelLinear(torch.nn.Module):
+    """A drop-in float32 ``nn.Linear`` through ``kernels.f32`` for the engine's private model copy."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # shared with the caller's module (no copy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        return kernel_matmul(x, self.weight, self.bias)
+
+
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: str,
                 packed: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] hidden x [V, H] weight -> [T, V] logits in the given layout (``packed`` needs the packed weight)."""
     if layout == "packed" and packed is not None:
         return packed_matmul(hidden, packed)
+    if layout == "kernel":
+        return kernel_matmul(hidden, weight)
     if layout == "wht":
         return (weight @ hidden.T).T  # [V, H] x [H, T], a transposed view back
     return F.linear(hidden, weight)

@@ -2,14 +2,21 @@
 
 Machines differ (AMD or Intel, AVX-512/bf16 or not, MKL or oneDNN), and so does the fastest way to multiply
 T = 1..64 rows by a weight matrix. ``measure_plan`` times, on the model's own weights:
-- the decoder's linear layers, plain ``F.linear`` against oneDNN prepacked, per row count in ``ROWS``: whole layers
-  until ``SAMPLE_BYTES`` of weights (past the last-level cache: memory-bound like the real forward), scaled up;
+- the decoder's linear layers, plain ``F.linear`` against oneDNN prepacked and, where it is built, ``kernels.f32``
+  (``KernelLinear``), per row count in ``ROWS``: whole layers until ``SAMPLE_BYTES`` of weights (past the last-level
+  cache: memory-bound like the real forward), scaled up;
 - the output head in each of ``linear.HEAD_LAYOUTS`` per row count.
+The kernel gives each row the same bits whatever the number of rows, which makes a verification bitwise one-token
+steps only if every row count takes it: it is taken for all row counts or none, where a one-row call (a decode
+step) plus an 8-row call (a verification) cost at most ``KERNEL_SLACK`` times the fastest other paths', separately
+for the decoder's linears and for the head (exact verification is worth a cost within the timing's own noise).
+Paths are timed in turn, so drift of the machine hits all alike.
 The ``Plan`` is cached as JSON under ``cache_home()/fastpath/`` keyed by machine, torch version, threads, dtype and
 shapes. A plan only picks among computations of the same products; it never changes what is computed.
 
 ``RETROSPEC_FASTPATH``: ``auto`` (default), ``packed`` (oneDNN everywhere: the tests force the fast path with it),
-``plain`` (plain matmuls, the engine's attention only) or ``off`` (the caller's model as it is, the reference).
+``kernel`` (``kernels.f32`` everywhere it is built), ``plain`` (plain matmuls, the engine's attention only) or
+``off`` (the caller's model as it is, the reference).
 """
 
 from __future__ import annotations
@@ -29,13 +36,16 @@ import torch.nn.functional as F
 from ..atomic import write_text_atomic
 from ..paths import cache_home
 from ..weight_only import FORMAT_ATTR
-from .linear import HEAD_LAYOUTS, head_logits, onednn_available, pack_weight, packed_matmul
+from .linear import HEAD_LAYOUTS, head_logits, kernel_available, kernel_matmul, onednn_available, pack_weight, \
+    packed_matmul
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a forward of r rows uses the bucket >= r
 SAMPLE_BYTES = 96 << 20  # decoder weights timed per measurement (then scaled to the whole decoder)
 REPS = 5
-MODES = ("auto", "packed", "plain", "off")
-PLAN_VERSION = 1
+MODES = ("auto", "packed", "kernel", "plain", "off")
+PLAN_VERSION = 2
+KERNEL_ROWS = (1, 8)  # a decode step and a verification: where the kernel is compared with the other paths
+KERNEL_SLACK = 1.05  # taken where it costs at most this factor of the fastest others
 
 
 def bucket(rows: int) -> int | None:
@@ -48,9 +58,11 @@ def bucket(rows: int) -> int | None:
 
 @dataclass
 class Plan:
-    """Per measured row count: whether decoder linears run prepacked, and the head layout."""
+    """Per measured row count: whether decoder linears run prepacked, and the head layout; or the decoder's linears
+    through the kernel at every row count (``kernel``)."""
 
     packed_rows: list[int] = field(default_factory=list)  # buckets where PackedLinear beats F.linear
+    kernel: bool = False  # decoder linears as ``KernelLinear`` (then no packed rows)
     head: dict[int, str] = field(default_factory=dict)  # bucket -> layout in HEAD_LAYOUTS
     ms: dict = field(default_factory=dict)  # what was measured: {"linear": {path: {rows: ms}}, "head": {...}}
     key: str = ""
@@ -66,7 +78,8 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
-        return cls(packed_rows=[int(r) for r in d["packed_rows"]], head={int(k): v for k, v in d["head"].items()},
+        return cls(packed_rows=[int(r) for r in d["packed_rows"]], kernel=bool(d.get("kernel")),
+                   head={int(k): v for k, v in d["head"].items()},
                    ms=d.get("ms", {}), key=d.get("key", ""), seconds=0.0, source="cache")
 
 
@@ -82,6 +95,8 @@ def mode() -> str:
 def forced_plan(m: str) -> Plan:
     if m == "packed" and onednn_available():
         return Plan(packed_rows=list(ROWS), head={r: "packed" for r in ROWS}, source="forced:packed")
+    if m == "kernel" and kernel_available(torch.ones(1)):
+        return Plan(kernel=True, head={r: "kernel" for r in ROWS}, source="forced:kernel")
     return Plan(source=f"forced:{m}")
 
 
@@ -169,31 +184,59 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
     packed = [pack_weight(m.weight) for m in sample]
     can_pack = bool(sample) and all(p is not None for p in packed)
     dtype = sample[0].weight.dtype if sample else (head_weight.dtype if head_weight is not None else torch.float32)
-    lin: dict[str, dict[int, float]] = {"plain": {}, "packed": {}}
-    packed_rows = []
+    kernel = bool(sample) and kernel_available(sample[0].weight)
+    lin: dict[str, dict[int, float]] = {path: {} for path in ("plain", "packed", "kernel")
+                                        if (path != "packed" or can_pack) and (path != "kernel" or kernel)}
     for r in ROWS:
         xs = {m.in_features: torch.randn(1, r, m.in_features, dtype=dtype) for m in sample}
-        lin["plain"][r] = scale * median_ms(lambda: [F.linear(xs[m.in_features], m.weight) for m in sample])
-        if can_pack:
-            lin["packed"][r] = scale * median_ms(
-                lambda: [packed_matmul(xs[m.in_features], p) for m, p in zip(sample, packed)])
-            if lin["packed"][r] < lin["plain"][r]:
-                packed_rows.append(r)
+        paths = {"plain": lambda: [F.linear(xs[m.in_features], m.weight) for m in sample],
+                 "packed": lambda: [packed_matmul(xs[m.in_features], p) for m, p in zip(sample, packed)],
+                 "kernel": lambda: [kernel_matmul(xs[m.in_features], m.weight) for m in sample]}
+        for path, ms in interleaved_ms({path: paths[path] for path in lin}).items():
+            lin[path][r] = scale * ms
     packed = None  # free the sampled packed copies before the head's
+    kernel = kernel and _kernel_wins(lin)
+    packed_rows = [] if kernel or not can_pack else [r for r in ROWS if lin["packed"][r] < lin["plain"][r]]
     head: dict[int, str] = {}
     head_ms: dict[str, dict[int, float]] = {}
     if head_weight is not None:
         hp = pack_weight(head_weight)
-        layouts = [lay for lay in HEAD_LAYOUTS if lay != "packed" or hp is not None]
-        for lay in layouts:
-            head_ms[lay] = {}
+        layouts = [lay for lay in HEAD_LAYOUTS if (lay != "packed" or hp is not None)
+                   and (lay != "kernel" or kernel_available(head_weight))]
+        head_ms = {lay: {} for lay in layouts}
         for r in ROWS:
             h = torch.randn(r, head_weight.shape[1], dtype=head_weight.dtype)
-            for lay in layouts:
-                head_ms[lay][r] = median_ms(lambda: head_logits(h, head_weight, lay, hp))
-            head[r] = min(layouts, key=lambda lay: head_ms[lay][r])
-    return Plan(packed_rows=packed_rows, head=head, ms={"linear": lin, "head": head_ms, "sampled_share": 1 / scale},
-                key=key, seconds=time.perf_counter() - t0, source="measured")
+            for lay, ms in interleaved_ms({lay: lambda lay=lay: head_logits(h, head_weight, lay, hp)
+                                           for lay in layouts}).items():
+                head_ms[lay][r] = ms
+        whole = "kernel" in head_ms and _kernel_wins(head_ms)
+        for r in ROWS:
+            head[r] = "kernel" if whole else min((lay for lay in layouts if lay != "kernel"),
+                                                 key=lambda lay: head_ms[lay][r])
+    return Plan(packed_rows=packed_rows, kernel=kernel, head=head,
+                ms={"linear": lin, "head": head_ms, "sampled_share": 1 / scale}, key=key,
+                seconds=time.perf_counter() - t0, source="measured")
+
+
+def _kernel_wins(ms: dict[str, dict[int, float]]) -> bool:
+    """Whether ``ms["kernel"]``, summed over ``KERNEL_ROWS``, is within ``KERNEL_SLACK`` of the fastest other paths
+    at those row counts (each row count's fastest)."""
+    others = sum(min(t[r] for path, t in ms.items() if path != "kernel") for r in KERNEL_ROWS)
+    return sum(ms["kernel"][r] for r in KERNEL_ROWS) <= KERNEL_SLACK * others
+
+
+def interleaved_ms(fns: dict, reps: int = REPS) -> dict:
+    """{name: median milliseconds} of ``reps`` calls of each function, taken in turn (drift hits all alike), after
+    one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def load_or_measure(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None,

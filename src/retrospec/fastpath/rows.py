@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..weight_only import WeightOnlyLinear
-from .linear import PackedLinear
+from .linear import KernelLinear, PackedLinear
 
 ROWS = (2, 5, 17)  # row counts of a verification (a chain, a small tree) checked against one-row calls
 
@@ -24,7 +24,7 @@ def linear_modules(decoder: torch.nn.Module) -> list[torch.nn.Module]:
     """One module per distinct (type, in, out) among ``decoder``'s linear layers, as the copy calls them."""
     seen, out = set(), []
     for m in decoder.modules():
-        if isinstance(m, (torch.nn.Linear, PackedLinear, WeightOnlyLinear)):
+        if isinstance(m, (torch.nn.Linear, PackedLinear, KernelLinear, WeightOnlyLinear)):
             key = (type(m), m.in_features, m.out_features)
             if key not in seen:
                 seen.add(key)

@@ -4,10 +4,13 @@ Only what no maintained library does well here is written by hand (each source f
 with PyTorch's extension builder (``torch.utils.cpp_extension.load``: a C++ compiler and ninja) into
 ``kernels_home()``, keyed by its source, the torch and Python versions and the build flags, so a later process loads
 it in milliseconds; where the CPU lacks the instructions, the compiler is missing or the build fails, the kernel is
-None (with one warning for a failed build) and its format reports itself unavailable.
+None (with one warning for a failed build) and what needs it reports itself unavailable. Loading a kernel also
+registers its operator (``torch.ops.retrospec.<name>``, with a shape function, so ``torch.export`` traces it and
+compiled programs call it).
 
-- ``w4a8()``: ``w4a8_mm(x, w, sz)``, the ``w4a8`` weight format's matmul (``w4a8.cpp``; AVX-512 VNNI); loading it
-  also registers the operator ``torch.ops.retrospec.w4a8_mm`` (with a shape function, so ``torch.export`` traces it).
+- ``w4a8()``: ``w4a8_mm(x, w, sz)``, the ``w4a8`` weight format's matmul (``w4a8.cpp``; AVX-512 VNNI).
+- ``f32()``: ``f32_mm(x, w)``, ``x @ w.T`` in float32 for up to 64 rows, each row's bits independent of the others
+  (``f32.cpp``; AVX-512): one of the float32 matmul paths ``fastpath.plan`` measures.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import torch
 from ..paths import cache_home
 
 HERE = Path(__file__).resolve().parent
-W4A8_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
+F32_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+W4A8_FLAGS = (*F32_FLAGS, "-mavx512vnni")
 _BUILT: dict[str, object] = {}  # kernel name -> loaded module, or None where it cannot run here
-_SHAPES: list = []  # the operators' shape functions, registered (once per process)
+_SHAPES: dict[str, object] = {}  # operator -> its registered shape function (once per process)
 
 
 def kernels_home() -> Path:
@@ -34,28 +38,40 @@ def kernels_home() -> Path:
     return Path(os.environ.get("RETROSPEC_KERNELS_HOME") or cache_home() / "kernels").expanduser()
 
 
+def avx512_cpu(vnni: bool = False) -> bool:
+    """Whether this CPU (and OS) has AVX-512 (and VNNI, where asked): what the kernels need (no build is tried)."""
+    probes = ("_is_avx512_supported", "_is_vnni_supported") if vnni else ("_is_avx512_supported",)
+    return sys.platform.startswith("linux") and all(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
 def w4a8_cpu() -> bool:
-    """Whether this CPU (and OS) can run the ``w4a8`` kernel: AVX-512 with VNNI, on Linux (no build is tried)."""
-    return sys.platform.startswith("linux") and all(
-        getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_supported", "_is_vnni_supported"))
+    """Whether this CPU can run the ``w4a8`` kernel: AVX-512 with VNNI, on Linux."""
+    return avx512_cpu(vnni=True)
 
 
 def w4a8():
     """The ``w4a8`` kernel module (``w4a8_mm``), or None where this CPU has no AVX-512 VNNI or it cannot be built."""
-    if "w4a8" not in _BUILT:
-        built = _build("w4a8", HERE / "w4a8.cpp", W4A8_FLAGS) if w4a8_cpu() else None
-        if built is not None and not _SHAPES:  # once per process, however often it is loaded
-            _SHAPES.append(torch.library.register_fake("retrospec::w4a8_mm")(_w4a8_shape))
-        _BUILT["w4a8"] = built
-    return _BUILT["w4a8"]
+    return _kernel("w4a8", W4A8_FLAGS, w4a8_cpu(), lambda x, w, sz: x.new_empty(x.shape[0], w.shape[0] * 16),
+                   "the w4a8 format is unavailable")
 
 
-def _w4a8_shape(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """The operator's result without computing it: x [M, K], w [N / 16, K / 32, 256] -> [M, N] float32."""
-    return x.new_empty(x.shape[0], w.shape[0] * 16)
+def f32():
+    """The ``f32`` kernel module (``f32_mm``), or None where this CPU has no AVX-512 or it cannot be built."""
+    return _kernel("f32", F32_FLAGS, avx512_cpu(), lambda x, w: x.new_empty(x.shape[0], w.shape[0]),
+                   "float32 matmuls stay PyTorch's")
 
 
-def _build(name: str, source: Path, flags: tuple[str, ...]):
+def _kernel(name: str, flags: tuple[str, ...], runs_here: bool, shape, without: str):
+    """The loaded kernel ``name`` (``<name>.cpp``), its operator's ``shape`` function registered; built on first use."""
+    if name not in _BUILT:
+        built = _build(name, HERE / f"{name}.cpp", flags, without) if runs_here else None
+        if built is not None and name not in _SHAPES:  # once per process, however often it is loaded
+            _SHAPES[name] = torch.library.register_fake(f"retrospec::{name}_mm")(shape)
+        _BUILT[name] = built
+    return _BUILT[name]
+
+
+def _build(name: str, source: Path, flags: tuple[str, ...], without: str):
     from torch.utils import cpp_extension
 
     text = source.read_bytes()
@@ -78,8 +94,7 @@ def _build(name: str, source: Path, flags: tuple[str, ...]):
                                       build_directory=str(folder), verbose=False)
     except (RuntimeError, OSError, ImportError, SystemExit) as e:  # no compiler or ninja, a failed build
         why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-        warnings.warn(f"the {name} kernel could not be built here ({why}); the {name} format is unavailable",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"the {name} kernel could not be built here ({why}); {without}", RuntimeWarning, stacklevel=4)
         return None
     finally:
         if had:

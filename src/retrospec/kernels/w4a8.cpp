@@ -139,7 +139,7 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
 }
 
 // Also an operator (``torch.ops.retrospec.w4a8_mm``), so compiled programs can call it between their fused loops.
-TORCH_LIBRARY(retrospec, m) { m.def("w4a8_mm(Tensor x, Tensor w, Tensor sz) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(retrospec, m) { m.def("w4a8_mm(Tensor x, Tensor w, Tensor sz) -> Tensor"); }
 TORCH_LIBRARY_IMPL(retrospec, CPU, m) { m.impl("w4a8_mm", &w4a8_mm); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("w4a8_mm", &w4a8_mm, "w4a8 matmul (see the file's header)"); }

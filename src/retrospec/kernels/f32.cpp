@@ -1,0 +1,115 @@
+// f32 matmul for a few rows: y = x w^T with x [M, K] and w [N, K] (an nn.Linear weight, as it is: no copy, no
+// repacking), float32, AVX-512, for the M = 1..64 rows of a decode step or a verification.
+//
+// Why hand-written: float32 BLAS picks its blocking and reduction order by the number of rows (gemv for one row, a
+// blocked gemm for several), so a row's result changes with how many rows share the call, and a k-token verification
+// is then not bitwise k one-token steps; and PyTorch's small-M float32 paths stay well above the memory floor on
+// some CPUs. Here every output is one dot product computed the same way whatever M is: per row r and output n,
+//   acc = 0; for each block of 16 inputs k (in order): acc = fma(x[r, k..k+15], w[n, k..k+15], acc)
+//   y[r, n] = the 16 lanes of acc summed (a fixed tree)
+// (the last block masked where K is not a multiple of 16), so each row's result is bitwise independent of the
+// others (row invariance). Several (rows x outputs) accumulators run at once (one weight load serves every row of
+// the block; independent chains hide the FMA latency); threads split the outputs. Over ``kMaxRows`` rows (a
+// prompt) it calls at::matmul (compute-bound there; its rows are not this kernel's bits).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kMaxRows = 64, kChunk = 32, kOuts = 8;  // rows handled here; outputs per parallel work, per unit
+
+template <int R, int NO>
+void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t outs) {
+  __m512 acc[R][NO];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t full = K / 16 * 16;
+  for (int64_t k = 0; k < full; k += 16) {
+    __m512 wv[NO];
+#pragma GCC unroll 8
+    for (int j = 0; j < NO; ++j) {
+      // fetch the same inputs of the outputs kOuts ahead (the next unit's weights, while this one computes)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kOuts + j) * K + k), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_ps(w + j * K + k);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  if (full < K) {  // the last, partial block: masked loads (zeros beyond K)
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - full)) - 1);
+    __m512 wv[NO];
+    for (int j = 0; j < NO; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * K + full);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + full);
+      for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NO && j < outs; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// rows [0, R) x kOuts outputs: one block of 8 accumulator chains per row for up to 2 rows, two blocks of 4 above
+template <int R>
+void unit(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  if constexpr (R <= 2) {
+    block<R, kOuts>(x, K, w, y, ldy, kOuts);
+  } else {
+    block<R, kOuts / 2>(x, K, w, y, ldy, kOuts / 2);
+    block<R, kOuts / 2>(x, K, w + kOuts / 2 * K, y + kOuts / 2, ldy, kOuts / 2);
+  }
+}
+
+// every row x outputs [n0, n1): per unit of kOuts outputs (read from memory once, then from L1), rows by 4, then the
+// rest; outputs past the last full unit one at a time
+void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kOuts <= n1; n += kOuts) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) unit<4>(x + r * K, K, w + n * K, y + r * N + n, N);
+    switch (M - r) {
+      case 3: unit<3>(x + r * K, K, w + n * K, y + r * N + n, N); break;
+      case 2: unit<2>(x + r * K, K, w + n * K, y + r * N + n, N); break;
+      case 1: unit<1>(x + r * K, K, w + n * K, y + r * N + n, N); break;
+      default: break;
+    }
+  }
+  for (; n < n1; ++n) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) block<4, 1>(x + r * K, K, w + n * K, y + r * N + n, N, 1);
+    for (; r < M; ++r) block<1, 1>(x + r * K, K, w + n * K, y + r * N + n, N, 1);
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32, w [N, K] float32 -> [M, N] float32
+torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "f32_mm: x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.size(1) == x.size(1),
+              "f32_mm: w must be [N, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M > kMaxRows) return at::matmul(x, w.t());
+  x = x.contiguous();
+  w = w.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
+    rows_range(xp, M, K, wp, yp, N, c0 * kChunk, std::min(N, c1 * kChunk));
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(retrospec, m) { m.def("f32_mm(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_IMPL(retrospec, CPU, m) { m.impl("f32_mm", &f32_mm); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("f32_mm", &f32_mm, "f32 matmul for few rows (see the header)"); }
