@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from retrospec.errors import RetrospecError
@@ -94,6 +94,7 @@ def _naive_lookup(served: list[list[int]], capacity: int, n: int, max_suffix: in
 @settings(max_examples=60, deadline=None)
 @given(outputs=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=12), min_size=1, max_size=12),
        context=st.lists(st.integers(0, 4), min_size=0, max_size=8), capacity=st.integers(4, 40))
+@example(outputs=[[0, 0], [0]], context=[0, 0], capacity=4)  # an n-gram whose first token was evicted: no match
 def test_served_store_equals_the_naive_search(outputs, context, capacity):
     store = ServedStore(capacity, min_suffix=2, max_suffix=6, max_hits=5)
     for out in outputs:

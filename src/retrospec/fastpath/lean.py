@@ -247,12 +247,19 @@ class LeanDecoder:
             cos2, sin2 = cos[0, 0], sin[0, 0]  # [T, head_dim]
         bias = visible = None  # the compiled attention's mask, built at the first layer (it needs the length)
         for layer in self.layers:
-            if fast is not None:
+            layers = getattr(cache, "layers", ())
+            layer_cache = layers[layer.index] if layer.index < len(layers) else None
+            if fast is not None and fast.attn is not None and getattr(layer_cache, "length", 0) > 0 \
+                    and hasattr(layer_cache, "append_heads"):  # a step over our cache: written straight from qkv
                 qkv = fast.run_qkv(layer.index, x, cos2, sin2)  # [T, heads + 2 kvh, d]
+                k, v = layer_cache.append_heads(qkv, self.heads, self.kv_heads)  # [1, kvh, L, d]
+            elif fast is not None:
+                qkv = fast.run_qkv(layer.index, x, cos2, sin2)
                 q, k, v = fast.split(qkv)
+                k, v = cache.update(k, v, layer.index)
             else:
                 q, k, v = self.pre_eager(layer, x, cos, sin)
-            k, v = cache.update(k, v, layer.index)  # [1, kvh, L, d]
+                k, v = cache.update(k, v, layer.index)
             if fast is not None and fast.attn is not None and t < k.shape[2]:
                 if bias is None and visible is None:
                     bias, visible = self._attention_mask(attention_mask, t, k.shape[2])

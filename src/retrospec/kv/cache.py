@@ -77,6 +77,21 @@ class BufferLayer(CacheLayerMixin):
         self._refresh_views()
         return self.keys, self.values
 
+    def append_heads(self, qkv: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update`` for a batch of one, from a projection's rows as they come: qkv [T, heads + 2 kv_heads, d]
+        (query heads, then key heads, then value heads) -> the cache's keys / values [1, kv_heads, L, d]. The same
+        copies as ``update`` with its keys laid out [1, kv_heads, T, d], without making those views first."""
+        if self._k.shape[0] != 1:
+            raise ValueError("append_heads writes a batch of one")
+        n = qkv.shape[0]
+        if self.length + n > self.capacity:
+            self._grow(self.length + n)
+        self._k[0, :, self.length : self.length + n] = qkv[:, heads : heads + kv_heads].transpose(0, 1)
+        self._v[0, :, self.length : self.length + n] = qkv[:, heads + kv_heads :].transpose(0, 1)
+        self.length += n
+        self._refresh_views()
+        return self.keys, self.values
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 

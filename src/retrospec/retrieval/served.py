@@ -11,7 +11,7 @@ Layout (LZ77's hash chain over a ring buffer):
 - ``chain`` [capacity] int64: for the ``min_suffix``-gram ending at position g, the previous position where the same
   n-gram ended (-1: none); ``heads`` maps an n-gram (its bytes) to the most recent position where it ended.
 Memory: 12 bytes a kept token, plus ``heads`` (at most ``capacity`` keys: stale keys are dropped when it grows past
-that). Nothing is ever read from an overwritten slot: a chain stops at the first position older than the window.
+that). Nothing is ever read from an overwritten slot: a chain stops at the first n-gram that starts before the window.
 
 Search (``lookup``): the context's last ``min_suffix`` tokens select a chain; up to ``max_hits`` of its most recent
 positions are compared backwards with the context (``max_suffix`` tokens at most); the positions sharing the longest
@@ -113,7 +113,7 @@ class ServedStore:
             return 0, []
         g = self.heads.get(ctx[-self.min_suffix:].tobytes(), -1)
         oldest, hits = self.oldest, []  # (match length, end position), most recent first
-        while g >= oldest and len(hits) < self.max_hits:
+        while g - self.min_suffix + 1 >= oldest and len(hits) < self.max_hits:  # the whole n-gram still kept
             hits.append((self._match_length(ctx, g), g))
             nxt = int(self.chain[g % self.capacity])
             if nxt >= g:  # a slot rewritten since: its link is not this chain's
