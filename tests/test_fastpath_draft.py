@@ -20,7 +20,7 @@ from retrospec.drafters.longspec import LongSpecDrafter, fast_block
 from retrospec.errors import RetrospecError
 from retrospec.fastpath import draft as fdraft
 from retrospec.fastpath import engine_for
-from retrospec.fastpath.linear import PackedLinear, onednn_available, pack_weight
+from retrospec.fastpath.linear import KernelLinear, PackedLinear, kernel_available, onednn_available, pack_weight
 from retrospec.types import SpecStats
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="oneDNN (mkldnn) is not available in this torch")
@@ -113,9 +113,34 @@ def test_choice_is_measured_once_and_overrides(monkeypatch, tmp_path):
     files = list((tmp_path / "fastpath").glob("draft-*.json"))
     assert len(files) == 1 and first in fdraft.CHOICES
     data = json.loads(files[0].read_text())
-    assert data["choice"] == first and set(data["ms"]) == set(fdraft.CHOICES)
+    measured = set(fdraft.CHOICES) - (set() if kernel_available(weights[0]) else {"kernel"})  # no AVX-512: no kernel
+    assert data["choice"] == first and set(data["ms"]) == measured
     monkeypatch.setattr(fdraft, "measure_choice", lambda *a, **k: pytest.fail("measured twice"))
     assert fdraft.draft_choice(weights) == first  # read from the cache
     monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "float32")  # another allowed set: another key
-    monkeypatch.setattr(fdraft, "measure_choice", lambda w, allowed: {"version": 1, "choice": allowed[-1], "ms": {}})
-    assert fdraft.draft_choice(weights) == "packed"
+    monkeypatch.setattr(fdraft, "measure_choice",
+                        lambda w, allowed: {"version": fdraft.VERSION, "choice": allowed[-1], "ms": {}})
+    assert fdraft.draft_choice(weights) == "kernel"  # float32 weights: plain, packed or the kernel, no bfloat16
+    if kernel_available(weights[0]):  # forced: taken without measuring
+        monkeypatch.setenv("RETROSPEC_FASTPATH", "kernel")
+        monkeypatch.setattr(fdraft, "measure_choice", lambda *a, **k: pytest.fail("measured"))
+        assert fdraft.draft_choice(weights) == "kernel"
+
+
+@pytest.mark.skipif(not kernel_available(torch.ones(1)), reason="no AVX-512 or no C++ compiler: no f32 kernel")
+def test_drafts_through_the_f32_kernel_are_exact(monkeypatch):
+    """``kernel`` as a draft's path: the LongSpec block's linears and head rows and a draft model's engine run
+    ``kernels.f32``; greedy output stays the oracle's."""
+    from conftest import tiny_llama
+
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "kernel")
+    target, block = mimic_pair("llama")
+    want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
+    drafter = LongSpecDrafter(block, gamma=4)
+    assert isinstance(drafter.fast.mlp.down_proj, KernelLinear)
+    got = speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40)
+    assert [t for c in got for t in c] == want
+    sd = REGISTRY["sd"](draft_model=tiny_llama(seed=1, layers=1), gamma=4)
+    assert sd.engine.plan.source == "draft:kernel" and sd.engine.plan.kernel
+    got = speculative_generate(target, sd, PROMPT, sampling=GREEDY, max_new_tokens=40)
+    assert [t for c in got for t in c] == want

@@ -8,13 +8,15 @@ proposed, never the output. Never applied to a target (``engine_for`` without ``
 
 What:
 - ``draft_choice(weights)`` times the [out, in] weights at ``ROWS`` rows in each of ``CHOICES``: ``plain``
-  (``F.linear``), ``packed`` (oneDNN prepacked) and ``packed-bf16`` (a bfloat16 prepacked copy; activations cast
-  in and out), and returns the fastest; cached as JSON under ``cache_home()/fastpath/`` keyed like ``plan``.
-- ``fast_copy(module, choice, shared)``: a private copy with every ``nn.Linear`` swapped for a ``PackedLinear``
-  (weights and the ``shared`` modules are the originals), cached weakly per module while its weights stay the same.
+  (``F.linear``), ``packed`` (oneDNN prepacked), ``packed-bf16`` (a bfloat16 prepacked copy; activations cast
+  in and out) and ``kernel`` (``kernels.f32`` on float32 weights, where it is built), and returns the fastest; cached
+  as JSON under ``cache_home()/fastpath/`` keyed like ``plan``.
+- ``fast_copy(module, choice, shared)``: a private copy with every ``nn.Linear`` swapped for a ``PackedLinear`` or a
+  ``KernelLinear`` (weights and the ``shared`` modules are the originals), cached weakly per module while its weights
+  stay the same.
 - ``row_product(weight, choice)``: ``x -> x @ weight.T`` computed the same way (a block's head rows).
 
-Overrides: ``RETROSPEC_FASTPATH`` ``off`` / ``plain`` -> ``plain``, ``packed`` -> ``packed``;
+Overrides: ``RETROSPEC_FASTPATH`` ``off`` / ``plain`` -> ``plain``, ``packed`` -> ``packed``, ``kernel`` -> ``kernel``;
 ``RETROSPEC_DRAFT_DTYPE``: ``float32`` (no bfloat16), ``bfloat16`` (``packed-bf16`` unmeasured), ``auto`` (default).
 """
 
@@ -33,15 +35,15 @@ import torch.nn.functional as F
 
 from ..errors import RetrospecError
 from ..paths import cache_home
-from .linear import KernelLinear, PackedLinear, kernel_available, onednn_available, pack_weight, packed_matmul, \
-    packed_or_plain
+from .linear import KernelLinear, PackedLinear, kernel_available, kernel_matmul, onednn_available, pack_weight, \
+    packed_matmul, packed_or_plain
 from .plan import cached_json, machine_id, median_ms, mode
 
-CHOICES = ("plain", "packed", "packed-bf16")
+CHOICES = ("plain", "packed", "packed-bf16", "kernel")
 ROWS = (1, 4, 16)  # a chain step, a tree level of 4, a level of 16
 MAX_ROWS = 64  # inputs with more rows (a prompt) take the plain path on the shared weights
 DTYPES = ("auto", "float32", "bfloat16")
-VERSION = 1
+VERSION = 2
 _CHOICES: dict[tuple, str] = {}  # choices this process read or measured: a drafter per request reads no file
 _COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
@@ -68,6 +70,10 @@ def measure_choice(weights: list[torch.Tensor], allowed: tuple[str, ...] = CHOIC
         for choice in allowed:
             if choice == "plain":
                 fns = [lambda x, w=w: F.linear(x, w) for w in weights]
+            elif choice == "kernel":
+                if not kernel_available(weights[0]):
+                    continue
+                fns = [lambda x, w=w: kernel_matmul(x, w) for w in weights]
             else:
                 packed = [pack_weight(w, torch.bfloat16 if choice == "packed-bf16" else None) for w in weights]
                 if any(p is None for p in packed):
@@ -92,7 +98,11 @@ def draft_choice(weights: Iterable[torch.Tensor], remeasure: bool = False) -> st
         return "packed-bf16" if fp32 else "packed"
     if m == "packed":
         return "packed"
-    allowed = CHOICES if setting == "auto" and fp32 else CHOICES[:2]
+    if m == "kernel" and fp32 and kernel_available(weights[0]):
+        return "kernel"
+    allowed = ("plain", "packed")  # bfloat16 copies only where not ruled out; the kernel multiplies float32
+    if fp32:
+        allowed += ("packed-bf16", "kernel") if setting == "auto" else ("kernel",)
     home = cache_home()
     seen = (str(home), torch.get_num_threads(), weights[0].dtype, tuple(sorted(tuple(w.shape) for w in weights)),
             allowed)
@@ -131,7 +141,9 @@ def pack_linears(module: torch.nn.Module, choice: str, max_rows: int = MAX_ROWS)
 
 def row_product(weight: torch.Tensor, choice: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x [..., in] -> x @ weight.T [..., out]`` in the path ``choice`` (inputs over ``MAX_ROWS`` rows: plain)."""
-    packed = None if choice == "plain" else pack_weight(weight, _pack_dtype(choice))
+    if choice == "kernel" and kernel_available(weight):
+        return lambda x: kernel_matmul(x, weight)
+    packed = None if choice in ("plain", "kernel") else pack_weight(weight, _pack_dtype(choice))
     if packed is None:
         return lambda x: F.linear(x, weight)
     return lambda x: packed_or_plain(x, weight, None, packed, None, MAX_ROWS)

@@ -147,9 +147,10 @@ class EngineModel:
                 self.plan, self.head_fn = Plan(source=f"weight-only:{head.fmt}"), head
             elif draft:  # a draft model: every row count in the path measured fastest for drafts (fastpath.draft)
                 choice = draft_choice([*(m.weight for m in linears), head.weight], remeasure=remeasure)
-                fast = choice != "plain"
-                self.plan = Plan(packed_rows=list(ROWS) if fast else [], head={r: "packed" for r in ROWS} if fast
-                                 else {}, source=f"draft:{choice}")
+                fast = choice not in ("plain", "kernel")
+                self.plan = Plan(packed_rows=list(ROWS) if fast else [], kernel=choice == "kernel",
+                                 head={r: "packed" if fast else "kernel" for r in ROWS} if choice != "plain" else {},
+                                 source=f"draft:{choice}")
                 pack_dtype = torch.bfloat16 if choice == "packed-bf16" else None
             elif how == "auto":
                 self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
