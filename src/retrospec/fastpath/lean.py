@@ -246,9 +246,9 @@ class LeanDecoder:
         if fast is not None:
             cos2, sin2 = cos[0, 0], sin[0, 0]  # [T, head_dim]
         bias = visible = None  # the compiled attention's mask, built at the first layer (it needs the length)
+        cached = getattr(cache, "layers", ())  # the cache's layers (transformers may add them on first update)
         for layer in self.layers:
-            layers = getattr(cache, "layers", ())
-            layer_cache = layers[layer.index] if layer.index < len(layers) else None
+            layer_cache = cached[layer.index] if layer.index < len(cached) else None
             if fast is not None and fast.attn is not None and getattr(layer_cache, "length", 0) > 0 \
                     and hasattr(layer_cache, "append_heads"):  # a step over our cache: written straight from qkv
                 qkv = fast.run_qkv(layer.index, x, cos2, sin2)  # [T, heads + 2 kvh, d]
