@@ -24,7 +24,7 @@ from retrospec.types import DraftTree
 from retrospec.verify import Verifier
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
-HAS_KERNEL = kernel_available(torch.ones(1))
+HAS_KERNEL = kernel_available()
 HOWS = ["packed", "plain", *(["kernel"] if HAS_KERNEL else [])]  # forced matmul paths (``RETROSPEC_FASTPATH``)
 
 

@@ -71,9 +71,9 @@ def compile_mode() -> str:
 @dataclass(frozen=True)
 class Proj:
     """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``), ``f32``
-    (``KernelLinear``: ``kernels.f32``'s operator on the weight as it is) or a weight-only format (``int4``, ``int8``: its kernel on bfloat16 rows, cast back; ``w4a8``: its operator on the
-    float32 rows; ``w8a8`` layers run ``fastpath.integer``'s programs instead, and ``Proj`` only names them in the
-    speed verdict's key)."""
+    (``KernelLinear``: ``kernels.f32``'s operator on the weight as it is) or a weight-only format (``int4``,
+    ``int8``: its kernel on bfloat16 rows, cast back; ``w4a8``: its operator on the float32 rows; ``w8a8`` layers run
+    ``fastpath.integer``'s programs instead, and ``Proj`` only names them in the speed verdict's key)."""
 
     kind: str
     in_features: int
@@ -104,10 +104,12 @@ class Proj:
     def apply(self, x: torch.Tensor, ts: list[torch.Tensor]) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.kind == "linear":
             return torch.mm(x, ts[0].t()) if not self.bias else torch.addmm(ts[1], x, ts[0].t())
-        if self.kind in ("w4a8", "f32"):
-            y = torch.ops.retrospec.w4a8_mm(x, ts[0], ts[1]) if self.kind == "w4a8" else \
-                torch.ops.retrospec.f32_mm(x, ts[0])
-            return y + ts[-1] if self.bias else y
+        if self.kind == "f32":
+            y = torch.ops.retrospec.f32_mm(x, ts[0])
+            return y + ts[1] if self.bias else y
+        if self.kind == "w4a8":
+            y = torch.ops.retrospec.w4a8_mm(x, ts[0], ts[1])
+            return y + ts[2] if self.bias else y
         rows = x.to(torch.bfloat16)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, ts[0], ts[1])

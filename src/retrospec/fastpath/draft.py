@@ -130,13 +130,15 @@ def pack_linears(module: torch.nn.Module, choice: str, max_rows: int = MAX_ROWS)
         return
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and choice == "kernel":
+            if type(child) is not torch.nn.Linear:
+                continue
+            if choice == "kernel":
                 if kernel_available(child.weight):
                     setattr(parent, name, KernelLinear(child))
-            elif type(child) is torch.nn.Linear:
-                packed = pack_weight(child.weight, _pack_dtype(choice))
-                if packed is not None:
-                    setattr(parent, name, PackedLinear(child, packed, max_rows))
+                continue
+            packed = pack_weight(child.weight, _pack_dtype(choice))
+            if packed is not None:
+                setattr(parent, name, PackedLinear(child, packed, max_rows))
 
 
 def row_product(weight: torch.Tensor, choice: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -147,10 +147,9 @@ class EngineModel:
                 self.plan, self.head_fn = Plan(source=f"weight-only:{head.fmt}"), head
             elif draft:  # a draft model: every row count in the path measured fastest for drafts (fastpath.draft)
                 choice = draft_choice([*(m.weight for m in linears), head.weight], remeasure=remeasure)
-                fast = choice not in ("plain", "kernel")
-                self.plan = Plan(packed_rows=list(ROWS) if fast else [], kernel=choice == "kernel",
-                                 head={r: "packed" if fast else "kernel" for r in ROWS} if choice != "plain" else {},
-                                 source=f"draft:{choice}")
+                layout = {"plain": None, "kernel": "kernel"}.get(choice, "packed")  # the head's, at every row count
+                self.plan = Plan(packed_rows=list(ROWS) if layout == "packed" else [], kernel=layout == "kernel",
+                                 head={r: layout for r in ROWS} if layout else {}, source=f"draft:{choice}")
                 pack_dtype = torch.bfloat16 if choice == "packed-bf16" else None
             elif how == "auto":
                 self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)

@@ -249,14 +249,14 @@ class LeanDecoder:
         cached = getattr(cache, "layers", ())  # the cache's layers (transformers may add them on first update)
         for layer in self.layers:
             layer_cache = cached[layer.index] if layer.index < len(cached) else None
-            if fast is not None and fast.attn is not None and getattr(layer_cache, "length", 0) > 0 \
-                    and hasattr(layer_cache, "append_heads"):  # a step over our cache: written straight from qkv
+            if fast is not None:
                 qkv = fast.run_qkv(layer.index, x, cos2, sin2)  # [T, heads + 2 kvh, d]
-                k, v = layer_cache.append_heads(qkv, self.heads, self.kv_heads)  # [1, kvh, L, d]
-            elif fast is not None:
-                qkv = fast.run_qkv(layer.index, x, cos2, sin2)
-                q, k, v = fast.split(qkv)
-                k, v = cache.update(k, v, layer.index)
+                if fast.attn is not None and getattr(layer_cache, "length", 0) > 0 \
+                        and hasattr(layer_cache, "append_heads"):  # a step over our cache: written straight from qkv
+                    k, v = layer_cache.append_heads(qkv, self.heads, self.kv_heads)  # [1, kvh, L, d]
+                else:
+                    q, k, v = fast.split(qkv)
+                    k, v = cache.update(k, v, layer.index)
             else:
                 q, k, v = self.pre_eager(layer, x, cos, sin)
                 k, v = cache.update(k, v, layer.index)

@@ -72,9 +72,11 @@ class PackedLinear(torch.nn.Module):
         return packed_or_plain(x, self.weight, self.bias, self.packed, self.packed_bias, self.max_rows)
 
 
-def kernel_available(weight: torch.Tensor) -> bool:
-    """Whether ``kernels.f32`` can multiply by this weight here (float32 on the CPU, the kernel built)."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and kernels.f32() is not None
+def kernel_available(weight: torch.Tensor | None = None) -> bool:
+    """Whether ``kernels.f32`` is built here and (given a weight) can multiply by it: float32 on the CPU."""
+    if weight is not None and (weight.dtype != torch.float32 or weight.device.type != "cpu"):
+        return False
+    return kernels.f32() is not None
 
 
 def kernel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -95,7 +95,7 @@ def mode() -> str:
 def forced_plan(m: str) -> Plan:
     if m == "packed" and onednn_available():
         return Plan(packed_rows=list(ROWS), head={r: "packed" for r in ROWS}, source="forced:packed")
-    if m == "kernel" and kernel_available(torch.ones(1)):
+    if m == "kernel" and kernel_available():
         return Plan(kernel=True, head={r: "kernel" for r in ROWS}, source="forced:kernel")
     return Plan(source=f"forced:{m}")
 

@@ -68,6 +68,10 @@ class BufferLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        return self._append(key_states, value_states)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write [batch, kv_heads, n, head_dim] after the cached positions (growing when full) -> keys, values."""
         n = key_states.shape[-2]
         if self.length + n > self.capacity:
             self._grow(self.length + n)
@@ -83,14 +87,8 @@ class BufferLayer(CacheLayerMixin):
         copies as ``update`` with its keys laid out [1, kv_heads, T, d], without making those views first."""
         if self._k.shape[0] != 1:
             raise ValueError("append_heads writes a batch of one")
-        n = qkv.shape[0]
-        if self.length + n > self.capacity:
-            self._grow(self.length + n)
-        self._k[0, :, self.length : self.length + n] = qkv[:, heads : heads + kv_heads].transpose(0, 1)
-        self._v[0, :, self.length : self.length + n] = qkv[:, heads + kv_heads :].transpose(0, 1)
-        self.length += n
-        self._refresh_views()
-        return self.keys, self.values
+        return self._append(qkv[:, heads : heads + kv_heads].transpose(0, 1)[None],  # [1, kvh, T, d]
+                            qkv[:, heads + kv_heads :].transpose(0, 1)[None])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
