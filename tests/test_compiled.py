@@ -1,12 +1,13 @@
 """The decoder layers as ahead-of-time compiled programs (``fastpath.compiled``): same model, no per-op dispatch.
 
-On a tiny Llama model in float32 and int4 (``RETROSPEC_COMPILE=on``; one compile per layer shape, ~30 s each, cached
+On a tiny Llama model in float32 and int4 (``RETROSPEC_COMPILE=on``; one compile per layer shape and format, cached
 for the rest of the run): the engine's logits equal the lean loop's within float tolerance for a prefill, a step, a
-chain and a draft tree; in int4 a verification's rows (a chain's, a tree's) are still bitwise one-token steps
-(row-exact: the compiled attention included), and greedy
-``ar``, ``sd`` and ``pld`` through the compiled engine are token-identical to the naive oracle's ``generate()``.
-A failed compile falls back to the lean loop with one warning; a second engine loads the cached programs; ``auto``
-leaves small models alone.
+chain and a draft tree over the engine's cache; in int4 a verification's rows (a chain's, a tree's, in one call)
+are bitwise the one-token steps along their paths (row-exact: the attention kernel included), and greedy ``ar``,
+``sd`` and ``pld`` through the compiled engine are token-identical to the naive oracle's ``generate()``. The
+attention kernel equals a float64 reference, and a row's result depends only on the keys it sees. A failed compile
+falls back to the lean loop with one warning; a second engine loads the cached programs; ``auto`` leaves small
+models alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
@@ -25,7 +25,8 @@ from retrospec.fastpath.engine import EngineModel
 from retrospec.fastpath.linear import kernel_available
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
-from retrospec import weight_only
+from retrospec import kernels, weight_only
+from retrospec.kv.cache import KVCache
 from retrospec.weight_only import quantize_model_
 
 from conftest import tiny_llama
@@ -54,6 +55,10 @@ def _engines(model, monkeypatch) -> tuple[EngineModel, EngineModel]:
     return lean, fast
 
 
+def _cache(model):
+    return KVCache(model).cache  # the engine's cache: the compiled layers run over it
+
+
 def _run(engine, ids, positions, mask, cache, **kw):
     with torch.inference_mode():
         return engine.forward(torch.tensor([ids]), torch.tensor([positions]), mask, cache, **kw)[0]
@@ -65,7 +70,7 @@ def test_compiled_layers_compute_what_the_lean_loop_computes(models, fmt, monkey
     assert fast.describe()["loop"] == "compiled" and lean.describe()["loop"] == "lean", fast.describe()
     assert fast.describe()["compiled"]["compiled"] is True
     n = len(PROMPT)
-    caches = [DynamicCache(), DynamicCache()]
+    caches = [_cache(models[fmt]), _cache(models[fmt])]
     outs = [_run(e, PROMPT, list(range(n)), None, c) for e, c in zip((lean, fast), caches)]  # prefill
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
     outs = [_run(e, [17], [n], None, c) for e, c in zip((lean, fast), caches)]  # a one-token step
@@ -85,14 +90,10 @@ def test_int4_verification_stays_row_exact(models, monkeypatch):
     model = models["int4"]
     engine = engine_for(model, "auto", remeasure=True)
     assert engine.row_exact and engine.describe()["loop"] == "compiled"
-    fast = engine.lean.compiled
-    if fast.attn is None:  # the speed verdict kept the engine's attention here: prove the program all the same
-        assert "not faster" in engine.describe()["compiled"]["attention"]
-        fast.attn = compiled.attention_program(engine.lean, float(engine.lean.layers[0].attn.scaling))
     verifier = Verifier(model)
     verifier.prefill(PROMPT)
     chain = verifier.score(17, DraftTree.chain([23, 8, 40, 3]))  # [5, V]
-    cache = DynamicCache()
+    cache = _cache(model)
     _run(engine, PROMPT, list(range(len(PROMPT))), None, cache, last_only=True)
     steps = torch.cat([_run(engine, [t], [len(PROMPT) + i], None, cache) for i, t in enumerate([17, 23, 8, 40, 3])])
     assert torch.equal(chain, steps)
@@ -100,7 +101,7 @@ def test_int4_verification_stays_row_exact(models, monkeypatch):
     # a tree: root 17; nodes 0 (23) and 1 (9) under it, node 2 (8) under 0, node 3 (6) under 1
     scored = verifier.score(17, DraftTree(torch.tensor([23, 9, 8, 6]), torch.tensor([-1, -1, 0, 1])))  # [5, V]
     for rows, path in (([0, 1, 3], [17, 23, 8]), ([0, 2, 4], [17, 9, 6])):
-        cache = DynamicCache()
+        cache = _cache(model)
         _run(engine, PROMPT, list(range(len(PROMPT))), None, cache, last_only=True)
         steps = torch.cat([_run(engine, [t], [len(PROMPT) + i], None, cache) for i, t in enumerate(path)])
         assert torch.equal(scored[rows], steps)
@@ -140,7 +141,7 @@ def test_integer_format_layers_around_their_kernels_stay_row_exact_and_lossless(
     if fmt == "w8a8" and lean.lean.layers[0].qkv_modules[0].packed() is None:
         pytest.skip("this torch build has no fbgemm kernels")
     assert fast.describe()["loop"] == "compiled", fast.describe()
-    n, caches = len(PROMPT), [DynamicCache(), DynamicCache()]
+    n, caches = len(PROMPT), [_cache(model), _cache(model)]
     for ids in (PROMPT, [17], [23, 8, 40]):
         pos = list(range(caches[0].get_seq_length(), caches[0].get_seq_length() + len(ids)))
         outs = [_run(e, ids, pos, None, c) for e, c in zip((lean, fast), caches)]
@@ -154,7 +155,7 @@ def test_integer_format_layers_around_their_kernels_stay_row_exact_and_lossless(
     verifier.kv.crop(len(PROMPT))
     scored = verifier.score(17, DraftTree(torch.tensor([23, 9, 8, 6]), torch.tensor([-1, -1, 0, 1])))  # [5, V]
     for rows, path in (([0, 1, 2, 3, 4], [17, 23, 8, 40, 3]), ([0, 1, 3], [17, 23, 8]), ([0, 2, 4], [17, 9, 6])):
-        cache = DynamicCache()
+        cache = _cache(model)
         _run(engine, PROMPT, list(range(n)), None, cache, last_only=True)
         steps = torch.cat([_run(engine, [t], [n + i], None, cache) for i, t in enumerate(path)])
         assert torch.equal((chain if len(rows) == 5 else scored)[rows], steps)
@@ -204,3 +205,40 @@ def test_auto_leaves_small_models_to_the_lean_loop(monkeypatch):
     monkeypatch.setenv("RETROSPEC_COMPILE", "sometimes")
     with pytest.raises(Exception, match="RETROSPEC_COMPILE must be one of"):
         EngineModel(_model("float32"), "plain")
+
+
+def test_the_attention_kernel_is_attention_and_a_row_sees_only_its_keys():
+    """``kernels.attention``: softmax(q k^T * scaling + bias) v per row and head (grouped heads share a key/value head)
+    within float error of a float64 reference; a chain's row i is bitwise the one-row call over its keys, and a tree
+    row (visible keys not a prefix) bitwise the one-row call over exactly its keys gathered in order."""
+    if kernels.attention() is None:
+        pytest.skip("no C++ compiler here")
+    attention = torch.ops.retrospec.attention
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d = 6, 2, 24  # d not a multiple of the kernel's 16 lanes
+    kbuf, vbuf = (torch.randn(1, kv_heads, 80, d, generator=gen) for _ in "kv")
+
+    def reference(qkv, bias):  # float64
+        q = qkv[:, :heads].permute(1, 0, 2).double()  # [h, T, d]
+        k, v = (b[0, :, : bias.shape[1]].repeat_interleave(heads // kv_heads, 0).double() for b in (kbuf, vbuf))
+        probs = (q @ k.transpose(1, 2) * 0.3 + bias.double()).softmax(-1)
+        return (probs @ v).permute(1, 0, 2).reshape(qkv.shape[0], -1)
+
+    for rows, length in ((1, 1), (1, 37), (5, 50), (8, 73)):
+        qkv = torch.randn(rows, heads + 2 * kv_heads, d, generator=gen)
+        bias = compiled.chain_bias(rows, length)
+        out = attention(qkv, kbuf, vbuf, bias, heads, 0.3)  # [rows, heads * d]
+        torch.testing.assert_close(out.double(), reference(qkv, bias), rtol=1e-5, atol=1e-5)
+        for i in range(rows):
+            one = attention(qkv[i:i + 1], kbuf, vbuf, torch.zeros(1, length - rows + i + 1), heads, 0.3)
+            assert torch.equal(one[0], out[i])
+    visible = torch.zeros(4, 40, dtype=torch.bool)
+    visible[:, :35] = True
+    for row, extra in enumerate(([35], [36], [35, 37], [36, 38, 39])):
+        visible[row, extra] = True
+    qkv = torch.randn(4, heads + 2 * kv_heads, d, generator=gen)
+    out = attention(qkv, kbuf, vbuf, torch.zeros(4, 40).masked_fill(~visible, float("-inf")), heads, 0.3)
+    for row in range(4):
+        seen = visible[row].nonzero()[:, 0]
+        k, v = (b.index_select(2, seen).contiguous() for b in (kbuf, vbuf))
+        assert torch.equal(attention(qkv[row:row + 1], k, v, torch.zeros(1, seen.numel()), heads, 0.3)[0], out[row])

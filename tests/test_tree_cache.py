@@ -267,23 +267,23 @@ def test_sliding_window_model_speculative_greedy_equals_oracle():
         assert out == want
 
 
-def test_appending_a_projections_heads_writes_what_update_writes():
-    """``BufferLayer.append_heads`` (the compiled layers' cache write, straight from [T, heads + 2 kvh, d] rows) gives
-    the same keys and values as ``update`` with the heads laid out [1, kvh, T, d], growing past its capacity alike."""
+def test_reserve_then_advance_holds_what_update_holds():
+    """``BufferLayer.reserve`` / ``advance`` (the compiled layers write the new keys and values into the buffers
+    themselves) leave the layer as ``update`` does, growing past its capacity alike."""
     from retrospec.kv.cache import BufferLayer
 
-    heads, kv_heads, d = 4, 2, 8
+    kv_heads, d = 2, 8
     a, b = BufferLayer(initial_capacity=4), BufferLayer(initial_capacity=4)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for t in (3, 1, 5):
-            qkv = torch.randn(t, heads + 2 * kv_heads, d, generator=gen)
-            k = qkv[:, heads: heads + kv_heads].transpose(0, 1).unsqueeze(0)  # [1, kvh, T, d]
-            v = qkv[:, heads + kv_heads:].transpose(0, 1).unsqueeze(0)
+            k, v = torch.randn(1, kv_heads, t, d, generator=gen), torch.randn(1, kv_heads, t, d, generator=gen)
             if not a.is_initialized:
                 a.update(k, v), b.update(k, v)
                 continue
-            ka, va = a.append_heads(qkv, heads, kv_heads)
+            kbuf, vbuf = a.reserve(t)  # [1, kvh, C, d]
+            kbuf[:, :, a.length: a.length + t], vbuf[:, :, a.length: a.length + t] = k, v
+            a.advance(t)
             kb, vb = b.update(k, v)
-            assert torch.equal(ka, kb) and torch.equal(va, vb) and a.length == b.length
+            assert torch.equal(a.keys, kb) and torch.equal(a.values, vb) and a.length == b.length
     assert a.capacity == b.capacity >= 9

@@ -1,39 +1,36 @@
-"""Each decoder layer's work as ahead-of-time compiled programs: the step without per-operation dispatch.
+"""Each decoder layer as one ahead-of-time compiled program: the step without per-operation dispatch.
 
 Why: with the matmuls near their kernels' speed, a one-token step of a 30-layer model is ~2,000 small operator
 calls (norms, rotary, casts, residual adds, SiLU, attention), 2-7 us each on a 2-core CPU: 40-50 % of a 4-bit step.
 Compiled with AOTInductor (PyTorch's own ahead-of-time compiler: ``torch.export`` + ``aoti_compile_and_package``),
-each part is a few fused C++ loops around the same matmul kernels, called from a C++ runner with no Python per
-operation:
+a layer is a few fused C++ loops around the same matmul kernels, called once from a C++ runner:
 
-    pre   (x [T, H], cos [T, d], signed_sin [T, d], layer weights) -> qkv [T, heads + 2 kv_heads, d]
-          rmsnorm -> q/k/v projections -> rotary over the q and k heads (the lean loop's, ``fastpath.lean``)
-    attn  (qkv, key / value buffers [1, kv_heads, C, d], bias [T, L]) -> [T, heads * d]
-          softmax(q k^T * scaling + bias) v over the first L cached positions, as broadcast products and sums
-    post  (x [T, H], attention output [T, heads * d], layer weights) -> x [T, H]
-          x + o_proj(a) -> rmsnorm -> silu(gate) * up -> x + down
+    layer (x [T, H], cos [T, d], signed_sin [T, d], key / value buffers [1, kv_heads, C, d], bias [T, L], weights)
+          -> x [T, H]
+      rmsnorm -> q/k/v projections -> rotary over the q and k heads (the lean loop's, ``fastpath.lean``)
+      -> the rows' keys and values written into the buffers at [L - T, L) (in place: the cache's next positions)
+      -> attention over the first L positions (``kernels.attention``; bias: 0 where a row sees a key, -inf not)
+      -> x + o_proj(a) -> rmsnorm -> silu(gate) * up -> x + down
 
-The cache update stays the engine's (``kv.cache``); attention runs the program where it passed its checks, else the
-engine's own (``prefix_block``). The weights are inputs, not constants: one program serves every layer of the same
-shapes and formats, and no weight is copied. T is dynamic (1 .. ``MAX_ROWS``); the prefill (T = L) keeps the engine's
-attention.
+It runs every forward over the engine's cache (``kv.cache.BufferLayer``) that already holds positions: a decode
+step, a chain, a draft tree (any T up to ``MAX_ROWS``). The prefill and other caches run the lean loop. The weights
+are inputs, not constants: one program serves every layer of the same shapes and format, and no weight is copied.
 
-Exactness: a chain's row i in ``attn`` is computed over all L keys with the later ones at -inf, which adds exact
-zeros to sums whose order is fixed by key position, so it equals the one-row call over the keys it sees; a draft
-tree's rows, whose visible keys are not a prefix, run one by one over exactly their keys (``CompiledLayers.attend``).
-Where the engine verifies row-exactly (``fastpath.rows``), a k-token verification through the programs is then
-bitwise k one-token steps through them, and every lossless method token-identical to ``ar`` in that format.
+Exactness: the attention operator computes each row over exactly the keys it sees, in cache order, so a row's
+result depends on nothing else; where the engine verifies row-exactly (its matmuls row-invariant:
+``fastpath.rows``), a k-token verification through the programs, a chain's or a tree's, is then bitwise the
+one-token steps along its paths (checked at build), and every lossless method token-identical to ``ar`` in that
+format.
 
 When it is used (``RETROSPEC_COMPILE``: ``auto``, the default; ``on``; ``off``): ``auto`` compiles for float32
 activations and models of at least ``AUTO_MIN_LAYERS`` layers and hidden size ``AUTO_MIN_HIDDEN`` (a compile takes
-about half a minute per program once per machine, model shape and format; smaller models do not repay it), ``on``
-for any model the lean loop runs. Programs are cached under ``cache_home()/compiled/``, keyed by machine, torch
-version, threads and the program's signature; loading a cached one takes milliseconds. The engine keeps the
-programs only where they pass, on probes of the model's own first layer: (1) each equals the lean loop's (the
-engine's attention) within ``TOLERANCE`` (relative), (2) a T-row call's rows are bitwise the one-row calls' (layers:
-where the engine verifies row-exactly; attention: always), (3) they are faster here (timed, interleaved; the verdict
-is cached beside the programs). A failed compile (no C++ compiler, an unsupported op) falls back to the lean loop
-with one warning.
+about half a minute once per machine, model shape and format; smaller models do not repay it), ``on`` for any model
+the lean loop runs. Programs are cached under ``cache_home()/compiled/``, keyed by machine, torch version, threads
+and the program's signature; loading a cached one takes milliseconds. The engine keeps them only where they pass,
+on probes of the model's own first layer: (1) they equal the lean loop within ``TOLERANCE`` (relative), (2) a
+T-row call's rows are bitwise the one-row calls' (where the engine verifies row-exactly), (3) they are faster here
+(timed, interleaved; the verdict is cached beside the programs). A failed compile (no C++ compiler, an unsupported
+op) falls back to the lean loop with one warning.
 """
 
 from __future__ import annotations
@@ -48,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 from ..paths import cache_home
@@ -128,7 +126,7 @@ def _take(projs: tuple[Proj, ...], ts: tuple[torch.Tensor, ...]) -> list[list[to
 
 
 class _Pre(torch.nn.Module):
-    """rmsnorm -> projections (q/k/v, or one joined q+k+v) -> rotary; see the module docstring."""
+    """rmsnorm -> projections (q/k/v, or one joined q+k+v) -> rotary: x [T, H] -> [T, heads + 2 kv_heads, d]."""
 
     def __init__(self, projs: tuple[Proj, ...], heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -161,87 +159,38 @@ class _Post(torch.nn.Module):
         return x + self.down.apply(F.silu(g) * u, parts[-1])
 
 
-class _Attn(torch.nn.Module):
-    """Attention of T query rows over the first L cached keys, each row masked by ``bias`` (0 visible, -inf not):
-    the scores and the weighted sum as plain broadcast products and sums (fused loops, no BLAS), so a row's result
-    depends only on the keys before its last visible one and not on how many rows share the call (a chain's row i,
-    whose hidden keys all come after its visible ones, equals the one-row call over those keys; checked at build)."""
+class _Layer(torch.nn.Module):
+    """``_Pre`` -> the rows' keys / values into the buffers at [L - T, L) -> attention -> ``_Post``."""
 
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, scaling: float):
+    def __init__(self, pre: _Pre, post: _Post, pre_width: int, scaling: float):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
+        self.pre, self.post, self.pre_width, self.scaling = pre, post, pre_width, scaling
 
-    def forward(self, qkv, kbuf, vbuf, bias):
-        t, length = bias.shape  # bias [T, L]; qkv [T, heads + 2 kv_heads, d] (the pre program's output)
-        h, kvh, d = self.heads, self.kv_heads, self.head_dim
-        q = qkv[:, :h].permute(1, 0, 2).reshape(kvh, h // kvh, t, 1, d)  # heads sharing a key/value head
-        k = kbuf[0, :, :length].reshape(kvh, 1, 1, length, d)  # kbuf / vbuf [1, kvh, C >= L, d]
-        v = vbuf[0, :, :length].reshape(kvh, 1, 1, length, d)
-        scores = (q * k).sum(-1) * self.scaling + bias  # [kvh, rep, T, L]
-        probs = scores.softmax(-1)
-        out = (probs.unsqueeze(-1) * v).sum(-2)  # [kvh, rep, T, d]
-        return out.permute(2, 0, 1, 3).reshape(t, h * d)
-
-
-def _runner(program: torch.nn.Module, example: list[torch.Tensor], name: str, progress=None):
-    """``aot.runner`` with the dynamic dimensions of ``_Pre``, ``_Post`` and ``_Attn``."""
-    rows = aot.rows_dim()
-    if isinstance(program, _Attn):
-        cap, length = torch.export.Dim("capacity", min=2), torch.export.Dim("length", min=2)
-        dims = ({0: rows}, {2: cap}, {2: cap}, {0: rows, 1: length})
-    else:
-        lead = 2 if isinstance(program, _Post) else 3  # the row-carrying inputs; then a norm weight and *tensors
-        dims = (*({0: rows} for _ in range(lead)), None, tuple(None for _ in example[lead + 1:]))
-    return aot.runner(program, example, name, dims, progress)
+    def forward(self, x, cos, sin, kbuf, vbuf, bias, norm1_w, *ts):
+        t, length = bias.shape  # x [T, H]; kbuf / vbuf [1, kvh, C >= L, d], written in place
+        h, kvh = self.pre.heads, self.pre.kv_heads
+        qkv = self.pre(x, cos, sin, norm1_w, *ts[: self.pre_width])  # [T, h + 2 kvh, d]
+        kbuf[0, :, length - t: length] = qkv[:, h: h + kvh].transpose(0, 1)
+        vbuf[0, :, length - t: length] = qkv[:, h + kvh:].transpose(0, 1)
+        a = torch.ops.retrospec.attention(qkv, kbuf, vbuf, bias, h, self.scaling)  # [T, h * d]
+        return self.post(x, a, *ts[self.pre_width:])
 
 
 @dataclass
 class CompiledLayers:
-    """Per decoder layer: the runners of its programs and their weight arguments (equal layers share runners);
-    ``attn``: the attention program (one for all layers), None where the engine's own attention runs."""
+    """Per decoder layer: its program's runner and weight arguments (equal layers share a runner)."""
 
-    pre: list  # [(run, [norm_w, *projection tensors])]
-    post: list
+    layers: list  # [(run, [norm_w, *pre tensors, norm_w, *post tensors])]
     heads: int
     kv_heads: int
-    row_exact: bool  # the engine verifies row-exactly: a draft tree's rows then attend one by one (``attend``)
-    attn: object = None
+    row_exact: bool  # the engine verifies row-exactly: a verification's rows are bitwise one-token steps
     describe: dict | None = None
 
-    def run_qkv(self, i: int, x, cos, sin) -> torch.Tensor:
-        """x [T, H], cos / signed sin [T, d] -> [T, heads + 2 kv_heads, d]: rotated q and k heads, then v."""
-        run, args = self.pre[i]
-        return run([x, cos, sin, *args])[0]
-
-    def split(self, qkv: torch.Tensor):
-        """-> q [1, heads, T, d], k / v [1, kv_heads, T, d]: views laid out as the lean loop's (so the engine's
-        attention reads the same strides and gives the same bits)."""
-        qkv = qkv.unsqueeze(0).transpose(1, 2)  # [1, heads + 2 kv_heads, T, d]
-        h, kvh = self.heads, self.kv_heads
-        return qkv[:, :h], qkv[:, h: h + kvh], qkv[:, h + kvh:]
-
-    def run_pre(self, i: int, x, cos, sin):
-        return self.split(self.run_qkv(i, x, cos, sin))
-
-    def run_post(self, i: int, x, a):
-        run, args = self.post[i]
-        return run([x, a, *args])[0]
-
-    def attend(self, qkv, layer_cache, keys, values, bias=None, visible=None) -> torch.Tensor:
-        """The attention program over a layer's cache -> [T, heads * d]. ``bias`` [T, L] (0 / -inf) masks rows in one
-        call (a chain: row i's hidden keys all follow its visible ones); with ``visible`` [T, L] bool (a draft tree,
-        verified row-exactly) each row runs alone over exactly the keys it sees, gathered in cache order, as the
-        one-token step along its path reads them. keys / values [1, kvh, L, d]: the layer's cache after the update."""
-        buffers = getattr(layer_cache, "buffers", None)
-        if visible is None:
-            kb, vb = buffers() if buffers is not None else (keys.contiguous(), values.contiguous())
-            return self.attn([qkv, kb, vb, bias])[0]
-        rows = []
-        for i in range(qkv.shape[0]):
-            seen = visible[i].nonzero()[:, 0]  # [n] increasing: the prefix, then the node's ancestors and itself
-            rows.append(self.attn([qkv[i:i + 1], keys.index_select(2, seen), values.index_select(2, seen),
-                                   torch.zeros(1, seen.numel(), dtype=qkv.dtype)])[0])
-        return torch.cat(rows)
+    def run_layer(self, i: int, x, cos, sin, kbuf, vbuf, bias) -> torch.Tensor:
+        """Decoder layer i: x [T, H] -> [T, H]; cos / signed sin [T, d]; the rows' keys and values written into
+        kbuf / vbuf [1, kv_heads, C, d] at [L - T, L); bias [T, L] (0: the row sees the key; -inf: not)."""
+        run, args = self.layers[i]
+        return run([x, cos, sin, kbuf, vbuf, bias, *args])[0]
 
 
 def chain_bias(rows: int, length: int, dtype=torch.float32) -> torch.Tensor:
@@ -261,137 +210,122 @@ def _format(lean) -> str | None:
     return getattr(lean.layers[0].qkv_modules[0], "fmt", None)
 
 
-def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
-    """(pre, post) per layer (runner, tensors), or None where a layer has a part the programs do not express
-    (``w8a8`` layers: ``fastpath.integer``'s programs around fbgemm's matmuls)."""
+def layer_programs(lean, layers, scaling: float, progress=None) -> list | None:
+    """Every layer's (runner, tensors) as ``CompiledLayers.layers`` holds them, or None where a layer has a part the
+    programs do not express (``w8a8`` layers: ``fastpath.integer``'s programs around fbgemm's matmuls)."""
     if _format(lean) == "w8a8":
-        return integer.layer_programs(lean, layers, progress)
-    pre, post = [], []
+        return integer.layer_programs(lean, layers, scaling, progress)
+    out = []
+    h, kvh, d = lean.heads, lean.kv_heads, lean.head_dim
+    kbuf, vbuf = (torch.randn(1, kvh, 40, d) for _ in "kv")
     for layer, pieces in zip(layers, lean.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if pieces.q_norm is not None or pieces.norm_params[0][0] is None or pieces.norm_params[1][0] is None:
             return None
         qkv, gu = pieces.qkv_modules, pieces.mlp_modules
-        mods = [*qkv, attn.o_proj, *gu, mlp.down_proj]
-        projs = [Proj.of(m) for m in mods]
+        projs = [Proj.of(m) for m in [*qkv, attn.o_proj, *gu, mlp.down_proj]]
         if any(p is None for p in projs):
             return None
         (w1, eps1), (w2, eps2) = pieces.norm_params
         nq = len(qkv)
-        pre_sig = (tuple(projs[:nq]), lean.heads, lean.kv_heads, lean.head_dim, eps1)
+        pre_sig = (tuple(projs[:nq]), h, kvh, d, eps1)
         post_sig = (projs[nq], tuple(projs[nq + 1:-1]), projs[-1], mlp.down_proj.in_features, eps2)
         pre_args = [w1] + [t for m in qkv for t in Proj.tensors(m)]
         post_args = [w2] + [t for m in [attn.o_proj, *gu, mlp.down_proj] for t in Proj.tensors(m)]
-        hidden, rows = w1.shape[0], 2
-        x = torch.randn(rows, hidden)
-        cos, sin = torch.randn(rows, lean.head_dim), torch.randn(rows, lean.head_dim)  # distinct: never one input twice
-        a = torch.randn(rows, lean.heads * lean.head_dim)
-        pre.append((_runner(_Pre(*pre_sig), [x, cos, sin, *pre_args], aot.key("pre", pre_sig), progress), pre_args))
-        post.append((_runner(_Post(*post_sig), [x, a, *post_args], aot.key("post", post_sig), progress), post_args))
-    return pre, post
+        program = _Layer(_Pre(*pre_sig), _Post(*post_sig), len(pre_args) - 1, float(scaling))
+        rows = 2
+        x, cos, sin = torch.randn(rows, w1.shape[0]), torch.randn(rows, d), torch.randn(rows, d)  # distinct inputs
+        example = [x, cos, sin, kbuf, vbuf, chain_bias(rows, 24), *pre_args, *post_args]
+        name = aot.key("layer", (pre_sig, float(scaling), post_sig))
+        out.append((_runner(program, example, name, progress), [*pre_args, *post_args]))
+    return out
 
 
-def attention_program(lean, scaling: float, progress=None):
-    """The runner of ``_Attn`` for ``lean``'s head shapes."""
-    sig = (lean.heads, lean.kv_heads, lean.head_dim, float(scaling))
-    qkv = torch.randn(3, lean.heads + 2 * lean.kv_heads, lean.head_dim)
-    kbuf, vbuf = (torch.randn(1, lean.kv_heads, 40, lean.head_dim) for _ in "kv")
-    return _runner(_Attn(*sig), [qkv, kbuf, vbuf, chain_bias(3, 24)], aot.key("attn", sig), progress)
+def _runner(program: _Layer, example: list[torch.Tensor], name: str, progress=None):
+    """``aot.runner`` with ``_Layer``'s dynamic dimensions: rows, the buffers' capacity, the attended length."""
+    rows = aot.rows_dim()
+    cap, length = torch.export.Dim("capacity", min=2), torch.export.Dim("length", min=2)
+    dims = ({0: rows}, {0: rows}, {0: rows}, {2: cap}, {2: cap}, {0: rows, 1: length}, None,
+            tuple(None for _ in example[7:]))
+    return aot.runner(program, example, name, dims, progress)
+
+
+def _eager_layer(lean, i: int, x, cos, sin, kbuf, vbuf, bias) -> torch.Tensor:
+    """What the lean loop computes for layer i (its pre and post, the engine's one-row attention row by row over
+    the keys each row sees), writing the buffers as ``_Layer`` does: the reference the programs are checked against."""
+    from ..attention.prefix_block import _one_row
+
+    layer, t, length = lean.layers[i], x.shape[0], bias.shape[1]
+    q, k, v = lean.pre_eager(layer, x, cos[None, None], sin[None, None])  # [1, h, T, d], [1, kvh, T, d]
+    kbuf[:, :, length - t: length], vbuf[:, :, length - t: length] = k, v
+    rows = []
+    for r in range(t):
+        seen = (bias[r] == 0).nonzero()[:, 0]
+        rows.append(_one_row(q[:, :, r: r + 1], kbuf.index_select(2, seen), vbuf.index_select(2, seen),
+                             layer.attn.scaling).reshape(1, -1))
+    return lean.post_eager(layer, x, torch.cat(rows))
+
+
+def _probe(lean, rows: int, gen: torch.Generator, capacity: int = 64):
+    d, hidden = lean.head_dim, lean.layers[0].norm_params[0][0].shape[0]
+    x = torch.randn(rows, hidden, generator=gen)
+    angle = torch.randn(rows, d // 2, generator=gen)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([-angle.sin(), angle.sin()], -1)
+    kbuf, vbuf = (torch.randn(1, lean.kv_heads, capacity, d, generator=gen) for _ in "kv")
+    return x, cos, sin, kbuf, vbuf
 
 
 def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
-    """Why the programs must not be used (None: they pass): equality with the lean loop within ``TOLERANCE`` on the
-    first layer (``integer.TOLERANCE`` for the integer formats' layers), and bitwise row invariance where the engine
-    verifies row-exactly."""
+    """Why the programs must not be used (None: they pass), on the first layer: within ``TOLERANCE`` of the lean
+    loop (``integer.TOLERANCE`` for the integer formats) for a chain and a tree; and, where the engine verifies
+    row-exactly, their rows bitwise the one-row calls over the keys each sees (a tree's gathered as a step along its
+    path would find them)."""
     tolerance = integer.TOLERANCE if _format(lean) in integer.FORMATS else TOLERANCE
     gen = torch.Generator().manual_seed(0)
-    hidden = lean.layers[0].norm_params[0][0].shape[0]
-    t, d = 3, lean.head_dim
-    x = torch.randn(t, hidden, generator=gen)
-    angle = torch.randn(t, d // 2, generator=gen)
-    cos = torch.cat([angle.cos()] * 2, -1)
-    sin = torch.cat([-angle.sin(), angle.sin()], -1)
-    a = torch.randn(t, lean.heads * d, generator=gen)
+    t, length = 3, 41
+    tree = chain_bias(t, length)
+    tree[1, length - 3], tree[2, length - 2] = float("-inf"), float("-inf")  # rows 0, 1 siblings; row 2 under 0
     with torch.inference_mode():
-        ours = [*compiled.run_pre(0, x, cos, sin), compiled.run_post(0, x, a)]
-        ref = [*lean.pre_eager(lean.layers[0], x, cos[None, None], sin[None, None]), lean.post_eager(lean.layers[0], x, a)]
-        for o, r in zip(ours, ref):
-            if o.shape != r.shape or not torch.isfinite(o).all():
-                return "a compiled part's output has another shape or is not finite"
-            if (o - r).abs().max() > tolerance * max(1.0, r.abs().max().item()):
-                return f"a compiled part differs from the lean loop by {(o - r).abs().max().item():.2g}"
-        if row_exact:
-            one = [[*compiled.run_pre(0, x[i:i + 1], cos[i:i + 1], sin[i:i + 1]),
-                    compiled.run_post(0, x[i:i + 1], a[i:i + 1])] for i in range(t)]
-            for j, whole in enumerate(ours):
-                rows = torch.cat([one[i][j] for i in range(t)], dim=-2)
-                if not torch.equal(rows, whole):
-                    return "a compiled part's rows depend on how many rows share the call"
+        for bias in (chain_bias(t, length), tree):
+            x, cos, sin, kbuf, vbuf = _probe(lean, t, gen)
+            ref_k, ref_v = kbuf.clone(), vbuf.clone()
+            ours = compiled.run_layer(0, x, cos, sin, kbuf, vbuf, bias)
+            ref = _eager_layer(lean, 0, x, cos, sin, ref_k, ref_v, bias)
+            if ours.shape != ref.shape or not torch.isfinite(ours).all():
+                return "the compiled layer's output has another shape or is not finite"
+            for o, r in ((ours, ref), (kbuf, ref_k), (vbuf, ref_v)):
+                if (o - r).abs().max() > tolerance * max(1.0, r.abs().max().item()):
+                    return f"the compiled layer differs from the lean loop by {(o - r).abs().max().item():.2g}"
+            if not row_exact:
+                continue
+            for r in range(t):
+                seen = (bias[r] == 0).nonzero()[:, 0]  # the prefix, the row's ancestors, itself (last)
+                k_path, v_path = (b.index_select(2, seen[:-1]) for b in (kbuf, vbuf))
+                k_path, v_path = (torch.cat([p, torch.zeros_like(p[:, :, :1])], 2) for p in (k_path, v_path))
+                one = compiled.run_layer(0, x[r: r + 1], cos[r: r + 1], sin[r: r + 1], k_path, v_path,
+                                         torch.zeros(1, seen.numel()))
+                if not torch.equal(one[0], ours[r]):
+                    return "a compiled layer's rows depend on how many rows share the call"
     return None
 
 
-def _attention_checked(lean, run, scaling: float) -> str | None:
-    """Why the attention program must not be used (None: it passes): within ``TOLERANCE`` of the engine's one-row
-    attention, and a chain's row i bitwise the one-row call over the keys it sees (at lengths around vector widths)."""
+def _timed(lean, compiled: CompiledLayers, length: int = 512, reps: int = 7) -> tuple[float, float]:
+    """Median ms of every layer's one-row step over ``length`` cached keys: (the lean loop's, the programs'),
+    timed in turn."""
     from ..attention.prefix_block import _one_row
 
-    gen = torch.Generator().manual_seed(1)
-    h, kvh, d = lean.heads, lean.kv_heads, lean.head_dim
-    kbuf, vbuf = (torch.randn(1, kvh, 80, d, generator=gen) for _ in "kv")
-    with torch.inference_mode():
-        for rows, length in ((1, 37), (3, 40), (5, 50), (8, 73)):
-            qkv = torch.randn(rows, h + 2 * kvh, d, generator=gen)
-            whole = run([qkv, kbuf, vbuf, chain_bias(rows, length)])[0]  # [rows, h * d]
-            for i in range(rows):
-                seen = length - rows + i + 1
-                one = run([qkv[i:i + 1], kbuf, vbuf, torch.zeros(1, seen)])[0]
-                if not torch.equal(one[0], whole[i]):
-                    return "the attention program's rows depend on how many rows share the call"
-                q = qkv[i:i + 1, :h].transpose(0, 1).unsqueeze(0)  # [1, h, 1, d]
-                ref = _one_row(q, kbuf[:, :, :seen], vbuf[:, :, :seen], scaling).reshape(1, -1)
-                if (ref - one).abs().max() > TOLERANCE * max(1.0, ref.abs().max().item()):
-                    return "the attention program differs from the engine's attention"
-    return None
-
-
-def _attention_timed(lean, run, scaling: float, length: int = 512, reps: int = 7) -> tuple[float, float]:
-    """Median ms of one layer's one-row attention over ``length`` cached keys: (the engine's, the program)."""
-    from ..attention.prefix_block import _one_row
-
-    h, kvh, d = lean.heads, lean.kv_heads, lean.head_dim
-    kbuf, vbuf = (torch.randn(1, kvh, length + 64, d) for _ in "kv")
-    qkv = torch.randn(1, h + 2 * kvh, d)
-    q, bias = qkv[:, :h].transpose(0, 1).unsqueeze(0), torch.zeros(1, length)
+    x, cos, sin, kbuf, vbuf = _probe(lean, 1, torch.Generator().manual_seed(1), length + 64)
+    bias = torch.zeros(1, length)
     k, v = kbuf[:, :, :length], vbuf[:, :, :length]
-    calls = {"eager": lambda: _one_row(q, k, v, scaling), "compiled": lambda: run([qkv, kbuf, vbuf, bias])}
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    with torch.inference_mode():
-        for rep in range(reps + 1):
-            for name, fn in calls.items():
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    fn()
-                if rep:
-                    times[name].append((time.perf_counter() - t0) * 100)
-    return statistics.median(times["eager"]), statistics.median(times["compiled"])
-
-
-def _timed(lean, compiled: CompiledLayers, reps: int = 7) -> tuple[float, float]:
-    """Median ms of every layer's pre + post for one row: (lean loop, compiled), interleaved."""
-    hidden = lean.layers[0].norm_params[0][0].shape[0]
-    x = torch.randn(1, hidden)
-    cos, sin = torch.ones(1, lean.head_dim), torch.zeros(1, lean.head_dim)
-    a = torch.randn(1, lean.heads * lean.head_dim)
 
     def eager():
         for layer in lean.layers:
-            lean.pre_eager(layer, x, cos[None, None], sin[None, None])
-            lean.post_eager(layer, x, a)
+            q, _, _ = lean.pre_eager(layer, x, cos[None, None], sin[None, None])
+            lean.post_eager(layer, x, _one_row(q, k, v, layer.attn.scaling).reshape(1, -1))
 
     def fast():
         for i in range(len(lean.layers)):
-            compiled.run_pre(i, x, cos, sin)
-            compiled.run_post(i, x, a)
+            compiled.run_layer(i, x, cos, sin, kbuf, vbuf, bias)
 
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     with torch.inference_mode():
@@ -415,31 +349,24 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
         return None, {"compiled": False, "why": why}
     if lean.embed.weight.dtype != torch.float32:
         return None, {"compiled": False, "why": "activations in a dtype other than float32"}
+    scalings = {float(layer.attn.scaling) for layer in lean.layers}
+    if len(scalings) != 1:
+        return None, {"compiled": False, "why": "layers of different attention scalings"}
     t0 = time.perf_counter()
     try:
-        parts = layer_programs(lean, layers, progress)
+        if kernels.attention() is None:
+            return None, {"compiled": False, "why": "the attention kernel could not be built here"}
+        programs = layer_programs(lean, layers, scalings.pop(), progress)
     except Exception as exc:  # no C++ compiler, an op inductor cannot lower, a full disk: the lean loop still runs
         warnings.warn(f"the decoder layers were not compiled ({type(exc).__name__}: {str(exc).splitlines()[0][:200]});"
                       " running the lean loop", RuntimeWarning, stacklevel=3)
         return None, {"compiled": False, "why": f"compile failed: {type(exc).__name__}"}
-    if parts is None:
+    if programs is None:
         return None, {"compiled": False, "why": "a layer the programs do not express"}
-    compiled = CompiledLayers(pre=parts[0], post=parts[1], heads=lean.heads, kv_heads=lean.kv_heads,
-                              row_exact=row_exact)
+    compiled = CompiledLayers(layers=programs, heads=lean.heads, kv_heads=lean.kv_heads, row_exact=row_exact)
     why = _checked(lean, compiled, row_exact)
     if why is not None:
         return None, {"compiled": False, "why": why}
-    scalings = {float(layer.attn.scaling) for layer in lean.layers}
-    attn, attn_why = None, None
-    if len(scalings) != 1:
-        attn_why = "layers of different attention scalings"
-    else:
-        try:
-            attn = attention_program(lean, scalings.pop(), progress)
-        except Exception as exc:  # the layers stay compiled; the engine's attention runs
-            attn_why = f"compile failed: {type(exc).__name__}"
-        else:
-            attn_why = _attention_checked(lean, attn, float(lean.layers[0].attn.scaling))
     verdict_path = cache_home() / "compiled" / f"{aot.key('verdict', _verdict_sig(lean, layers[0]))}.json"
     verdict = None
     if verdict_path.exists():
@@ -447,25 +374,15 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
             verdict = json.loads(verdict_path.read_text())
         except (OSError, ValueError):
             verdict = None
-    if verdict is None or "attention_eager_ms" not in verdict:
+    if verdict is None or "eager_ms" not in verdict:
         eager_ms, compiled_ms = _timed(lean, compiled)
         verdict = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3)}
-        if attn is not None and attn_why is None:
-            a_eager, a_compiled = _attention_timed(lean, attn, float(lean.layers[0].attn.scaling))
-            verdict.update(attention_eager_ms=round(a_eager, 4), attention_compiled_ms=round(a_compiled, 4))
-        else:
-            verdict.update(attention_eager_ms=None, attention_compiled_ms=None)
         write_text_atomic(verdict_path, json.dumps(verdict))
     info = {"compiled": verdict["compiled_ms"] < verdict["eager_ms"], **verdict,
             "seconds": round(time.perf_counter() - t0, 2)}
     if not info["compiled"]:
         info["why"] = "not faster than the lean loop here"
         return None, info
-    if attn_why is None and verdict["attention_compiled_ms"] is not None \
-            and verdict["attention_compiled_ms"] >= verdict["attention_eager_ms"]:
-        attn_why = "not faster than the engine's attention here"
-    info["attention"] = "compiled" if attn_why is None else f"the engine's ({attn_why})"
-    compiled.attn = attn if attn_why is None else None
     compiled.describe = info
     return compiled, info
 

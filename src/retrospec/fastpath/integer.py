@@ -10,7 +10,7 @@ dynamic, float32; s: the row scales):
     norm    x [T, H], norm weight               -> rows [T, H], s [T, 1]
     (qkv matmul)
     rotary  y [T, (h + 2 kvh) d], s, cos, signed sin [, bias] -> [T, h + 2 kvh, d]  (rotated q, k; then v)
-    (attention: ``fastpath.compiled``'s program or the engine's)
+    (the keys and values into the cache; ``kernels.attention``)
     scale   a [T, h d]                          -> a / s, s
     (o matmul)
     mid     x, y, s, norm weight [, bias]       -> x + o, its normed rows, s
@@ -134,12 +134,12 @@ def _program(module: _Step, example: list[torch.Tensor], progress):
     return aot.runner(module, example, name, tuple(dims), progress)
 
 
-def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
-    """(pre, post) per layer as ``fastpath.compiled.CompiledLayers`` takes them (``run(list) -> list`` and its
-    tensors), or None where a layer is not all ``w8a8`` with joined q/k/v and gate/up projections, or this build
-    lacks fbgemm's kernel."""
+def layer_programs(lean, layers, scaling: float, progress=None) -> list | None:
+    """Every layer's (run, tensors) as ``fastpath.compiled.CompiledLayers.layers`` holds them (``run(list) -> list``:
+    the steps above, the cache write and ``kernels.attention`` between them), or None where a layer is not all
+    ``w8a8`` with joined q/k/v and gate/up projections, or this build lacks fbgemm's kernel."""
     linear = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
-    pre, post = [], []
+    out_layers = []
     for layer, pieces in zip(layers, lean.layers):
         mods = [*pieces.qkv_modules, layer.self_attn.o_proj, *pieces.mlp_modules, layer.mlp.down_proj]
         if len(mods) != 4 or pieces.q_norm is not None or not all(
@@ -166,18 +166,17 @@ def layer_programs(lean, layers, progress=None) -> tuple[list, list] | None:
         act = _program(_Act(down.in_features), [y_gu, s, *bias[2]], progress)
         out = _program(_Out(), [x, y_down, s, *bias[3]], progress)
 
-        def run_pre(args, mm=mm, norm=norm, rotary=rotary, b=bias[0]):
-            x, cos, sin, w = args  # [T, H], [T, d], [T, d], the norm weight
-            rows, s = norm([x, w])
-            return rotary([mm[0](rows), s, cos, sin, *b])
-
-        def run_post(args, mm=mm, scale=scale, mid=mid, act=act, out=out, b=bias):
-            x, a, w = args  # [T, H], [T, heads * d], the norm weight
-            rows, s = scale([a])
-            x, rows, s = mid([x, mm[1](rows), s, w, *b[1]])
+        def run(args, mm=mm, norm=norm, rotary=rotary, scale=scale, mid=mid, act=act, out=out, b=bias):
+            x, cos, sin, kbuf, vbuf, attend, w1, w2 = args  # as ``_Layer`` takes them (``fastpath.compiled``)
+            t, length = attend.shape
+            rows, s = norm([x, w1])
+            qkv = rotary([mm[0](rows), s, cos, sin, *b[0]])[0]  # [T, h + 2 kvh, d]
+            kbuf[0, :, length - t: length] = qkv[:, h: h + kvh].transpose(0, 1)
+            vbuf[0, :, length - t: length] = qkv[:, h + kvh:].transpose(0, 1)
+            rows, s = scale([torch.ops.retrospec.attention(qkv, kbuf, vbuf, attend, h, scaling)])
+            x, rows, s = mid([x, mm[1](rows), s, w2, *b[1]])
             rows, s = act([mm[2](rows), s, *b[2]])
             return out([x, mm[3](rows), s, *b[3]])
 
-        pre.append((run_pre, [w1]))
-        post.append((run_post, [w2]))
-    return pre, post
+        out_layers.append((run, [w1, w2]))
+    return out_layers

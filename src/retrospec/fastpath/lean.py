@@ -144,8 +144,8 @@ class _Layer:
 
 class LeanDecoder:
     """``decoder``'s forward as a plain loop (see the module docstring); ``decoder`` is the engine's private copy.
-    ``compiled``: the layers' parts around attention as compiled programs (``fastpath.compiled``), when the engine
-    built them; the loop then calls them in place of ``pre_eager`` / ``post_eager``."""
+    ``compiled``: each layer as one compiled program (``fastpath.compiled``), when the engine built them; the loop
+    then runs them for every forward over its cache that already holds positions (the prefill stays eager)."""
 
     def __init__(self, decoder: torch.nn.Module):
         cfg = decoder.config
@@ -158,16 +158,14 @@ class LeanDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.compiled = None  # fastpath.compiled.CompiledLayers
 
-    def _attention_mask(self, attention_mask, rows: int, length: int):
-        """(bias [T, L] 0 / -inf, None) for one call of the compiled attention; or (None, visible [T, L] bool) for a
-        draft tree verified row-exactly (each row alone over the keys it sees: ``CompiledLayers.attend``)."""
+    @staticmethod
+    def _attention_bias(attention_mask, rows: int, length: int) -> torch.Tensor:
+        """[T, L] 0 / -inf for the compiled layers: causal over the cache, or a 4D tree mask's [1, 1, T, L] block."""
         if attention_mask is None:
-            return compiled.chain_bias(rows, length), None
+            return compiled.chain_bias(rows, length)
         block = attention_mask[0, 0]  # [T, L]
         seen = block if block.dtype == torch.bool else block == 0
-        if self.compiled.row_exact:
-            return None, seen
-        return torch.zeros(rows, length).masked_fill_(~seen, float("-inf")), None
+        return torch.zeros(rows, length).masked_fill_(~seen, float("-inf"))
 
     def pre_eager(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, H]; cos / signed sin [1, 1, T, d] -> q [1, heads, T, d], k / v [1, kvh, T, d] (rotary applied)."""
@@ -245,30 +243,22 @@ class LeanDecoder:
         fast = self.compiled if self.compiled is not None and t <= MAX_ROWS else None
         if fast is not None:
             cos2, sin2 = cos[0, 0], sin[0, 0]  # [T, head_dim]
-        bias = visible = None  # the compiled attention's mask, built at the first layer (it needs the length)
+        bias = None  # the compiled layers' mask, built at the first layer (it needs the length)
         cached = getattr(cache, "layers", ())  # the cache's layers (transformers may add them on first update)
         for layer in self.layers:
             layer_cache = cached[layer.index] if layer.index < len(cached) else None
-            if fast is not None:
-                qkv = fast.run_qkv(layer.index, x, cos2, sin2)  # [T, heads + 2 kvh, d]
-                if fast.attn is not None and getattr(layer_cache, "length", 0) > 0 \
-                        and hasattr(layer_cache, "append_heads"):  # a step over our cache: written straight from qkv
-                    k, v = layer_cache.append_heads(qkv, self.heads, self.kv_heads)  # [1, kvh, L, d]
-                else:
-                    q, k, v = fast.split(qkv)
-                    k, v = cache.update(k, v, layer.index)
-            else:
+            if fast is not None and getattr(layer_cache, "length", 0) > 0 and hasattr(layer_cache, "reserve"):
+                if bias is None:
+                    bias = self._attention_bias(attention_mask, t, layer_cache.length + t)  # [T, L]
+                kbuf, vbuf = layer_cache.reserve(t)  # [1, kvh, C, d]
+                x = fast.run_layer(layer.index, x, cos2, sin2, kbuf, vbuf, bias)  # writes [L - T, L)
+                layer_cache.advance(t)
+            else:  # the prefill, other caches: the eager layer
                 q, k, v = self.pre_eager(layer, x, cos, sin)
                 k, v = cache.update(k, v, layer.index)
-            if fast is not None and fast.attn is not None and t < k.shape[2]:
-                if bias is None and visible is None:
-                    bias, visible = self._attention_mask(attention_mask, t, k.shape[2])
-                a = fast.attend(qkv, cache.layers[layer.index], k, v, bias, visible)  # [T, heads * d]
-            else:
                 a, _ = prefix_block.prefix_block_attention(layer.attn, q, k, v, attention_mask,
                                                            scaling=layer.attn.scaling)  # [1, T, heads, d]
-                a = a.reshape(t, -1)  # [T, heads * d]
-            x = fast.run_post(layer.index, x, a) if fast is not None else self.post_eager(layer, x, a)
+                x = self.post_eager(layer, x, a.reshape(t, -1))  # a [T, heads * d]
             if layer.index in want_layers:
                 wanted[layer.index] = x
         return self.norm(x), wanted

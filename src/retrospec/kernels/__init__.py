@@ -11,6 +11,9 @@ compiled programs call it).
 - ``w4a8()``: ``w4a8_mm(x, w, sz)``, the ``w4a8`` weight format's matmul (``w4a8.cpp``; AVX-512 VNNI).
 - ``f32()``: ``f32_mm(x, w)``, ``x @ w.T`` in float32 for up to 64 rows, each row's bits independent of the others
   (``f32.cpp``; AVX-512): one of the float32 matmul paths ``fastpath.plan`` measures.
+- ``attention()``: ``attention(qkv, kbuf, vbuf, bias, heads, scaling)``, rows' attention over a cache, each row's bits
+  depending only on the keys it sees (``attention.cpp``; portable C++, vectorized for the CPU it is built on): the
+  compiled decoder layers' attention (``fastpath.compiled``).
 """
 
 from __future__ import annotations
@@ -61,12 +64,22 @@ def f32():
                    "float32 matmuls stay PyTorch's")
 
 
-def _kernel(name: str, flags: tuple[str, ...], runs_here: bool, shape, without: str):
-    """The loaded kernel ``name`` (``<name>.cpp``), its operator's ``shape`` function registered; built on first use."""
+def attention():
+    """The ``attention`` kernel module, or None where it cannot be built (no C++ compiler)."""
+    vector = F32_FLAGS[2:] if avx512_cpu() else ("-mavx2", "-mfma") if getattr(
+        torch.cpu, "_is_avx2_supported", lambda: False)() else ()
+    return _kernel("attention", ("-O3", "-fopenmp", "-ffp-contract=off", *vector), True,
+                   lambda qkv, kbuf, vbuf, bias, heads, scaling: qkv.new_empty(qkv.shape[0], heads * qkv.shape[2]),
+                   "decoder layers are not compiled", op="attention")
+
+
+def _kernel(name: str, flags: tuple[str, ...], runs_here: bool, shape, without: str, op: str | None = None):
+    """The loaded kernel ``name`` (``<name>.cpp``), its operator's (``op``, else ``<name>_mm``) ``shape`` function
+    registered; built on first use."""
     if name not in _BUILT:
         built = _build(name, HERE / f"{name}.cpp", flags, without) if runs_here else None
         if built is not None and name not in _SHAPES:  # once per process, however often it is loaded
-            _SHAPES[name] = torch.library.register_fake(f"retrospec::{name}_mm")(shape)
+            _SHAPES[name] = torch.library.register_fake(f"retrospec::{op or name + '_mm'}")(shape)
         _BUILT[name] = built
     return _BUILT[name]
 

@@ -56,11 +56,6 @@ class BufferLayer(CacheLayerMixin):
             setattr(self, name, new)
         self.capacity = cap
 
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole key and value buffers [batch, kv_heads, capacity, head_dim] (contiguous; the first ``length``
-        positions are the cache): for kernels that take a buffer and a length instead of a strided view."""
-        return self._k, self._v
-
     def _refresh_views(self) -> None:
         self.keys = self._k[:, :, : self.length]
         self.values = self._v[:, :, : self.length]
@@ -81,14 +76,17 @@ class BufferLayer(CacheLayerMixin):
         self._refresh_views()
         return self.keys, self.values
 
-    def append_heads(self, qkv: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``update`` for a batch of one, from a projection's rows as they come: qkv [T, heads + 2 kv_heads, d]
-        (query heads, then key heads, then value heads) -> the cache's keys / values [1, kv_heads, L, d]. The same
-        copies as ``update`` with its keys laid out [1, kv_heads, T, d], without making those views first."""
-        if self._k.shape[0] != 1:
-            raise ValueError("append_heads writes a batch of one")
-        return self._append(qkv[:, heads : heads + kv_heads].transpose(0, 1)[None],  # [1, kvh, T, d]
-                            qkv[:, heads + kv_heads :].transpose(0, 1)[None])
+    def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for ``n`` more positions (growing when full) -> the whole buffers, for a program that writes the new
+        keys / values at [length, length + n) itself; ``advance(n)`` then counts them."""
+        if self.length + n > self.capacity:
+            self._grow(self.length + n)
+        return self._k, self._v
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` positions written past the cached ones into the buffers ``reserve`` returned."""
+        self.length += n
+        self._refresh_views()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0

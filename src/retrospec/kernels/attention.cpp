@@ -1,0 +1,217 @@
+// Attention of a few query rows over a layer's key/value cache, each row's result bitwise independent of the other
+// rows and of the keys it does not see: the decode step's and the verification's attention.
+//
+//   qkv  [T, heads + 2 kv_heads, d]  (the rows' query heads first; the key / value heads after them are not read)
+//   kbuf, vbuf [1, kv_heads, C, d]   (the cache's buffers; the first L positions are read)
+//   bias [T, L]                      (0 where row t sees key j, -inf where it does not; other values are added)
+//   -> [T, heads * d]:  softmax(q k^T * scaling + bias) v, per row and head (query head h reads kv head h / group)
+//
+// Why hand-written: PyTorch's CPU attention (and a compiled one) splits the keys into vector lanes or blocks by
+// position, so a row's sums change with where masked keys sit and how many rows share the call: a draft tree's rows
+// (whose visible keys are not a prefix) and a k-token verification would not be bitwise the one-token steps along
+// their paths. Here, per row and head, with keys in cache order:
+//   s_j = (q . k_j, 16 lanes then a fixed sum) * scaling + bias_j      for the keys the row sees (skipped otherwise)
+//   m = max s_j;  e_j = exp(s_j - m) (one vectorized exp for every key);  den = sum of e_j, one after another;  out = sum of (e_j / den) v_j, in order
+// A key a row does not see adds nothing anywhere, so its result depends only on the keys it sees, in their order:
+// the same bits as a one-row call over exactly those keys (a tree's row = the step along its path). Threads split
+// the (row, head) pairs; nothing is reduced across them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(64)));  // 16 floats: the compiler maps it to the CPU's vectors
+typedef int vi __attribute__((vector_size(64)));
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+inline vf load(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf splat(float x) { return vf{} + x; }
+
+// One key's score lanes -> their sum, by the fixed tree acc[l] += acc[l + w] for w = 8, 4, 2, 1.
+inline float dot(const float* a, const float* b, int64_t d) {
+  float acc[kLanes] = {0};  // lane l: inputs l, l + 16, l + 32, ... in order
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] + a[i + l] * b[i + l];
+  for (int64_t l = 0; i + l < d; ++l) acc[l] = acc[l] + a[i + l] * b[i + l];
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] = acc[l] + acc[l + w];
+  return acc[0];
+}
+
+// 16 keys' dots at once, each bitwise ``dot``: the same lanes, then the same tree as a transposed reduction.
+inline vf dot16(const float* q, const float* k, int64_t d) {
+  vf acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = vf{};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    const vf qv = load(q + i);
+    for (int j = 0; j < kLanes; ++j) acc[j] = acc[j] + qv * load(k + j * d + i);
+  }
+  if (i < d) {  // the last inputs, lane by lane as ``dot`` adds them
+    float part[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      __builtin_memcpy(part, &acc[j], sizeof(part));
+      for (int64_t l = 0; i + l < d; ++l) part[l] = part[l] + q[i + l] * k[j * d + i + l];
+      __builtin_memcpy(&acc[j], part, sizeof(part));
+    }
+  }
+  vf b[8], c[4], e[2];
+  for (int m = 0; m < 8; ++m)  // lanes l + (l + 8): keys 2m | 2m + 1 in the halves
+    b[m] = SHUFFLE(acc[2 * m], acc[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(acc[2 * m], acc[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int m = 0; m < 4; ++m)  // + 4: keys 4m .. 4m + 3 in the quarters
+    c[m] = SHUFFLE(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUFFLE(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int m = 0; m < 2; ++m)  // + 2: keys 8m .. 8m + 7 in lane pairs
+    e[m] = SHUFFLE(c[2 * m], c[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUFFLE(c[2 * m], c[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUFFLE(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +  // + 1: keys 0 .. 15
+         SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// exp(x) for x <= 0, 16 at a time (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); below
+// -87 (under float's smallest normal) it is 0. Every value goes through here, so a key's e_j is the same wherever
+// it sits.
+inline vf vexp(vf x) {
+  const vi under = x < splat(-87.0f);
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  vf t = x * splat(1.44269504088896341f) + splat(0.5f);
+  vi n = __builtin_convertvector(t, vi);
+  n = n - (__builtin_convertvector(n, vf) > t ? vi{} + 1 : vi{});  // floor
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
+  vi bits = (n + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return under ? vf{} : p * scale;
+}
+
+// out[0 .. n) = sum over the seen keys j, in order, of p_j v_j[0 .. n): F vectors of 16 features in registers, the
+// last n - 16 F features lane by lane (the same operations either way).
+template <int F>
+void weigh(const float* p, const float* v, const float* bias, int64_t length, int64_t d, int64_t n, float* out) {
+  const float hidden = -std::numeric_limits<float>::infinity();
+  vf acc[F > 0 ? F : 1];
+  for (int c = 0; c < F; ++c) acc[c] = vf{};
+  float rest[kLanes] = {0};
+  const int64_t tail = n - F * kLanes;
+  for (int64_t j = 0; j < length; ++j) {
+    if (bias[j] == hidden) continue;
+    const float* vj = v + j * d;
+    const vf pv = splat(p[j]);
+#pragma GCC unroll 4
+    for (int c = 0; c < F; ++c) acc[c] = acc[c] + pv * load(vj + c * kLanes);
+    for (int64_t l = 0; l < tail; ++l) rest[l] = rest[l] + p[j] * vj[F * kLanes + l];
+  }
+  for (int c = 0; c < F; ++c) __builtin_memcpy(out + c * kLanes, &acc[c], sizeof(vf));
+  for (int64_t l = 0; l < tail; ++l) out[F * kLanes + l] = rest[l];
+}
+
+// One row and head: s [L rounded up to 16] is scratch.
+void one(const float* q, const float* k, const float* v, const float* bias, int64_t length, int64_t d,
+         float scaling, float* out, float* s) {
+  const float hidden = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  vf mv = splat(hidden);  // the max in any order is the max
+  for (; j + kLanes <= length; j += kLanes) {
+    const vf b = load(bias + j);
+    const vf sv = dot16(q, k + j * d, d) * splat(scaling) + b;
+    __builtin_memcpy(s + j, &sv, sizeof(sv));
+    mv = (b != splat(hidden) && sv > mv) ? sv : mv;
+  }
+  float m = hidden;
+  for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
+  for (; j < length; ++j) {
+    s[j] = dot(q, k + j * d, d) * scaling + bias[j];
+    if (bias[j] != hidden && s[j] > m) m = s[j];
+  }
+  for (j = 0; j < length; j += kLanes) {  // s is padded: the lanes past L are computed and not read
+    const vf e = vexp(load(s + j) - splat(m));
+    float tail[kLanes];
+    for (int l = 0; l < kLanes; ++l) tail[l] = j + l < length ? bias[j + l] : hidden;
+    const vf b = j + kLanes <= length ? load(bias + j) : load(tail);
+    const vf kept = b != splat(hidden) ? e : vf{};  // a key the row does not see: 0 (NaN-free, as if skipped)
+    __builtin_memcpy(s + j, &kept, sizeof(kept));
+  }
+  float den = 0.f;
+  for (j = 0; j < length; ++j) den = den + s[j];  // in key order; the unseen add +0
+  for (j = 0; j < length; j += kLanes) {
+    const vf p = load(s + j) / splat(den);
+    __builtin_memcpy(s + j, &p, sizeof(p));
+  }
+  for (int64_t i0 = 0; i0 < d; i0 += 4 * kLanes) {  // 64 features at a time in registers, keys in order
+    const int64_t n = d - i0 < 4 * kLanes ? d - i0 : 4 * kLanes;
+    switch (n / kLanes) {
+      case 4: weigh<4>(s, v + i0, bias, length, d, n, out + i0); break;
+      case 3: weigh<3>(s, v + i0, bias, length, d, n, out + i0); break;
+      case 2: weigh<2>(s, v + i0, bias, length, d, n, out + i0); break;
+      case 1: weigh<1>(s, v + i0, bias, length, d, n, out + i0); break;
+      default: weigh<0>(s, v + i0, bias, length, d, n, out + i0);
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor attention(torch::Tensor qkv, torch::Tensor kbuf, torch::Tensor vbuf, torch::Tensor bias,
+                        int64_t heads, double scaling) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == torch::kFloat32, "attention: qkv must be [T, H, d] float32");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.size(0) == 1 && kbuf.sizes() == vbuf.sizes() &&
+                  kbuf.scalar_type() == torch::kFloat32 && vbuf.scalar_type() == torch::kFloat32,
+              "attention: kbuf / vbuf must be [1, kv_heads, C, d] float32");
+  TORCH_CHECK(bias.dim() == 2 && bias.size(0) == qkv.size(0) && bias.size(1) <= kbuf.size(2) &&
+                  bias.scalar_type() == torch::kFloat32, "attention: bias must be [T, L <= C] float32");
+  const int64_t T = qkv.size(0), d = qkv.size(2), kvh = kbuf.size(1), C = kbuf.size(2), L = bias.size(1);
+  TORCH_CHECK(kbuf.size(3) == d && heads % kvh == 0 && qkv.size(1) >= heads, "attention: head shapes disagree");
+  qkv = qkv.contiguous();
+  kbuf = kbuf.contiguous();
+  vbuf = vbuf.contiguous();
+  bias = bias.contiguous();
+  auto out = torch::empty({T, heads * d}, qkv.options());
+  const float* qp = qkv.data_ptr<float>();
+  const float* kp = kbuf.data_ptr<float>();
+  const float* vp = vbuf.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t stride = qkv.size(1) * d, group = heads / kvh;
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, T * heads, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> s((L + kLanes - 1) / kLanes * kLanes + kLanes, 0.f);
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t t = i / heads, h = i % heads, g = h / group;
+      one(qp + t * stride + h * d, kp + g * C * d, vp + g * C * d, bp + t * L, L, d, scale, op + i * d, s.data());
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(retrospec, m) {
+  m.def("attention(Tensor qkv, Tensor kbuf, Tensor vbuf, Tensor bias, int heads, float scaling) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(retrospec, CPU, m) { m.impl("attention", &attention); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attention", &attention, "rows' attention (see the header)"); }
