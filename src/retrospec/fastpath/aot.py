@@ -21,7 +21,7 @@ from ..paths import cache_home
 from .plan import machine_id
 
 MAX_ROWS = 4096  # the programs' largest T (a longer forward runs the lean loop)
-PROGRAM_VERSION = 4
+PROGRAM_VERSION = 5
 _LOADED: dict[str, object] = {}  # package path -> loaded runner (one per process)
 
 
@@ -52,7 +52,9 @@ def runner(program: torch.nn.Module, example: list[torch.Tensor], name: str, dim
             exported = torch.export.export(program, tuple(example), dynamic_shapes=dims, strict=False)
         tmp = folder / f".{name}.{os.getpid()}.pt2"
         try:
-            with warnings.catch_warnings():
+            # serial loops: a program's own loops are a few rows' elementwise work (microseconds), less than a
+            # parallel region's fork and join; the kernels it calls (matmuls, attention) run their own threads
+            with warnings.catch_warnings(), torch._inductor.config.patch({"cpp.threads": 1}):
                 warnings.simplefilter("ignore", FutureWarning)
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
             os.replace(tmp, path)
