@@ -56,9 +56,27 @@ class BufferLayer(CacheLayerMixin):
             setattr(self, name, new)
         self.capacity = cap
 
-    def _refresh_views(self) -> None:
-        self.keys = self._k[:, :, : self.length]
-        self.values = self._v[:, :, : self.length]
+    # ``keys`` / ``values``: views of the filled part, made when read (a step moves ``length`` 30-odd times a layer
+    # loop; a view made each time would cost more than the reads); transformers' constructor sets them to None.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        k = getattr(self, "_k", None)
+        return None if k is None else k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a BufferLayer's keys are a view of its buffer (write through update)")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        v = getattr(self, "_v", None)
+        return None if v is None else v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a BufferLayer's values are a view of its buffer (write through update)")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -73,7 +91,6 @@ class BufferLayer(CacheLayerMixin):
         self._k[:, :, self.length : self.length + n] = key_states
         self._v[:, :, self.length : self.length + n] = value_states
         self.length += n
-        self._refresh_views()
         return self.keys, self.values
 
     def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +103,6 @@ class BufferLayer(CacheLayerMixin):
     def advance(self, n: int) -> None:
         """Count ``n`` positions written past the cached ones into the buffers ``reserve`` returned."""
         self.length += n
-        self._refresh_views()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -102,8 +118,6 @@ class BufferLayer(CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         self.length = max(0, self.length + tokens_to_remove)
-        if self.is_initialized:
-            self._refresh_views()
 
     @torch.inference_mode()
     def gather_tail(self, start: int, idx: torch.Tensor) -> None:
@@ -113,12 +127,9 @@ class BufferLayer(CacheLayerMixin):
         self._k[:, :, start : start + m] = self._k.index_select(2, idx)
         self._v[:, :, start : start + m] = self._v.index_select(2, idx)
         self.length = start + m
-        self._refresh_views()
 
     def reset(self) -> None:
         self.length = 0
-        if self.is_initialized:
-            self._refresh_views()
 
 
 class WindowLayer(DynamicSlidingWindowLayer):
