@@ -222,10 +222,14 @@ def test_state_memory_is_flat_in_context_length():
 
 
 class CheckedDrafter(LongSpecDrafter):
-    """After every draft, the ring must equal one rebuilt from the committed tokens (all but the root)."""
+    """After every drafting step, the ring must equal one rebuilt from the committed tokens (all but the root); a
+    step left undrafted (budget 0) leaves it behind, caught up by the next drafting step."""
 
     def propose(self, ctx, budget):
         tree = super().propose(ctx, budget)
+        if budget <= 0:
+            assert len(tree) == 0 and self.state.length <= len(ctx.tokens) - 1
+            return tree
         fresh = DraftState(self.block)
         fresh.append(ctx.tokens[:-1])
         assert self.state.length == len(ctx.tokens) - 1 and self.state.tentative == 0
@@ -265,6 +269,25 @@ def test_greedy_equals_oracle(arch, mode, kind):
         assert max(len(c) for c in chunks) >= 3
     else:  # full rejections (the ring still follows the committed tokens: CheckedDrafter)
         assert any(len(c) == 1 for c in chunks[:-1])
+
+
+def test_undrafted_steps_leave_the_ring_behind_and_a_drafting_step_catches_it_up():
+    """A gate that leaves runs of steps undrafted (budget 0 on nine steps of every ten: the ring falls 9 tokens
+    behind, more than its window of 8): the ring is not touched on those steps and equals a rebuilt one after each
+    drafting step (CheckedDrafter); greedy output still equals the oracle's."""
+
+    class Gated(CheckedDrafter):
+        steps = 0
+
+        def propose(self, ctx, budget):
+            self.steps += 1
+            return super().propose(ctx, budget if self.steps % 10 == 0 else 0)
+
+    target, block = mimic_pair("llama")
+    want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
+    drafter = Gated(block, gamma=4)
+    out = [t for c in speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40) for t in c]
+    assert out == want and drafter.steps >= 20
 
 
 def test_tree_shape_and_budget():

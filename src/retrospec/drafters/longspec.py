@@ -22,9 +22,11 @@ budget, so a smaller budget drafts a prefix of a larger one (what the gate assum
 
 Speed: the block's fast copy (``fast_block``: possibly bfloat16) changes what is proposed, never the output.
 State consistency: the ring holds every committed token but the last, like the target's cache. ``observe`` only
-gets counts and runs before the loop extends ``ctx.tokens``, so the ring catches up at the top of ``propose`` from
-``ctx.tokens`` itself, and every tentative token is dropped at its end. After any step the ring equals one rebuilt
-from the committed tokens (tested); the target cache length is checked against it every step.
+gets counts and runs before the loop extends ``ctx.tokens``, so the ring catches up at the top of a drafting
+``propose`` from ``ctx.tokens`` itself (a step the gate leaves undrafted does not touch it: the tokens it missed
+are appended in one call when drafting resumes), and every tentative token is dropped at its end. After any
+drafting step the ring equals one rebuilt from the committed tokens (tested); the target cache length is checked
+against it every drafting step.
 """
 
 from __future__ import annotations
@@ -99,19 +101,19 @@ class LongSpecDrafter:
         state.rollback()
         state.append(ctx.tokens[state.length: len(ctx.tokens) - 1])
         kv = ctx.target.kv
-        layers = kv.layer_tensors() if kv is not None else []
-        cached = int(layers[-1][0].shape[2]) if layers else 0
+        last = kv.last_layer() if kv is not None else None
+        cached = int(last[0].shape[2]) if last is not None else 0
         if cached != state.length:
             raise RetrospecError(f"longspec needs the target's full last-layer KV cache of the committed tokens; it "
                                  f"holds {cached} positions for {state.length} committed tokens")
-        return layers[-1] if layers else None
+        return last
 
     @torch.no_grad()
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
-        target_kv = self._sync(ctx)  # every step, drafting or not: the ring never lags behind
         n = min(budget, self.gamma if self.gamma is not None else sum(self.tree))
-        if n <= 0:
+        if n <= 0:  # an undrafted step costs nothing here: the ring catches up when drafting resumes (one append)
             return DraftTree.empty()
+        target_kv = self._sync(ctx)
         chain = self.lookup.propose(ctx, budget) if self.lookup is not None else DraftTree.empty()
         if len(chain) >= budget:  # the lookup chain fills the budget: graft would cut every block node
             return chain

@@ -184,6 +184,11 @@ class KVCache:
             if layer.is_initialized:
                 layer.gather_tail(start, idx.to(layer.device))
 
+    def last_layer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last layer's (keys, values) [batch, kv_heads, seq, head_dim], or None before the first forward."""
+        layers = [layer for layer in self.cache.layers if layer.is_initialized]
+        return (layers[-1].keys, layers[-1].values) if layers else None
+
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, each [batch, kv_heads, seq, head_dim]; read-only views for drafters/tests."""
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
