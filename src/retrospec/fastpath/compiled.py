@@ -52,7 +52,6 @@ from ..paths import cache_home
 from ..weight_only import GROUP, WeightOnlyLinear
 from . import aot, integer
 from .linear import KernelLinear
-from .aot import MAX_ROWS
 
 MODES = ("auto", "on", "off")
 AUTO_MIN_LAYERS, AUTO_MIN_HIDDEN = 8, 256  # ``auto`` compiles models at least this deep and wide
@@ -181,9 +180,6 @@ class CompiledLayers:
     """Per decoder layer: its program's runner and weight arguments (equal layers share a runner)."""
 
     layers: list  # [(run, [norm_w, *pre tensors, norm_w, *post tensors])]
-    heads: int
-    kv_heads: int
-    row_exact: bool  # the engine verifies row-exactly: a verification's rows are bitwise one-token steps
     describe: dict | None = None
 
     def run_layer(self, i: int, x, cos, sin, kbuf, vbuf, bias) -> torch.Tensor:
@@ -363,7 +359,7 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
         return None, {"compiled": False, "why": f"compile failed: {type(exc).__name__}"}
     if programs is None:
         return None, {"compiled": False, "why": "a layer the programs do not express"}
-    compiled = CompiledLayers(layers=programs, heads=lean.heads, kv_heads=lean.kv_heads, row_exact=row_exact)
+    compiled = CompiledLayers(layers=programs)
     why = _checked(lean, compiled, row_exact)
     if why is not None:
         return None, {"compiled": False, "why": why}

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..attention import prefix_block
 from ..weight_only import WeightOnlyLinear
 from . import compiled
-from .compiled import MAX_ROWS
+from .aot import MAX_ROWS
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 

@@ -30,7 +30,8 @@ import torch
 from ..paths import cache_home
 
 HERE = Path(__file__).resolve().parent
-F32_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+F32_FLAGS = ("-O3", "-fopenmp", *AVX512_FLAGS)
 W4A8_FLAGS = (*F32_FLAGS, "-mavx512vnni")
 _BUILT: dict[str, object] = {}  # kernel name -> loaded module, or None where it cannot run here
 _SHAPES: dict[str, object] = {}  # operator -> its registered shape function (once per process)
@@ -66,7 +67,7 @@ def f32():
 
 def attention():
     """The ``attention`` kernel module, or None where it cannot be built (no C++ compiler)."""
-    vector = F32_FLAGS[2:] if avx512_cpu() else ("-mavx2", "-mfma") if getattr(
+    vector = AVX512_FLAGS if avx512_cpu() else ("-mavx2", "-mfma") if getattr(
         torch.cpu, "_is_avx2_supported", lambda: False)() else ()
     return _kernel("attention", ("-O3", "-fopenmp", "-ffp-contract=off", *vector), True,
                    lambda qkv, kbuf, vbuf, bias, heads, scaling: qkv.new_empty(qkv.shape[0], heads * qkv.shape[2]),

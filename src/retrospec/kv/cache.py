@@ -25,6 +25,20 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from ..errors import RetrospecError
 
 
+def _filled(buffer: str) -> property:
+    """A ``BufferLayer`` attribute: the first ``length`` positions of its ``buffer`` (None before the first write)."""
+
+    def get(layer: "BufferLayer") -> torch.Tensor | None:
+        b = getattr(layer, buffer, None)
+        return None if b is None else b[:, :, : layer.length]
+
+    def set_(layer: "BufferLayer", value) -> None:
+        if value is not None:
+            raise AttributeError("a BufferLayer's keys and values are views of its buffers (write through update)")
+
+    return property(get, set_)
+
+
 class BufferLayer(CacheLayerMixin):
     """One layer's keys/values in a growable preallocated buffer; ``keys``/``values`` are views of the filled part."""
 
@@ -56,27 +70,10 @@ class BufferLayer(CacheLayerMixin):
             setattr(self, name, new)
         self.capacity = cap
 
-    # ``keys`` / ``values``: views of the filled part, made when read (a step moves ``length`` 30-odd times a layer
-    # loop; a view made each time would cost more than the reads); transformers' constructor sets them to None.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        k = getattr(self, "_k", None)
-        return None if k is None else k[:, :, : self.length]
-
-    @keys.setter
-    def keys(self, value) -> None:
-        if value is not None:
-            raise AttributeError("a BufferLayer's keys are a view of its buffer (write through update)")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        v = getattr(self, "_v", None)
-        return None if v is None else v[:, :, : self.length]
-
-    @values.setter
-    def values(self, value) -> None:
-        if value is not None:
-            raise AttributeError("a BufferLayer's values are a view of its buffer (write through update)")
+    # ``keys`` / ``values``: views of the filled part, made when read (a step moves ``length`` once a layer; a view
+    # rebuilt each time would cost more than the reads); transformers' constructor sets them to None
+    keys = _filled("_k")
+    values = _filled("_v")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
