@@ -17,7 +17,7 @@ from retrospec.drafters import REGISTRY
 from retrospec.fastpath import engine as engine_mod
 from retrospec.fastpath import engine_for
 from retrospec.fastpath.linear import (HEAD_LAYOUTS, KernelLinear, PackedLinear, head_logits, kernel_available,
-                                       onednn_available, pack_weight)
+                                       kernel_matmul, kernel_streamed, onednn_available, pack_weight)
 from retrospec.fastpath.rows import rows_invariant
 from retrospec.fastpath.plan import ROWS, Plan, load_or_measure, linear_layers
 from retrospec.types import DraftTree
@@ -58,6 +58,25 @@ def test_kernel_linear_equals_linear_and_each_row_is_alone(bias):
                 torch.testing.assert_close(fast(x), exact, rtol=1e-5, atol=1e-5)
             assert rows_invariant([fast]) and torch.equal(fast(x[None])[0], fast(x))
     assert fast.weight is lin.weight  # shared, never copied
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="no AVX-512 or no C++ compiler here: the f32 kernel is not built")
+def test_the_kernels_two_loop_orders_give_the_same_bits():
+    """Streamed (output after output) and register-blocked calls of 1..4 rows: bitwise the same products, so the
+    plan's choice between them changes the speed only."""
+    torch.manual_seed(0)
+    before = kernel_streamed(0)
+    try:
+        for n, k in ((80, 48), (37, 50), (300, 23), (64, 576)):
+            w = torch.randn(n, k)
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, k)
+                kernel_streamed(0)
+                blocked = kernel_matmul(x, w)
+                kernel_streamed(4)
+                assert torch.equal(kernel_matmul(x, w), blocked)
+    finally:
+        kernel_streamed(before)
 
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)

@@ -12,6 +12,8 @@ import torch
 from retrospec import LoadedModel, RetrospecError, load_model
 from retrospec.models import check_same_vocab
 
+from conftest import tiny_llama
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
@@ -153,3 +155,41 @@ def test_directory_without_tokenizer_loads_without_one(paths, tmp_path):
     with pytest.raises(RetrospecError, match="tokenizer"):
         generate("hello", target=d, method="ar", max_new_tokens=4)
     assert 1 <= len(generate([5, 6, 7], target=d, method="ar", max_new_tokens=4).token_ids) <= 4
+
+
+def test_a_loaded_cpu_model_lives_in_one_anonymous_arena(paths, tmp_path, monkeypatch):
+    """``models.pages``: the weights leave the checkpoint file's mapping for one anonymous arena (huge pages where
+    the kernel gives them); the model computes the same bits, stays tied, every tensor has a storage of its own (it
+    saves and loads back); ``RETROSPEC_HUGE_PAGES=0`` leaves the weights where transformers put them."""
+    from transformers import AutoModelForCausalLM
+
+    from retrospec.models import pages
+
+    if not pages.enabled():
+        pytest.skip("no madvise(MADV_HUGEPAGE) here")
+    tied = tiny_llama(seed=3)
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    tied.save_pretrained(tmp_path / "tied")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "tied").eval()
+    loaded = load_model(tmp_path / "tied").model
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, plain(ids).logits)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ptrs = sorted((p.data_ptr(), p.numel() * p.element_size()) for p in loaded.parameters())
+    span = ptrs[-1][0] + ptrs[-1][1] - ptrs[0][0]
+    assert span <= sum(n for _, n in ptrs) + len(ptrs) * pages.ALIGN  # packed side by side, one arena
+    assert len({p.untyped_storage().data_ptr() for p in loaded.parameters()}) == len(ptrs)  # a storage each
+    with open("/proc/self/maps") as f:
+        maps = [line.split() for line in f]
+    region = next(m for m in maps if int(m[0].split("-")[0], 16) <= ptrs[0][0] < int(m[0].split("-")[1], 16))
+    assert len(region) < 6 or not region[5].startswith("/")  # anonymous: no file behind it
+    loaded.save_pretrained(tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, plain(ids).logits)
+    monkeypatch.setenv("RETROSPEC_HUGE_PAGES", "0")
+    kept = AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
+    before = [p.data_ptr() for p in kept.parameters()]
+    assert pages.place_weights(kept) == 0 and [p.data_ptr() for p in kept.parameters()] == before

@@ -40,7 +40,7 @@ from ..weight_only import WeightOnlyLinear
 from . import compiled
 from .draft import draft_choice, pack_linears
 from .lean import LeanDecoder
-from .linear import head_logits, pack_weight
+from .linear import head_logits, kernel_streamed, pack_weight
 from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode
 from .rows import linear_modules, rows_invariant
 
@@ -153,6 +153,8 @@ class EngineModel:
                 pack_dtype = torch.bfloat16 if choice == "packed-bf16" else None
             elif how == "auto":
                 self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
+                if self.plan.kernel or "kernel" in self.plan.head.values():
+                    kernel_streamed(self.plan.streamed)  # the kernel's loop order measured for these shapes
             else:
                 self.plan = forced_plan(how)
             if self.plan.packed_rows:  # the copy's own decoder linears; the caller's modules are untouched

@@ -79,6 +79,13 @@ def kernel_available(weight: torch.Tensor | None = None) -> bool:
     return kernels.f32() is not None
 
 
+def kernel_streamed(rows: int) -> int:
+    """Make ``kernels.f32`` compute calls of at most ``rows`` rows (0..4) output after output (one sequential stream
+    per weight row) and larger calls in register blocks; the same bits either way, only the speed differs
+    (``fastpath.plan`` measures it). Process-wide; returns the previous setting."""
+    return kernels.f32().set_streamed(rows)
+
+
 def kernel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[..., in] x [out, in] -> [..., out] through ``kernels.f32`` (float32 rows)."""
     y = torch.ops.retrospec.f32_mm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])

@@ -36,16 +36,17 @@ import torch.nn.functional as F
 from ..atomic import write_text_atomic
 from ..paths import cache_home
 from ..weight_only import FORMAT_ATTR
-from .linear import HEAD_LAYOUTS, head_logits, kernel_available, kernel_matmul, onednn_available, pack_weight, \
-    packed_matmul
+from .linear import HEAD_LAYOUTS, head_logits, kernel_available, kernel_matmul, kernel_streamed, onednn_available, \
+    pack_weight, packed_matmul
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a forward of r rows uses the bucket >= r
 SAMPLE_BYTES = 96 << 20  # decoder weights timed per measurement (then scaled to the whole decoder)
 REPS = 5
 MODES = ("auto", "packed", "kernel", "plain", "off")
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 KERNEL_ROWS = (1, 8)  # a decode step and a verification: where the kernel is compared with the other paths
 KERNEL_SLACK = 1.05  # taken where it costs at most this factor of the fastest others
+STREAM_ROWS = (1, 2, 4)  # row counts where the kernel's streamed loop order is timed against its blocked one
 
 
 def bucket(rows: int) -> int | None:
@@ -63,6 +64,7 @@ class Plan:
 
     packed_rows: list[int] = field(default_factory=list)  # buckets where PackedLinear beats F.linear
     kernel: bool = False  # decoder linears as ``KernelLinear`` (then no packed rows)
+    streamed: int = 2  # the kernel streams calls of at most this many rows (``linear.kernel_streamed``)
     head: dict[int, str] = field(default_factory=dict)  # bucket -> layout in HEAD_LAYOUTS
     ms: dict = field(default_factory=dict)  # what was measured: {"linear": {path: {rows: ms}}, "head": {...}}
     key: str = ""
@@ -79,6 +81,7 @@ class Plan:
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
         return cls(packed_rows=[int(r) for r in d["packed_rows"]], kernel=bool(d.get("kernel")),
+                   streamed=int(d.get("streamed", 2)),
                    head={int(k): v for k, v in d["head"].items()},
                    ms=d.get("ms", {}), key=d.get("key", ""), seconds=0.0, source="cache")
 
@@ -185,17 +188,27 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
     can_pack = bool(sample) and all(p is not None for p in packed)
     dtype = sample[0].weight.dtype if sample else (head_weight.dtype if head_weight is not None else torch.float32)
     kernel = bool(sample) and kernel_available(sample[0].weight)
-    lin: dict[str, dict[int, float]] = {path: {} for path in ("plain", "packed", "kernel")
-                                        if (path != "packed" or can_pack) and (path != "kernel" or kernel)}
+    lin: dict[str, dict[int, float]] = {path: {} for path in ("plain", "packed", "kernel", "streamed")
+                                        if (path != "packed" or can_pack) and (path[0] not in "ks" or kernel)}
+
+    def through_kernel(xs, streamed: int):
+        kernel_streamed(streamed)
+        return [kernel_matmul(xs[m.in_features], m.weight) for m in sample]
+
     for r in ROWS:
         xs = {m.in_features: torch.randn(1, r, m.in_features, dtype=dtype) for m in sample}
         paths = {"plain": lambda: [F.linear(xs[m.in_features], m.weight) for m in sample],
                  "packed": lambda: [packed_matmul(xs[m.in_features], p) for m, p in zip(sample, packed)],
-                 "kernel": lambda: [kernel_matmul(xs[m.in_features], m.weight) for m in sample]}
-        for path, ms in interleaved_ms({path: paths[path] for path in lin}).items():
+                 "kernel": lambda: through_kernel(xs, 0), "streamed": lambda: through_kernel(xs, r)}
+        for path, ms in interleaved_ms({path: paths[path] for path in lin
+                                        if path != "streamed" or r in STREAM_ROWS}).items():
             lin[path][r] = scale * ms
     packed = None  # free the sampled packed copies before the head's
-    kernel = kernel and _kernel_wins(lin)
+    streamed = _streamed_rows(lin.get("kernel", {}), lin.get("streamed", {}))
+    if kernel:
+        kernel_streamed(streamed)
+        lin["kernel"] = {r: min(t, lin["streamed"].get(r, t)) if r <= streamed else t for r, t in lin["kernel"].items()}
+    kernel = kernel and _kernel_wins({path: t for path, t in lin.items() if path != "streamed"})
     packed_rows = [] if kernel or not can_pack else [r for r in ROWS if lin["packed"][r] < lin["plain"][r]]
     head: dict[int, str] = {}
     head_ms: dict[str, dict[int, float]] = {}
@@ -213,9 +226,20 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
         for r in ROWS:
             head[r] = "kernel" if whole else min((lay for lay in layouts if lay != "kernel"),
                                                  key=lambda lay: head_ms[lay][r])
-    return Plan(packed_rows=packed_rows, kernel=kernel, head=head,
+    return Plan(packed_rows=packed_rows, kernel=kernel, streamed=streamed, head=head,
                 ms={"linear": lin, "head": head_ms, "sampled_share": 1 / scale}, key=key,
                 seconds=time.perf_counter() - t0, source="measured")
+
+
+def _streamed_rows(blocked: dict[int, float], streamed: dict[int, float]) -> int:
+    """The most rows (of ``STREAM_ROWS``, or 0) up to which the kernel's streamed order was at least as fast as its
+    blocked one at every measured row count."""
+    best = 0
+    for r in STREAM_ROWS:
+        if r not in streamed or streamed[r] > blocked[r]:
+            break
+        best = r
+    return best
 
 
 def _kernel_wins(ms: dict[str, dict[int, float]]) -> bool:

@@ -8,21 +8,26 @@
 //   acc = 0; for each block of 16 inputs k (in order): acc = fma(x[r, k..k+15], w[n, k..k+15], acc)
 //   y[r, n] = the 16 lanes of acc summed (a fixed tree)
 // (the last block masked where K is not a multiple of 16), so each row's result is bitwise independent of the
-// others (row invariance). Several (rows x outputs) accumulators run at once (one weight load serves every row of
-// the block; independent chains hide the FMA latency); threads split the outputs. Over ``kMaxRows`` rows (a
-// prompt) it calls at::matmul (compute-bound there; its rows are not this kernel's bits).
+// others (row invariance). Two loop orders compute these same bits: for a few rows, output after output, each
+// weight row read once as one sequential stream (what the hardware prefetcher follows best); for more rows, blocks
+// of (rows x outputs) accumulators (one weight load serves every row of the block; independent chains hide the FMA
+// latency). Which row counts stream is the caller's choice (``set_streamed``: measured by ``fastpath.plan``); it
+// changes the speed, never a bit. Threads split the outputs. Over ``kMaxRows`` rows (a prompt) it calls
+// at::matmul (compute-bound there; its rows are not this kernel's bits).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace {
 
 constexpr int64_t kMaxRows = 64, kChunk = 32, kOuts = 8;  // rows handled here; outputs per parallel work, per unit
+std::atomic<int64_t> streamed{2};  // calls of at most this many rows run output after output (see the header)
 
-template <int R, int NO>
+template <int R, int NO, bool kPrefetch = true>
 void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t outs) {
   __m512 acc[R][NO];
   for (int r = 0; r < R; ++r)
@@ -33,7 +38,7 @@ void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int
 #pragma GCC unroll 8
     for (int j = 0; j < NO; ++j) {
       // fetch the same inputs of the outputs kOuts ahead (the next unit's weights, while this one computes)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (kOuts + j) * K + k), _MM_HINT_T0);
+      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (kOuts + j) * K + k), _MM_HINT_T0);
       wv[j] = _mm512_loadu_ps(w + j * K + k);
     }
 #pragma GCC unroll 4
@@ -69,7 +74,22 @@ void unit(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
 
 // every row x outputs [n0, n1): per unit of kOuts outputs (read from memory once, then from L1), rows by 4, then the
 // rest; outputs past the last full unit one at a time
+// every row x outputs [n0, n1) of a call of at most 4 rows, output after output: one weight row, one stream
+void streamed_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+                    int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    switch (M) {
+      case 4: block<4, 1, false>(x, K, w + n * K, y + n, N, 1); break;
+      case 3: block<3, 1, false>(x, K, w + n * K, y + n, N, 1); break;
+      case 2: block<2, 1, false>(x, K, w + n * K, y + n, N, 1); break;
+      default: block<1, 1, false>(x, K, w + n * K, y + n, N, 1); break;
+    }
+  }
+}
+
 void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  if (M <= std::min<int64_t>(4, streamed.load(std::memory_order_relaxed)))
+    return streamed_range(x, M, K, w, y, N, n0, n1);
   int64_t n = n0;
   for (; n + kOuts <= n1; n += kOuts) {
     int64_t r = 0;
@@ -109,7 +129,13 @@ torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+// calls of at most ``rows`` rows (0..4) run output after output from now on; returns the previous setting
+int64_t set_streamed(int64_t rows) { return streamed.exchange(std::max<int64_t>(0, std::min<int64_t>(4, rows))); }
+
 TORCH_LIBRARY_FRAGMENT(retrospec, m) { m.def("f32_mm(Tensor x, Tensor w) -> Tensor"); }
 TORCH_LIBRARY_IMPL(retrospec, CPU, m) { m.impl("f32_mm", &f32_mm); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("f32_mm", &f32_mm, "f32 matmul for few rows (see the header)"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("f32_mm", &f32_mm, "f32 matmul for few rows (see the header)");
+  m.def("set_streamed", &set_streamed, "calls of at most this many rows (0..4) stream output after output");
+}

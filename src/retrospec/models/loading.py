@@ -35,6 +35,7 @@ from ..errors import RetrospecError
 from ..identity import derive, head_rows, model_identity
 from .adapters import is_adapter_dir, load_adapter
 from .files import first_line, quiet_transformers
+from .pages import place_weights
 from .named import gguf_of, known_names, lookup, resolve_name
 from ..weight_only import FORMATS as WEIGHT_ONLY, quantize_model_
 from .gguf_native import FORMAT as GGUF_FORMAT, converted_from_gguf, load_native_, source_of
@@ -213,6 +214,8 @@ def load_model(src, *, role: str = "target", tokenizer=None, dtype: torch.dtype 
         else:
             quantize_model_(model, quant)
         derive(model, source, quant)
+    if device.type == "cpu":
+        place_weights(model)  # out of the checkpoint file's mapping, into huge pages (``models.pages``)
     _CACHE[key] = _attach_vocab_map(LoadedModel(model.to(device).eval(), tokenizer, str(path)), path)
     return _CACHE[key]
 
