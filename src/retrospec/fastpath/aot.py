@@ -21,7 +21,7 @@ from ..paths import cache_home
 from .plan import machine_id
 
 MAX_ROWS = 4096  # the programs' largest T (a longer forward runs the lean loop)
-PROGRAM_VERSION = 5
+PROGRAM_VERSION = 6
 _LOADED: dict[str, object] = {}  # package path -> loaded runner (one per process)
 
 

@@ -124,6 +124,16 @@ def _take(projs: tuple[Proj, ...], ts: tuple[torch.Tensor, ...]) -> list[list[to
     return out
 
 
+def _side_by_side(projs: tuple[Proj, ...], parts: list[list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """Projections of one input x [T, in] -> [T, sum of outs]: one ``f32_mm_cat`` call where every part is ``f32``
+    with a bias in all or none (each column's bits those of its own call), else each part apart, joined."""
+    if len(projs) > 1 and all(p.kind == "f32" for p in projs) and len({p.bias for p in projs}) == 1:
+        y = torch.ops.retrospec.f32_mm_cat(x, [w[0] for w in parts])
+        return y + torch.cat([w[1] for w in parts]) if projs[0].bias else y
+    outs = [p.apply(x, w) for p, w in zip(projs, parts)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
 class _Pre(torch.nn.Module):
     """rmsnorm -> projections (q/k/v, or one joined q+k+v) -> rotary: x [T, H] -> [T, heads + 2 kv_heads, d]."""
 
@@ -134,8 +144,7 @@ class _Pre(torch.nn.Module):
     def forward(self, x, cos, sin, norm_w, *ts):
         t, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         hx = F.rms_norm(x, (x.shape[-1],), norm_w, self.eps)  # [T, H]
-        outs = [p.apply(hx, w) for p, w in zip(self.projs, _take(self.projs, ts))]
-        qkv = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, (h + 2 kvh) d]
+        qkv = _side_by_side(self.projs, _take(self.projs, ts), hx)  # [T, (h + 2 kvh) d]
         return integer.rotary_heads(qkv.view(t, h + 2 * kvh, d), cos, sin, h, kvh)  # [T, h + 2 kvh, d]: q, k rotated
 
 
@@ -151,10 +160,7 @@ class _Post(torch.nn.Module):
         parts = _take(projs, ts)
         x = x + self.o.apply(a, parts[0])  # [T, H]
         hx = F.rms_norm(x, (x.shape[-1],), norm_w, self.eps)
-        if len(self.mlp) == 1:
-            g, u = self.mlp[0].apply(hx, parts[1]).split(self.intermediate, dim=-1)
-        else:
-            g, u = self.mlp[0].apply(hx, parts[1]), self.mlp[1].apply(hx, parts[2])
+        g, u = _side_by_side(self.mlp, parts[1:-1], hx).split(self.intermediate, dim=-1)  # [T, I] each
         return x + self.down.apply(F.silu(g) * u, parts[-1])
 
 

@@ -62,7 +62,8 @@ def w4a8():
 def f32():
     """The ``f32`` kernel module (``f32_mm``), or None where this CPU has no AVX-512 or it cannot be built."""
     return _kernel("f32", F32_FLAGS, avx512_cpu(), lambda x, w: x.new_empty(x.shape[0], w.shape[0]),
-                   "float32 matmuls stay PyTorch's")
+                   "float32 matmuls stay PyTorch's",
+                   more={"f32_mm_cat": lambda x, ws: x.new_empty(x.shape[0], sum(w.shape[0] for w in ws))})
 
 
 def attention():
@@ -74,13 +75,15 @@ def attention():
                    "decoder layers are not compiled", op="attention")
 
 
-def _kernel(name: str, flags: tuple[str, ...], runs_here: bool, shape, without: str, op: str | None = None):
+def _kernel(name: str, flags: tuple[str, ...], runs_here: bool, shape, without: str, op: str | None = None,
+            more: dict | None = None):
     """The loaded kernel ``name`` (``<name>.cpp``), its operator's (``op``, else ``<name>_mm``) ``shape`` function
-    registered; built on first use."""
+    registered (and those of its ``more`` operators: {name: shape}); built on first use."""
     if name not in _BUILT:
         built = _build(name, HERE / f"{name}.cpp", flags, without) if runs_here else None
         if built is not None and name not in _SHAPES:  # once per process, however often it is loaded
-            _SHAPES[name] = torch.library.register_fake(f"retrospec::{op or name + '_mm'}")(shape)
+            _SHAPES[name] = [torch.library.register_fake(f"retrospec::{o}")(fn)
+                             for o, fn in {op or name + "_mm": shape, **(more or {})}.items()]
         _BUILT[name] = built
     return _BUILT[name]
 

@@ -110,32 +110,61 @@ void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, 
 
 }  // namespace
 
-// x [M, K] float32, w [N, K] float32 -> [M, N] float32
-torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w) {
+// x [M, K] float32, weights ws[i] [N_i, K] float32 -> [M, sum of N_i]: the products by each weight side by side,
+// in one parallel region (a layer's q/k/v or gate/up in one call); each column's bits are those of a call with its
+// weight alone
+torch::Tensor f32_mm_cat(torch::Tensor x, std::vector<torch::Tensor> ws) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "f32_mm: x must be [M, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.size(1) == x.size(1),
-              "f32_mm: w must be [N, K] float32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (M > kMaxRows) return at::matmul(x, w.t());
+  TORCH_CHECK(!ws.empty(), "f32_mm: no weights");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<const float*> wp;
+  std::vector<int64_t> first{0}, chunk{0};  // per weight: its first output column, its first unit of parallel work
+  for (auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.size(1) == K,
+                "f32_mm: weights must be [N, K] float32");
+    w = w.contiguous();
+    wp.push_back(w.data_ptr<float>());
+    first.push_back(first.back() + w.size(0));
+    chunk.push_back(chunk.back() + (w.size(0) + kChunk - 1) / kChunk);
+  }
+  if (M > kMaxRows) {
+    std::vector<torch::Tensor> ys;
+    for (auto& w : ws) ys.push_back(at::matmul(x, w.t()));
+    return ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+  }
+  const int64_t N = first.back();
   x = x.contiguous();
-  w = w.contiguous();
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
-    rows_range(xp, M, K, wp, yp, N, c0 * kChunk, std::min(N, c1 * kChunk));
+  at::parallel_for(0, chunk.back(), 1, [&](int64_t c0, int64_t c1) {
+    for (size_t i = 0; i < wp.size(); ++i) {
+      const int64_t a = std::max(c0, chunk[i]), b = std::min(c1, chunk[i + 1]);
+      if (a < b)
+        rows_range(xp, M, K, wp[i], yp + first[i], N, (a - chunk[i]) * kChunk,
+                   std::min(first[i + 1] - first[i], (b - chunk[i]) * kChunk));
+    }
   });
   return y;
 }
 
+// x [M, K] float32, w [N, K] float32 -> [M, N] float32
+torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w) { return f32_mm_cat(x, {w}); }
+
 // calls of at most ``rows`` rows (0..4) run output after output from now on; returns the previous setting
 int64_t set_streamed(int64_t rows) { return streamed.exchange(std::max<int64_t>(0, std::min<int64_t>(4, rows))); }
 
-TORCH_LIBRARY_FRAGMENT(retrospec, m) { m.def("f32_mm(Tensor x, Tensor w) -> Tensor"); }
-TORCH_LIBRARY_IMPL(retrospec, CPU, m) { m.impl("f32_mm", &f32_mm); }
+TORCH_LIBRARY_FRAGMENT(retrospec, m) {
+  m.def("f32_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("f32_mm_cat(Tensor x, Tensor[] ws) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(retrospec, CPU, m) {
+  m.impl("f32_mm", &f32_mm);
+  m.impl("f32_mm_cat", &f32_mm_cat);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_mm", &f32_mm, "f32 matmul for few rows (see the header)");
+  m.def("f32_mm_cat", &f32_mm_cat, "f32 matmuls by several weights side by side (see f32_mm_cat)");
   m.def("set_streamed", &set_streamed, "calls of at most this many rows (0..4) stream output after output");
 }
