@@ -245,6 +245,8 @@ class EngineModel:
         if self.plan is not None:
             d.update(packed_rows=self.plan.packed_rows, kernel=self.plan.kernel, head=self.plan.head,
                      plan=self.plan.source, plan_seconds=round(self.plan.seconds, 2))
+            if self.plan.kernel or "kernel" in self.plan.head.values():
+                d["streamed"] = self.plan.streamed
         return d
 
 
