@@ -21,15 +21,17 @@ drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the engin
 step is predicted to cost more than twice the top's (verify read on the curve, or extrapolated linearly from the
 plain step through the top's node count beyond what was measured; drafting scaled with the budget): at a long
 context a 64-node verification costs several plain steps, and such a probe rarely pays. Below the top, a probe
-refreshes the estimates as often as its extra cost over a plain step fits in 3 % of plain decoding time (every 2
-to 128 steps): at the top budget when that costs at most a quarter of a plain step more, else at 2 b* (at least 1);
-a probe that wins is followed at once by the next one, and so is a probe whose whole draft is accepted, at twice its
-budget, so a request that turns speculable climbs back in a few steps while a drafter that is always right but too
-slow is not probed on every step. A request starts from the last request's estimates for the same method and
-target (``GateProfile.carried``, each budget worth at most 1 step); the very first one starts the ramp at 1. A step
-that does not commit its whole draft also counts for the larger budgets this request has not tried yet: they would
-have stopped at the same node (exact for chains and for a drafter that ran short; a lower bound for trees), so
-optimistic carried estimates fall together instead of being tried one budget at a time.
+refreshes the estimates as often as its extra cost over a plain step fits in 3 % of plain decoding time (every 2 to
+128 steps): at the top budget when that costs at most a quarter of a plain step more, else at 2 b* (at least 1); a
+probe that wins is followed at once by the next one, and so is a probe whose whole draft is accepted, at twice its
+budget, where that draft all accepted could beat a plain step (its drafting priced per node as the probe's), so a
+request that turns speculable climbs back in a few steps while a drafter that is always right but too slow (the
+target drafting for itself over a cache as long as its own) is not probed on every step. A request starts from the
+last request's estimates for the same method and target (``GateProfile.carried``, each budget worth at most 1 step);
+the very first one starts the ramp at 1. A step that does not commit its whole draft also counts for the larger
+budgets this request has not tried yet: they would have stopped at the same node (exact for chains and for a drafter
+that ran short; a lower bound for trees), so optimistic carried estimates fall together instead of being tried one
+budget at a time.
 
 Invariant: gating changes only the budget handed to the drafter; acceptance is untouched, so greedy output stays
 token-identical to plain decoding and sampling stays exact. Decisions follow wall-clock timings, so drafted shapes
@@ -264,6 +266,13 @@ class Gate:
         draft = (self.draft_s.at(top) or 0.0) * GROWTH
         return top * (GROWTH if draft + verify <= GROWTH_COST * now else SLOW_GROWTH)
 
+    def _could_pay(self, b: int, plain: float) -> bool:
+        """Whether a draft of b nodes, all accepted, could beat a plain step: b + 1 tokens against drafting (the
+        last probe's seconds per node, times b) plus verifying b nodes."""
+        per_node = (self.draft_s.get(self.last_probe) or 0.0) / max(1, self.last_probe)
+        verify = self.profile.verify_cost(self.context, b) or plain
+        return (b + 1) * plain > per_node * b + verify
+
     def _probe(self, room: int, best: int) -> int:
         """``best``, or every so often a probe (module docstring)."""
         plain = self.profile.verify_cost(self.context, 0) or 0.0
@@ -281,7 +290,7 @@ class Gate:
         # keep climbing at once while the last probe won, or while its whole draft was accepted; in the second case
         # the next probe doubles it (the same probe again would tell nothing new and may lose on every step)
         climbing = self.last_probe > 0 and best == self.last_probe
-        if self.last_probe > 0 and self.last_full and not climbing:
+        if self.last_probe > 0 and self.last_full and not climbing and self._could_pay(2 * self.last_probe, plain):
             probe = max(probe, 2 * self.last_probe)
             climbing = True
         self.since_probe += 1
