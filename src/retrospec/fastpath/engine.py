@@ -153,7 +153,7 @@ class EngineModel:
                 pack_dtype = torch.bfloat16 if choice == "packed-bf16" else None
             elif how == "auto":
                 self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
-                if self.plan.kernel or "kernel" in self.plan.head.values():
+                if self.plan.uses_kernel:
                     kernel_streamed(self.plan.streamed)  # the kernel's loop order measured for these shapes
             else:
                 self.plan = forced_plan(how)
@@ -245,7 +245,7 @@ class EngineModel:
         if self.plan is not None:
             d.update(packed_rows=self.plan.packed_rows, kernel=self.plan.kernel, head=self.plan.head,
                      plan=self.plan.source, plan_seconds=round(self.plan.seconds, 2))
-            if self.plan.kernel or "kernel" in self.plan.head.values():
+            if self.plan.uses_kernel:
                 d["streamed"] = self.plan.streamed
         return d
 

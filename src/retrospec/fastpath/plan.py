@@ -71,6 +71,11 @@ class Plan:
     seconds: float = 0.0  # time the measurement took (0 when read from the cache or forced)
     source: str = "measured"  # measured | cache | forced:<mode>
 
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether the decoder's linears or the head run through ``kernels.f32`` at some row count."""
+        return self.kernel or "kernel" in self.head.values()
+
     def head_layout(self, rows: int) -> str:
         b = bucket(rows)
         return self.head.get(b, "linear") if b is not None else "linear"
@@ -189,7 +194,7 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
     dtype = sample[0].weight.dtype if sample else (head_weight.dtype if head_weight is not None else torch.float32)
     kernel = bool(sample) and kernel_available(sample[0].weight)
     lin: dict[str, dict[int, float]] = {path: {} for path in ("plain", "packed", "kernel", "streamed")
-                                        if (path != "packed" or can_pack) and (path[0] not in "ks" or kernel)}
+                                        if (path != "packed" or can_pack) and (path in ("plain", "packed") or kernel)}
 
     def through_kernel(xs, streamed: int):
         kernel_streamed(streamed)
@@ -207,7 +212,7 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
     streamed = _streamed_rows(lin.get("kernel", {}), lin.get("streamed", {}))
     if kernel:
         kernel_streamed(streamed)
-        lin["kernel"] = {r: min(t, lin["streamed"].get(r, t)) if r <= streamed else t for r, t in lin["kernel"].items()}
+        lin["kernel"] = {r: min(t, lin["streamed"][r]) if r <= streamed else t for r, t in lin["kernel"].items()}
     kernel = kernel and _kernel_wins({path: t for path, t in lin.items() if path != "streamed"})
     packed_rows = [] if kernel or not can_pack else [r for r in ROWS if lin["packed"][r] < lin["plain"][r]]
     head: dict[int, str] = {}

@@ -72,8 +72,6 @@ void unit(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
   }
 }
 
-// every row x outputs [n0, n1): per unit of kOuts outputs (read from memory once, then from L1), rows by 4, then the
-// rest; outputs past the last full unit one at a time
 // every row x outputs [n0, n1) of a call of at most 4 rows, output after output: one weight row, one stream
 void streamed_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
                     int64_t n1) {
@@ -87,6 +85,9 @@ void streamed_range(const float* x, int64_t M, int64_t K, const float* w, float*
   }
 }
 
+// every row x outputs [n0, n1): streamed (above) where the caller chose it for M rows; else per unit of kOuts
+// outputs (read from memory once, then from L1), rows by 4, then the rest; outputs past the last full unit one at a
+// time
 void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
   if (M <= std::min<int64_t>(4, streamed.load(std::memory_order_relaxed)))
     return streamed_range(x, M, K, w, y, N, n0, n1);
