@@ -130,7 +130,7 @@ def test_greedy_methods_through_compiled_layers_match_the_oracle(models, fmt, ho
 
 @pytest.mark.parametrize("fmt", ["w8a8", "w4a8"])
 def test_integer_format_layers_around_their_kernels_stay_row_exact_and_lossless(models, fmt, monkeypatch):
-    """w8a8: small programs per layer around fbgemm's matmuls (``fastpath.integer``); w4a8: the layer programs with
+    """w8a8: the layer programs calling fbgemm's matmul by handle (``torch.ops.retrospec.w8a8_mm``); w4a8: with
     the kernel's operator inside (``torch.ops.retrospec.w4a8_mm``). Within the format's
     tolerance of the lean loop (an activation may round to the neighbouring int8 value); a chain's and a tree's rows
     bitwise one-token steps; greedy ``pld`` and ``sd`` through the compiled engine token-identical to its ``ar``."""

@@ -46,6 +46,7 @@ call), so nothing is hand-written here but the packing of the weights they expec
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +140,9 @@ def prepack_w8a8(qweight: torch.Tensor, scales: torch.Tensor):
         torch.backends.quantized.engine = before
 
 
+_HANDLES: "weakref.WeakKeyDictionary[WeightOnlyLinear, torch.Tensor]" = weakref.WeakKeyDictionary()  # w8a8 layers'
+
+
 class WeightOnlyLinear(torch.nn.Module):
     """A linear layer whose weight is held quantized (``weight_only.FORMATS``); float input and output."""
 
@@ -172,6 +176,20 @@ class WeightOnlyLinear(torch.nn.Module):
         if self._packed is None:
             self._packed = [prepack_w8a8(self.qweight, self.scales) if self.fmt == "w8a8" else None]
         return self._packed[0]
+
+    def handle(self) -> torch.Tensor | None:
+        """``w8a8``: int64 [1], the handle under which ``kernels.w8a8`` holds ``packed()`` for its operator
+        (``torch.ops.retrospec.w8a8_mm``, which compiled programs call), released when this layer is collected; None
+        where there are no packed weights or no such operator. Kept outside the module's state, so a copy of the layer
+        takes a handle of its own."""
+        if self not in _HANDLES:
+            packed = self.packed()
+            if packed is None or kernels.w8a8() is None:
+                return None
+            h = torch.ops.retrospec.w8a8_hold(packed)
+            weakref.finalize(self, torch.ops.retrospec.w8a8_release, h)
+            _HANDLES[self] = torch.tensor([h])
+        return _HANDLES[self]
 
     @property
     def weight(self) -> torch.Tensor:

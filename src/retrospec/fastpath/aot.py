@@ -5,7 +5,7 @@ A program is a small ``torch.nn.Module`` exported with ``torch.export`` (rows dy
 kind and signature, this machine, the torch version and thread count), and is loaded once per process. ``runner``
 returns the package's C++ runner as ``run(list of tensors) -> list of tensors``: ~4 us per call, where the module's
 Python ``__call__`` would add tens of microseconds of argument handling. Callers decide what to compile and check
-what they get (``fastpath.compiled``, ``fastpath.integer``).
+what they get (``fastpath.compiled``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..paths import cache_home
 from .plan import machine_id
 
 MAX_ROWS = 4096  # the programs' largest T (a longer forward runs the lean loop)
-PROGRAM_VERSION = 6
+PROGRAM_VERSION = 7
 _LOADED: dict[str, object] = {}  # package path -> loaded runner (one per process)
 
 

@@ -49,13 +49,16 @@ from .. import kernels
 from ..atomic import write_text_atomic
 from ..errors import RetrospecError
 from ..paths import cache_home
-from ..weight_only import GROUP, WeightOnlyLinear
-from . import aot, integer
+from ..weight_only import GROUP, WeightOnlyLinear, row_scales
+from . import aot
 from .linear import KernelLinear
 
 MODES = ("auto", "on", "off")
 AUTO_MIN_LAYERS, AUTO_MIN_HIDDEN = 8, 256  # ``auto`` compiles models at least this deep and wide
 TOLERANCE = 1e-4  # relative max difference allowed against the lean loop (fused float32 norms may round differently)
+# formats whose activations are quantized to int8 as they enter a matmul: a fused norm's rounding may move an activation
+# to the neighbouring int8 value, so their programs are checked against the lean loop within a wider tolerance
+INTEGER_FORMATS, INTEGER_TOLERANCE = ("w8a8", "w4a8"), 1e-2
 
 
 def compile_mode() -> str:
@@ -69,8 +72,8 @@ def compile_mode() -> str:
 class Proj:
     """One projection as the programs compute it: ``kind`` linear (float ``mm``/``addmm`` on ``weight.t()``), ``f32``
     (``KernelLinear``: ``kernels.f32``'s operator on the weight as it is) or a weight-only format (``int4``,
-    ``int8``: its kernel on bfloat16 rows, cast back; ``w4a8``: its operator on the float32 rows; ``w8a8`` layers run
-    ``fastpath.integer``'s programs instead, and ``Proj`` only names them in the speed verdict's key)."""
+    ``int8``: its kernel on bfloat16 rows, cast back; ``w4a8``: its operator on the float32 rows; ``w8a8``: each row
+    divided by its scale, fbgemm's integer matmul by the layer's handle (``kernels.w8a8``), times the scale)."""
 
     kind: str
     in_features: int
@@ -83,7 +86,7 @@ class Proj:
             return Proj("linear", module.in_features, module.out_features, module.bias is not None)
         if type(module) is KernelLinear:
             return Proj("f32", module.in_features, module.out_features, module.bias is not None)
-        if type(module) is WeightOnlyLinear:
+        if type(module) is WeightOnlyLinear and (module.fmt != "w8a8" or module.handle() is not None):
             return Proj(module.fmt, module.in_features, module.out_features, module.bias is not None)
         return None
 
@@ -91,6 +94,8 @@ class Proj:
     def tensors(module: torch.nn.Module) -> list[torch.Tensor]:
         if type(module) in (torch.nn.Linear, KernelLinear):
             ts = [module.weight]
+        elif module.fmt == "w8a8":
+            ts = [module.qweight, module.handle()]
         else:
             ts = [module.qweight, module.scales]
         return ts + ([module.bias] if module.bias is not None else [])
@@ -106,6 +111,10 @@ class Proj:
             return y + ts[1] if self.bias else y
         if self.kind == "w4a8":
             y = torch.ops.retrospec.w4a8_mm(x, ts[0], ts[1])
+            return y + ts[2] if self.bias else y
+        if self.kind == "w8a8":  # as ``weight_only.w8a8_matmul`` with packed weights
+            s = row_scales(x)  # [T, 1]
+            y = torch.ops.retrospec.w8a8_mm(x / s, ts[0], ts[1]) * s
             return y + ts[2] if self.bias else y
         rows = x.to(torch.bfloat16)
         if self.kind == "int8":
@@ -134,6 +143,15 @@ def _side_by_side(projs: tuple[Proj, ...], parts: list[list[torch.Tensor]], x: t
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+def rotary_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """qkv [T, heads + 2 kv_heads, d] -> the same with the q and k heads rotated (as ``lean._rope``; signed sin)."""
+    d = qkv.shape[-1]
+    qk = qkv[:, : heads + kv_heads]  # [T, h + kvh, d]
+    turned = torch.cat((qk[..., d // 2:], qk[..., : d // 2]), dim=-1)  # = qk.roll(d / 2, -1), lowered plainly
+    qk = qk * cos[:, None] + turned * sin[:, None]
+    return torch.cat((qk, qkv[:, heads + kv_heads:]), dim=1)
+
+
 class _Pre(torch.nn.Module):
     """rmsnorm -> projections (q/k/v, or one joined q+k+v) -> rotary: x [T, H] -> [T, heads + 2 kv_heads, d]."""
 
@@ -145,7 +163,7 @@ class _Pre(torch.nn.Module):
         t, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         hx = F.rms_norm(x, (x.shape[-1],), norm_w, self.eps)  # [T, H]
         qkv = _side_by_side(self.projs, _take(self.projs, ts), hx)  # [T, (h + 2 kvh) d]
-        return integer.rotary_heads(qkv.view(t, h + 2 * kvh, d), cos, sin, h, kvh)  # [T, h + 2 kvh, d]: q, k rotated
+        return rotary_heads(qkv.view(t, h + 2 * kvh, d), cos, sin, h, kvh)  # [T, h + 2 kvh, d]: q, k rotated
 
 
 class _Post(torch.nn.Module):
@@ -214,9 +232,7 @@ def _format(lean) -> str | None:
 
 def layer_programs(lean, layers, scaling: float, progress=None) -> list | None:
     """Every layer's (runner, tensors) as ``CompiledLayers.layers`` holds them, or None where a layer has a part the
-    programs do not express (``w8a8`` layers: ``fastpath.integer``'s programs around fbgemm's matmuls)."""
-    if _format(lean) == "w8a8":
-        return integer.layer_programs(lean, layers, scaling, progress)
+    programs do not express."""
     out = []
     h, kvh, d = lean.heads, lean.kv_heads, lean.head_dim
     kbuf, vbuf = (torch.randn(1, kvh, 40, d) for _ in "kv")
@@ -279,10 +295,10 @@ def _probe(lean, rows: int, gen: torch.Generator, capacity: int = 64):
 
 def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
     """Why the programs must not be used (None: they pass), on the first layer: within ``TOLERANCE`` of the lean
-    loop (``integer.TOLERANCE`` for the integer formats) for a chain and a tree; and, where the engine verifies
+    loop (``INTEGER_TOLERANCE`` for the ``INTEGER_FORMATS``) for a chain and a tree; and, where the engine verifies
     row-exactly, their rows bitwise the one-row calls over the keys each sees (a tree's gathered as a step along its
     path would find them)."""
-    tolerance = integer.TOLERANCE if _format(lean) in integer.FORMATS else TOLERANCE
+    tolerance = INTEGER_TOLERANCE if _format(lean) in INTEGER_FORMATS else TOLERANCE
     gen = torch.Generator().manual_seed(0)
     t, length = 3, 41
     tree = chain_bias(t, length)

@@ -11,6 +11,9 @@ compiled programs call it).
 - ``w4a8()``: ``w4a8_mm(x, w, sz)``, the ``w4a8`` weight format's matmul (``w4a8.cpp``; AVX-512 VNNI).
 - ``f32()``: ``f32_mm(x, w)``, ``x @ w.T`` in float32 for up to 64 rows, each row's bits independent of the others
   (``f32.cpp``; AVX-512): one of the float32 matmul paths ``fastpath.plan`` measures.
+- ``w8a8()``: ``w8a8_mm(x, qweight, handle)``, the ``w8a8`` format's matmul by fbgemm's prepacked weights held under
+  a handle (``w8a8_hold`` / ``w8a8_release``), so a compiled layer can call it (``w8a8.cpp``; glue only, where this
+  build has fbgemm).
 - ``attention()``: ``attention(qkv, kbuf, vbuf, bias, heads, scaling)``, rows' attention over a cache, each row's bits
   depending only on the keys it sees (``attention.cpp``; portable C++, vectorized for the CPU it is built on): the
   compiled decoder layers' attention (``fastpath.compiled``).
@@ -66,6 +69,15 @@ def f32():
                    more={"f32_mm_cat": lambda x, ws: x.new_empty(x.shape[0], sum(w.shape[0] for w in ws))})
 
 
+def w8a8():
+    """The ``w8a8`` operators (``w8a8_hold``, ``w8a8_release``, ``w8a8_mm``), or None where this build has no fbgemm
+    or they cannot be built."""
+    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
+    return _kernel("w8a8", ("-O2",), fbgemm, lambda x, qweight, handle: x.new_empty(x.shape[0], qweight.shape[0]),
+                   "w8a8 layers are not compiled", python_module=False)
+
+
 def attention():
     """The ``attention`` kernel module, or None where it cannot be built (no C++ compiler)."""
     vector = AVX512_FLAGS if avx512_cpu() else ("-mavx2", "-mfma") if getattr(
@@ -76,11 +88,12 @@ def attention():
 
 
 def _kernel(name: str, flags: tuple[str, ...], runs_here: bool, shape, without: str, op: str | None = None,
-            more: dict | None = None):
+            more: dict | None = None, python_module: bool = True):
     """The loaded kernel ``name`` (``<name>.cpp``), its operator's (``op``, else ``<name>_mm``) ``shape`` function
-    registered (and those of its ``more`` operators: {name: shape}); built on first use."""
+    registered (and those of its ``more`` operators: {name: shape}); built on first use. ``python_module``: the
+    source has Python bindings besides its operators (else only operators: a faster build, loaded as a library)."""
     if name not in _BUILT:
-        built = _build(name, HERE / f"{name}.cpp", flags, without) if runs_here else None
+        built = _build(name, HERE / f"{name}.cpp", flags, without, python_module) if runs_here else None
         if built is not None and name not in _SHAPES:  # once per process, however often it is loaded
             _SHAPES[name] = [torch.library.register_fake(f"retrospec::{o}")(fn)
                              for o, fn in {op or name + "_mm": shape, **(more or {})}.items()]
@@ -88,7 +101,7 @@ def _kernel(name: str, flags: tuple[str, ...], runs_here: bool, shape, without: 
     return _BUILT[name]
 
 
-def _build(name: str, source: Path, flags: tuple[str, ...], without: str):
+def _build(name: str, source: Path, flags: tuple[str, ...], without: str, python_module: bool = True):
     from torch.utils import cpp_extension
 
     text = source.read_bytes()
@@ -108,7 +121,7 @@ def _build(name: str, source: Path, flags: tuple[str, ...], without: str):
             warnings.simplefilter("ignore")
             return cpp_extension.load(f"retrospec_{name}_{key}", [str(source)], extra_cflags=list(flags),
                                       extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
-                                      build_directory=str(folder), verbose=False)
+                                      build_directory=str(folder), verbose=False, is_python_module=python_module)
     except (RuntimeError, OSError, ImportError, SystemExit) as e:  # no compiler or ninja, a failed build
         why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
         warnings.warn(f"the {name} kernel could not be built here ({why}); {without}", RuntimeWarning, stacklevel=4)
