@@ -189,3 +189,27 @@ def test_a_kernel_that_cannot_be_built_leaves_its_format_unavailable(monkeypatch
         assert kernels.w4a8() is None
     with pytest.raises(RetrospecError, match="AVX-512 VNNI and a C\\+\\+ compiler"):
         quantize_model_(tiny_llama(seed=0), "w4a8")
+
+
+def test_w8a8_weights_held_by_handle_compute_the_layer_and_are_freed_with_it():
+    """``kernels.w8a8``: the matmul by handle is bitwise the layer's own fbgemm call; a copy of the layer holds its
+    weights under a handle of its own; collecting the layer releases its weights (a stale handle is an error)."""
+    import gc
+
+    from retrospec import kernels
+    from retrospec.weight_only import row_scales
+
+    layer = WeightOnlyLinear.from_linear(torch.nn.Linear(64, 96, bias=False), "w8a8")
+    if layer.packed() is None or kernels.w8a8() is None:
+        pytest.skip("this torch build has no fbgemm kernels")
+    x = torch.randn(5, 64)
+    s = row_scales(x)
+    handle = layer.handle()
+    assert torch.equal(torch.ops.retrospec.w8a8_mm(x / s, layer.qweight, handle) * s, layer(x))
+    twin = copy.deepcopy(layer)
+    assert int(twin.handle()) != int(handle) and torch.equal(twin(x), layer(x))
+    stale = handle.clone()
+    del layer, handle
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no weights are held"):
+        torch.ops.retrospec.w8a8_mm(x / s, twin.qweight, stale)
