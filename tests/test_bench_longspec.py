@@ -21,7 +21,7 @@ from retrospec.tasks import LCC_RANGE, preset
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-LONG_METHODS = ["longspec", "longspec@gamma=3@lookup=0", "longspec@tree=2x2@lookup=0", "magicdec"]
+LONG_METHODS = ["longspec", "longspec@gamma=3@lookup=0", "longspec@tree=2x2@lookup=0", "magicdec@window=8"]
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,13 @@ StreamingLLM: Xiao et al., ICLR 2024).
 The drafter is the target reading only ``sink`` attention-sink positions (default 4) and the ``window`` most recent
 ones, so a draft step is a short-cache forward; verification over the full cache keeps the output exact.
 
-The draft cache starts from the target's prefill (``needs`` ``target_kv``: its sink and window slices are copied);
-without it the drafter runs the prompt once itself. Per step: roll back last step's draft entries, feed the unseen
-committed tokens at their true positions, evict down to sinks + window, draft gamma tokens. Default window: RAPID's
-default retrieval length, max(1024, ceil(context / 24)), so both drafters read contexts of the same size.
+While the whole context fits in sink + window, the drafter declines (an empty draft: a plain step): its draft would
+be the target reading every key, which costs a target step per drafted token and cannot pay (MagicDec's speedup
+needs a context longer than the draft's KV budget). Once the context outgrows it, the draft cache starts from the
+target's cache (``needs`` ``target_kv``: its sink and window slices are copied); without it the drafter runs the
+context once itself. Per step: roll back last step's draft entries, feed the unseen committed tokens at their true
+positions, evict down to sinks + window, draft gamma tokens. Default window: RAPID's default retrieval length,
+max(1024, ceil(context / 24)), so both drafters read contexts of the same size.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class MagicDecDrafter:
         # verification keeps the target's own engine in its weights' dtype, so the output is exact
         self.engine = engine_for(model, draft=True)
         self.cache: SinkWindowCache | None = None
+        self.kv_budget = sink + (window or 0)  # keys the draft reads: set per request by ``prefill``
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], start: int) -> torch.Tensor:
@@ -56,7 +60,11 @@ class MagicDecDrafter:
         return self.engine.forward(x, pos, None, self.cache.cache, last_only=True)[0][-1]  # [V]
 
     def prefill(self, ctx: DecodeContext) -> None:
-        window = self.window or default_window(ctx.prompt_len)
+        self.cache = None  # built by the first step whose context outgrows sink + window (``_start``)
+        self.kv_budget = self.sink + (self.window or default_window(ctx.prompt_len))
+
+    def _start(self, ctx: DecodeContext) -> None:
+        window = self.kv_budget - self.sink
         kv = ctx.target.kv
         # the target's cache holds every committed token but the last (the root of the next step)
         if kv is not None and len(kv) == len(ctx.tokens) - 1 and len(kv) > 0:
@@ -70,8 +78,10 @@ class MagicDecDrafter:
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         gamma = min(self.gamma, budget)
-        if gamma <= 0:
+        if gamma <= 0 or len(ctx.tokens) <= self.kv_budget:  # the draft would read every key: the target itself
             return DraftTree.empty()
+        if self.cache is None:
+            self._start(ctx)
         cache = self.cache
         cache.rollback()
         new = ctx.tokens[cache.seen:]  # committed tokens not yet in the draft cache (ends with the root)
