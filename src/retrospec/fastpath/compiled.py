@@ -56,9 +56,10 @@ from .linear import KernelLinear
 MODES = ("auto", "on", "off")
 AUTO_MIN_LAYERS, AUTO_MIN_HIDDEN = 8, 256  # ``auto`` compiles models at least this deep and wide
 TOLERANCE = 1e-4  # relative max difference allowed against the lean loop (fused float32 norms may round differently)
-# formats whose activations are quantized to int8 as they enter a matmul: a fused norm's rounding may move an activation
-# to the neighbouring int8 value, so their programs are checked against the lean loop within a wider tolerance
-INTEGER_FORMATS, INTEGER_TOLERANCE = ("w8a8", "w4a8"), 1e-2
+# the weight-only formats round activations as they enter a matmul (to bfloat16: int8, int4 and a GGUF file's blocks;
+# to int8: w8a8, w4a8): a fused norm's last-bit difference may move an activation to the neighbouring rounded value,
+# so their programs are checked against the lean loop within a wider tolerance
+ROUNDED_TOLERANCE = 1e-2
 
 
 def compile_mode() -> str:
@@ -295,10 +296,10 @@ def _probe(lean, rows: int, gen: torch.Generator, capacity: int = 64):
 
 def _checked(lean, compiled: CompiledLayers, row_exact: bool) -> str | None:
     """Why the programs must not be used (None: they pass), on the first layer: within ``TOLERANCE`` of the lean
-    loop (``INTEGER_TOLERANCE`` for the ``INTEGER_FORMATS``) for a chain and a tree; and, where the engine verifies
+    loop (``ROUNDED_TOLERANCE`` for the weight-only formats) for a chain and a tree; and, where the engine verifies
     row-exactly, their rows bitwise the one-row calls over the keys each sees (a tree's gathered as a step along its
     path would find them)."""
-    tolerance = INTEGER_TOLERANCE if _format(lean) in INTEGER_FORMATS else TOLERANCE
+    tolerance = ROUNDED_TOLERANCE if _format(lean) is not None else TOLERANCE
     gen = torch.Generator().manual_seed(0)
     t, length = 3, 41
     tree = chain_bias(t, length)
