@@ -27,10 +27,11 @@ activations and models of at least ``AUTO_MIN_LAYERS`` layers and hidden size ``
 about half a minute once per machine, model shape and format; smaller models do not repay it), ``on`` for any model
 the lean loop runs. Programs are cached under ``cache_home()/compiled/``, keyed by machine, torch version, threads
 and the program's signature; loading a cached one takes milliseconds. The engine keeps them only where they pass,
-on probes of the model's own first layer: (1) they equal the lean loop within ``TOLERANCE`` (relative), (2) a
-T-row call's rows are bitwise the one-row calls' (where the engine verifies row-exactly), (3) they are faster here
-(timed, interleaved; the verdict is cached beside the programs). A failed compile (no C++ compiler, an unsupported
-op) falls back to the lean loop with one warning.
+on probes of the model's own first layer: (1) they equal the lean loop within ``TOLERANCE`` (relative; the
+weight-only formats, whose activations are rounded, within ``ROUNDED_TOLERANCE``), (2) a T-row call's rows are
+bitwise the one-row calls' (where the engine verifies row-exactly), (3) they are faster here (timed, interleaved;
+the verdict is cached beside the programs). A failed compile (no C++ compiler, an unsupported op) falls back to the
+lean loop with one warning.
 """
 
 from __future__ import annotations
