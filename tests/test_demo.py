@@ -16,12 +16,18 @@ def _run(capsys, *args) -> CliRun:
     return CliRun(rc, out, err)
 
 
-def test_demo_streams_a_chat_reply_and_writes_the_bench(capsys, tmp_path, chat_models, single_thread):
+def test_demo_streams_a_chat_reply_and_writes_the_bench(capsys, tmp_path, chat_models, single_thread, monkeypatch):
+    from retrospec.bench import llamacpp
+
+    monkeypatch.setenv(llamacpp.PYTHON_ENV, str(tmp_path / "no-peer" / "python"))  # llama.cpp not installed
     out = tmp_path / "demo"
     r = _run(capsys, "--target", chat_models.target, "--draft", chat_models.draft, "--prompts", 1,
              "--max-new-tokens", 4, "--out", out)
     assert r.rc == 0, r.err
     assert "user:" in r.out and "assistant:" in r.out and "[sd]" in r.out
+    assert "profile: one target forward on this machine (float32, context 300)" in r.out
+    assert "floor: float32 weights" in r.out and "a one-token step here is" in r.out
+    assert "llama.cpp rows: its peer environment is not installed here (make peers" in r.out
     for name in ("results.json", "report.md", "speedup.png"):
         assert (out / name).is_file()
     result = json.loads((out / "results.json").read_text())

