@@ -14,9 +14,9 @@ on 2 cores.
    no bundled model trained on, raw completion) into ``runs/demo/code/``: chat and code are the two regimes users
    meet, and speculative decoding gains far more on code.
 
-Where llama.cpp's peer environment exists (``make peers``), both benches add its rows (``PEER_METHODS``: plain
-decoding and prompt lookup on the same weights as a GGUF of the same format, fed the same token ids); else one line
-says how to get them.
+Where llama.cpp's peer environment exists (``make peers``) and has the target's weights as a GGUF (``smollm2-135m``'s),
+both benches add its rows (``PEER_METHODS``: plain decoding and prompt lookup on the same weights in the same format,
+fed the same token ids); else one line says why there are none.
 
 ``--zoo`` runs on the bundled zoo instead (a 7M code model; about a minute). A user error prints one line
 ``retrospec: error: ...`` on stderr and exits with code 2, as the CLI does.
@@ -143,12 +143,12 @@ def _run(args) -> int:
                   f"tau {st.mean_accepted_tokens:.2f}, acceptance {st.acceptance_rate:.2f}", markup=False,
                   highlight=False)
 
+    from .bench.llamacpp import peer_file, peer_python
     from .bench.profile import render_plot as render_profile_plot
-    from .bench.profile import run_profile
+    from .bench.profile import run_profile, weight_bytes
 
-    from .bench.profile import weight_bytes
-
-    console.rule(f"[bold]profile: one target forward on this machine ({weight_bytes(target.model)[0]}, context 300)")
+    fmt = weight_bytes(target.model)[0]
+    console.rule(f"[bold]profile: one target forward on this machine ({fmt}, context 300)")
     prof = run_profile(target, draft, contexts=(300,), tokens=(1, 2, 3, 4, 5, 8, 16), reps=5, trees=False)
     _print_profile(console, prof)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,9 +159,10 @@ def _run(args) -> int:
         ("chat prompts (--preset chat, chat template)", bench_rows, True, out),
         ("held-out stdlib functions (--preset heldout, raw completion)", heldout_prompts(n_prompts), False,
          out / "code")]
-    from .bench.llamacpp import peer_python
-
-    peer = [] if zoo or peer_python() is None else PEER_METHODS  # llama.cpp runs the real model's GGUF
+    # llama.cpp's rows: where its environment exists and it has this target's weights as a GGUF of this format
+    no_peer = "its peer environment is not installed here (make peers builds it, about ten minutes)" if (
+        peer_python() is None) else peer_file(target.path, fmt)[1]
+    peer = [] if zoo or no_peer else PEER_METHODS
     for what, rows_, chat, where in sets:
         console.rule(f"[bold]bench: {len(rows_)} {what}, greedy, {max_new} new tokens")
         cfg = BenchConfig(methods=methods_for(block is not None) + peer, max_new_tokens=max_new, chat=chat,
@@ -169,9 +170,9 @@ def _run(args) -> int:
         result = run_bench(target, draft, rows_, cfg)
         write_outputs(result, where)
         print_table(result["summary"])
-    if not zoo and not peer:
-        console.print("llama.cpp rows: its peer environment is not installed here (make peers builds it, about ten "
-                      "minutes), so the bench has none", style="dim", markup=False, highlight=False, soft_wrap=True)
+    if not zoo and no_peer:
+        console.print(f"llama.cpp rows: {no_peer}, so the bench has none", style="dim", markup=False,
+                      highlight=False, soft_wrap=True)
     full = "retrospec bench" + ("" if zoo and args.target is None else f" --target {target_src}")
     full += "" if args.draft is None else f" --draft {args.draft}"
     full += " --preset heldout --out runs/heldout" if zoo else " --chat --preset chat --out runs/chat"
