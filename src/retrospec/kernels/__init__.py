@@ -21,7 +21,9 @@ compiled programs call it).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -102,6 +104,10 @@ def _kernel(name: str, flags: tuple[str, ...], runs_here: bool, shape, without: 
 
 
 def _build(name: str, source: Path, flags: tuple[str, ...], without: str, python_module: bool = True):
+    """The kernel's library loaded from ``kernels_home()``, built there first where it is missing. Every load and
+    build holds an OS lock on the folder (``flock``: released by the OS when its process dies), so a process killed
+    mid-build never leaves later ones waiting on a stale lock file (PyTorch's own builder would wait forever); an
+    existing library loads without the builder (no ninja run per process)."""
     from torch.utils import cpp_extension
 
     text = source.read_bytes()
@@ -109,19 +115,26 @@ def _build(name: str, source: Path, flags: tuple[str, ...], without: str, python
                                      " ".join(flags).encode()])).hexdigest()[:16]
     folder = kernels_home() / f"{name}-{key}"
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / f"retrospec_{name}_{key}.so").exists():
-        print(f"[retrospec] compiling the {name} kernel for this machine (once; about half a minute)",
-              file=sys.stderr, flush=True)
+    module, library = f"retrospec_{name}_{key}", folder / f"retrospec_{name}_{key}.so"
     scripts = sysconfig.get_path("scripts")  # a pip-installed ninja lives beside this interpreter
     had, path = "PATH" in os.environ, os.environ.get("PATH", "")
     try:
-        if scripts and scripts not in path.split(os.pathsep):
-            os.environ["PATH"] = scripts + os.pathsep + path  # for the build only
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return cpp_extension.load(f"retrospec_{name}_{key}", [str(source)], extra_cflags=list(flags),
-                                      extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
-                                      build_directory=str(folder), verbose=False, is_python_module=python_module)
+        with _folder_lock(folder):
+            if library.exists():
+                try:
+                    return _load(module, library, python_module)
+                except (OSError, ImportError, RuntimeError):
+                    pass  # unreadable (a build cut short): built again below
+            print(f"[retrospec] compiling the {name} kernel for this machine (once; about half a minute)",
+                  file=sys.stderr, flush=True)
+            (folder / "lock").unlink(missing_ok=True)  # the builder's lock file, left by a process killed mid-build
+            if scripts and scripts not in path.split(os.pathsep):
+                os.environ["PATH"] = scripts + os.pathsep + path  # for the build only
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return cpp_extension.load(module, [str(source)], extra_cflags=list(flags),
+                                          extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
+                                          build_directory=str(folder), verbose=False, is_python_module=python_module)
     except (RuntimeError, OSError, ImportError, SystemExit) as e:  # no compiler or ninja, a failed build
         why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
         warnings.warn(f"the {name} kernel could not be built here ({why}); {without}", RuntimeWarning, stacklevel=4)
@@ -131,3 +144,32 @@ def _build(name: str, source: Path, flags: tuple[str, ...], without: str, python
             os.environ["PATH"] = path
         else:
             os.environ.pop("PATH", None)
+
+
+def _load(module: str, library: Path, python_module: bool):
+    """A built kernel library: imported as a Python module, or (operators only) loaded into ``torch.ops``."""
+    if not python_module:
+        torch.ops.load_library(str(library))
+        return str(library)
+    spec = importlib.util.spec_from_file_location(module, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive OS lock on ``folder`` for this process (where the OS has ``flock``; else none)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock here: the builder's own lock file only
+        yield
+        return
+    with open(folder / "retrospec.lock", "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
