@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from retrospec.errors import RetrospecError
 from retrospec.integrations.vllm_proposer import (ADAPTIVE_ENV, DATASTORE_ENV, STATS_ENV, PromptLookupProposer,
                                                   RequestTracker, RestProposer, ServedOutputProposer)
-from retrospec.retrieval.served import SEPARATOR, ServedStore, majority_chain
+from retrospec.retrieval.served import (SEPARATOR, SIMILARITY_WEIGHT, ServedStore, context_candidates, majority_chain,
+                                        prompt_sketch, vote_chain)
 
 
 def _config(k: int, max_model_len: int = 64, model: str = ""):
@@ -50,68 +51,99 @@ def test_majority_chain_follows_the_most_common_path():
     assert majority_chain(rows, 3, min_share=0.6) == [1, 2]  # only 2 of 4 rows go on to 4
 
 
-def test_served_store_drafts_the_continuation_of_the_longest_match():
+def test_served_store_finds_every_recent_match_with_its_length():
     store = ServedStore(64, min_suffix=2)
     store.add([1, 2, 3, 4, 5])
     store.add([9, 2, 3, 7, 8])
-    assert store.lookup([2, 3], 3) == (2, [7, 8])  # both match 2 tokens; the most recent wins the tie, then ends
-    assert store.lookup([1, 2, 3], 3) == (3, [4, 5])  # the longer match decides
-    assert store.lookup([3, 3], 3) == (0, [])  # never served
-    assert store.lookup([4], 3) == (0, [])  # shorter than min_suffix
+
+    def found(query):
+        match, nxt, _ = store.candidates(query)
+        return list(zip(match.tolist(), nxt.tolist()))
+
+    assert found([2, 3]) == [(2, 7), (2, 4)]  # most recent first
+    assert found([1, 2, 3]) == [(2, 7), (3, 4)]
+    assert found([3, 3]) == [(1, 7), (1, 4)]  # never served as a pair: its last token's positions
+    assert found([SEPARATOR]) == [(1, 9), (1, 1)]  # a separator: where outputs start
+    assert found([5]) == [] and found([]) == []  # 5 ends an output: nothing follows it
 
 
-def _naive_lookup(served: list[list[int]], capacity: int, n: int, max_suffix: int, max_hits: int, context, k):
-    """The same search written plainly over the flat list of kept positions."""
-    flat = [t for out in served for t in (list(out[-(capacity - 1):]) + [SEPARATOR])]
+def _naive_candidates(served: list[list[int]], capacity: int, n: int, max_suffix: int, max_hits: int, query):
+    """``ServedStore.candidates`` written plainly: the most recent kept positions ending the query's last n tokens
+    (else its last token), those with a next token, each with its match length and next token."""
+    flat = [SEPARATOR] + [t for out in served for t in (list(out[-(capacity - 1):]) + [SEPARATOR])]
     oldest = max(0, len(flat) - capacity)
-    ctx = list(context[-max_suffix:])
-    if len(ctx) < n:
-        return 0, []
-    ends = [g for g in range(len(flat) - 1, oldest - 1, -1)
-            if g - n + 1 >= oldest and flat[g - n + 1 : g + 1] == ctx[-n:]][:max_hits]
+    q = list(query[-max_suffix:])
+    if not q:
+        return []
+    ends = []
+    if len(q) >= n and SEPARATOR not in q[-n:]:
+        ends = [g for g in range(len(flat) - 1, oldest - 1, -1)
+                if g - n + 1 >= oldest and flat[g - n + 1 : g + 1] == q[-n:]][:max_hits]
     if not ends:
-        return 0, []
-
-    def back(g):
-        m = 0
-        while m < len(ctx) and g - m >= oldest and flat[g - m] == ctx[-1 - m]:
-            m += 1
-        return m
-
-    best = max(back(g) for g in ends)
-    rows = []
+        ends = [g for g in range(len(flat) - 1, oldest - 1, -1) if flat[g] == q[-1]][:max_hits]
+    out = []
     for g in ends:
-        if back(g) == best:
-            cont = []
-            for t in flat[g + 1 : g + 1 + k]:
-                if t == SEPARATOR:
-                    break
-                cont.append(t)
-            rows.append(cont + [SEPARATOR] * (k - len(cont)))
-    return best, majority_chain(np.array(rows), k)
+        if g + 1 < len(flat) and flat[g + 1] != SEPARATOR:
+            m = 0
+            while m < len(q) and g - m >= oldest and flat[g - m] == q[-1 - m]:
+                m += 1
+            out.append((m, flat[g + 1]))
+    return out
 
 
 @settings(max_examples=60, deadline=None)
 @given(outputs=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=12), min_size=1, max_size=12),
-       context=st.lists(st.integers(0, 4), min_size=0, max_size=8), capacity=st.integers(4, 40))
-@example(outputs=[[0, 0], [0]], context=[0, 0], capacity=4)  # an n-gram whose first token was evicted: no match
-def test_served_store_equals_the_naive_search(outputs, context, capacity):
+       start=st.booleans(), query=st.lists(st.integers(0, 4), min_size=0, max_size=8), capacity=st.integers(4, 40))
+@example(outputs=[[0, 0], [0]], start=False, query=[0, 0], capacity=4)  # an n-gram whose first token was evicted
+def test_served_store_votes_come_from_the_naive_search(outputs, start, query, capacity):
     store = ServedStore(capacity, min_suffix=2, max_suffix=6, max_hits=5)
     for out in outputs:
         store.add(out)
-    assert len(store) <= capacity and len(store.heads) <= capacity
-    assert store.lookup(context, 4) == _naive_lookup(outputs, capacity, 2, 6, 5, context, 4)
+    q = [SEPARATOR] * start + query  # a separator stands for the start of an output
+    match, nxt, factor = store.candidates(q)
+    assert list(zip(match.tolist(), nxt.tolist())) == _naive_candidates(outputs, capacity, 2, 6, 5, q)
+    assert (factor == 1.0).all()  # no prompt sketches: every served output weighs the same
+
+
+def test_a_chain_is_voted_token_by_token_and_similar_prompts_weigh_more():
+    store = ServedStore(64, min_suffix=2)
+    asked = [[10, 11, 12, 13, 14, 15, 16, 17], [30, 31, 32, 33, 34, 35, 36, 37]]
+    store.add([1, 2, 3, 4, 5], prompt_sketch(asked[0]))
+    store.add([1, 2, 3, 6, 7], prompt_sketch(asked[1]))
+
+    def served(sketch):
+        return lambda chain: store.candidates([SEPARATOR, 1, *chain], sketch)
+
+    assert vote_chain(served(None), 4) == ([2, 3, 4, 5], 2)  # a tie between the two answers: the smaller id
+    again = [10, 11, 12, 13, 14, 15, 16, 99]  # the first prompt again, its last word changed
+    assert vote_chain(served(prompt_sketch(again)), 4) == ([2, 3, 4, 5], 2)
+    assert vote_chain(served(prompt_sketch(asked[1])), 4) == ([2, 3, 6, 7], 2)
+    sim = store.similarity(np.array([0, 1]), prompt_sketch(asked[1]))
+    assert sim[1] == 1.0 and sim[0] < 0.5 and store.candidates([SEPARATOR, 1], prompt_sketch(asked[1]))[2].max() == (
+        1 + SIMILARITY_WEIGHT)
+    # a longer match outweighs more numerous shorter ones: 4 is followed by 9 three times, by 5 once after "7, 4"
+    ctx = [4, 9, 8, 4, 9, 8, 4, 9, 8, 7, 4, 5, 6, 7, 4]
+    m, nxt = context_candidates(ctx, 8)
+    assert sorted(zip(m.tolist(), nxt.tolist())) == [(1, 9), (1, 9), (1, 9), (2, 5)]
+
+    def own(chain):
+        match, after = context_candidates(ctx + chain, 8)
+        return match, after, np.ones(len(match))
+
+    assert vote_chain(own, 3) == ([5, 6, 7], 2)
+    assert vote_chain(lambda chain: (np.zeros(0, dtype=np.int64),) * 2 + (np.zeros(0),), 3) == ([], 0)
 
 
 def test_served_store_memory_is_bounded_and_the_oldest_go_first():
     store = ServedStore(100, min_suffix=2)
     rng = np.random.default_rng(0)
     store.add([1000, 1001, 1002, 1003])
-    assert store.lookup([1000, 1001], 2) == (2, [1002, 1003])
+    assert store.candidates([1000, 1001])[1].tolist() == [1002]
     for _ in range(200):
         store.add(rng.integers(0, 500, size=20))
-    assert store.lookup([1000, 1001], 2) == (0, [])  # evicted
-    assert store.tokens.shape == store.chain.shape == (100,) and len(store.heads) <= 100
+    assert len(store.candidates([1000, 1001])[1]) == 0  # evicted
+    assert store.tokens.shape == store.chain.shape == store.chain1.shape == store.owner.shape == (100,)
+    assert len(store.heads) <= 100 and len(store.heads1) <= 100
     assert store.outputs == 201
     with pytest.raises(ValueError):
         ServedStore(1)
@@ -154,6 +186,20 @@ def test_tracker_adapts_each_requests_draft_length():
     f.proposed = 6
     fixed.update([[4]], np.array([4]), rows)
     assert f.k == 6
+
+
+def test_tracker_regrows_to_the_full_length_after_any_accepted_token():
+    tracker = RequestTracker(k=6, regrow=True)
+    rows = np.zeros((1, 32), dtype=np.int32)
+    ids = [1, 2, 3]
+    rows[0, :3] = ids
+    (s,), _ = tracker.update([[3]], np.array([3]), rows)
+    for proposed, sampled, k_after in ((6, [4], 5), (5, [5], 4), (4, [6, 7], 6), (6, [8], 5)):
+        s.proposed = proposed
+        ids += sampled
+        rows[0, : len(ids)] = ids
+        tracker.update([sampled], np.array([len(ids)]), rows)
+        assert s.k == k_after
 
 
 # ----------------------------------------------------------------------------------------------- the proposers

@@ -12,27 +12,31 @@ sampled (empty while the request is still in prefill), how many tokens are valid
 empty); vLLM verifies them with its own rejection sampler, so the output is vLLM's greedy output whatever we propose
 (``make peers-test`` checks that on real prompts).
 
-Three proposers, one per source of drafts; each request takes the source whose matched suffix is longest (ties: the
-order below):
+Three proposers, one per source of drafts (the first two take, per request, the source whose matched suffix is
+longest; ties: the order below):
 - ``PromptLookupProposer``: ``drafters.prompt_lookup`` (Saxena, 2023) over the request's own prompt and output: our
   ``pld``'s drafts.
 - ``RestProposer``: REST (He et al., NAACL 2024) over a retrospec suffix datastore (``retrospec datastore build
   --kind suffix``; the directory in ``RETROSPEC_DATASTORE``): the longest suffix's continuations, their most common
   path as the chain (vLLM verifies chains, not trees); prompt lookup too.
 - ``ServedOutputProposer``: a ``retrieval.served.ServedStore`` fed every finished output of this engine process
-  (SuffixDecoding's setting, Oliaro et al., 2024): repeated and similar requests draft from what was already served;
-  prompt lookup too, and the datastore when ``RETROSPEC_DATASTORE`` is set.
+  (SuffixDecoding's setting, Oliaro et al., 2024): repeated and similar requests draft from what was already served.
+  Its chain is voted token by token (``retrieval.served.vote_chain``) by the positions matching the request's output
+  so far in the served outputs (weighted by how similar the prompt each one answered is to the request's) and in the
+  request's own prompt and output (prompt lookup, weighted ``OWN_FACTOR``); the datastore's chain instead when
+  ``RETROSPEC_DATASTORE`` is set and it matches longer.
 
 Per-request state: vLLM does not pass request ids to a ``custom_class`` proposer, so a request is recognised by its
 row's content (the ids it had at the previous call are a prefix of its row now), wherever its row moved in the batch.
 A request missing from a call has finished (or was preempted): its output goes into the served store and its state
 is freed. Each request's draft length adapts (``RETROSPEC_ADAPTIVE``, on by default): +2 after a fully accepted chain,
--1 otherwise, between 1 and ``num_speculative_tokens``.
+-1 otherwise, between 1 and ``num_speculative_tokens``; ``ServedOutputProposer`` goes back to the full length after
+any accepted token (a served answer that starts to match tends to go on matching).
 
 Settings (vLLM passes only its own fields to a custom class, and zeroes ``prompt_lookup_*`` for one, so these come
 from the environment of the process that loads the proposer): ``RETROSPEC_PLD_MAX_NGRAM`` / ``RETROSPEC_PLD_MIN_NGRAM``
 (3 and 1, our ``pld``'s), ``RETROSPEC_DATASTORE``, ``RETROSPEC_SERVED_TOKENS`` (the served store's size in tokens,
-default 1,048,576: 12 MiB), ``RETROSPEC_ADAPTIVE`` (0 = always ``num_speculative_tokens``), ``RETROSPEC_PROPOSER_STATS``
+default 1,048,576: 28 MiB), ``RETROSPEC_ADAPTIVE`` (0 = always ``num_speculative_tokens``), ``RETROSPEC_PROPOSER_STATS``
 (a file: one JSON line per finished request: prompt and output tokens, steps, drafted and accepted tokens).
 
 Needs of the methods that cannot live here: DReSD drafts from the target's hidden states (vLLM's EAGLE-3 path
@@ -49,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters.prompt_lookup import lookup_match
-from ..retrieval.served import ServedStore, majority_chain
+from ..retrieval.served import SEPARATOR, ServedStore, context_candidates, majority_chain, prompt_sketch, vote_chain
 
 MAX_NGRAM_ENV, MIN_NGRAM_ENV = "RETROSPEC_PLD_MAX_NGRAM", "RETROSPEC_PLD_MIN_NGRAM"
 DATASTORE_ENV, SERVED_ENV = "RETROSPEC_DATASTORE", "RETROSPEC_SERVED_TOKENS"
@@ -57,6 +61,8 @@ ADAPTIVE_ENV, STATS_ENV = "RETROSPEC_ADAPTIVE", "RETROSPEC_PROPOSER_STATS"
 
 
 EDGE = 32  # ids kept from each end of a request's row to recognise it at the next call
+OWN_FACTOR = 61.0  # ServedOutputProposer: a vote from the request's own tokens, against 1-21 for a served output's
+MAX_SUFFIX = 32  # ... and the longest match a vote counts
 
 
 def _edges(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -78,6 +84,7 @@ class RequestState:
     steps: int = 0  # calls that brought sampled tokens (target forwards that produced output)
     drafted: int = 0
     accepted: int = 0
+    sketch: np.ndarray | None = None  # [SKETCH] its prompt's sketch (ServedOutputProposer)
 
 
 class RequestTracker:
@@ -86,8 +93,8 @@ class RequestTracker:
     (constant work per row; a mix-up of two requests alike at both ends could only change drafts, never what vLLM
     outputs)."""
 
-    def __init__(self, k: int, adaptive: bool = True):
-        self.k, self.adaptive = k, adaptive
+    def __init__(self, k: int, adaptive: bool = True, regrow: bool = False):
+        self.k, self.adaptive, self.regrow = k, adaptive, regrow  # regrow: full length again after any accepted token
         self.live: dict[int, RequestState] = {}  # row index at the last call -> state
 
     def update(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
@@ -130,7 +137,9 @@ class RequestTracker:
                 got = len(sampled) - 1  # tokens of the last chain the target accepted
                 state.drafted += state.proposed
                 state.accepted += got
-                if self.adaptive:
+                if self.adaptive and self.regrow:
+                    state.k = self.k if got else max(1, state.k - 1)
+                elif self.adaptive:
                     state.k = min(self.k, state.k + 2) if got >= state.proposed else max(1, state.k - 1)
                 state.proposed = 0
         if state.prompt_len >= 0:
@@ -142,6 +151,8 @@ class RequestTracker:
 class PromptLookupProposer:
     """A vLLM ``custom_class`` proposer (see the module docstring): prompt lookup, per-request adaptive length."""
 
+    regrow = False  # the tracker's rule: full length again after any accepted token (else +2 after a full chain)
+
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
@@ -151,7 +162,7 @@ class PromptLookupProposer:
         if self.k < 1 or not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need num_speculative_tokens >= 1 and 1 <= {MIN_NGRAM_ENV} <= {MAX_NGRAM_ENV}, got "
                              f"{self.k}, {self.min_ngram}, {self.max_ngram}")
-        self.tracker = RequestTracker(self.k, adaptive=os.environ.get(ADAPTIVE_ENV, "1") != "0")
+        self.tracker = RequestTracker(self.k, adaptive=os.environ.get(ADAPTIVE_ENV, "1") != "0", regrow=self.regrow)
         self.stats_path = os.environ.get(STATS_ENV) or None
         self.datastore = None
         self.served: ServedStore | None = None
@@ -171,18 +182,19 @@ class PromptLookupProposer:
         for i, (sampled, state) in enumerate(zip(sampled_token_ids, states, strict=True)):
             n = int(num_tokens_no_spec[i])
             room = min(state.k, self.max_model_len - n - 1)
-            chain = self.draft(token_ids_cpu[i, :n], room) if len(sampled) and room >= 1 else []
+            chain = self.draft(token_ids_cpu[i, :n], room, state) if len(sampled) and room >= 1 else []
             state.proposed = len(chain)
             drafts.append(chain)
         return drafts
 
-    def draft(self, context: np.ndarray, k: int) -> list[int]:
-        """The chain of the source with the longest matched suffix (ties: prompt, served outputs, datastore)."""
+    def draft(self, context: np.ndarray, k: int, state: RequestState | None = None) -> list[int]:
+        """context [n] (prompt and output so far) -> the chain of the source with the longest matched suffix (ties:
+        prompt, datastore)."""
         best_len, best = lookup_match(context, k, self.max_ngram, self.min_ngram)
-        if self.served is not None:
-            m, chain = self.served.lookup(context, k)
-            if chain and m > best_len:
-                best_len, best = m, chain
+        return self.datastore_chain(context, k, best_len, best)
+
+    def datastore_chain(self, context: np.ndarray, k: int, best_len: int, best: list[int]) -> list[int]:
+        """The datastore's chain where it matches longer than ``best_len``, else ``best``."""
         if self.datastore is not None:
             match = self.datastore.search(context)
             if match is not None and match.length > best_len:
@@ -195,7 +207,7 @@ class PromptLookupProposer:
     def finish(self, state: RequestState) -> None:
         """A request left the batch: its output feeds the served store (if any) and the stats file."""
         if self.served is not None and state.output:
-            self.served.add(state.output)
+            self.served.add(state.output, state.sketch)
         if self.stats_path:
             line = {"prompt_tokens": max(state.prompt_len, 0), "output_tokens": len(state.output), "steps": state.steps,
                     "drafted": state.drafted, "accepted": state.accepted}
@@ -230,9 +242,29 @@ class RestProposer(PromptLookupProposer):
 
 
 class ServedOutputProposer(PromptLookupProposer):
-    """Drafts from the outputs this engine has served (and prompt lookup, and a datastore when one is set)."""
+    """Drafts from the outputs this engine has served and the request's own tokens, by vote (and a datastore when one
+    is set; see the module docstring)."""
+
+    regrow = True
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
-        self.served = ServedStore(int(os.environ.get(SERVED_ENV, str(1 << 20))))
+        self.served = ServedStore(int(os.environ.get(SERVED_ENV, str(1 << 20))), max_suffix=MAX_SUFFIX, max_hits=64)
         self.datastore = _open_datastore(vllm_config)
+
+    def draft(self, context: np.ndarray, k: int, state: RequestState | None = None) -> list[int]:
+        start = state.prompt_len if state is not None and state.prompt_len >= 0 else len(context)
+        if state is not None and state.sketch is None:
+            state.sketch = prompt_sketch(context[:start])
+        sketch = None if state is None else state.sketch
+        context = np.asarray(context, dtype=np.int64)  # [n]
+        output = np.concatenate([[SEPARATOR], context[start:]])  # a separator: where the output starts
+
+        def candidates(chain: list[int]):
+            own_match, own_next = context_candidates(np.concatenate([context, chain]), MAX_SUFFIX)
+            match, nxt, factor = self.served.candidates(np.concatenate([output, chain]), sketch)
+            return (np.concatenate([own_match, match]), np.concatenate([own_next, nxt]),
+                    np.concatenate([np.full(len(own_match), OWN_FACTOR), factor]))
+
+        chain, matched = vote_chain(candidates, k)
+        return self.datastore_chain(context, k, matched, chain)

@@ -5,18 +5,28 @@ an engine has already served are the corpus that matters most for repeated agent
 is that corpus, grown one finished output at a time and shared by every request of one engine process.
 
 Layout (LZ77's hash chain over a ring buffer):
-- ``tokens`` [capacity] int32: the outputs, each followed by one separator (-1); position g (a global count of tokens
+- ``tokens`` [capacity] int32: a separator (-1), then the outputs, each followed by one separator; position g (a global count of tokens
   written) lives in slot ``g % capacity``; the oldest ``capacity`` positions are kept, older ones are overwritten
   (eviction, oldest first).
 - ``chain`` [capacity] int64: for the ``min_suffix``-gram ending at position g, the previous position where the same
-  n-gram ended (-1: none); ``heads`` maps an n-gram (its bytes) to the most recent position where it ended.
-Memory: 12 bytes a kept token, plus ``heads`` (at most ``capacity`` keys: stale keys are dropped when it grows past
-that). Nothing is ever read from an overwritten slot: a chain stops at the first n-gram that starts before the window.
+  n-gram ended (-1: none); ``heads`` maps an n-gram (its bytes) to the most recent position where it ended. ``chain1``
+  and ``heads1`` do the same for single tokens, separators included (a separator is where an output starts).
+- ``owner`` [capacity] int64: the number of the output a position belongs to; ``sketches`` [max_sketches, SKETCH]
+  uint64: the min-hash sketch of the prompt each of the last ``max_sketches`` outputs answered (where one was given).
+Memory: 28 bytes a kept token, 256 bytes a sketch, plus ``heads`` and ``heads1`` (at most ``capacity`` keys each:
+stale keys are dropped when one grows past that). Nothing is ever read from an overwritten slot: a chain stops at the
+first n-gram that starts before the window.
 
-Search (``lookup``): the context's last ``min_suffix`` tokens select a chain; up to ``max_hits`` of its most recent
-positions are compared backwards with the context (``max_suffix`` tokens at most); the positions sharing the longest
-match give their next tokens, and ``majority_chain`` picks the draft from them. Deterministic: the same outputs added
-in the same order give the same drafts.
+Search (``candidates``): the query's last ``min_suffix`` tokens select a chain (else its last token, ``chain1``); up to
+``max_hits`` of its most recent positions are compared backwards with the query (``max_suffix`` tokens at most).
+
+Voting (``vote_chain``): a draft grown one token at a time, each the weighted vote of every
+position that matches the query so far (the request's output, then the draft), as in variable-order context models
+(PPM): a vote weighs ``VOTE_BASE`` per matched token (up to ``VOTE_CAP``), times 1 + ``SIMILARITY_WEIGHT`` x the
+similarity of the prompt its output answered to the request's (min-hash estimate of the Jaccard similarity of their
+last ``SKETCH_TAIL`` tokens' 3-grams): a question asked again in other words drafts first from its earlier answers.
+The query starts with a separator, so an output's first tokens match the starts of served outputs. Deterministic: the
+same outputs added in the same order give the same drafts.
 """
 
 from __future__ import annotations
@@ -24,6 +34,61 @@ from __future__ import annotations
 import numpy as np
 
 SEPARATOR = -1
+VOTE_BASE = 8.0  # a matching position's vote grows this much per token of match ...
+VOTE_CAP = 8  # ... up to this many tokens
+SIMILARITY_WEIGHT = 20.0  # a served output's votes count 1 + this x its prompt's similarity to the request's
+SKETCH = 32  # min-hashes per prompt sketch
+SKETCH_TAIL = 128  # prompt tokens sketched: the end (the question and the chat template's turn)
+_HASH = np.random.default_rng(0x5EED).integers(1, 2**63, size=(2, SKETCH), dtype=np.uint64) | np.uint64(1)
+
+
+def prompt_sketch(prompt) -> np.ndarray:
+    """[SKETCH] uint64 min-hashes of the 3-grams of the prompt's last ``SKETCH_TAIL`` tokens (equal entries estimate
+    the Jaccard similarity of two prompts' 3-gram sets)."""
+    t = np.asarray(prompt[-SKETCH_TAIL:], dtype=np.int64).astype(np.uint64)  # [T]
+    grams = t[:-2] * np.uint64(1_000_003 ** 2) + t[1:-1] * np.uint64(1_000_003) + t[2:] if len(t) >= 3 else t  # [G]
+    if grams.size == 0:
+        return np.full(SKETCH, np.iinfo(np.uint64).max, dtype=np.uint64)
+    h = _HASH[0][:, None] * grams[None, :] + _HASH[1][:, None]  # [SKETCH, G], wrapping
+    return (h ^ (h >> np.uint64(29))).min(axis=1)
+
+
+def match_lengths(tokens: np.ndarray, ends: np.ndarray, query: np.ndarray, first: int = 0) -> np.ndarray:
+    """How many of ``query``'s last tokens equal ``tokens`` read backwards from each of ``ends`` [C] (positions; read
+    at ``position % len(tokens)``, a ring; none below ``first``) -> [C]."""
+    width = len(query)
+    back = ends[:, None] - np.arange(width)[None, :]  # [C, width]
+    same = (back >= first) & (tokens[back % len(tokens)] == query[::-1][None, :])
+    return np.where(same.all(axis=1), width, np.argmin(same, axis=1))
+
+
+def context_candidates(context, max_suffix: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt lookup as votes: (match lengths [C], next tokens [C]) of the earlier positions of ``context`` that hold
+    its last token, each with the length of the suffix it shares with the context's end (at most ``max_suffix``)."""
+    ctx = np.asarray(context, dtype=np.int64)  # [L]
+    if len(ctx) < 2:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    ends = np.flatnonzero(ctx[:-1] == ctx[-1])  # [C]
+    return match_lengths(ctx, ends, ctx[-max_suffix:]), ctx[ends + 1]
+
+
+def vote_chain(candidates, k: int) -> tuple[list[int], int]:
+    """A chain of at most ``k`` tokens grown by vote: ``candidates(chain) -> (match [C], next [C], factor [C])`` for
+    the query extended by the chain so far; each next token is the one with the largest sum of ``factor x VOTE_BASE **
+    min(match, VOTE_CAP)`` (ties: the smallest id); the chain ends where no candidate continues. Also returns the
+    longest match behind the first token (0 when the chain is empty)."""
+    chain: list[int] = []
+    first_match = 0
+    for _ in range(k):
+        match, nxt, factor = candidates(chain)
+        if len(nxt) == 0:
+            break
+        if not chain:
+            first_match = int(match.max())
+        votes = factor * VOTE_BASE ** np.minimum(match, VOTE_CAP).astype(np.float64)  # [C]
+        tokens, which = np.unique(nxt, return_inverse=True)
+        chain.append(int(tokens[np.argmax(np.bincount(which, weights=votes))]))
+    return chain, first_match
 
 
 def majority_chain(rows: np.ndarray, k: int, min_share: float = 0.0) -> list[int]:
@@ -53,16 +118,22 @@ class ServedStore:
     caller at a time (vLLM calls its proposer from one thread)."""
 
     def __init__(self, capacity: int = 1 << 20, *, min_suffix: int = 2, max_suffix: int = 16, max_hits: int = 16,
-                 min_share: float = 0.0):
+                 max_sketches: int = 4096):
         if capacity < 2 or not 1 <= min_suffix <= max_suffix or max_hits < 1:
             raise ValueError(f"need capacity >= 2, 1 <= min_suffix <= max_suffix and max_hits >= 1, got {capacity}, "
                              f"{min_suffix}, {max_suffix}, {max_hits}")
         self.capacity, self.min_suffix, self.max_suffix = capacity, min_suffix, max_suffix
-        self.max_hits, self.min_share = max_hits, min_share
+        self.max_hits = max_hits
         self.tokens = np.full(capacity, SEPARATOR, dtype=np.int32)  # [capacity] ring of outputs and separators
         self.chain = np.full(capacity, -1, dtype=np.int64)  # [capacity] previous end of the same n-gram
         self.heads: dict[bytes, int] = {}
-        self.end = 0  # global positions written
+        self.chain1 = np.full(capacity, -1, dtype=np.int64)  # [capacity] previous position of the same token
+        self.heads1: dict[int, int] = {}
+        self.owner = np.full(capacity, -1, dtype=np.int64)  # [capacity] output number of each position
+        self.sketches = np.zeros((max(1, max_sketches), SKETCH), dtype=np.uint64)  # [max_sketches, SKETCH]
+        self.sketch_of = np.full(max(1, max_sketches), -1, dtype=np.int64)  # [max_sketches] output number, -1 none
+        self.end = 1  # global positions written: a separator first, so every output starts after one
+        self.heads1[SEPARATOR] = 0
         self.outputs = 0  # outputs added
 
     def __len__(self) -> int:
@@ -74,57 +145,72 @@ class ServedStore:
         """The oldest global position still in the ring."""
         return max(0, self.end - self.capacity)
 
-    def add(self, output) -> None:
-        """Append one finished output (token ids) and its separator; evicts the oldest positions when full."""
+    def add(self, output, sketch: np.ndarray | None = None) -> None:
+        """Append one finished output (token ids) and its separator; evicts the oldest positions when full. ``sketch``:
+        the ``prompt_sketch`` of the prompt it answered, kept for ``candidates``' similarity weights."""
         toks = np.asarray(output, dtype=np.int32).reshape(-1)  # [T]
         toks = toks[-(self.capacity - 1):]  # an output longer than the ring keeps its end
         if toks.size == 0:
             return
         n, cap = self.min_suffix, self.capacity
         start = self.end
-        for i, tok in enumerate(toks.tolist()):
+        for i, tok in enumerate([*toks.tolist(), SEPARATOR]):
             g = start + i
-            self.tokens[g % cap] = tok
-            self.chain[g % cap] = -1
-            if i + 1 >= n:
+            self.tokens[g % cap], self.chain[g % cap], self.owner[g % cap] = tok, -1, self.outputs
+            self.chain1[g % cap] = self.heads1.get(tok, -1)
+            self.heads1[tok] = g
+            if n <= i + 1 <= len(toks):
                 key = toks[i + 1 - n : i + 1].tobytes()
                 self.chain[g % cap] = self.heads.get(key, -1)
                 self.heads[key] = g
-        g = start + len(toks)
-        self.tokens[g % cap], self.chain[g % cap] = SEPARATOR, -1
-        self.end = g + 1
+        if sketch is not None:
+            row = self.outputs % len(self.sketch_of)
+            self.sketches[row], self.sketch_of[row] = sketch, self.outputs
+        self.end = start + len(toks) + 1
         self.outputs += 1
         if len(self.heads) > cap:  # drop n-grams whose last occurrence has been overwritten
-            oldest = self.oldest
-            self.heads = {k: v for k, v in self.heads.items() if v >= oldest}
+            self.heads = {key: g for key, g in self.heads.items() if g >= self.oldest}
+        if len(self.heads1) > cap:  # ... and tokens
+            self.heads1 = {key: g for key, g in self.heads1.items() if g >= self.oldest}
 
-    def _match_length(self, ctx: np.ndarray, g: int) -> int:
-        """How many of the context's last tokens equal the kept tokens ending at position g."""
-        m = min(len(ctx), g - self.oldest + 1)
-        kept = self.tokens[(g - np.arange(m)) % self.capacity]  # [m] backwards from g
-        diff = np.flatnonzero(kept != ctx[::-1][:m])
-        return int(diff[0]) if diff.size else m
-
-    def lookup(self, context, k: int) -> tuple[int, list[int]]:
-        """(matched suffix length, draft of at most k ids) for the context's continuation; (0, []) when the context's
-        last ``min_suffix`` tokens were never served."""
-        ctx = np.asarray(context[-self.max_suffix:], dtype=np.int32)  # [<= max_suffix]
-        if len(ctx) < self.min_suffix or k < 1:
-            return 0, []
-        g = self.heads.get(ctx[-self.min_suffix:].tobytes(), -1)
-        oldest, hits = self.oldest, []  # (match length, end position), most recent first
-        while g - self.min_suffix + 1 >= oldest and len(hits) < self.max_hits:  # the whole n-gram still kept
-            hits.append((self._match_length(ctx, g), g))
-            nxt = int(self.chain[g % self.capacity])
+    def _walk(self, chain: np.ndarray, g: int, width: int) -> list[int]:
+        """Up to ``max_hits`` positions on a chain from g, most recent first, whose ``width`` tokens are still kept."""
+        hits, oldest = [], self.oldest
+        while g - width + 1 >= oldest and len(hits) < self.max_hits:
+            hits.append(g)
+            nxt = int(chain[g % self.capacity])
             if nxt >= g:  # a slot rewritten since: its link is not this chain's
                 break
             g = nxt
+        return hits
+
+    def candidates(self, query, sketch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Votes for ``vote_chain``: (match lengths [C], next tokens [C], factors [C]) of up to ``max_hits`` recent
+        positions holding the query's last ``min_suffix`` tokens (else its last token; a separator stands for an
+        output's start), factors 1 + ``SIMILARITY_WEIGHT`` x the similarity of each one's prompt to ``sketch``."""
+        q = np.asarray(query[-self.max_suffix:], dtype=np.int64)  # [<= max_suffix]
+        n = self.min_suffix
+        none = np.zeros(0, dtype=np.int64)
+        if len(q) == 0:
+            return none, none, np.zeros(0)
+        hits = []
+        if len(q) >= n and (q[-n:] != SEPARATOR).all():
+            hits = self._walk(self.chain, self.heads.get(q[-n:].astype(np.int32).tobytes(), -1), n)
         if not hits:
-            return 0, []
-        best = max(m for m, _ in hits)
-        ends = np.array([g for m, g in hits if m == best], dtype=np.int64)  # [S]
-        pos = ends[:, None] + 1 + np.arange(k, dtype=np.int64)  # [S, k]
-        rows = self.tokens[pos % self.capacity].astype(np.int64)
-        rows[pos >= self.end] = SEPARATOR  # not written yet (would be the ring's oldest tokens)
-        rows[np.cumsum(rows == SEPARATOR, axis=1) > 0] = SEPARATOR  # cut at the output's end
-        return best, majority_chain(rows, k, self.min_share)
+            hits = self._walk(self.chain1, self.heads1.get(int(q[-1]), -1), 1)
+        ends = np.array([g for g in hits if g + 1 < self.end], dtype=np.int64)  # [C] those with a next position
+        nxt = self.tokens[(ends + 1) % self.capacity].astype(np.int64)
+        ends, nxt = ends[nxt != SEPARATOR], nxt[nxt != SEPARATOR]
+        if len(ends) == 0:
+            return none, none, np.zeros(0)
+        factor = 1.0 + SIMILARITY_WEIGHT * self.similarity(self.owner[ends % self.capacity], sketch)  # [C]
+        return match_lengths(self.tokens, ends, q, self.oldest), nxt, factor
+
+    def similarity(self, outputs: np.ndarray, sketch: np.ndarray | None) -> np.ndarray:
+        """[C] estimated similarity of the prompts that ``outputs`` [C] (output numbers) answered to ``sketch``'s; 0
+        where either is unknown."""
+        if sketch is None:
+            return np.zeros(len(outputs))
+        rows = outputs % len(self.sketch_of)
+        known = self.sketch_of[rows] == outputs
+        return (self.sketches[rows] == sketch[None, :]).mean(axis=1) * known
