@@ -5,9 +5,9 @@ an engine has already served are the corpus that matters most for repeated agent
 is that corpus, grown one finished output at a time and shared by every request of one engine process.
 
 Layout (LZ77's hash chain over a ring buffer):
-- ``tokens`` [capacity] int32: a separator (-1), then the outputs, each followed by one separator; position g (a global count of tokens
-  written) lives in slot ``g % capacity``; the oldest ``capacity`` positions are kept, older ones are overwritten
-  (eviction, oldest first).
+- ``tokens`` [capacity] int32: a separator (-1), then the outputs, each followed by one separator; position g (a
+  global count of tokens written) lives in slot ``g % capacity``; the oldest ``capacity`` positions are kept, older
+  ones are overwritten (eviction, oldest first).
 - ``chain`` [capacity] int64: for the ``min_suffix``-gram ending at position g, the previous position where the same
   n-gram ended (-1: none); ``heads`` maps an n-gram (its bytes) to the most recent position where it ended. ``chain1``
   and ``heads1`` do the same for single tokens, separators included (a separator is where an output starts).
@@ -20,13 +20,13 @@ first n-gram that starts before the window.
 Search (``candidates``): the query's last ``min_suffix`` tokens select a chain (else its last token, ``chain1``); up to
 ``max_hits`` of its most recent positions are compared backwards with the query (``max_suffix`` tokens at most).
 
-Voting (``vote_chain``): a draft grown one token at a time, each the weighted vote of every
-position that matches the query so far (the request's output, then the draft), as in variable-order context models
-(PPM): a vote weighs ``VOTE_BASE`` per matched token (up to ``VOTE_CAP``), times 1 + ``SIMILARITY_WEIGHT`` x the
-similarity of the prompt its output answered to the request's (min-hash estimate of the Jaccard similarity of their
-last ``SKETCH_TAIL`` tokens' 3-grams): a question asked again in other words drafts first from its earlier answers.
-The query starts with a separator, so an output's first tokens match the starts of served outputs. Deterministic: the
-same outputs added in the same order give the same drafts.
+Voting (``vote_chain``): a draft grown one token at a time, each the weighted vote of every position that matches the
+query so far (the request's output, then the draft), as in variable-order context models (PPM): a vote weighs
+``VOTE_BASE`` per matched token (up to ``VOTE_CAP``), times 1 + ``SIMILARITY_WEIGHT`` x the similarity of the prompt
+its output answered to the request's (min-hash estimate of the Jaccard similarity of their last ``SKETCH_TAIL``
+tokens' 3-grams): a question asked again in other words drafts first from its earlier answers. The query starts with a
+separator, so an output's first tokens match the starts of served outputs. Deterministic: the same outputs added in
+the same order give the same drafts.
 """
 
 from __future__ import annotations
