@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from retrospec.errors import RetrospecError
 from retrospec.integrations.vllm_proposer import (ADAPTIVE_ENV, DATASTORE_ENV, STATS_ENV, PromptLookupProposer,
                                                   RequestTracker, RestProposer, ServedOutputProposer)
-from retrospec.retrieval.served import (SEPARATOR, SIMILARITY_WEIGHT, ServedStore, context_candidates, majority_chain,
-                                        prompt_sketch, vote_chain)
+from retrospec.retrieval.served import (SEPARATOR, SIMILARITY_WEIGHT, ServedStore, context_candidates, follow_context,
+                                        majority_chain, prompt_sketch, vote_chain)
 
 
 def _config(k: int, max_model_len: int = 64, model: str = ""):
@@ -57,7 +57,7 @@ def test_served_store_finds_every_recent_match_with_its_length():
     store.add([9, 2, 3, 7, 8])
 
     def found(query):
-        match, nxt, _ = store.candidates(query)
+        match, nxt, _, _ = store.candidates(query)
         return list(zip(match.tolist(), nxt.tolist()))
 
     assert found([2, 3]) == [(2, 7), (2, 4)]  # most recent first
@@ -100,9 +100,18 @@ def test_served_store_votes_come_from_the_naive_search(outputs, start, query, ca
     for out in outputs:
         store.add(out)
     q = [SEPARATOR] * start + query  # a separator stands for the start of an output
-    match, nxt, factor = store.candidates(q)
+    match, nxt, factor, at = store.candidates(q)
     assert list(zip(match.tolist(), nxt.tolist())) == _naive_candidates(outputs, capacity, 2, 6, 5, q)
     assert (factor == 1.0).all()  # no prompt sketches: every served output weighs the same
+    # the positions that voted for a token, moved on by one, are among the naive search's for the query + that token,
+    # with one more token of match (at most the query's width) and the same next token
+    for token in set(nxt.tolist()):
+        keep = nxt == token
+        at1, nxt1, ok = store.follow(at[keep])
+        naive = _naive_candidates(outputs, capacity, 2, 6, 10**6, q + [token])
+        for m, n in zip(np.minimum(match[keep][ok] + 1, 6).tolist(), nxt1[ok].tolist()):
+            assert (min(m, len((q + [token])[-6:])), n) in naive
+        assert not ok.any() or (store.tokens[at1[ok] % capacity] == token).all()
 
 
 def test_a_chain_is_voted_token_by_token_and_similar_prompts_weigh_more():
@@ -114,24 +123,31 @@ def test_a_chain_is_voted_token_by_token_and_similar_prompts_weigh_more():
     def served(sketch):
         return lambda chain: store.candidates([SEPARATOR, 1, *chain], sketch)
 
-    assert vote_chain(served(None), 4) == ([2, 3, 4, 5], 2)  # a tie between the two answers: the smaller id
-    again = [10, 11, 12, 13, 14, 15, 16, 99]  # the first prompt again, its last word changed
-    assert vote_chain(served(prompt_sketch(again)), 4) == ([2, 3, 4, 5], 2)
-    assert vote_chain(served(prompt_sketch(asked[1])), 4) == ([2, 3, 6, 7], 2)
+    def follow(at, chain):
+        return store.follow(at)
+
+    for refresh in (0, 10**6):  # following the voters, or searching again at every token: the same chains here
+        assert vote_chain(served(None), follow, 4, refresh) == ([2, 3, 4, 5], 2)  # a tie: the smaller id
+        again = [10, 11, 12, 13, 14, 15, 16, 99]  # the first prompt again, its last word changed
+        assert vote_chain(served(prompt_sketch(again)), follow, 4, refresh) == ([2, 3, 4, 5], 2)
+        assert vote_chain(served(prompt_sketch(asked[1])), follow, 4, refresh) == ([2, 3, 6, 7], 2)
     sim = store.similarity(np.array([0, 1]), prompt_sketch(asked[1]))
     assert sim[1] == 1.0 and sim[0] < 0.5 and store.candidates([SEPARATOR, 1], prompt_sketch(asked[1]))[2].max() == (
         1 + SIMILARITY_WEIGHT)
     # a longer match outweighs more numerous shorter ones: 4 is followed by 9 three times, by 5 once after "7, 4"
     ctx = [4, 9, 8, 4, 9, 8, 4, 9, 8, 7, 4, 5, 6, 7, 4]
-    m, nxt = context_candidates(ctx, 8)
+    m, nxt, at = context_candidates(ctx, 8)
     assert sorted(zip(m.tolist(), nxt.tolist())) == [(1, 9), (1, 9), (1, 9), (2, 5)]
+    assert (np.asarray(ctx)[at] == 4).all() and (np.asarray(ctx)[at + 1] == nxt).all()
 
     def own(chain):
-        match, after = context_candidates(ctx + chain, 8)
-        return match, after, np.ones(len(match))
+        match, after, where = context_candidates(ctx + chain, 8)
+        return match, after, np.ones(len(match)), where
 
-    assert vote_chain(own, 3) == ([5, 6, 7], 2)
-    assert vote_chain(lambda chain: (np.zeros(0, dtype=np.int64),) * 2 + (np.zeros(0),), 3) == ([], 0)
+    for refresh in (0, 10**6):
+        assert vote_chain(own, lambda at, chain: follow_context(ctx + chain, at), 3, refresh) == ([5, 6, 7], 2)
+    nothing = (np.zeros(0, dtype=np.int64),) * 2 + (np.zeros(0), np.zeros(0, dtype=np.int64))
+    assert vote_chain(lambda chain: nothing, None, 3) == ([], 0)
 
 
 def test_served_store_memory_is_bounded_and_the_oldest_go_first():

@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters.prompt_lookup import lookup_match
-from ..retrieval.served import SEPARATOR, ServedStore, context_candidates, majority_chain, prompt_sketch, vote_chain
+from ..retrieval.served import (SEPARATOR, ServedStore, context_candidates, follow_context, majority_chain, prompt_sketch,
+                               vote_chain)
 
 MAX_NGRAM_ENV, MIN_NGRAM_ENV = "RETROSPEC_PLD_MAX_NGRAM", "RETROSPEC_PLD_MIN_NGRAM"
 DATASTORE_ENV, SERVED_ENV = "RETROSPEC_DATASTORE", "RETROSPEC_SERVED_TOKENS"
@@ -260,11 +261,18 @@ class ServedOutputProposer(PromptLookupProposer):
         context = np.asarray(context, dtype=np.int64)  # [n]
         output = np.concatenate([[SEPARATOR], context[start:]])  # a separator: where the output starts
 
-        def candidates(chain: list[int]):
-            own_match, own_next = context_candidates(np.concatenate([context, chain]), MAX_SUFFIX)
-            match, nxt, factor = self.served.candidates(np.concatenate([output, chain]), sketch)
+        def search(chain: list[int]):  # the request's own positions first, as ~index (< 0); then the served ones
+            own_match, own_next, own_at = context_candidates(np.concatenate([context, chain]), MAX_SUFFIX)
+            match, nxt, factor, at = self.served.candidates(np.concatenate([output, chain]), sketch)
             return (np.concatenate([own_match, match]), np.concatenate([own_next, nxt]),
-                    np.concatenate([np.full(len(own_match), OWN_FACTOR), factor]))
+                    np.concatenate([np.full(len(own_match), OWN_FACTOR), factor]), np.concatenate([~own_at, at]))
 
-        chain, matched = vote_chain(candidates, k)
+        def follow(at: np.ndarray, chain: list[int]):
+            own = at < 0
+            own_at, own_next, own_ok = follow_context(np.concatenate([context, chain]), ~at[own])
+            served_at, served_next, served_ok = self.served.follow(at[~own])
+            return (np.concatenate([~own_at, served_at]), np.concatenate([own_next, served_next]),
+                    np.concatenate([own_ok, served_ok]))
+
+        chain, matched = vote_chain(search, follow, k)
         return self.datastore_chain(context, k, matched, chain)

@@ -25,8 +25,10 @@ query so far (the request's output, then the draft), as in variable-order contex
 ``VOTE_BASE`` per matched token (up to ``VOTE_CAP``), times 1 + ``SIMILARITY_WEIGHT`` x the similarity of the prompt
 its output answered to the request's (min-hash estimate of the Jaccard similarity of their last ``SKETCH_TAIL``
 tokens' 3-grams): a question asked again in other words drafts first from its earlier answers. The query starts with a
-separator, so an output's first tokens match the starts of served outputs. Deterministic: the same outputs added in
-the same order give the same drafts.
+separator, so an output's first tokens match the starts of served outputs. The positions that voted for the chosen
+token move on by one (``follow``: their match grows by one) and vote for the next; the store is searched again only
+where none of them goes on or the longest of their matches is under ``REFRESH_BELOW`` tokens (weak evidence: a
+shorter suffix may have more to say). Deterministic: the same outputs added in the same order give the same drafts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 SEPARATOR = -1
 VOTE_BASE = 8.0  # a matching position's vote grows this much per token of match ...
 VOTE_CAP = 8  # ... up to this many tokens
+REFRESH_BELOW = 4  # search again when the positions followed match fewer tokens than this
 SIMILARITY_WEIGHT = 20.0  # a served output's votes count 1 + this x its prompt's similarity to the request's
 SKETCH = 32  # min-hashes per prompt sketch
 SKETCH_TAIL = 128  # prompt tokens sketched: the end (the question and the chat template's turn)
@@ -62,32 +65,52 @@ def match_lengths(tokens: np.ndarray, ends: np.ndarray, query: np.ndarray, first
     return np.where(same.all(axis=1), width, np.argmin(same, axis=1))
 
 
-def context_candidates(context, max_suffix: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt lookup as votes: (match lengths [C], next tokens [C]) of the earlier positions of ``context`` that hold
-    its last token, each with the length of the suffix it shares with the context's end (at most ``max_suffix``)."""
+def context_candidates(context, max_suffix: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prompt lookup as votes: (match lengths [C], next tokens [C], positions [C]) of the earlier positions of
+    ``context`` that hold its last token, each with the length of the suffix it shares with the context's end (at most
+    ``max_suffix``)."""
     ctx = np.asarray(context, dtype=np.int64)  # [L]
     if len(ctx) < 2:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return (np.zeros(0, dtype=np.int64),) * 3
     ends = np.flatnonzero(ctx[:-1] == ctx[-1])  # [C]
-    return match_lengths(ctx, ends, ctx[-max_suffix:]), ctx[ends + 1]
+    return match_lengths(ctx, ends, ctx[-max_suffix:]), ctx[ends + 1], ends
 
 
-def vote_chain(candidates, k: int) -> tuple[list[int], int]:
-    """A chain of at most ``k`` tokens grown by vote: ``candidates(chain) -> (match [C], next [C], factor [C])`` for
-    the query extended by the chain so far; each next token is the one with the largest sum of ``factor x VOTE_BASE **
-    min(match, VOTE_CAP)`` (ties: the smallest id); the chain ends where no candidate continues. Also returns the
-    longest match behind the first token (0 when the chain is empty)."""
+def follow_context(context, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``context_candidates``' positions [C] moved on by one (each now holds ``context``'s last token, the one its
+    vote chose) -> (positions [C], next tokens [C], continues [C]: a next token exists)."""
+    ctx = np.asarray(context, dtype=np.int64)  # [L]
+    at = ends + 1
+    ok = at + 1 < len(ctx)
+    return at, ctx[np.minimum(at + 1, len(ctx) - 1)], ok
+
+
+def vote_chain(search, follow, k: int, refresh: int = REFRESH_BELOW) -> tuple[list[int], int]:
+    """A chain of at most ``k`` tokens grown by vote. ``search(chain) -> (match [C], next [C], factor [C], at [C])``:
+    the positions matching the query extended by the chain so far, with the token after each and where each is
+    (``at``: opaque here); ``follow(at [C'], chain) -> (at [C'], next [C'], continues [C'])``: those positions moved on
+    by one token, the chain's last. Each next token is the one with the largest sum of ``factor x VOTE_BASE **
+    min(match, VOTE_CAP)`` (ties: the smallest id); the positions that voted for it follow it (match + 1) and vote
+    again, unless none continues or their longest match is under ``refresh`` tokens: then ``search`` again. The chain
+    ends where no position continues. Also returns the longest match behind the first token (0: an empty chain).
+    ``refresh`` = a huge number searches at every token."""
     chain: list[int] = []
-    first_match = 0
-    for _ in range(k):
-        match, nxt, factor = candidates(chain)
-        if len(nxt) == 0:
+    match, nxt, factor, at = search(chain)
+    first_match = int(match.max()) if len(nxt) else 0
+    while len(chain) < k and len(nxt):
+        if (nxt == nxt[0]).all():  # one token proposed: the vote is that token
+            chain.append(int(nxt[0]))
+        else:
+            votes = factor * VOTE_BASE ** np.minimum(match, VOTE_CAP).astype(np.float64)  # [C]
+            tokens, which = np.unique(nxt, return_inverse=True)
+            chain.append(int(tokens[np.argmax(np.bincount(which, weights=votes))]))
+        if len(chain) == k:
             break
-        if not chain:
-            first_match = int(match.max())
-        votes = factor * VOTE_BASE ** np.minimum(match, VOTE_CAP).astype(np.float64)  # [C]
-        tokens, which = np.unique(nxt, return_inverse=True)
-        chain.append(int(tokens[np.argmax(np.bincount(which, weights=votes))]))
+        keep = nxt == chain[-1]
+        at, nxt, ok = follow(at[keep], chain)
+        match, factor, at, nxt = match[keep][ok] + 1, factor[keep][ok], at[ok], nxt[ok]
+        if len(nxt) == 0 or match.max() < refresh:
+            match, nxt, factor, at = search(chain)
     return chain, first_match
 
 
@@ -184,15 +207,17 @@ class ServedStore:
             g = nxt
         return hits
 
-    def candidates(self, query, sketch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Votes for ``vote_chain``: (match lengths [C], next tokens [C], factors [C]) of up to ``max_hits`` recent
-        positions holding the query's last ``min_suffix`` tokens (else its last token; a separator stands for an
-        output's start), factors 1 + ``SIMILARITY_WEIGHT`` x the similarity of each one's prompt to ``sketch``."""
+    def candidates(self, query, sketch: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Votes for ``vote_chain``: (match lengths [C], next tokens [C], factors [C], positions [C]) of up to
+        ``max_hits`` recent positions holding the query's last ``min_suffix`` tokens (else its last token; a separator
+        stands for an output's start), factors 1 + ``SIMILARITY_WEIGHT`` x the similarity of each one's prompt to
+        ``sketch``."""
         q = np.asarray(query[-self.max_suffix:], dtype=np.int64)  # [<= max_suffix]
         n = self.min_suffix
         none = np.zeros(0, dtype=np.int64)
         if len(q) == 0:
-            return none, none, np.zeros(0)
+            return none, none, np.zeros(0), none
         hits = []
         if len(q) >= n and (q[-n:] != SEPARATOR).all():
             hits = self._walk(self.chain, self.heads.get(q[-n:].astype(np.int32).tobytes(), -1), n)
@@ -202,9 +227,16 @@ class ServedStore:
         nxt = self.tokens[(ends + 1) % self.capacity].astype(np.int64)
         ends, nxt = ends[nxt != SEPARATOR], nxt[nxt != SEPARATOR]
         if len(ends) == 0:
-            return none, none, np.zeros(0)
+            return none, none, np.zeros(0), none
         factor = 1.0 + SIMILARITY_WEIGHT * self.similarity(self.owner[ends % self.capacity], sketch)  # [C]
-        return match_lengths(self.tokens, ends, q, self.oldest), nxt, factor
+        return match_lengths(self.tokens, ends, q, self.oldest), nxt, factor, ends
+
+    def follow(self, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``candidates``' positions [C] moved on by one -> (positions [C], next tokens [C], continues [C]: the next
+        token is written and is not a separator). Valid while nothing is added in between."""
+        at = ends + 1
+        nxt = self.tokens[(at + 1) % self.capacity].astype(np.int64)
+        return at, nxt, (at + 1 < self.end) & (nxt != SEPARATOR)
 
     def similarity(self, outputs: np.ndarray, sketch: np.ndarray | None) -> np.ndarray:
         """[C] estimated similarity of the prompts that ``outputs`` [C] (output numbers) answered to ``sketch``'s; 0
