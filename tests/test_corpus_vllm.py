@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # what the fake engine writes: a function of the prompt's ids (and the seed when sampled); some replies stop early
 CONTINUATION = '''
 def continuation(ids, temperature, seed, max_tokens, stop):
-    t = (sum(ids) + (seed % 97 if temperature > 0 else 0)) % 200 + 3
+    t = (sum(ids) + ((seed or 0) % 97 if temperature > 0 else 0)) % 200 + 3
     out = []
     while len(out) < max_tokens:
         out.append(t)
@@ -80,9 +80,19 @@ class LLM:
         if CALLS[0] == int(os.environ.get("FAKE_VLLM_FAIL_AT", "0")):
             raise RuntimeError("out of KV cache blocks\\nsecond line")
         _log({"generate": len(prompts), "temperatures": sorted({p.temperature for p in params}),
-              "stop": params[0].stop})
+              "stop": params[0].stop, "seeded": sorted({p.seed is not None for p in params if p.temperature > 0})})
         return [_Out(continuation(p["prompt_token_ids"], s.temperature, s.seed, s.max_tokens, set(s.stop)))
                 for p, s in zip(prompts, params)]
+'''
+
+PLATFORMS = '''
+import os
+
+class _Platform:
+    def is_cpu(self):
+        return os.environ.get("FAKE_VLLM_CPU") == "1"
+
+current_platform = _Platform()
 '''
 
 ns: dict = {}
@@ -95,6 +105,7 @@ def fake_vllm(tmp_path, monkeypatch):
     pkg = tmp_path / "site" / "vllm"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(FAKE)
+    (pkg / "platforms.py").write_text(PLATFORMS)
     log = tmp_path / "vllm.log"
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
@@ -194,6 +205,23 @@ def test_a_killed_vllm_build_resumes_without_redoing_shards(cli, chat_models, tm
     assert done.rc == 0 and "complete" in done.out and not fake_vllm.exists()  # vLLM not even started
     other = _generate(cli, chat_models.target, tmp_path, "part")
     assert other.rc == 2 and other.err.count("\n") == 1 and "resume it with --engine vllm" in other.err
+
+
+def test_on_vllms_cpu_build_sampled_records_are_seeded_by_the_engine(cli, chat_models, tmp_path, fake_vllm,
+                                                                      monkeypatch):
+    # vLLM's CPU build fails on a request with its own seed: the worker sends none and the manifest says so
+    monkeypatch.setenv("FAKE_VLLM_CPU", "1")
+    res = _generate(cli, chat_models.target, tmp_path, "cpu", "--engine", "vllm")
+    assert res.rc == 0, res.err
+    calls = [e for e in _log(fake_vllm) if "generate" in e]
+    assert calls and all(e["seeded"] == [False] for e in calls)
+    engine = json.loads((tmp_path / "cpu" / "manifest.json").read_text())["engine"]
+    assert engine["seeding"].startswith("engine-wide") and "CPU build" in engine["seeding"]
+    assert len(read_corpus(tmp_path / "cpu")) == 12
+    monkeypatch.delenv("FAKE_VLLM_CPU")
+    fake_vllm.unlink()
+    res = _generate(cli, chat_models.target, tmp_path, "gpu", "--engine", "vllm")
+    assert res.rc == 0 and all(e["seeded"] == [True] for e in _log(fake_vllm) if "generate" in e)
 
 
 def test_no_vllm_is_one_line_and_writes_nothing(cli, chat_models, tmp_path, monkeypatch):

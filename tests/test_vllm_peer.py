@@ -147,3 +147,28 @@ def test_our_proposer_drafts_what_pld_drafts_per_request(monkeypatch):
     assert drafts[2] == [2]  # one position left before max_model_len: one draft token
     with pytest.raises(ValueError):
         PromptLookupProposer(_config(k=0))
+
+
+def test_a_peers_error_names_the_root_cause_its_log_gave(tmp_path):
+    # an engine that dies answers "see the stack trace above"; the cause is in the worker's stderr, which is kept off
+    # the terminal: the one error line carries the last line of it that names an error
+    from retrospec.bench.peers import PeerWorker
+    from retrospec.errors import RetrospecError
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import json, sys\n"
+                      "for line in sys.stdin:\n"
+                      "    if json.loads(line)['op'] == 'load':\n"
+                      "        print(json.dumps({'ok': True, 'version': '0'}), flush=True)\n"
+                      "        continue\n"
+                      "    print('ERROR [core.py:1] RuntimeError: Worker failed: no offset', file=sys.stderr)\n"
+                      "    print('shutting down', file=sys.stderr, flush=True)\n"
+                      "    print(json.dumps({'error': 'EngineDeadError: see the stack trace above'}), flush=True)\n")
+    peer = PeerWorker(sys.executable, worker, "corpus", {"model": "m"}, "vLLM")
+    try:
+        with pytest.raises(RetrospecError) as err:
+            peer.ask({"op": "generate_batch"})
+        assert str(err.value) == ("corpus: EngineDeadError: see the stack trace above (the vLLM log: ERROR [core.py:1] "
+                                  "RuntimeError: Worker failed: no offset)")
+    finally:
+        peer.close()

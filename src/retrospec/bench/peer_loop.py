@@ -17,8 +17,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def serve(load: Callable[[dict], tuple[object, str]], generate: Callable[[object, dict], dict],
           ops: dict[str, Callable[[object, dict], dict]] | None = None) -> int:
-    """Answer requests until stdin closes: ``{"op": "load", ...}`` -> ``load(request)`` = (engine, version), answered
-    ``{"ok": true, "version": ...}``; a request whose op ``ops`` names -> ``ops[op](engine, request)``; any other
+    """Answer requests until stdin closes: ``{"op": "load", ...}`` -> ``load(request)`` = (engine, version) or
+    (engine, version, facts), answered ``{"ok": true, "version": ...}`` plus ``facts``; a request whose op ``ops`` names -> ``ops[op](engine, request)``; any other
     request -> ``generate(engine, request)``.
 
     Before anything is imported: this folder leaves ``sys.path`` (it holds modules named like the standard library's,
@@ -35,8 +35,8 @@ def serve(load: Callable[[dict], tuple[object, str]], generate: Callable[[object
         try:
             req = json.loads(line)
             if req["op"] == "load":
-                engine, version = load(req)
-                answer = {"ok": True, "version": version}
+                engine, version, *more = load(req)  # more: an optional dict of facts for the answer
+                answer = {"ok": True, "version": version} | (more[0] if more else {})
             elif engine is None:
                 answer = {"error": "no model loaded"}
             else:

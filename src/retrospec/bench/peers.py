@@ -20,12 +20,16 @@ methods ask for and says, one note per row, why any is skipped.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import tempfile
 from pathlib import Path
 
 from ..errors import RetrospecError
 from ..types import SpecStats
+
+
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: ")  # "ValueError: ...", "torch.OutOfMemoryError: ..."
 
 
 class PeerWorker:
@@ -52,9 +56,7 @@ class PeerWorker:
         except (BrokenPipeError, OSError):
             line = ""
         if not line:
-            self._err.seek(0)
-            tail = self._err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise RetrospecError(f"{self.method}: the {self.peer} worker stopped ({tail[0]})")
+            raise RetrospecError(f"{self.method}: the {self.peer} worker stopped ({self._log_line() or 'no output'})")
         try:
             answer = json.loads(line)
         except json.JSONDecodeError:
@@ -63,8 +65,19 @@ class PeerWorker:
             raise RetrospecError(f"{self.method}: the {self.peer} worker answered something else than JSON: "
                                  f"{line.strip()[:120]!r}")
         if "error" in answer:
-            raise RetrospecError(f"{self.method}: {answer['error']}")
+            cause = self._log_line(errors_only=True)  # an engine that died says why in its log, not in the error
+            said = str(answer["error"])
+            raise RetrospecError(f"{self.method}: {said}" + (f" (the {self.peer} log: {cause})"
+                                                               if cause and cause not in said else ""))
         return answer
+
+    def _log_line(self, errors_only: bool = False) -> str:
+        """The last line the worker wrote to stderr that names an error (or, unless ``errors_only``, its last line)."""
+        self._err.seek(0)
+        lines = [ln.strip() for ln in self._err.read().decode(errors="replace").splitlines() if ln.strip()]
+        self._err.seek(0, 2)
+        named = [ln for ln in lines if _ERROR_LINE.search(ln)]
+        return (named or ([] if errors_only else lines) or [""])[-1][:300]
 
     def generate(self, prompt_ids: list[int], max_new: int, eos: frozenset[int]) -> tuple[list[int], SpecStats,
                                                                                           float]:

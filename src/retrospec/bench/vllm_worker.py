@@ -8,14 +8,15 @@ through ``bench.peers.PeerWorker``):
   "speculative_config": vLLM's dict or null, "env": {name: value}}``: ``env`` set, then one ``vllm.LLM`` (prefix
   caching off, so every prompt is prefilled; speculative decoding as configured); optional keys, passed to
   ``vllm.LLM`` when given: ``"tensor_parallel_size"``, ``"seed"`` (default 0), ``"gpu_memory_utilization"``
-  (default 0.3); answers ``{"ok": true, "version": ...}``;
+  (default 0.3); answers ``{"ok": true, "version": ..., "seeding": "record" | "engine"}``;
 - ``{"op": "generate", "prompt_ids": [...], "max_new_tokens": n, "eos_ids": [...]}``: greedy decoding of the same
   token ids, run twice: one new token (``prefill_s``: the prompt and the first token), then the whole request;
   ``decode_s`` = the difference (vLLM's offline API does not stream); answers ``{"token_ids": [...], "prefill_s": s,
   "decode_s": s}``;
 - ``{"op": "generate_batch", "requests": [{"prompt_ids": [...], "max_new_tokens": n, "temperature": t, "top_p": p,
   "seed": s}, ...], "eos_ids": [...]}``: every request in one ``LLM.generate`` call (vLLM batches them
-  continuously), each sampled with its own seed (none when greedy); answers ``{"token_ids": [[...], ...],
+  continuously), each sampled with its own seed (none when greedy; none either on vLLM's CPU build, which cannot
+  seed requests one by one: the ``LLM``'s seed then covers the whole call, ``"seeding": "engine"``); answers ``{"token_ids": [[...], ...],
   "seconds": s}``, in the requests' order (a corpus: ``bench.vllm_corpus``).
 
 Every failure is answered ``{"error": "one line"}``; vLLM's own log goes to stderr, never stdout.
@@ -26,6 +27,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+
+SEED_EACH = [True]  # False on vLLM's CPU build: a seeded request there fails ("CPU Generator does not use offset")
 
 
 def _load(req: dict):
@@ -41,7 +44,13 @@ def _load(req: dict):
         kwargs["tensor_parallel_size"] = int(req["tensor_parallel_size"])
     llm = vllm.LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["n_ctx"], enable_prefix_caching=False,
                    gpu_memory_utilization=req.get("gpu_memory_utilization", 0.3), seed=req.get("seed", 0), **kwargs)
-    return llm, vllm.__version__
+    try:
+        from vllm.platforms import current_platform
+
+        SEED_EACH[0] = not current_platform.is_cpu()
+    except (ImportError, AttributeError):  # an older or stripped-down vllm: seed each request
+        SEED_EACH[0] = True
+    return llm, vllm.__version__, {"seeding": "record" if SEED_EACH[0] else "engine"}
 
 
 def _run(llm, ids: list[int], max_tokens: int, eos: list[int]) -> tuple[list[int], float]:
@@ -65,7 +74,7 @@ def _generate_batch(llm, req: dict) -> dict:
 
     eos = req["eos_ids"]
     params = [SamplingParams(temperature=r["temperature"], top_p=r["top_p"] if r["temperature"] > 0 else 1.0,
-                             seed=r["seed"] if r["temperature"] > 0 else None, max_tokens=r["max_new_tokens"],
+                             seed=r["seed"] if r["temperature"] > 0 and SEED_EACH[0] else None, max_tokens=r["max_new_tokens"],
                              stop_token_ids=eos, detokenize=False)
               for r in req["requests"]]
     t0 = time.perf_counter()
