@@ -221,7 +221,10 @@ def test_on_vllms_cpu_build_sampled_records_are_seeded_by_the_engine(cli, chat_m
     monkeypatch.delenv("FAKE_VLLM_CPU")
     fake_vllm.unlink()
     res = _generate(cli, chat_models.target, tmp_path, "gpu", "--engine", "vllm")
-    assert res.rc == 0 and all(e["seeded"] == [True] for e in _log(fake_vllm) if "generate" in e)
+    assert res.rc == 0, res.err
+    calls = [e for e in _log(fake_vllm) if "generate" in e]
+    assert calls and all(e["seeded"] == [True] for e in calls)
+    assert "per record" in json.loads((tmp_path / "gpu" / "manifest.json").read_text())["engine"]["seeding"]
 
 
 def test_no_vllm_is_one_line_and_writes_nothing(cli, chat_models, tmp_path, monkeypatch):

@@ -239,6 +239,14 @@ def test_served_output_proposer_drafts_what_an_earlier_request_answered(monkeypa
     assert proposer.served.outputs == 1 and len(proposer.tracker.live) == 1
     line = json.loads(stats.read_text())
     assert line == {"prompt_tokens": 3, "output_tokens": 8, "steps": 2, "drafted": 0, "accepted": 0}
+    # the request's own tokens and the served answer vote together, both followed token by token (a vote weighs
+    # 8^match, the request's own 61 x that): the output so far is "40 41", the prompt holds "41 42 43 77"; the served
+    # answer matches 2 tokens more (a separator, 40, 41) and outvotes the prompt's 77 (8^5 > 61 x 8^3) ...
+    batch.ids = [[5, 99, 41, 42, 43, 77, 40, 41]]
+    assert batch.call(proposer, [[40, 41]]) == [[42, 43, 44, 45]]
+    # ... unless the prompt's run matches as far back ("40 41 42 43 77"): 77, then the prompt goes on alone (to 40)
+    batch.ids = [[5, 40, 41, 42, 43, 77, 40, 41]]
+    assert batch.call(proposer, [[40, 41]]) == [[42, 43, 77, 40]]
 
 
 def test_prompt_lookup_proposer_counts_what_was_accepted(monkeypatch, tmp_path):

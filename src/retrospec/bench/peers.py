@@ -20,6 +20,7 @@ methods ask for and says, one note per row, why any is skipped.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import tempfile
@@ -73,9 +74,9 @@ class PeerWorker:
 
     def _log_line(self, errors_only: bool = False) -> str:
         """The last line the worker wrote to stderr that names an error (or, unless ``errors_only``, its last line)."""
-        self._err.seek(0)
-        lines = [ln.strip() for ln in self._err.read().decode(errors="replace").splitlines() if ln.strip()]
-        self._err.seek(0, 2)
+        fd = self._err.fileno()  # read without moving the offset the worker writes at (it shares this file)
+        text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         named = [ln for ln in lines if _ERROR_LINE.search(ln)]
         return (named or ([] if errors_only else lines) or [""])[-1][:300]
 

@@ -10,7 +10,8 @@ Contract: ``generate`` sends the jobs in slices of ``batch_size`` (the CLI's def
 shard), one ``LLM.generate`` call each, and returns the token ids in the jobs' order. Each job is sampled with its
 own seed (``corpus.build.record_seed``, in vLLM's ``SamplingParams.seed``), so a record does not depend on which
 batch it ran in: a shard generated again on resume is the same. vLLM's CPU build cannot seed requests one by one; there
-the worker leaves them unseeded (vLLM's own seed covers each call) and the manifest says so (``SEEDING_ENGINE``). The samples are not the ``retrospec`` engine's
+the worker leaves them unseeded (vLLM's own seed starts one stream for the run, so a resumed run's sampled records
+differ from an uninterrupted one's) and the manifest says so (``SEEDING_ENGINE``). The samples are not the ``retrospec`` engine's
 (another sampler and random stream); greedy rows are the same model's argmax, equal up to kernel differences.
 Engine settings as the bench's worker: prefix caching off, ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB and OpenMP threads
 bound to the first cores unless the environment sets them; ``tensor_parallel_size`` as given.
@@ -31,8 +32,9 @@ DTYPES = ("float32", "bfloat16", "float16")  # what vLLM loads a checkpoint in
 GPU_MEMORY = 0.9  # the share of a GPU's memory vLLM may take (weights and KV cache); vLLM's own default
 SEEDING = ("per record: vLLM's SamplingParams.seed = record_seed(seed, item, phase); a record's sample does not "
            "depend on its batch, and differs from the retrospec engine's")
-SEEDING_ENGINE = ("engine-wide: vLLM's CPU build cannot seed one request, so vLLM's own seed (--seed) covers each "
-                  "call; a record's sample depends on the batch it ran in, and differs from the retrospec engine's")
+SEEDING_ENGINE = ("engine-wide: vLLM's CPU build cannot seed one request, so vLLM's own seed (--seed) starts one "
+                  "random stream for the whole run; a sampled record depends on every call before it (a resumed run "
+                  "differs from an uninterrupted one), and differs from the retrospec engine's")
 
 
 def vllm_python() -> str:

@@ -267,12 +267,13 @@ class ServedOutputProposer(PromptLookupProposer):
             return (np.concatenate([own_match, match]), np.concatenate([own_next, nxt]),
                     np.concatenate([np.full(len(own_match), OWN_FACTOR), factor]), np.concatenate([~own_at, at]))
 
-        def follow(at: np.ndarray, chain: list[int]):
+        def follow(at: np.ndarray, chain: list[int]):  # each position moved on by its own source, in place
             own = at < 0
-            own_at, own_next, own_ok = follow_context(np.concatenate([context, chain]), ~at[own])
-            served_at, served_next, served_ok = self.served.follow(at[~own])
-            return (np.concatenate([~own_at, served_at]), np.concatenate([own_next, served_next]),
-                    np.concatenate([own_ok, served_ok]))
+            moved, nxt, ok = at.copy(), np.empty_like(at), np.empty(len(at), dtype=bool)
+            own_at, nxt[own], ok[own] = follow_context(np.concatenate([context, chain]), ~at[own])
+            moved[own] = ~own_at
+            moved[~own], nxt[~own], ok[~own] = self.served.follow(at[~own])
+            return moved, nxt, ok
 
         chain, matched = vote_chain(search, follow, k)
         return self.datastore_chain(context, k, matched, chain)

@@ -93,8 +93,12 @@ def vote_chain(search, follow, k: int, refresh: int = REFRESH_BELOW) -> tuple[li
     min(match, VOTE_CAP)`` (ties: the smallest id); the positions that voted for it follow it (match + 1) and vote
     again, unless none continues or their longest match is under ``refresh`` tokens: then ``search`` again. The chain
     ends where no position continues. Also returns the longest match behind the first token (0: an empty chain).
-    ``refresh`` = a huge number searches at every token."""
+    ``refresh`` = a huge number searches at every token. A followed match keeps growing past the width a search
+    compares (a longer match is more evidence), so the two extremes of ``refresh`` can differ where that width is
+    under ``VOTE_CAP``."""
     chain: list[int] = []
+    if k < 1:
+        return chain, 0
     match, nxt, factor, at = search(chain)
     first_match = int(match.max()) if len(nxt) else 0
     while len(chain) < k and len(nxt):
