@@ -225,6 +225,14 @@ def test_on_vllms_cpu_build_sampled_records_are_seeded_by_the_engine(cli, chat_m
     calls = [e for e in _log(fake_vllm) if "generate" in e]
     assert calls and all(e["seeded"] == [True] for e in calls)
     assert "per record" in json.loads((tmp_path / "gpu" / "manifest.json").read_text())["engine"]["seeding"]
+    # begun seeding each record, resumed on the CPU build: the manifest says from which shard the seeding changed
+    monkeypatch.setenv("FAKE_VLLM_FAIL_AT", "3")
+    assert _generate(cli, chat_models.target, tmp_path, "both", "--engine", "vllm").rc == 2
+    monkeypatch.delenv("FAKE_VLLM_FAIL_AT")
+    monkeypatch.setenv("FAKE_VLLM_CPU", "1")
+    assert _generate(cli, chat_models.target, tmp_path, "both", "--engine", "vllm").rc == 0
+    seeding = json.loads((tmp_path / "both" / "manifest.json").read_text())["engine"]["seeding"]
+    assert seeding.startswith("mixed: shards before 00001: per record") and "from it on: engine-wide" in seeding
 
 
 def test_no_vllm_is_one_line_and_writes_nothing(cli, chat_models, tmp_path, monkeypatch):

@@ -275,6 +275,10 @@ class CorpusBuilder:
                 if f"{k:05d}" not in manifest["shards"] or not (self.out / f"shard-{k:05d}.jsonl").is_file()]
         if todo:
             self.engine.start()
+            was, now = manifest["engine"].get("seeding"), self.engine.record().get("seeding")
+            if was is not None and now is not None and was != now and not str(was).startswith("mixed"):
+                # resumed where the engine seeds otherwise (vLLM on a GPU, then on its CPU build): say so, per shard
+                manifest["engine"]["seeding"] = f"mixed: shards before {todo[0]:05d}: {was}; from it on: {now}"
         # the bar is closed on a failure too: its last line ends before the error's
         with tqdm(total=len(self.items), initial=len(self.items) - sum(len(shards[k]) for k in todo),
                   desc="corpus", unit="seq", disable=not progress, dynamic_ncols=True) as bar:
