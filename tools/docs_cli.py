@@ -63,7 +63,8 @@ NOTES: dict[tuple[str, ...], str] = {
         "long-context bench with default labels `lc,rag,sd,magicdec,rapid`. Peers: `hf-ar`, `hf-assisted`, "
         "`hf-assisted-default`, `hf-pld` (transformers' own `generate()`), `llamacpp-ar`, `llamacpp-lookup` "
         "(llama.cpp, when its interpreter is found in `.venv-peers` or `$RETROSPEC_LLAMACPP_PYTHON`), `vllm-ar`, "
-        "`vllm-ngram`, `vllm-retrospec` (vLLM's CPU build); a peer that is not installed is skipped with a note."),
+        "`vllm-ngram`, `vllm-retrospec`, `vllm-suffix` (vLLM's CPU build; `vllm-suffix` is its suffix decoding, which "
+        "needs `arctic-inference`); a peer that is not installed is skipped with a note."),
     ("profile",): (
         "Prints a markdown table (ms of one forward by tokens per forward and context, against transformers as is "
         "and the linear layers alone), or one JSON object with `--json`. `--out DIR` writes `profile.json`, "
