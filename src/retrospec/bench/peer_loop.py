@@ -18,8 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def serve(load: Callable[[dict], tuple[object, str]], generate: Callable[[object, dict], dict],
           ops: dict[str, Callable[[object, dict], dict]] | None = None) -> int:
     """Answer requests until stdin closes: ``{"op": "load", ...}`` -> ``load(request)`` = (engine, version) or
-    (engine, version, facts), answered ``{"ok": true, "version": ...}`` plus ``facts``; a request whose op ``ops`` names -> ``ops[op](engine, request)``; any other
-    request -> ``generate(engine, request)``.
+    (engine, version, facts), answered ``{"ok": true, "version": ...}`` plus ``facts``; a request whose op ``ops``
+    names -> ``ops[op](engine, request)``; any other request -> ``generate(engine, request)``.
 
     Before anything is imported: this folder leaves ``sys.path`` (it holds modules named like the standard library's,
     ``profile``), and the answers get a private copy of stdout while file descriptor 1 becomes stderr, for this process

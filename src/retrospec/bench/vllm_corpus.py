@@ -9,10 +9,11 @@ hands it to ``corpus.CorpusBuilder`` (``corpus.build.CorpusEngine``).
 Contract: ``generate`` sends the jobs in slices of ``batch_size`` (the CLI's default with this engine: the whole
 shard), one ``LLM.generate`` call each, and returns the token ids in the jobs' order. Each job is sampled with its
 own seed (``corpus.build.record_seed``, in vLLM's ``SamplingParams.seed``), so a record does not depend on which
-batch it ran in: a shard generated again on resume is the same. vLLM's CPU build cannot seed requests one by one; there
-the worker leaves them unseeded (vLLM's own seed starts one stream for the run, so a resumed run's sampled records
-differ from an uninterrupted one's) and the manifest says so (``SEEDING_ENGINE``). The samples are not the ``retrospec`` engine's
-(another sampler and random stream); greedy rows are the same model's argmax, equal up to kernel differences.
+batch it ran in: a shard generated again on resume is the same. vLLM's CPU build cannot seed requests one by one;
+there the worker leaves them unseeded (vLLM's own seed starts one stream for the run, so a resumed run's sampled
+records differ from an uninterrupted one's) and the manifest says so (``SEEDING_ENGINE``). The samples are not the
+``retrospec`` engine's (another sampler and random stream); greedy rows are the same model's argmax, equal up to
+kernel differences.
 Engine settings as the bench's worker: prefix caching off, ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB and OpenMP threads
 bound to the first cores unless the environment sets them; ``tensor_parallel_size`` as given.
 """

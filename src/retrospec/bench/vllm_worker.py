@@ -16,8 +16,8 @@ through ``bench.peers.PeerWorker``):
 - ``{"op": "generate_batch", "requests": [{"prompt_ids": [...], "max_new_tokens": n, "temperature": t, "top_p": p,
   "seed": s}, ...], "eos_ids": [...]}``: every request in one ``LLM.generate`` call (vLLM batches them
   continuously), each sampled with its own seed (none when greedy; none either on vLLM's CPU build, which cannot
-  seed requests one by one: the ``LLM``'s seed then covers the whole call, ``"seeding": "engine"``); answers ``{"token_ids": [[...], ...],
-  "seconds": s}``, in the requests' order (a corpus: ``bench.vllm_corpus``).
+  seed requests one by one: the ``LLM``'s seed then covers the whole run, ``"seeding": "engine"``); answers
+  ``{"token_ids": [[...], ...], "seconds": s}``, in the requests' order (a corpus: ``bench.vllm_corpus``).
 
 Every failure is answered ``{"error": "one line"}``; vLLM's own log goes to stderr, never stdout.
 """
@@ -74,8 +74,8 @@ def _generate_batch(llm, req: dict) -> dict:
 
     eos = req["eos_ids"]
     params = [SamplingParams(temperature=r["temperature"], top_p=r["top_p"] if r["temperature"] > 0 else 1.0,
-                             seed=r["seed"] if r["temperature"] > 0 and SEED_EACH[0] else None, max_tokens=r["max_new_tokens"],
-                             stop_token_ids=eos, detokenize=False)
+                             seed=r["seed"] if r["temperature"] > 0 and SEED_EACH[0] else None,
+                             max_tokens=r["max_new_tokens"], stop_token_ids=eos, detokenize=False)
               for r in req["requests"]]
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in req["requests"]], params, use_tqdm=False)

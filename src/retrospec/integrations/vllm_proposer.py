@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters.prompt_lookup import lookup_match
-from ..retrieval.served import (SEPARATOR, ServedStore, context_candidates, follow_context, majority_chain, prompt_sketch,
-                               vote_chain)
+from ..retrieval.served import (SEPARATOR, ServedStore, context_candidates, follow_context, majority_chain,
+                               prompt_sketch, vote_chain)
 
 MAX_NGRAM_ENV, MIN_NGRAM_ENV = "RETROSPEC_PLD_MAX_NGRAM", "RETROSPEC_PLD_MIN_NGRAM"
 DATASTORE_ENV, SERVED_ENV = "RETROSPEC_DATASTORE", "RETROSPEC_SERVED_TOKENS"
