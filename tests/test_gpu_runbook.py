@@ -191,7 +191,11 @@ def test_every_step_dry_runs_and_reports(tmp_path, monkeypatch, capsys):
     assert {"code/float32", "long/float32", "code/bfloat16"} <= set(cells)
     assert all(s["lossless"] for s in cells["code/float32"]["summary"])
     assert "longspec" in {s["method"] for s in cells["code/bfloat16"]["summary"]}  # the fp32 block, a bf16 target
-    returned = json.loads((out / "train" / "train.json").read_text())["figures"]["returned"]
+    train = json.loads((out / "train" / "train.json").read_text())["figures"]
+    assert set(train["longspec"]) == {"block", "features", "features-ttt"}  # three variants, equal tokens
+    assert train["longspec"]["features-ttt"]["ttt"] == 3 and train["longspec"]["features"]["features"]
+    assert train["returned_variant"] in train["longspec"] and set(train["eval"]) >= set(train["longspec"])
+    returned = train["returned"]
     assert set(returned) == {"block.safetensors", "draft_vocab.json", "longspec.json", "manifest.json"}
     assert max(returned.values()) <= plan.FILE_BACK_MAX
     capsys.readouterr()

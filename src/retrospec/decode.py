@@ -55,7 +55,9 @@ def speculative_generate(
     rule = rule or default_rule(sampling)
     stats.rule, stats.lossless = rule.name, rule.lossless
     gen = make_generator(sampling.seed)
-    verifier = Verifier(target, want_hidden="hidden_states" in drafter.needs, fastpath=fastpath)
+    TargetViews.declared(drafter.needs)
+    want = tuple(drafter.feature_layers) if "layer_states" in drafter.needs else "hidden_states" in drafter.needs
+    verifier = Verifier(target, want_hidden=want, fastpath=fastpath)
     max_pos = getattr(target.config, "max_position_embeddings", None) or 1 << 30
     stats.prompt_tokens = len(prompt_ids)
     gate = Gate(profile_for(target), drafter.name, enabled=gating and not isinstance(drafter, NoDraft))
@@ -70,10 +72,10 @@ def speculative_generate(
     # both finishes the prompt and verifies a draft (one target forward fewer than prefill-then-decode).
     if len(prompt_ids) > 1:
         verifier.prefill(prompt_ids[:-1], prefill_memo)
-    TargetViews.declared(drafter.needs)
     views = TargetViews(kv=verifier.kv if "target_kv" in drafter.needs else None)  # read-only (MagicDec copies)
+    hidden_view = "layer_states" if isinstance(want, tuple) else "hidden_states"
     if verifier.want_hidden and verifier.last_hidden is not None:
-        views.hidden_states = verifier.last_hidden[-1]  # [H]
+        setattr(views, hidden_view, verifier.last_hidden[-1])  # [H] or [n, H]
     ctx = DecodeContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), sampling=sampling, generator=gen,
                         target=views, eos_ids=frozenset(eos_ids))
     drafter.prefill(ctx)
@@ -111,8 +113,8 @@ def speculative_generate(
                     done = True
                     break
             ctx.tokens.extend(toks)
-            if verifier.want_hidden:
-                views.hidden_states = verifier.last_hidden[([0] + [a + 1 for a in step.accepted_nodes])[-1]]
+            if verifier.want_hidden:  # the row that produced the new root
+                setattr(views, hidden_view, verifier.last_hidden[([0] + [a + 1 for a in step.accepted_nodes])[-1]])
             stats.new_tokens += len(toks)
             yield toks
     finally:

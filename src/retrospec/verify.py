@@ -23,14 +23,16 @@ from .types import DraftTree
 
 
 class Verifier:
-    def __init__(self, model: torch.nn.Module, want_hidden: bool = False, fastpath: str | None = None):
+    def __init__(self, model: torch.nn.Module, want_hidden: bool | tuple[int, ...] = False,
+                 fastpath: str | None = None):
         self.model = model
         self.engine = engine_for(model, fastpath)  # fastpath None = RETROSPEC_FASTPATH / measured; "off" = as is
         self.want_hidden = want_hidden
         self.kv = KVCache(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.last_hidden: torch.Tensor | None = None  # [1 + N, H] when want_hidden
+        # when want_hidden: [1 + N, H] (True: the last layer's), or [1 + N, n, H] (the outputs of n decoder layers)
+        self.last_hidden: torch.Tensor | None = None
         self._pending = 0  # positions written by the last score() and not yet committed
         self._tree_masks: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # parents -> (block mask, depths)
 
@@ -107,11 +109,13 @@ class PrefillMemo:
         self.kv: KVCache | None = None
         self.logits: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
+        self.hidden_kind: bool | tuple[int, ...] = False  # the verifier's ``want_hidden`` behind ``hidden``
         self.seconds = 0.0  # the prompt forward's wall time
         self.hits = 0
 
-    def matches(self, model: torch.nn.Module, prompt_ids: list[int], want_hidden: bool) -> bool:
-        hit = (self._model_id == id(model) and self.kv is not None and (self.hidden is not None or not want_hidden)
+    def matches(self, model: torch.nn.Module, prompt_ids: list[int], want_hidden: bool | tuple[int, ...]) -> bool:
+        hit = (self._model_id == id(model) and self.kv is not None
+               and (self.hidden_kind == want_hidden or not want_hidden)
                and self._prompt == list(prompt_ids))
         self.hits += hit
         return hit
@@ -120,4 +124,5 @@ class PrefillMemo:
               seconds: float) -> None:
         self._model_id, self._prompt = id(model), list(prompt_ids)
         self.kv, self.logits, self.hidden = copy.deepcopy(verifier.kv), logits, verifier.last_hidden
+        self.hidden_kind = verifier.want_hidden
         self.seconds, self.hits = seconds, 0

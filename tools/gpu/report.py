@@ -145,19 +145,24 @@ def projections(cost: dict, bench: dict) -> list[str]:
 
 def train_section(r: dict) -> tuple[str, list[str]]:
     f = r["figures"]
-    c, ls = f.get("corpus") or {}, f.get("longspec") or {}
-    lines = table(["corpus output tokens", "tokens/s", "shards", "dtype", "LongSpec steps", "tokens seen",
-                   "loss first → last"],
-                  [[c.get("output_tokens"), c.get("tokens_per_s"), c.get("shards"), c.get("dtype"), ls.get("steps"),
-                    ls.get("tokens_seen"), f"{_f(ls.get('loss_first'))} → {_f(ls.get('loss_last'))}"]])
+    c, variants = f.get("corpus") or {}, f.get("longspec") or {}
+    lines = table(["corpus output tokens", "tokens/s", "shards", "dtype"],
+                  [[c.get("output_tokens"), c.get("tokens_per_s"), c.get("shards"), c.get("dtype")]])
+    if variants:
+        lines += ["", "LongSpec variants trained at equal tokens (held-out agreement at the end):", ""]
+        lines += table(["variant", "features", "ttt", "steps", "tokens seen", "tokens/s", "agreement"],
+                       [[k, ",".join(map(str, v.get("features") or [])) or "—", v.get("ttt"), v.get("steps"),
+                         v.get("tokens_seen"), _f(v.get("tokens_per_s")), _f((v.get("curve") or [{}])[-1].get("all"))]
+                        for k, v in variants.items()])
     if f.get("eval"):
         lines += ["", "LongSpec block, method longspec (greedy):", ""]
         lines += table(["block", "τ", "acceptance", "speedup", "lossless"],
                        [[k] + [v[x] for x in ("mean_accepted_tokens", "acceptance_rate", "speedup", "lossless")]
                         for k, v in f["eval"].items()])
     if f.get("returned"):
-        lines += ["", "returned (int8): " + ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in f["returned"].items())]
-    return "Training at scale: corpus of the target's outputs, LongSpec retrained", lines
+        lines += ["", f"returned (int8, {f.get('returned_variant')}): "
+                  + ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in f["returned"].items())]
+    return "Training at scale: corpus of the target's outputs, LongSpec variants retrained", lines
 
 
 def render(results: dict[str, dict]) -> str:

@@ -2,8 +2,9 @@
 
 The corpus (``corpus.CorpusBuilder``) grows in whole shards (rows in multiples of ``shard_size /
 len(temperatures)``, which keeps every built shard valid) until ``corpus_share`` of the budget is spent; LongSpec
-is distilled on it (``train.longspec_distill.distill_longspec``) for the rest, less the evaluation's share; the new
-block is evaluated against the bundled one and re-saved as int8 into ``$OUT/block-int8.tar``. The corpus comes back
+is distilled on it (``train.longspec_distill.distill_longspec``) for the rest, less the evaluation's share, in three
+variants at equal tokens (``variant_configs``: the block as it is, + the target's fused layer features, + training-time
+test); each is evaluated against the bundled one and the fastest re-saved as int8 into ``$OUT/block-int8.tar``. The corpus comes back
 packed (``corpus.pack``) in one tar cut into parts of at most ``PART_BYTES`` (``corpus.tar.000``, ...): ``cat``
 them together and ``tar -x`` gives the pack, which ``retrospec.corpus.pack.unpack`` turns back into the corpus.
 Gaps: tools/gpu/README.md. Dry run: the zoo target on the CPU, a few stdlib rows, 8 tokens, 2 optimizer steps.
@@ -83,6 +84,17 @@ def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max
     return out
 
 
+def variant_configs(cfg, work: Path, layers: tuple[int, ...], seconds: float) -> list[tuple[str, object]]:
+    """The block variants trained at equal tokens (the first's, in its share of ``seconds``): today's block, + the
+    target's fused layer features, + training-time test (3 passes). Each gets a share of the time as its cap."""
+    import dataclasses
+
+    share = seconds / 3
+    return [(label, dataclasses.replace(cfg, out=str(work / f"block-{label}"), seconds=share, **kw))
+            for label, kw in (("block", {}), ("features", {"features": layers}),
+                              ("features-ttt", {"features": layers, "ttt": 3}))]
+
+
 def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".gpu/ref"),
               corpus_share: float = 0.45) -> int:
     from retrospec.tasks import load_prompts, preset
@@ -90,6 +102,7 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
     from retrospec.corpus import read_corpus
     from retrospec.corpus.pack import pack
     from retrospec.models import load_model, paired_longspec
+    from retrospec.models.longspec.block import feature_layers_for
     from retrospec.models.longspec.checkpoint import VOCAB_FILE, save_longspec
     from retrospec.train.longspec_distill import DistillConfig, distill_longspec
 
@@ -122,10 +135,10 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
         if packed is not None:
             back = res.part("corpus_parts", tar_parts, work / "corpus-pack", out, "corpus.tar")
             res.figures["corpus_packed"] = {k: packed[k] for k in ("records", "tokens", "ids")} | {"parts": back}
-    block_dir = work / "block"
     train_s = res.left() - (5 if dry_run else 45)  # the evaluation's share and a margin
+    trained: dict[str, Path] = {}
     if records and train_s > (0 if dry_run else 30):
-        cfg = DistillConfig(target=name, corpus=str(corpus), out=str(block_dir),
+        cfg = DistillConfig(target=name, corpus=str(corpus), out="",
                             init=None if bundled is None else str(bundled),
                             # a bundled block's vocabulary was ranked on a larger corpus than one call writes
                             keep_vocab=bundled is not None and (Path(bundled) / VOCAB_FILE).is_file(),
@@ -134,28 +147,41 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
                             # a trained block: the CPU passes went 5e-4 -> 2e-4 -> 1e-4 at 2,048-token batches
                             # (its CPU distillation runs); 3e-4 is 1e-4 scaled by sqrt(8) for 8x the batch
                             lr=3e-4,
-                            eval_records=4 if dry_run else 96, seconds=train_s, curve=(64,) if dry_run else
+                            eval_records=4 if dry_run else 96, curve=(64,) if dry_run else
                             (250_000, 500_000, 1_000_000, 2_000_000, 4_000_000, 8_000_000, 16_000_000),
                             max_positions=256 if dry_run else 8192, storage=None)
         trainee = load_model(name, device=device)  # float32 weights, used in either precision
+        layers = feature_layers_for(trainee.model.config.num_hidden_layers)
+        variants = variant_configs(cfg, work, layers, train_s)
         torch.set_float32_matmul_precision("high")  # TF32 for training's matmuls only; restored before evaluating
         try:
-            m = res.part("longspec", distill_longspec, cfg, print, trainee)
+            tokens = None  # the first variant's tokens: the budget of the others (equal tokens, not seconds)
+            for label, vcfg in variants:
+                if tokens is not None:
+                    vcfg.max_tokens = tokens
+                m = res.part(f"longspec/{label}", distill_longspec, vcfg, print, trainee)
+                if m is None:
+                    continue
+                trained[label] = Path(vcfg.out)
+                tokens = tokens or m["tokens_seen"]
+                res.figures.setdefault("longspec", {})[label] = {
+                    k: m.get(k) for k in ("steps", "tokens_seen", "seconds", "draft_vocab", "heldout_coverage",
+                                          "curve")} | {
+                    "features": list(vcfg.features or ()), "ttt": vcfg.ttt, "corpus_records": records,
+                    "device": device.type, "tokens_per_s": m["tokens_seen"] / m["seconds"] if m.get("seconds") else None}
         finally:
             torch.set_float32_matmul_precision("highest")
         del trainee
-        if m is not None:
-            res.figures["longspec"] = {k: m.get(k) for k in ("steps", "tokens_seen", "seconds", "draft_vocab",
-                                                             "heldout_coverage", "curve")} | {
-                "corpus_records": records, "device": device.type,
-                "tokens_per_s": m["tokens_seen"] / m["seconds"] if m.get("seconds") else None}
     else:
         res.notes.append(f"longspec: not trained ({train_s:.0f} s left, {records} corpus records)")
-    if (block_dir / "longspec.json").is_file():
+    if trained:
         prompts = load_prompts(mbpp)[:3] if mbpp.is_file() and not dry_run else preset("heldout", 1)
-        blocks = {"retrained": str(block_dir)} | ({} if bundled is None else {"bundled": str(bundled)})
+        blocks = {label: str(d) for label, d in trained.items()} | ({} if bundled is None else {"bundled": str(bundled)})
         target = load_model(name, device=device)
         res.figures["eval"] = evaluate_block(res, target, blocks, prompts, 4 if dry_run else 64)
+        ranked = sorted(trained, key=lambda k: -(res.figures["eval"].get(k, {}).get("speedup") or 0))
+        block_dir = trained[ranked[0]]  # the fastest variant comes back
+        res.figures["returned_variant"] = ranked[0]
         block = res.part("int8/load", load_block, str(block_dir), target)
         if block is not None:
             dest = work / "block-int8"

@@ -11,6 +11,7 @@ Training of the other models lives under ``retrospec zoo`` (the zoo pair, ``real
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -23,6 +24,16 @@ def config_from(cls, args, **over):
     """``cls`` (a config dataclass) from the parsed flags named like its fields, then ``over``."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in vars(args).items() if k in names} | over)
+
+
+def _layers(text: str) -> tuple[int, ...] | str:
+    """``--features 2,15,27`` -> (2, 15, 27); ``auto`` stays (``feature_layers_for`` the target)."""
+    if text == "auto":
+        return text
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated layer indices, e.g. 2,15,27; got {text!r}") from None
 
 
 def add_common(p, budget: bool = False, seed: bool = True) -> None:
@@ -102,6 +113,13 @@ def add_parser(sub) -> None:
                     help="draft over the K output tokens the target emits most (default 16384; 0 = full head)")
     ds.add_argument("--follow", action="store_true", help="keep training on the shards a running 'corpus generate' "
                                                           "adds, until --seconds")
+    ds.add_argument("--features", type=_layers, default=None, metavar="I,J,K|auto",
+                    help="the block also reads the target's outputs of these decoder layers, fused (EAGLE-3-style; "
+                         "auto: low, middle and high, 2,15,27 on a 30-layer target); added to --init's block, which "
+                         "starts out computing what it did")
+    ds.add_argument("--ttt", type=int, default=1, metavar="N",
+                    help="with features: N passes of training-time test, pass d reading the block's own output of "
+                         "pass d - 1 as drafting does below a drafted token (default 1: the target's feature only)")
     ds.add_argument("--storage", choices=("int8", "float16", "float32"), default="int8")
     ds.set_defaults(func=run_longspec_distill)
 

@@ -1,8 +1,8 @@
 """The ``Drafter`` protocol, the plain-decoding drafter ``NoDraft`` and helpers shared by drafters.
 
 A drafter proposes a ``DraftTree`` below the last committed token. It declares what it needs from the target in
-``needs`` (``"target_kv"``, ``"hidden_states"``); the decode loop fills the matching fields of ``ctx.target`` (a
-``TargetViews``) and leaves the others None.
+``needs`` (``"target_kv"``, ``"hidden_states"``, ``"layer_states"``); the decode loop fills the matching fields of
+``ctx.target`` (a ``TargetViews``) and leaves the others None.
 A drafter never mutates the target model or the target's KV cache.
 
 Lifecycle per request: ``prefill(ctx)`` once, then per step ``propose(ctx, budget)`` (at most ``budget`` nodes)
@@ -25,7 +25,7 @@ from ..models.loading import as_module  # noqa: F401 (the drafters import it fro
 from ..types import DraftTree
 
 
-VIEWS = frozenset({"target_kv", "hidden_states"})  # what a drafter may declare in ``needs``
+VIEWS = frozenset({"target_kv", "hidden_states", "layer_states"})  # what a drafter may declare in ``needs``
 
 
 @dataclass
@@ -37,6 +37,8 @@ class TargetViews:
     #                            keys/values [1, kv_heads, len(kv), head_dim]
     hidden_states: torch.Tensor | None = None  # "hidden_states": [H] the last-layer hidden state that produced
     #                                            tokens[-1] (updated after every step)
+    layer_states: torch.Tensor | None = None  # "layer_states": [n, H] the outputs of the decoder layers the drafter
+    #                                           names in ``feature_layers``, at the row that produced tokens[-1]
 
     @classmethod
     def declared(cls, needs: frozenset[str]) -> None:
@@ -44,6 +46,8 @@ class TargetViews:
         unknown = sorted(set(needs) - VIEWS)
         if unknown:
             raise ValueError(f"unknown drafter need {unknown[0]!r}; the decode loop provides {sorted(VIEWS)}")
+        if {"hidden_states", "layer_states"} <= set(needs):
+            raise ValueError("a drafter reads the last hidden state or the outputs of chosen layers, not both")
 
 
 @dataclass

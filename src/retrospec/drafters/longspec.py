@@ -20,6 +20,11 @@ node equal to a chain node at the same place is shared), so siblings stay distin
 the same rules verify it exactly. Order: chain nodes, then the block's new nodes in their own order, cut at the
 budget, so a smaller budget drafts a prefix of a larger one (what the gate assumes).
 
+Target features (a block with ``features``, EAGLE-3-style): the drafter also declares ``layer_states`` and names the
+block's layers in ``feature_layers``; the decode loop hands it the target's outputs of those layers at the row that
+produced the root, fused into the root's feature (``target_feature``); every drafted token reads its parent's output
+(``DraftState.speculate``). One level per block call, as the tree is drafted anyway.
+
 Speed: the block's fast copy (``fast_block``: possibly bfloat16) changes what is proposed, never the output.
 State consistency: the ring holds every committed token but the last, like the target's cache. ``observe`` only
 gets counts and runs before the loop extends ``ctx.tokens``, so the ring catches up at the top of a drafting
@@ -83,11 +88,15 @@ class LongSpecDrafter:
         if gamma is not None and tree is not None:
             raise RetrospecError("longspec drafts a chain (gamma) or a tree (tree), not both")
         self.block = block
+        self.feature_layers = tuple(block.features)  # the target layers whose outputs feed the block (or none)
+        if self.feature_layers:
+            self.needs = frozenset({"target_kv", "layer_states"})
         self.lookup = PromptLookupDrafter(k=lookup) if lookup > 0 else None
         self.fast = fast_block(block)  # what drafts: the block's fast copy (the same weights)
         self.gamma = gamma
         self.tree = None if gamma is not None else parse_tree(DEFAULT_TREE if tree is None else tree)
         self.state: DraftState | None = None
+        self.root_feature: torch.Tensor | None = None  # [H] the root's feature (a block with features)
 
     def prefill(self, ctx: DecodeContext) -> None:
         if self.lookup is not None:
@@ -116,9 +125,12 @@ class LongSpecDrafter:
         target_kv = self._sync(ctx)
         chain = self.lookup.propose(ctx, budget) if self.lookup is not None else DraftTree.empty()
         if len(chain) >= budget:  # the lookup chain fills the budget: graft would cut every block node
+            self.root_feature = None
             return chain
+        states = ctx.target.layer_states  # [n, H] or None
+        self.root_feature = None if states is None else self.fast.target_feature(states.to(self.state.k.dtype))
         try:
-            logits = self.state.speculate([ctx.tokens[-1]], [-1], target_kv)[0]  # [K] after the root
+            logits = self._speculate([ctx.tokens[-1]], [-1], target_kv)[0]  # [K] after the root
             if self.gamma is not None:
                 tree = self._chain(logits, n, target_kv, ctx.eos_ids)
             else:
@@ -127,6 +139,9 @@ class LongSpecDrafter:
             self.state.rollback()
         return graft(chain, tree, budget) if len(chain) else tree
 
+    def _speculate(self, ids, parents, target_kv) -> torch.Tensor:
+        return self.state.speculate(ids, parents, target_kv, root_feature=self.root_feature)
+
     def _chain(self, logits: torch.Tensor, n: int, target_kv, eos_ids) -> DraftTree:
         tokens: list[int] = []
         for i in range(n):
@@ -134,7 +149,7 @@ class LongSpecDrafter:
             tokens.append(tok)
             if tok in eos_ids or i + 1 == n:
                 break
-            logits = self.state.speculate([tok], [i], target_kv)[0]  # parent: tentative token i (0 = the root)
+            logits = self._speculate([tok], [i], target_kv)[0]  # parent: tentative token i (0 = the root)
         return DraftTree.chain(tokens)
 
     def _tree(self, root_logits: torch.Tensor, n: int, target_kv, eos_ids) -> DraftTree:
@@ -149,7 +164,7 @@ class LongSpecDrafter:
             room = n - len(tokens)
             if room <= 0:
                 break
-            logits = self.state.speculate(toks, [i + 1 for i in parents[level[0]: level[-1] + 1]], target_kv)
+            logits = self._speculate(toks, [i + 1 for i in parents[level[0]: level[-1] + 1]], target_kv)
             cand = scores[:, None] + logits.float().log_softmax(-1)  # [level, V]
             if eos.numel():
                 cand[torch.isin(toks, eos)] = float("-inf")  # nothing follows an EOS token

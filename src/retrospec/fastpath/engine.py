@@ -210,27 +210,37 @@ class EngineModel:
         self.module, self.mode, self.hybrid_min_length = clone, "hybrid-tree", min_length
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                cache, *, want_hidden: bool = False, last_only: bool = False
+                cache, *, want_hidden: bool | tuple[int, ...] = False, last_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids/position_ids [1, T]; logits [T, V] (or [1, V] with ``last_only``); hidden [T, H] when asked.
+        """ids/position_ids [1, T]; logits [T, V] (or [1, V] with ``last_only``); hidden when asked: ``want_hidden``
+        True gives the last layer's (normed) [T, H], a tuple of decoder layer indices their outputs [T, n, H].
         One unpadded sequence only: prefix + block attention never sees a padding mask (padded batches call
         ``module`` of an engine built with ``attention="sdpa"``, see ``batched``)."""
         if ids.shape[0] != 1:
             raise ValueError("EngineModel.forward runs one sequence; use engine_for(model, attention='sdpa').module "
                              "for padded batches")
+        layers = want_hidden if isinstance(want_hidden, tuple) else ()
         kwargs = dict(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache,
-                      use_cache=True, output_hidden_states=want_hidden)
+                      use_cache=True, output_hidden_states=bool(want_hidden))
+
+        def picked(states) -> torch.Tensor | None:  # transformers' hidden_states: entry i + 1 is layer i's output
+            if not want_hidden:
+                return None
+            return torch.stack([states[i + 1][0] for i in layers], 1) if layers else states[-1][0]
+
         if self.decoder is None:
             out = self.module(**kwargs, logits_to_keep=1 if last_only else 0)
-            return out.logits[0], (out.hidden_states[-1][0] if want_hidden else None)
+            return out.logits[0], picked(out.hidden_states)
         if self.lean is not None and (attention_mask is None or attention_mask.dim() == 4):
-            hidden, _ = self.lean(ids, position_ids, attention_mask, cache)  # [T, H], transformers' last_hidden_state
+            hidden, wanted = self.lean(ids, position_ids, attention_mask, cache, want_layers=layers)  # [T, H]
             rows = hidden[-1:] if last_only else hidden
+            if layers:
+                return self.logits_of(rows), torch.stack([wanted[i] for i in layers], 1)  # [T, n, H]
             return self.logits_of(rows), (hidden if want_hidden else None)
         out = self.decoder(**kwargs)
         hidden = out.last_hidden_state[0]  # [T, H]
         rows = hidden[-1:] if last_only else hidden
-        return self.logits_of(rows), (out.hidden_states[-1][0] if want_hidden else None)
+        return self.logits_of(rows), picked(out.hidden_states)
 
     def describe(self) -> dict:
         """What runs, for reports: mode, attention, the packed row counts and head layouts, where the plan came from."""

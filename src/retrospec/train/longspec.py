@@ -127,18 +127,22 @@ def sample_shift(rng, noisy_max: int) -> int:
 
 @torch.no_grad()
 def target_logits(target, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
-                  head: bool = True) -> tuple[torch.Tensor, tuple]:
+                  head: bool = True, layers: tuple[int, ...] = ()) -> tuple:
     """The frozen target over ``ids`` [b, L] at ``positions`` [b, L], one ``use_cache=True`` forward: (logits
     [b, L, V], or with ``head=False`` its decoder's final hidden states [b, L, H]; its last layer's cached (keys,
-    values), each [b, kv_heads, L, head_dim], post-RoPE). ``mask`` [b, L]: 1 on real tokens (right padding)."""
+    values), each [b, kv_heads, L, head_dim], post-RoPE); with ``layers`` also the outputs of those decoder layers
+    [b, L, n, H] (a block's ``target_feature`` input). ``mask`` [b, L]: 1 on real tokens (right padding)."""
     model = as_module(target)
     cache = KVCache(model)
     # an explicit attention mask and a cache: transformers then never reads a position jump as the start of a
     # packed sequence (it would hide the anchors from the other tokens)
     out = (model if head else model.get_decoder())(
         input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids) if mask is None else mask,
-        past_key_values=cache.cache, use_cache=True)
-    return out.logits if head else out.last_hidden_state, cache.layer_tensors()[-1]
+        past_key_values=cache.cache, use_cache=True, output_hidden_states=bool(layers))
+    main = (out.logits if head else out.last_hidden_state, cache.layer_tensors()[-1])
+    if not layers:
+        return main
+    return (*main, torch.stack([out.hidden_states[i + 1] for i in layers], dim=2))  # entry i + 1: layer i's output
 
 
 def target_last_kv(target, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,10 +152,12 @@ def target_last_kv(target, ids: torch.Tensor, positions: torch.Tensor) -> tuple[
 
 def draft_logits(draft: LongSpecDraft, ids: torch.Tensor, positions: torch.Tensor,
                  target_kv: tuple[torch.Tensor, torch.Tensor] | None, shift: int | torch.Tensor = 1,
-                 chunk: int | None = None) -> torch.Tensor:
+                 chunk: int | None = None, feature: torch.Tensor | None = None, outputs: bool = False):
     """The block's logits [b, L, V] over a window ``ids`` [b, L] at ``positions`` [b, L], the target's K/V of the
     same window at index j visible to query i iff j <= i - shift (by index), the block's own keys per
-    ``self_visible`` (by position) and causality. ``chunk``: queries per block forward (None: all at once)."""
+    ``self_visible`` (by position) and causality. ``chunk``: queries per block forward (None: all at once).
+    ``feature`` [b, L, H]: each query's feature (a block with ``features``); ``outputs``: return (logits, the block's
+    outputs [b, L, H]) instead."""
     b, n = ids.shape
     idx = torch.arange(n, device=ids.device)[None].expand(b, n)  # [b, L]
     length = 0 if target_kv is None else target_kv[0].shape[2]
@@ -169,8 +175,11 @@ def draft_logits(draft: LongSpecDraft, ids: torch.Tensor, positions: torch.Tenso
             past_allowed = self_visible(q_pos, positions[:, p0:a], draft.window)  # [b, c, a - p0]
         sh = shift[..., a:e] if isinstance(shift, torch.Tensor) and shift.dim() and shift.shape[-1] == n else shift
         cross = None if target_kv is None else cross_visible(idx[:, a:e], length, sh)
-        out.append(draft.run(ids[:, a:e], q_pos, own, past, past_allowed, target_kv, cross)[0])
-    return out[0] if len(out) == 1 else torch.cat(out, 1)
+        f = None if feature is None else feature[:, a:e]
+        logits, _, _, x = draft.run(ids[:, a:e], q_pos, own, past, past_allowed, target_kv, cross, f)
+        out.append((logits, x))
+    logits, x = (torch.cat(parts, 1) for parts in zip(*out))
+    return (logits, x) if outputs else logits
 
 
 def draft_token_losses(draft: LongSpecDraft, ids: torch.Tensor, positions: torch.Tensor,
@@ -225,6 +234,26 @@ def long_documents(stream: np.ndarray, n: int, length: int) -> list[torch.Tensor
     files joined: long sequences made of many files)."""
     return [torch.from_numpy(stream[i * length: (i + 1) * length].astype(np.int64))
             for i in range(min(n, len(stream) // length))]
+
+
+def shift_right(x: torch.Tensor) -> torch.Tensor:
+    """[b, L, H] -> [b, L, H]: entry i is x's entry i - 1 (zeros at 0: nothing added there)."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+
+
+def feature_passes(block: LongSpecDraft, ids: torch.Tensor, positions: torch.Tensor, target_kv,
+                   states: torch.Tensor, shift: int, passes: int) -> list[torch.Tensor]:
+    """A feature block's logits [b, L, K] at each of ``passes`` drafting depths (training-time test, EAGLE-3: Li et
+    al. 2025). Depth 1 reads the target's fused feature of the position before each query (``states`` [b, L, n, H]:
+    the target's outputs of the block's layers; the target's K/V up to ``shift`` tokens back); depth d > 1 reads the
+    block's own depth d - 1 output of the position before (below a drafted parent: the K/V one token further back)."""
+    feature = shift_right(block.target_feature(states.to(block.norm1.weight.dtype)))  # [b, L, H]
+    out = []
+    for d in range(passes):
+        logits, x = draft_logits(block, ids, positions, target_kv, shift + d, feature=feature, outputs=True)
+        out.append(logits)
+        feature = shift_right(x)
+    return out
 
 
 # -------------------------------------------------------------------------------------------------------- training

@@ -63,11 +63,12 @@ from ..errors import RetrospecError
 from ..identity import head_rows, target_record
 from ..models.loading import as_module, load_model
 from ..models.longspec import LongSpecDraft
+from ..models.longspec.block import feature_layers_for
 from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_step, pick_precision, set_lr,
                      warmup_cosine, warmup_stable_decay)
 from .distributed import Dist, check_global_batch, env, setup
 from .fsdp import shard_target
-from .longspec import draft_logits, sample_positions, save_block, target_logits
+from .longspec import draft_logits, feature_passes, sample_positions, save_block, target_logits
 from .resume import chain_fields, check_schedule, resume_run, save_stable_state, stable_state
 
 
@@ -101,6 +102,8 @@ class DistillConfig:
     schedule: str = "cosine"  # learning rate: cosine, or wsd (warm-up, stable, decay; saves a state to resume from)
     decay: float = 0.2  # wsd: the share of the budget the learning rate decays over, at its end
     resume: str | None = None  # a block directory a wsd run wrote: go on from its stable weights and optimiser state
+    features: tuple[int, ...] | str | None = None  # target layers a block without features starts reading ("auto")
+    ttt: int = 1  # feature blocks: passes of training-time test (1: the target's feature at every position)
     device: str = "cpu"  # where the target loads and the block trains: cpu, cuda, cuda:N or auto (train.distributed)
     fsdp: bool = False  # several processes: shard the frozen target's decoder layers over them (train.fsdp)
 
@@ -274,12 +277,17 @@ def pad_batch(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-def distill_loss(block: LongSpecDraft, target, ids, positions, mask, shift: int) -> torch.Tensor:
-    """Mean KL(p_V || q) over the real positions of one batch."""
-    hidden, kv = target_logits(target, ids, positions, mask, head=False)  # [b, L, H], last layer's K/V
+def distill_loss(block: LongSpecDraft, target, ids, positions, mask, shift: int, passes: int = 1) -> torch.Tensor:
+    """Mean KL(p_V || q) over the real positions of one batch; a block with features: the mean over its
+    ``feature_passes``."""
+    hidden, kv, *states = target_logits(target, ids, positions, mask, head=False, layers=block.features)
     log_p = block.head(hidden).float().log_softmax(-1)  # [b, L, K]: p renormalised over the draft vocabulary
-    log_q = draft_logits(block, ids, positions, kv, shift).float().log_softmax(-1)  # [b, L, K]
-    return kl(log_p, log_q)[mask.bool()].mean()
+    if not block.features:
+        drafts = [draft_logits(block, ids, positions, kv, shift)]
+    else:
+        drafts = feature_passes(block, ids, positions, kv, states[0], shift, passes)
+    real = mask.bool()
+    return sum(kl(log_p, q.float().log_softmax(-1))[real].mean() for q in drafts) / len(drafts)
 
 
 # ------------------------------------------------------------------------------------------------------ evaluation
@@ -299,9 +307,11 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
     for r, seq, first in teacher_forced(records, max_len):
         ids = torch.tensor(seq, device=dev)[None]
         pos = torch.arange(len(seq), device=dev)[None]
-        hidden, kv = target_logits(target, ids, pos, head=False)
+        hidden, kv, *states = target_logits(target, ids, pos, head=False, layers=block.features)
         greedy = model.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n] the target's next tokens
-        drafted = block.token_ids(draft_logits(block, ids, pos, kv, 1)[0, first - 1:-1].argmax(-1))  # [n]
+        logits = (feature_passes(block, ids, pos, kv, states[0], 1, 1)[0] if block.features
+                  else draft_logits(block, ids, pos, kv, 1))
+        drafted = block.token_ids(logits[0, first - 1:-1].argmax(-1))  # [n]
         tally.add(r, drafted, greedy, inside)
     return tally.result()
 
@@ -320,8 +330,9 @@ def batch_loss(block, target, records: list[dict], cfg: DistillConfig, rng: rand
     ids, mask, positions = ids.to(dev), mask.to(dev), positions.to(dev)
     shift = rng.randint(1, cfg.noisy_max)
     with autocast(precision, dev):
-        return dist.local_loss(lambda i, p, m: distill_loss(block, target, i, p, m, shift), mask, ids, positions,
-                               mask, target=lambda i, p, m: target_logits(target, i, p, m, head=False))
+        return dist.local_loss(lambda i, p, m: distill_loss(block, target, i, p, m, shift, cfg.ttt), mask, ids,
+                               positions, mask, target=lambda i, p, m: target_logits(target, i, p, m, head=False,
+                                                                                    layers=block.features))
 
 
 def train_step(block, target, opt, records: list[dict], cfg: DistillConfig, rng: random.Random,
@@ -357,6 +368,9 @@ def check_config(cfg: DistillConfig) -> None:
     check_schedule(cfg)
     if cfg.resume is None and cfg.keep_vocab and not cfg.init:
         raise RetrospecError("--keep-vocab keeps the --init block's draft vocabulary: give --init")
+    if cfg.ttt < 1 or (cfg.ttt > 1 and not cfg.features and not cfg.init and not cfg.resume):
+        raise RetrospecError("--ttt N (N >= 1) trains a block with target features: give --features (or an --init "
+                             "block that has them)")
     if cfg.follow and cfg.seconds is None:
         raise RetrospecError("--follow trains until --seconds run out: give --seconds")
     if cfg.follow and env().world > 1:
@@ -444,6 +458,12 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     teacher = shard_target(target, dist, private=given) if dist.fsdp else target
     start = cfg.resume or cfg.init
     block = load_block(start, target) if start else LongSpecDraft.for_target(target, init="identity")
+    layers = (feature_layers_for(block.config.num_hidden_layers) if cfg.features == "auto"
+              else tuple(cfg.features or ()))
+    if layers and layers != block.features:
+        block.add_features(layers)  # a block with other features is refused (one line)
+    if cfg.ttt > 1 and not block.features:
+        raise RetrospecError(f"--ttt {cfg.ttt}: block {start} reads no target features; give --features")
     eos = set(getattr(target, "eos_ids", lambda: set())())
     vocab_size = head_rows(as_module(target))
     if cfg.resume is None:  # a resumed block keeps its draft vocabulary

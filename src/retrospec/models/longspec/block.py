@@ -7,6 +7,7 @@ its memory does not grow with the context:
 
     x  = embed(ids)                  # the target's embedding module: a shared reference, not a copy
     x += SelfAttn(norm1(x))          # own q/k/v/o; RoPE at the token's absolute position; sliding window
+    x += feat_in(norm_f(g))          # optional (``features``): the feature g of the position before, see below
     x += CrossAttn(norm2(x))         # own q_proj (+ RoPE at the token's position) and o_proj; keys / values are
                                      # the target's LAST-LAYER K/V exactly as cached (post-RoPE), no projection
     x += MLP(norm3(x))
@@ -19,6 +20,16 @@ Visibility rules (explicit functions, tested):
   shift = 1: the target cache holds exactly the committed tokens, all before the root, so every tree node sees the
   whole cache. Training may draw shift in [1, 4] (an int, or a tensor broadcastable to the [b, L] positions).
 A query with no visible key gets a zero attention output (then o_proj), not NaN.
+
+Target features (optional, ``features=(i, j, ...)``; EAGLE-3: Li et al., "EAGLE-3: Scaling up Inference
+Acceleration of Large Language Models via Training-Time Test", 2025): the block also reads, at each drafted position,
+a feature g [H] of the position before it. For a token right after the committed prefix (depth 1), g =
+``target_feature`` = fuse(the target's outputs of decoder layers i, j, ..., each RMS-normalised) at the last
+committed position (low, mid and high layers fused by one linear map); below a drafted token, g = that token's own
+block output (``run``'s last return: the residual stream the head reads). The feature enters after the
+self-attention, so a token's self-attention keys/values still depend on the token and its position only (the ring
+needs no features), and ``feat_in`` starts at zero (``add_features``): a block given features starts as the block
+it was.
 
 Draft vocabulary (FR-Spec: Zhao et al., "FR-Spec: Accelerating Large-Vocabulary Language Models via
 Frequency-Ranked Speculative Sampling", 2025): on a small target the head dominates a draft token's cost.
@@ -49,6 +60,13 @@ from ..loading import as_module
 DEFAULT_WINDOW = 512
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type> (Llama-style decoder layers)
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+
+def feature_layers_for(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high decoder layers of a target with ``num_layers`` layers whose outputs a block's feature
+    fuses, as EAGLE-3 picks them (2, L / 2, L - 3 on a deep target); fewer on a shallow one (always below the last)."""
+    picks = (2, num_layers // 2, num_layers - 3) if num_layers >= 6 else tuple(range(num_layers - 1))
+    return tuple(sorted(set(picks)))
 
 
 def self_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -97,7 +115,7 @@ class LongSpecDraft(nn.Module):
     """The draft block for one target (see the module docstring). Build it with ``for_target``."""
 
     def __init__(self, config, embed_tokens: nn.Module, lm_head: nn.Module, window: int = DEFAULT_WINDOW,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, features: tuple[int, ...] | None = None):
         super().__init__()
         if window < 1:
             raise RetrospecError(f"LongSpec window must be >= 1, got {window}")
@@ -133,6 +151,10 @@ class LongSpecDraft(nn.Module):
         self.cross_attn = _linears(q_proj=(hidden, q_dim, qkv_bias), o_proj=(q_dim, hidden, o_bias))
         self.norm3 = norm(hidden, eps=eps)
         self.mlp = getattr(fam, f"{prefix}MLP")(config)  # gate / up / down with the config's activation
+        self._norm_cls = norm
+        self.features: tuple[int, ...] = ()  # target decoder layers fused into the feature (empty: no features)
+        if features:
+            self.add_features(features)
         self._shared = (embed_tokens, lm_head)  # a tuple: nn.Module does not register (or save) these
         self.register_buffer("vocab", None, persistent=False)  # [K] target ids of the draft vocabulary (or None)
         self.register_buffer("head_rows", None, persistent=False)  # [K, H] rows of the head for ``vocab``
@@ -150,18 +172,46 @@ class LongSpecDraft(nn.Module):
 
     @classmethod
     def for_target(cls, target, window: int = DEFAULT_WINDOW, init: str = "random",
-                   intermediate_size: int | None = None) -> "LongSpecDraft":
+                   intermediate_size: int | None = None, features: tuple[int, ...] | None = None) -> "LongSpecDraft":
         """A block for ``target`` (a causal LM or ``LoadedModel``) on its device and dtype, sharing its embedding and
         head; ``intermediate_size``: the MLP width (default the target's, the paper's shape). ``init``: "random"
         (normal(0, initializer_range), as transformers initialises layers) or "identity" (the same, with every
-        residual branch's output projection zeroed: logits = lm_head(embed(ids)))."""
+        residual branch's output projection zeroed: logits = lm_head(embed(ids))). ``features``: target decoder
+        layers whose outputs the block reads (module docstring; None: none)."""
         target = as_module(target)
         ref = target.get_input_embeddings().weight
         block = cls(target.config, target.get_input_embeddings(), target.get_output_embeddings(), window,
-                    intermediate_size)
+                    intermediate_size, features)
         block.to(device=ref.device, dtype=ref.dtype)
         block.reset_parameters(init)
         return block.eval()
+
+    def add_features(self, layers) -> None:
+        """Give the block target features from decoder ``layers`` (distinct indices, each below the target's last
+        layer): ``fuse`` [H, n * H], ``norm_f``, ``feat_in`` [H, H] zero (the block computes what it did before),
+        on the block's device and dtype."""
+        layers = tuple(int(i) for i in layers)
+        last = int(getattr(self.config, "num_hidden_layers", 0)) - 1
+        if self.features:
+            raise RetrospecError(f"this LongSpec block already reads target features (layers {self.features})")
+        if not layers or len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) >= last:
+            raise RetrospecError(f"feature layers are distinct decoder layer indices in [0, {last}) (the last "
+                                 f"layer's output is the head's input, normed), got {layers}")
+        hidden = self.config.hidden_size
+        ref = self.norm1.weight
+        self.fuse = nn.Linear(len(layers) * hidden, hidden, bias=False).to(ref.device, ref.dtype)
+        self.norm_f = self._norm_cls(hidden, eps=self.config.rms_norm_eps).to(ref.device, ref.dtype)
+        self.feat_in = nn.Linear(hidden, hidden, bias=False).to(ref.device, ref.dtype)
+        with torch.no_grad():
+            self.fuse.weight.normal_(0.0, getattr(self.config, "initializer_range", 0.02))
+            self.feat_in.weight.zero_()
+        self.features = layers
+
+    def target_feature(self, layer_states: torch.Tensor) -> torch.Tensor:
+        """The target's outputs of the ``features`` layers [..., n, H] (in that order) -> the fused feature [..., H]:
+        each layer's output RMS-normalised (a residual stream carries a few huge channels), then ``fuse``."""
+        states = torch.nn.functional.rms_norm(layer_states, layer_states.shape[-1:], eps=self.config.rms_norm_eps)
+        return self.fuse(states.flatten(-2))
 
     @torch.no_grad()
     def reset_parameters(self, init: str = "random") -> None:
@@ -173,10 +223,11 @@ class LongSpecDraft(nn.Module):
                 mod.weight.normal_(0.0, std)
                 if mod.bias is not None:
                     mod.bias.zero_()
-        for norm in (self.norm1, self.norm2, self.norm3):
+        for norm in (self.norm1, self.norm2, self.norm3, *((self.norm_f,) if self.features else ())):
             norm.weight.fill_(1.0)
         if init == "identity":
-            for lin in (self.self_attn.o_proj, self.cross_attn.o_proj, self.mlp.down_proj):
+            for lin in (self.self_attn.o_proj, self.cross_attn.o_proj, self.mlp.down_proj,
+                        *((self.feat_in,) if self.features else ())):
                 lin.weight.zero_()
                 if lin.bias is not None:
                     lin.bias.zero_()
@@ -235,14 +286,15 @@ class LongSpecDraft(nn.Module):
     def run(self, ids: torch.Tensor, positions: torch.Tensor, own_allowed: torch.Tensor,
             past: tuple[torch.Tensor, torch.Tensor] | None = None, past_allowed: torch.Tensor | None = None,
             target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, cross_allowed: torch.Tensor | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            feature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block over new tokens ``ids`` [b, L] at ``positions`` [b, L].
 
         Self-attention keys: ``past`` (k, v) [b, kv_heads, P, d] of earlier tokens (a ring buffer, tentative
         tokens), visible per ``past_allowed`` [b, L, P], then the new tokens' own, visible per ``own_allowed``
         [b, L, L]. Cross-attention: ``target_kv`` (k, v) [b, kv_heads, T, d], visible per ``cross_allowed``
-        [b, L, T]. Returns (logits [b, L, K] (K: ``draft_vocab_size``), the new tokens' self-attention k and v
-        [b, kv_heads, L, d])."""
+        [b, L, T]. ``feature`` [b, L, H]: each new token's feature g (a block with ``features``; None: none given,
+        nothing added). Returns (logits [b, L, K] (K: ``draft_vocab_size``), the new tokens' self-attention k and v
+        [b, kv_heads, L, d], their outputs [b, L, H]: the feature of a token drafted below each)."""
         b, n = ids.shape
         x = self.embed_tokens(ids)  # [b, L, H]
         cos, sin = self.rotary(x, positions)  # [b, L, d]
@@ -256,6 +308,8 @@ class LongSpecDraft(nn.Module):
             keys, values = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # [b, kv_heads, P + L, d]
             allowed = torch.cat([past_allowed, own_allowed], -1)  # [b, L, P + L]
         x = x + self.self_attn.o_proj(grouped_attention(q, keys, values, allowed, self.scaling))
+        if self.features and feature is not None:
+            x = x + self.feat_in(self.norm_f(feature))
         h = self.norm2(x)
         if target_kv is not None and target_kv[0].shape[2] > 0:
             qc = self._heads(self.cross_attn.q_proj, h, self.num_heads)
@@ -265,17 +319,18 @@ class LongSpecDraft(nn.Module):
             attn = h.new_zeros(b, n, self.num_heads * self.head_dim)
         x = x + self.cross_attn.o_proj(attn)
         x = x + self.mlp(self.norm3(x))
-        return self.head(x), k, v
+        return self.head(x), k, v, x
 
     def forward(self, input_ids: torch.Tensor, target_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                position_ids: torch.Tensor | None = None, shift: int | torch.Tensor = 1) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, shift: int | torch.Tensor = 1,
+                feature: torch.Tensor | None = None) -> torch.Tensor:
         """Full-sequence forward (training, references): ``input_ids`` [b, L] -> logits [b, L, K].
 
         Self-attention: causal by index and ``self_visible`` by position (sliding window). ``target_kv``: the
         target's last-layer (keys, values) [b, kv_heads, T, d] of the same sequence, entry j = token j of
         ``input_ids``; the query at index i sees entries j <= i - shift. Visibility is by INDEX, not by position:
         with anchor-offset ``position_ids`` [b, L] (default 0..L-1) the two differ, and comparing cache indices
-        with positions would show a query the target's K/V of tokens after it."""
+        with positions would show a query the target's K/V of tokens after it. ``feature`` [b, L, H]: see ``run``."""
         b, n = input_ids.shape
         idx = torch.arange(n, device=input_ids.device)[None].expand(b, n)  # [b, L]
         if position_ids is None:
@@ -283,4 +338,4 @@ class LongSpecDraft(nn.Module):
         causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
         own = self_visible(position_ids, position_ids, self.window) & causal  # [b, L, L]
         cross = None if target_kv is None else cross_visible(idx, target_kv[0].shape[2], shift)
-        return self.run(input_ids, position_ids, own, target_kv=target_kv, cross_allowed=cross)[0]
+        return self.run(input_ids, position_ids, own, target_kv=target_kv, cross_allowed=cross, feature=feature)[0]

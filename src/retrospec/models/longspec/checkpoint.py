@@ -5,7 +5,8 @@ shared, never saved) and ``longspec.json``::
 
     {"format": "retrospec-longspec", "version": 1,
      "block": {"window", "model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "intermediate_size", "hidden_act", "rms_norm_eps", "draft_vocab" (K, when drafting over a subset)},
+               "intermediate_size", "hidden_act", "rms_norm_eps", "draft_vocab" (K, when drafting over a subset),
+               "features" (the target layers a feature-reading block fuses, when it has them)},
      "target": {"config_hash", "weights_digest", "fingerprint", "rounded", "dtype", "hidden_size", "vocab_size",
                 "path"},
      "files": {"block.safetensors": size in bytes, "draft_vocab.json": size (with a draft vocabulary)},
@@ -99,6 +100,8 @@ def save_longspec(draft: LongSpecDraft, target, out_dir: str | Path, *, target_p
             (tmp / VOCAB_FILE).write_text(json.dumps(draft.vocab.tolist()) + "\n")
             meta["files"][VOCAB_FILE] = (tmp / VOCAB_FILE).stat().st_size
             meta["block"]["draft_vocab"] = int(draft.vocab.numel())
+        if draft.features:  # the target layers its feature fuses (the block's weights assume them)
+            meta["block"]["features"] = list(draft.features)
         if stored:
             meta["storage"] = stored
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -140,8 +143,11 @@ def load_longspec(path: str | Path, target) -> LongSpecDraft:
         value = block_cfg.get(key)
         if (key == "window" or value is not None) and (type(value) is not int or value < 1):
             raise RetrospecError(f"{corrupt}: {key} {value!r} is not a positive integer")
+    features = block_cfg.get("features")
+    if features is not None and (not isinstance(features, list) or not all(type(i) is int for i in features)):
+        raise RetrospecError(f"{corrupt}: features {features!r} is not a list of layer indices")
     draft = LongSpecDraft.for_target(target, window=block_cfg["window"],
-                                     intermediate_size=block_cfg.get("intermediate_size"))
+                                     intermediate_size=block_cfg.get("intermediate_size"), features=features)
     storage = meta.get("storage")
     state = read_tensors(path / WEIGHTS_FILE, corrupt)  # a truncated or corrupt file: one line
     try:

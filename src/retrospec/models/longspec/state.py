@@ -52,6 +52,7 @@ class DraftState:
         self.t_k = self.k[:, :, :0]  # [1, kv_heads, S, head_dim]
         self.t_v = self.v[:, :, :0]
         self.t_pos: list[int] = []  # [S] positions
+        self.t_out = self.k.new_zeros(0, self.draft.config.hidden_size)  # [S, H] block outputs (features below)
         self.t_anc = torch.zeros(0, 0, dtype=torch.bool)  # [S, S] t_anc[i, j]: j is i or an ancestor of i (CPU)
 
     @torch.no_grad()
@@ -75,10 +76,14 @@ class DraftState:
 
     @torch.no_grad()
     def speculate(self, ids: Sequence[int] | torch.Tensor, parents: Sequence[int],
-                  target_kv: tuple[torch.Tensor, torch.Tensor] | None, shift: int = 1) -> torch.Tensor:
+                  target_kv: tuple[torch.Tensor, torch.Tensor] | None, shift: int = 1,
+                  root_feature: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, V] of tentative tokens ``ids`` [N]; ``parents[i]``: -1 (the token follows the committed
         prefix) or the index of an earlier tentative token (earlier calls first, then this call's, < S + i).
-        ``target_kv``: the target's last-layer (keys, values) [1, kv_heads, T, d] (None: no target context)."""
+        ``target_kv``: the target's last-layer (keys, values) [1, kv_heads, T, d] (None: no target context).
+        A block with ``features`` reads, per token, ``root_feature`` [H] (``target_feature`` of the committed
+        prefix's last position; None: no feature) below the prefix, else its parent's output, so a parent must
+        come from an earlier call."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         n, s = ids.numel(), len(self.t_pos)
         all_pos = list(self.t_pos)
@@ -94,19 +99,33 @@ class DraftState:
             anc[s + i, s + i] = True
         new_pos = torch.tensor(all_pos[s:], device=self.device)[None]  # [1, N]
         t_pos = torch.tensor(all_pos, device=self.device)[None]  # [1, S + N]
+        feature = self._features(parents, s, root_feature) if self.draft.features else None  # [1, N, H]
         tree = anc[s:].to(self.device)[None] & self_visible(new_pos, t_pos, self.window)  # [1, N, S + N]
         ring = self_visible(new_pos, self.slot_pos[None], self.window)  # [1, N, window]
         past = (torch.cat([self.k, self.t_k], 2), torch.cat([self.v, self.t_v], 2))  # [1, kv_heads, window + S, d]
         cross = None
         if target_kv is not None:
             cross = cross_visible(new_pos, target_kv[0].shape[2], shift)  # [1, N, T]
-        logits, k, v = self.draft.run(ids.to(self.device)[None], new_pos, tree[..., s:], past,
-                                      torch.cat([ring, tree[..., :s]], -1), target_kv, cross)
+        logits, k, v, out = self.draft.run(ids.to(self.device)[None], new_pos, tree[..., s:], past,
+                                           torch.cat([ring, tree[..., :s]], -1), target_kv, cross, feature)
         self.t_k, self.t_v = torch.cat([self.t_k, k], 2), torch.cat([self.t_v, v], 2)
+        if self.draft.features:  # the features of tokens drafted below these
+            self.t_out = torch.cat([self.t_out, out[0]])
         self.t_pos, self.t_anc = all_pos, anc
         return logits[0]  # [N, V]
+
+    def _features(self, parents: Sequence[int], s: int, root_feature: torch.Tensor | None) -> torch.Tensor:
+        """[1, N, H]: ``root_feature`` (zeros when None: nothing added) below the prefix, a parent's output below it."""
+        rows = []
+        for i, p in enumerate(int(p) for p in parents):
+            if p >= s:
+                raise ValueError(f"a block with target features drafts one level per call: tentative token {s + i}'s "
+                                 f"parent {p} is in the same call")
+            rows.append(self.t_out[p] if p >= 0 else root_feature if root_feature is not None
+                        else self.t_out.new_zeros(self.t_out.shape[-1]))
+        return torch.stack(rows).to(self.t_out.dtype)[None]
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (ring and tentative tokens)."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.slot_pos, self.t_k, self.t_v,
-                                                             self.t_anc))
+                                                             self.t_anc, self.t_out))
