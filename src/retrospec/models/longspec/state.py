@@ -37,6 +37,7 @@ class DraftState:
         self.v = ref.new_zeros(shape)
         self.slot_pos = torch.full((draft.window,), -1, dtype=torch.long, device=ref.device)  # [window]
         self.length = 0  # committed tokens so far = position of the next one
+        self._no_out = ref.new_zeros(0, draft.config.hidden_size)  # [0, H]
         self.rollback()
 
     @property
@@ -52,7 +53,7 @@ class DraftState:
         self.t_k = self.k[:, :, :0]  # [1, kv_heads, S, head_dim]
         self.t_v = self.v[:, :, :0]
         self.t_pos: list[int] = []  # [S] positions
-        self.t_out = self.k.new_zeros(0, self.draft.config.hidden_size)  # [S, H] block outputs (features below)
+        self.t_out = self._no_out  # [S, H] block outputs (a block with features: what is drafted below them reads)
         self.t_anc = torch.zeros(0, 0, dtype=torch.bool)  # [S, S] t_anc[i, j]: j is i or an ancestor of i (CPU)
 
     @torch.no_grad()
@@ -116,14 +117,17 @@ class DraftState:
 
     def _features(self, parents: Sequence[int], s: int, root_feature: torch.Tensor | None) -> torch.Tensor:
         """[1, N, H]: ``root_feature`` (zeros when None: nothing added) below the prefix, a parent's output below it."""
-        rows = []
-        for i, p in enumerate(int(p) for p in parents):
-            if p >= s:
-                raise ValueError(f"a block with target features drafts one level per call: tentative token {s + i}'s "
-                                 f"parent {p} is in the same call")
-            rows.append(self.t_out[p] if p >= 0 else root_feature if root_feature is not None
-                        else self.t_out.new_zeros(self.t_out.shape[-1]))
-        return torch.stack(rows).to(self.t_out.dtype)[None]
+        p = torch.as_tensor(list(parents), dtype=torch.long)  # [N]
+        if (p >= s).any():
+            raise ValueError(f"a block with target features drafts one level per call: a parent among {p.tolist()} "
+                             f"is in the same call (tentative tokens before it: {s})")
+        hidden = self.t_out.shape[-1]
+        root = (root_feature.to(self.t_out.dtype) if root_feature is not None
+                else self.t_out.new_zeros(hidden))[None].expand(len(p), hidden)  # [N, H]
+        if s == 0:
+            return root[None]
+        below = self.t_out[p.clamp(min=0).to(self.t_out.device)]  # [N, H]
+        return torch.where((p < 0).to(below.device)[:, None], root, below)[None]
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (ring and tentative tokens)."""
