@@ -3,15 +3,16 @@
 The corpus (``corpus.CorpusBuilder``) grows in whole shards (rows in multiples of ``shard_size /
 len(temperatures)``, which keeps every built shard valid) until ``corpus_share`` of the budget is spent; LongSpec
 is distilled on it (``train.longspec_distill.distill_longspec``) for the rest, less the evaluation's share, in three
-variants at equal tokens (``variant_configs``: the block as it is, + the target's fused layer features, + training-time
-test); each is evaluated against the bundled one and the fastest re-saved as int8 into ``$OUT/block-int8.tar``. The corpus comes back
-packed (``corpus.pack``) in one tar cut into parts of at most ``PART_BYTES`` (``corpus.tar.000``, ...): ``cat``
+variants at equal tokens (``variant_configs``: the block as it is, + the target's fused layer features, +
+training-time test); each is evaluated against the bundled one and the fastest re-saved as int8 into
+``$OUT/block-int8.tar``. The corpus comes back packed (``corpus.pack``) in one tar cut into parts of at most ``PART_BYTES`` (``corpus.tar.000``, ...): ``cat``
 them together and ``tar -x`` gives the pack, which ``retrospec.corpus.pack.unpack`` turns back into the corpus.
 Gaps: tools/gpu/README.md. Dry run: the zoo target on the CPU, a few stdlib rows, 8 tokens, 2 optimizer steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -87,8 +88,6 @@ def evaluate_block(res, target, blocks: dict[str, str], prompts: list[dict], max
 def variant_configs(cfg, work: Path, layers: tuple[int, ...], seconds: float) -> list[tuple[str, object]]:
     """The block variants trained at equal tokens (the first's, in its share of ``seconds``): today's block, + the
     target's fused layer features, + training-time test (3 passes). Each gets a share of the time as its cap."""
-    import dataclasses
-
     share = seconds / 3
     return [(label, dataclasses.replace(cfg, out=str(work / f"block-{label}"), seconds=share, **kw))
             for label, kw in (("block", {}), ("features", {"features": layers}),
@@ -168,7 +167,8 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
                     k: m.get(k) for k in ("steps", "tokens_seen", "seconds", "draft_vocab", "heldout_coverage",
                                           "curve")} | {
                     "features": list(vcfg.features or ()), "ttt": vcfg.ttt, "corpus_records": records,
-                    "device": device.type, "tokens_per_s": m["tokens_seen"] / m["seconds"] if m.get("seconds") else None}
+                    "device": device.type,
+                    "tokens_per_s": m["tokens_seen"] / m["seconds"] if m.get("seconds") else None}
         finally:
             torch.set_float32_matmul_precision("highest")
         del trainee
@@ -176,7 +176,9 @@ def run_train(out: Path, dry_run: bool, budget_s: float, ref_dir: Path = Path(".
         res.notes.append(f"longspec: not trained ({train_s:.0f} s left, {records} corpus records)")
     if trained:
         prompts = load_prompts(mbpp)[:3] if mbpp.is_file() and not dry_run else preset("heldout", 1)
-        blocks = {label: str(d) for label, d in trained.items()} | ({} if bundled is None else {"bundled": str(bundled)})
+        blocks = {label: str(d) for label, d in trained.items()}
+        if bundled is not None:
+            blocks["bundled"] = str(bundled)
         target = load_model(name, device=device)
         res.figures["eval"] = evaluate_block(res, target, blocks, prompts, 4 if dry_run else 64)
         ranked = sorted(trained, key=lambda k: -(res.figures["eval"].get(k, {}).get("speedup") or 0))

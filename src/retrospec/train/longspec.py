@@ -242,11 +242,14 @@ def shift_right(x: torch.Tensor) -> torch.Tensor:
 
 
 def feature_passes(block: LongSpecDraft, ids: torch.Tensor, positions: torch.Tensor, target_kv,
-                   states: torch.Tensor, shift: int, passes: int) -> list[torch.Tensor]:
+                   states: torch.Tensor | None, shift: int, passes: int) -> list[torch.Tensor]:
     """A feature block's logits [b, L, K] at each of ``passes`` drafting depths (training-time test, EAGLE-3: Li et
     al. 2025). Depth 1 reads the target's fused feature of the position before each query (``states`` [b, L, n, H]:
     the target's outputs of the block's layers; the target's K/V up to ``shift`` tokens back); depth d > 1 reads the
-    block's own depth d - 1 output of the position before (below a drafted parent: the K/V one token further back)."""
+    block's own depth d - 1 output of the position before (below a drafted parent: the K/V one token further back).
+    A block without features: its plain forward at ``shift`` (``states`` unused)."""
+    if not block.features:  # a block without features: its one forward
+        return [draft_logits(block, ids, positions, target_kv, shift)]
     feature = shift_right(block.target_feature(states.to(block.norm1.weight.dtype)))  # [b, L, H]
     out = []
     for d in range(passes):

@@ -68,7 +68,7 @@ from .common import (adamw, autocast, check_new, check_precision, kl, optimizer_
                      warmup_cosine, warmup_stable_decay)
 from .distributed import Dist, check_global_batch, env, setup
 from .fsdp import shard_target
-from .longspec import draft_logits, feature_passes, sample_positions, save_block, target_logits
+from .longspec import feature_passes, sample_positions, save_block, target_logits
 from .resume import chain_fields, check_schedule, resume_run, save_stable_state, stable_state
 
 
@@ -282,10 +282,7 @@ def distill_loss(block: LongSpecDraft, target, ids, positions, mask, shift: int,
     ``feature_passes``."""
     hidden, kv, *states = target_logits(target, ids, positions, mask, head=False, layers=block.features)
     log_p = block.head(hidden).float().log_softmax(-1)  # [b, L, K]: p renormalised over the draft vocabulary
-    if not block.features:
-        drafts = [draft_logits(block, ids, positions, kv, shift)]
-    else:
-        drafts = feature_passes(block, ids, positions, kv, states[0], shift, passes)
+    drafts = feature_passes(block, ids, positions, kv, states[0] if states else None, shift, passes)
     real = mask.bool()
     return sum(kl(log_p, q.float().log_softmax(-1))[real].mean() for q in drafts) / len(drafts)
 
@@ -309,8 +306,7 @@ def agreement(block: LongSpecDraft, target, records: list[dict], max_len: int, p
         pos = torch.arange(len(seq), device=dev)[None]
         hidden, kv, *states = target_logits(target, ids, pos, head=False, layers=block.features)
         greedy = model.get_output_embeddings()(hidden[0, first - 1:-1]).argmax(-1)  # [n] the target's next tokens
-        logits = (feature_passes(block, ids, pos, kv, states[0], 1, 1)[0] if block.features
-                  else draft_logits(block, ids, pos, kv, 1))
+        logits = feature_passes(block, ids, pos, kv, states[0] if states else None, 1, 1)[0]
         drafted = block.token_ids(logits[0, first - 1:-1].argmax(-1))  # [n]
         tally.add(r, drafted, greedy, inside)
     return tally.result()
