@@ -57,6 +57,7 @@ def test_kernel_linear_equals_linear_and_each_row_is_alone(bias):
                 exact = (x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)).float()
                 torch.testing.assert_close(fast(x), exact, rtol=1e-5, atol=1e-5)
             assert rows_invariant([fast]) and torch.equal(fast(x[None])[0], fast(x))
+            assert fast(x[:0]).shape == (0, n)  # no rows: an empty result (it once crashed the process)
     assert fast.weight is lin.weight  # shared, never copied
 
 

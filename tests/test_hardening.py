@@ -287,3 +287,25 @@ def test_sigterm_under_load_answers_everyone_and_exits_0_within_the_grace(tmp_pa
     assert "Traceback" not in err and "CancelledError" not in err, err
     for status, answer in results:
         assert status == 200 or (status == 503 and answer["error"]["code"] == "shutting_down"), (status, answer)
+
+
+def test_the_decode_loop_checks_the_prompt_it_is_handed():
+    """``speculative_generate`` called directly (below the front door): a tokenizer's BatchEncoding, an id outside the
+    vocabulary or a non-integer is one ``RetrospecError`` (a BatchEncoding once reached a kernel as zero rows and
+    crashed the process); a 1-D tensor is read as its ids."""
+    import torch
+
+    from conftest import tiny_llama
+    from retrospec.config import SamplingConfig
+    from retrospec.decode import speculative_generate
+    from retrospec.drafters import REGISTRY
+
+    target = tiny_llama(seed=3)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    run = lambda prompt: [t for c in speculative_generate(target, REGISTRY["pld"](), prompt, sampling=SamplingConfig(),
+                                                          max_new_tokens=4) for t in c]
+    for bad, fragment in (({"input_ids": [1, 2, 3]}, "list of token ids"), ([1, vocab], "outside the vocabulary"),
+                          ([1, 2.5], "must be integers")):
+        with pytest.raises(RetrospecError, match=fragment):
+            run(bad)
+    assert run(torch.tensor([1, 2, 3])) == run([1, 2, 3])

@@ -24,6 +24,7 @@ from .config import SamplingConfig
 from .drafters.base import DecodeContext, Drafter, NoDraft, TargetViews, state_bytes
 from .gating import Gate, profile_for
 from .sampling import make_generator, probs_from_logits
+from .text import check_prompt_ids
 from .tree import depths
 from .types import SpecStats
 from .fastpath import device_clock
@@ -51,6 +52,9 @@ def speculative_generate(
     """Yield committed token ids step by step, filling ``stats``. ``prefill_memo``: see ``verify.PrefillMemo``.
     ``gating=True`` lets the gate pick each step's budget (the entry points decide with ``gating.resolve``).
     ``fastpath``: the verifier's engine (``fastpath.engine_for``; None = measured default, "off" = the target as is)."""
+    if isinstance(prompt_ids, torch.Tensor):
+        prompt_ids = prompt_ids.reshape(-1).tolist()
+    prompt_ids = check_prompt_ids(prompt_ids, int(target.get_input_embeddings().weight.shape[0]))
     stats = stats if stats is not None else SpecStats()
     rule = rule or default_rule(sampling)
     stats.rule, stats.lossless = rule.name, rule.lossless

@@ -128,6 +128,7 @@ torch::Tensor f32_mm_cat(torch::Tensor x, std::vector<torch::Tensor> ws) {
     first.push_back(first.back() + w.size(0));
     chunk.push_back(chunk.back() + (w.size(0) + kChunk - 1) / kChunk);
   }
+  if (M == 0) return torch::empty({0, first.back()}, x.options());  // nothing to compute (no rows to stream)
   if (M > kMaxRows) {
     std::vector<torch::Tensor> ys;
     for (auto& w : ws) ys.push_back(at::matmul(x, w.t()));
