@@ -83,24 +83,40 @@ def cross_visible(q_pos: torch.Tensor, length: int, shift: int | torch.Tensor = 
     return torch.arange(length, device=q_pos.device) <= limit[..., None]
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float) -> torch.Tensor:
     """Softmax attention with grouped key/value heads and an explicit visibility mask.
 
     q [b, h, L, d]; k, v [b, kvh, S, d] (query head i reads key/value head i // (h / kvh), as transformers'
-    repeat_kv); allowed [b, L, S] bool. The query heads of one group are stacked along the query axis, so the
-    (possibly long) keys are never copied. Scores and softmax in float32. Returns [b, L, h * d]; a query with no
-    visible key gets zeros."""
+    repeat_kv); allowed [b, L, S] bool (None: every key visible, no mask built). ``k``, ``v`` and ``allowed`` may
+    each be a tuple of pieces along the key axis (S = the pieces' sum; a ring buffer, tentative tokens, new tokens):
+    the scores are joined, the keys and values never are. The query heads of one group are stacked along the query
+    axis, so the (possibly long) keys are never copied. Scores and softmax in float32. Returns [b, L, h * d]; a query
+    with no visible key gets zeros."""
+    ks, vs, masks = (k, v, allowed) if isinstance(k, tuple) else ((k,), (v,), (allowed,))
     b, h, n, d = q.shape
-    kvh, s = k.shape[1], k.shape[2]
+    kvh = ks[0].shape[1]
     rep = h // kvh
-    scores = (q.reshape(b, kvh, rep * n, d) @ k.transpose(-1, -2)).float() * scale  # [b, kvh, rep * L, S]
-    scores = scores.view(b, kvh, rep, n, s)
-    mask = allowed[:, None, None]  # [b, 1, 1, L, S]
-    weights = scores.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1)
-    weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # rows with nothing visible: zero output
-    out = weights.view(b, kvh, rep * n, s).to(v.dtype) @ v  # [b, kvh, rep * L, d]
+    qg = q.reshape(b, kvh, rep * n, d)
+    scores = [qg @ piece.transpose(-1, -2) for piece in ks]  # each [b, kvh, rep * L, S_i]
+    scores = (scores[0] if len(scores) == 1 else torch.cat(scores, -1)).float() * scale
+    s = scores.shape[-1]
+    if masks[0] is None:
+        weights = scores.softmax(-1)
+    else:
+        mask = (masks[0] if len(masks) == 1 else torch.cat(masks, -1))[:, None, None]  # [b, 1, 1, L, S]
+        weights = scores.view(b, kvh, rep, n, s).masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1)
+        weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # rows with nothing visible: zero output
+    weights = weights.view(b, kvh, rep * n, s).to(vs[0].dtype)
+    out, start = None, 0
+    for piece in vs:  # [b, kvh, rep * L, d], summed over the pieces
+        part = weights[..., start: start + piece.shape[2]] @ piece
+        out, start = part if out is None else out + part, start + piece.shape[2]
     return out.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
+
+
+def _pieces(x) -> tuple[torch.Tensor, ...]:
+    """A tensor, or a tuple of pieces along the key axis, as a tuple of its non-empty pieces."""
+    return tuple(t for t in (x if isinstance(x, tuple) else (x,)) if t.shape[-1 if t.dtype == torch.bool else 2])
 
 
 def _linears(**shapes: tuple[int, int, bool]) -> nn.Module:
@@ -291,10 +307,12 @@ class LongSpecDraft(nn.Module):
 
         Self-attention keys: ``past`` (k, v) [b, kv_heads, P, d] of earlier tokens (a ring buffer, tentative
         tokens), visible per ``past_allowed`` [b, L, P], then the new tokens' own, visible per ``own_allowed``
-        [b, L, L]. Cross-attention: ``target_kv`` (k, v) [b, kv_heads, T, d], visible per ``cross_allowed``
-        [b, L, T]. ``feature`` [b, L, H]: each new token's feature g (a block with ``features``; None: none given,
-        nothing added). Returns (logits [b, L, K] (K: ``draft_vocab_size``), the new tokens' self-attention k and v
-        [b, kv_heads, L, d], their outputs [b, L, H]: the feature of a token drafted below each)."""
+        [b, L, L]; k, v and ``past_allowed`` may each be a tuple of pieces along P (``grouped_attention``).
+        Cross-attention: ``target_kv`` (k, v) [b, kv_heads, T, d], visible per ``cross_allowed`` [b, L, T] (None:
+        every entry visible to every new token). ``feature`` [b, L, H]: each new token's feature g (a block with
+        ``features``; None: none given, nothing added). Returns (logits [b, L, K] (K: ``draft_vocab_size``), the
+        new tokens' self-attention k and v [b, kv_heads, L, d], their outputs [b, L, H]: the feature of a token drafted
+        below each)."""
         b, n = ids.shape
         x = self.embed_tokens(ids)  # [b, L, H]
         cos, sin = self.rotary(x, positions)  # [b, L, d]
@@ -303,10 +321,10 @@ class LongSpecDraft(nn.Module):
         k = self._heads(self.self_attn.k_proj, h, self.num_kv_heads)  # [b, kv_heads, L, d]
         v = self._heads(self.self_attn.v_proj, h, self.num_kv_heads)
         q, k = self._apply_rope(q, k, cos, sin)
-        keys, values, allowed = k, v, own_allowed
-        if past is not None:
-            keys, values = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # [b, kv_heads, P + L, d]
-            allowed = torch.cat([past_allowed, own_allowed], -1)  # [b, L, P + L]
+        keys, values, allowed = (k,), (v,), (own_allowed,)
+        if past is not None:  # the earlier keys first, in pieces as given: [b, kv_heads, P + L, d] never built
+            keys, values = (*_pieces(past[0]), k), (*_pieces(past[1]), v)
+            allowed = (*_pieces(past_allowed), own_allowed)
         x = x + self.self_attn.o_proj(grouped_attention(q, keys, values, allowed, self.scaling))
         if self.features and feature is not None:
             x = x + self.feat_in(self.norm_f(feature))
