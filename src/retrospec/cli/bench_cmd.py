@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     from .generate_cmd import add_device_args, add_knob_args
 
     add_device_args(p)
-    from .long_args import add_long_context_args
+    from .context_args import add_long_context_args
 
     add_knob_args(p, multiple_datastores=True, skip=("tree", "max_ngram", "neighbours", "adaptive_gamma"))
     add_long_context_args(p, context_file=False)  # rows with a 'context' field: lc, rag, sd, magicdec, rapid
@@ -119,7 +119,7 @@ def _models(args, draft_src):
 def _context_run(args, rows: list[dict], common: dict) -> dict:
     from ..bench.harness import BenchConfig, run_bench
     from ..request import LongContextOptions
-    from .long_args import long_context_kwargs
+    from .context_args import long_context_kwargs
 
     spec = args.methods if args.methods != args.default_methods else DEFAULT_CONTEXT_METHODS
     methods = [m.strip() for m in spec.split(",") if m.strip()]

@@ -112,7 +112,7 @@ def add_parser(sub) -> None:
     add_knob_args(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    from .long_args import add_long_context_args
+    from .context_args import add_long_context_args
 
     add_long_context_args(p)
     p.set_defaults(func=run)
@@ -141,7 +141,7 @@ def run(args) -> int:
     from ..api import stream
     from ..drafters import default_method
     from ..request import CONTEXT_OPTIONS
-    from .long_args import long_context_kwargs, read_context
+    from .context_args import long_context_kwargs, read_context
 
     context = read_context(getattr(args, "context_file", None))
     long_kwargs = long_context_kwargs(args)
