@@ -144,3 +144,33 @@ def test_drafts_through_the_f32_kernel_are_exact(monkeypatch):
     assert sd.engine.plan.source == "draft:kernel" and sd.engine.plan.kernel
     got = speculative_generate(target, sd, PROMPT, sampling=GREEDY, max_new_tokens=40)
     assert [t for c in got for t in c] == want
+
+
+@pytest.mark.skipif(not fdraft.weight_only.available("w8a8"), reason="torch._int_mm does not run on this CPU")
+@pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 8, 8)}], ids=["chain", "tree"])
+def test_a_block_whose_head_runs_in_int8_equals_oracle(monkeypatch, tmp_path, mode):
+    """The head rows may be measured into ``w8a8`` (int8 rows, activations quantized per row) apart from the
+    block's linears: the head's logits stay near the float ones, the block and its linears are left as they are,
+    and the output is the oracle's. ``RETROSPEC_DRAFT_DTYPE=float32`` rules int8 out; other weights never get it."""
+    monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "auto")
+    target, block = mimic_pair("llama")
+    rows = block.lm_head.weight.detach()
+    x = torch.randn(3, rows.shape[1])
+    got, want = fdraft.row_product(rows, "w8a8")(x), x @ rows.T
+    assert torch.allclose(got, want, atol=0.03 * want.abs().max().item()) and not torch.equal(got, want)
+    monkeypatch.setattr(fdraft, "measure_choice", lambda w, allowed: {"version": fdraft.VERSION,
+                                                                      "choice": allowed[-1], "ms": {}})
+    assert fdraft.draft_choice([rows], head=True) == "w8a8" and fdraft.draft_choice([rows]) != "w8a8"
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "float32")
+    assert fdraft.draft_choice([rows], head=True) != "w8a8"
+    monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "auto")
+    monkeypatch.setattr("retrospec.drafters.longspec.draft_choice",
+                        lambda weights, remeasure=False, head=False: "w8a8" if head else "plain")
+    drafter = LongSpecDrafter(block, **mode)
+    assert drafter.fast is not block and drafter.fast.head_choice == "w8a8" and block.head_fn is None
+    assert type(drafter.fast.mlp.down_proj) is torch.nn.Linear  # the linears stay plain: only the head changed
+    want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
+    stats = SpecStats()
+    chunks = list(speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40, stats=stats))
+    assert [t for c in chunks for t in c] == want and stats.accepted_tokens > 0

@@ -69,14 +69,18 @@ def parse_tree(spec) -> tuple[int, ...]:
 
 
 def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
-    """The block as drafting runs it: a private copy sharing the weights, its linears and head rows in the matmul
-    path measured fastest (``fastpath.draft``). The block itself is left as it is."""
+    """The block as drafting runs it: a private copy sharing the weights, its linears and its head rows each in the
+    matmul path measured fastest for them (``fastpath.draft``; the head may run in int8). The block itself is left
+    as it is."""
     rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
     weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
-    choice = draft_choice([*weights, rows], remeasure=remeasure)
-    fast = fast_copy(block, choice, shared=(block.embed_tokens, block.lm_head))
-    if fast is not block and fast.head_fn is None:
-        fast.head_fn = row_product(rows, choice)
+    choice = draft_choice(weights, remeasure=remeasure) if weights else "plain"
+    head = draft_choice([rows], remeasure=remeasure, head=True)
+    if choice == head == "plain":
+        return block
+    fast = fast_copy(block, choice, shared=(block.embed_tokens, block.lm_head), private=True)
+    if getattr(fast, "head_choice", None) != head:  # a copy reused from the cache keeps its head when it is the same
+        fast.head_fn, fast.head_choice = row_product(rows, head), head
     return fast
 
 
