@@ -266,3 +266,27 @@ def test_cli_pack_and_unpack(cli, saved_models, tmp_path):
     assert res.rc == 0 and read_corpus(tmp_path / "u") == read_corpus(tmp_path / "c")
     res = cli("corpus", "unpack", tmp_path / "c", "--out", tmp_path / "v")  # a corpus, not a pack
     assert res.rc == 2 and "not a packed corpus" in res.err and "Traceback" not in res.err
+
+
+def test_the_corpus_kept_in_the_repository_unpacks_for_the_bundled_target(tmp_path):
+    """``corpus/smollm2-135m`` (outside the package, not in the wheel): within the 24 MiB the repository allows,
+    written by the bundled target (the fingerprint its bundled block records), free of machine paths, and unpacked
+    byte for byte (every shard's SHA-256) into records the trainers read."""
+    import re
+    from pathlib import Path
+
+    from retrospec.corpus.pack import unpack
+    from retrospec.models import ZOO_DIR
+
+    root = Path(__file__).resolve().parent.parent / "corpus"
+    packed = root / "smollm2-135m"
+    assert sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) <= 24 << 20
+    text = (packed / "manifest.json").read_text()
+    assert not re.search(r"(/root/|/home/|/work/|/tmp/|\.\./)", text)
+    block = json.loads((ZOO_DIR / "smollm2-135m-longspec" / "longspec.json").read_text())
+    manifest = unpack(packed, tmp_path / "c")
+    assert manifest["target"]["fingerprint"] == block["target"]["fingerprint"]
+    records = list(read_corpus(tmp_path / "c"))
+    assert len(records) == json.loads(text)["packed"]["records"] > 0
+    assert {r["source"] for r in records} <= {"stdlib", "self-instruct", "tasks"}  # no external data committed
+    assert sum(len(r["output_ids"]) for r in records) == manifest["output_tokens"]

@@ -75,18 +75,23 @@ def test_slim_keeps_heavy_bundled_files_out_of_the_tree_until_undone(tmp_path):
     root = _git_root(tmp_path)
     _committed_zoo(root)
     big = f"{plan.ZOO}/m/model.safetensors"
+    packed = f"{slim.CORPUS}/t/ids.u16.xz"  # a packed corpus stays behind whatever its size
+    (root / packed).parent.mkdir(parents=True)
+    (root / packed).write_bytes(b"ids")
+    _git(root, "add", packed)
+    _git(root, "commit", "-qm", "corpus")
     data = (root / big).read_bytes()
     hooks = root / ".git" / "hooks"
-    assert slim.slim(root) == [big] and slim.slim(root) == [big]  # idempotent
+    assert slim.slim(root) == [packed, big] and slim.slim(root) == [packed, big]  # idempotent
     assert (root / big).read_bytes() == data  # the file on disk is untouched
     sent = _git(root, "ls-files", "--cached", "--others", "--exclude-standard").stdout.split()
-    assert big not in sent and f"{plan.ZOO}/m/config.json" in sent  # only the heavy file stays behind
+    assert big not in sent and packed not in sent and f"{plan.ZOO}/m/config.json" in sent  # only these stay behind
     assert plan.travelling_bytes(root) < slim.MIN_BYTES
     assert _git(root, "check-ignore", "-q", big).returncode == 0  # so a call can carry it
     refused = _git(root, "commit", "-qm", "would delete the weights")
     assert refused.returncode != 0 and "make gpu-done" in refused.stderr
     shutil.rmtree(root / ".gpu", ignore_errors=True)  # the record lives in git's own directory
-    assert slim.unslim(root) == [big] and slim.unslim(root) == []
+    assert slim.unslim(root) == [packed, big] and slim.unslim(root) == []
     assert _git(root, "status", "--porcelain").stdout == ""  # index and exclude as before
     assert not (hooks / "pre-commit").exists() and slim.slimmed(root) == []
     (hooks / "pre-commit").write_text("#!/bin/sh\nexit 0\n")  # someone's own hook would let a deletion through:

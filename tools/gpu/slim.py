@@ -3,10 +3,10 @@ device call sends unless the call carries them.
 
 Why: a device call sends the tracked tree plus its carries, 64 MiB in all. The tracked tree is ~50 MiB, nearly all of
 it bundled weights, which leaves ~13 MiB a call for the real model's 94 MiB GGUF: ten calls, more than a 15-minute
-session of device time can afford. ``slim`` takes every tracked file under ``ZOO`` of at least ``MIN_BYTES`` out of
-git's index (``git rm --cached``: the file stays on disk, untouched) and lists it in the repository's
-``info/exclude``, so it travels only with a call that carries it (``plan.StepSpec.weights``). The tree then weighs
-~3 MiB and the GGUF goes in two parts.
+session of device time can afford. ``slim`` takes every tracked file under ``ZOO`` of at least ``MIN_BYTES``, and
+the packed corpora under ``CORPUS`` (no step reads them), out of git's index (``git rm --cached``: the file stays on
+disk, untouched) and lists it in the repository's ``info/exclude``, so it travels only with a call that carries it
+(``plan.StepSpec.weights``). The tree then weighs ~3 MiB and the GGUF goes in two parts.
 
 Invariants (tested on a scratch repository): files on disk are never touched; ``unslim`` restores exactly the index
 entries ``slim`` removed (mode, blob and path, recorded before any change: a staged edit comes back staged) and the
@@ -27,6 +27,7 @@ from retrospec.errors import RetrospecError
 
 ZOO = "src/retrospec/zoo"
 MIN_BYTES = 1 << 20
+CORPUS = "corpus"  # the packed corpora kept in the repository: no device call needs them, whatever their size
 RECORD = "info/retrospec-slim.json"  # under git's common directory (``git rev-parse --git-path``)
 # the markers of what slim writes into git's directory: unslim recognises its own exclude block and hook by them, so
 # they stay as they are whatever the command is called
@@ -61,19 +62,20 @@ def slimmed(root: Path) -> list[str]:
 
 
 def heavy_files(root: Path) -> list[str]:
-    """Tracked files under ``ZOO`` of at least ``MIN_BYTES``, sorted."""
-    names = [n for n in _git(root, "ls-files", "-z", "--", ZOO).split("\0") if n]
-    return sorted(n for n in names if (root / n).is_file() and (root / n).stat().st_size >= MIN_BYTES)
+    """Tracked files under ``ZOO`` of at least ``MIN_BYTES`` and every tracked file under ``CORPUS``, sorted."""
+    tracked = lambda folder: [n for n in _git(root, "ls-files", "-z", "--", folder).split("\0") if n]
+    zoo = [n for n in tracked(ZOO) if (root / n).is_file() and (root / n).stat().st_size >= MIN_BYTES]
+    return sorted(zoo + tracked(CORPUS))
 
 
 def _set_exclude(root: Path, paths: list[str]) -> None:
-    """Replace the block between BEGIN and END (a lost END: the zoo lines after BEGIN) by ``paths``' block."""
+    """Replace the block between BEGIN and END (a lost END: the zoo and corpus lines after BEGIN) by ``paths``'."""
     exclude = _git_path(root, "info/exclude")
     lines = exclude.read_text().splitlines() if exclude.is_file() else []
     if BEGIN in lines:
         start = lines.index(BEGIN)
         stop = start + 1
-        while stop < len(lines) and lines[stop].startswith(f"/{ZOO}/"):
+        while stop < len(lines) and lines[stop].startswith((f"/{ZOO}/", f"/{CORPUS}/")):
             stop += 1
         stop += stop < len(lines) and lines[stop] == END
         lines = lines[:start] + lines[stop:]
@@ -122,7 +124,7 @@ def unslim(root: Path) -> list[str]:
     missing = set(rec["paths"]) - set(_git(root, "ls-files", "-z", "--", *rec["paths"]).split("\0"))
     if missing:
         raise RetrospecError(f"not back in git's index: {', '.join(sorted(missing))} (the hook stays; restore them "
-                             "with 'git reset -q -- src/retrospec/zoo')")
+                             "with 'git reset -q -- src/retrospec/zoo corpus')")
     _set_exclude(root, [])
     hook = _git_path(root, "hooks/pre-commit")
     if hook.is_file() and hook.read_text() == HOOK:
