@@ -166,6 +166,8 @@ def row_product(weight: torch.Tensor, choice: str) -> Callable[[torch.Tensor], t
         return lambda x: kernel_matmul(x, weight)
     if choice == "w8a8":
         lin = _w8a8(weight)
+        with torch.inference_mode():
+            lin(weight.new_zeros(1, weight.shape[1]))  # packs for fbgemm now (~50 ms), not in a timed drafting step
         return lambda x: lin(x) if x.numel() <= MAX_ROWS * x.shape[-1] else F.linear(x, weight)
     packed = None if choice in ("plain", "kernel") else pack_weight(weight, _pack_dtype(choice))
     if packed is None:
