@@ -47,7 +47,6 @@ from .linear import KernelLinear, PackedLinear, kernel_available, kernel_matmul,
 from .plan import cached_json, machine_id, median_ms, mode
 
 CHOICES = ("plain", "packed", "packed-bf16", "kernel")
-HEAD_CHOICES = (*CHOICES, "w8a8")  # a head's rows may also go to int8 (``row_product``)
 ROWS = (1, 4, 16)  # a chain step, a tree level of 4, a level of 16
 MAX_ROWS = 64  # inputs with more rows (a prompt) take the plain path on the shared weights
 DTYPES = ("auto", "float32", "bfloat16")

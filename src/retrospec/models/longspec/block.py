@@ -115,8 +115,8 @@ def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float) -> torch.Ten
 
 
 def _pieces(x) -> tuple[torch.Tensor, ...]:
-    """A tensor, or a tuple of pieces along the key axis, as a tuple of its non-empty pieces."""
-    return tuple(t for t in (x if isinstance(x, tuple) else (x,)) if t.shape[-1 if t.dtype == torch.bool else 2])
+    """A tensor, or a tuple of pieces along the key axis, as a tuple of pieces."""
+    return x if isinstance(x, tuple) else (x,)
 
 
 def _linears(**shapes: tuple[int, int, bool]) -> nn.Module:

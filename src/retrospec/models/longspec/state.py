@@ -103,12 +103,13 @@ class DraftState:
         feature = self._features(parents, s, root_feature) if self.draft.features else None  # [1, N, H]
         tree = anc[s:].to(self.device)[None] & self_visible(new_pos, t_pos, self.window)  # [1, N, S + N]
         ring = self_visible(new_pos, self.slot_pos[None], self.window)  # [1, N, window]
-        past = ((self.k, self.t_k), (self.v, self.t_v))  # ring then tentative, [1, kv_heads, window | S, d]: not copied
+        # the ring, then the tentative tokens (when any), as pieces [1, kv_heads, window | S, d]: never copied together
+        past = ((self.k, self.t_k), (self.v, self.t_v)) if s else (self.k, self.v)
         cross = None  # [1, N, T]; None when every new token sees the whole cache (at inference, shift 1: always)
         if target_kv is not None and target_kv[0].shape[2] > min(all_pos[s:]) - shift + 1:
             cross = cross_visible(new_pos, target_kv[0].shape[2], shift)
         logits, k, v, out = self.draft.run(ids.to(self.device)[None], new_pos, tree[..., s:], past,
-                                           (ring, tree[..., :s]), target_kv, cross, feature)
+                                           (ring, tree[..., :s]) if s else ring, target_kv, cross, feature)
         self.t_k, self.t_v = torch.cat([self.t_k, k], 2), torch.cat([self.t_v, v], 2)
         if self.draft.features:  # the features of tokens drafted below these
             self.t_out = torch.cat([self.t_out, out[0]])
