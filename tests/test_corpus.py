@@ -153,6 +153,19 @@ def test_cli_generate_and_info(cli, saved_models, tmp_path):
     assert len(texts) == 3 and all(t.startswith(f"def add{MBPP_HELDOUT + i}(a, b):\n") for i, t in enumerate(texts))
     again = cli("corpus", "export", tmp_path / "corpus", "--target", saved_models.target, "--out", tmp_path / "c.jsonl")
     assert again.rc == 2 and "already exists" in again.err
+    from retrospec.train.longspec_distill import is_heldout
+
+    # the held-out prompts, once each, for 'bench --prompts' (no model loads for them): at 0.5, two of the three
+    prompts = [f"def add{MBPP_HELDOUT + i}(a, b):\n" for i in range(3)]
+    want = [p for p in prompts if is_heldout({"prompt": p}, 0.5)]
+    held = cli("corpus", "export", tmp_path / "corpus", "--heldout-prompts", 0.5, "--source", "mbpp",
+               "--out", tmp_path / "h.jsonl")
+    assert held.rc == 0 and len(want) == 2, held.err
+    rows = [json.loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines()]
+    assert rows == [{"prompt": p, "source": "mbpp", "chat": False} for p in want]
+    for bad, fragment in ((["--source", "wiki"], "sources are mbpp"), (["--heldout-prompts", "1"], "share in")):
+        run = cli("corpus", "export", tmp_path / "corpus", *bad, "--out", tmp_path / "x.jsonl")
+        assert run.rc == 2 and fragment in run.err and run.err.count("\n") == 1
     bad = cli("corpus", "generate", "--target", saved_models.target, "--sources", "mbpp=/nonexistent.jsonl",
               "--out", tmp_path / "x")
     assert bad.rc == 2 and "does not exist" in bad.err and bad.err.count("\n") == 1

@@ -50,6 +50,12 @@ def add_parser(sub) -> None:
                                     "target)")
     e.add_argument("--skip-heldout", type=float, default=0.0, metavar="SHARE",
                    help="leave out the prompts 'train longspec-distill --heldout SHARE' holds out (default 0: none)")
+    e.add_argument("--heldout-prompts", type=float, default=None, metavar="SHARE",
+                   help="write instead the prompts that --heldout SHARE holds out, once each, as 'prompt' lines "
+                        "for 'bench --prompts' (held-out prompts of the corpus's own distribution; chat ones with "
+                        "--chat)")
+    e.add_argument("--source", default=None, metavar="NAME[,NAME]",
+                   help="only the records of these prompt sources (e.g. stdlib, or self-instruct,tasks)")
     e.set_defaults(func=run_export)
     i = verbs.add_parser("info", help="print a corpus's manifest")
     i.add_argument("path")
@@ -160,7 +166,28 @@ def run_export(args) -> int:
         raise RetrospecError(f"{out} already exists; choose another --out")
     if not 0 <= args.skip_heldout < 1:
         raise RetrospecError(f"--skip-heldout must be in [0, 1), got {args.skip_heldout}")
+    held = args.heldout_prompts
+    if held is not None and not (0 < held < 1 and not args.skip_heldout):
+        raise RetrospecError("--heldout-prompts takes a share in (0, 1) and no --skip-heldout")
     records = read_corpus(args.path)  # a corrupt corpus fails before the target loads
+    if args.source is not None:
+        wanted = {s.strip() for s in args.source.split(",") if s.strip()}
+        present = {r.get("source") for r in records}
+        if not wanted or not wanted <= present:
+            raise RetrospecError(f"--source {args.source!r}: this corpus's sources are "
+                                 f"{', '.join(sorted(map(str, present)))}")
+        records = [r for r in records if r.get("source") in wanted]
+    if held is not None:  # prompts only: no tokenizer needed
+        rows = {}
+        for r in records:
+            if is_heldout(r, held):
+                rows.setdefault(r.get("prompt", ""), {"prompt": r.get("prompt", ""), "source": r.get("source"),
+                                                      "chat": bool(r.get("chat"))})
+        if not rows:
+            raise RetrospecError(f"no prompt of {args.path} is held out at share {held}")
+        write_text_atomic(out, "".join(json.dumps(row) + "\n" for row in rows.values()))
+        print(f"{out}: {len(rows):,} held-out prompts")
+        return 0
     target = load_model(default_target() if args.target is None else args.target, role="target")
     tok = target.tokenizer
     if tok is None:
