@@ -81,7 +81,10 @@ def test_sd_draft_in_bfloat16_is_exact(monkeypatch):
     target = sharpen(tiny_llama(seed=0))
     draft = tiny_llama(seed=1, layers=1)
     drafter = REGISTRY["sd"](draft_model=draft, gamma=4)
-    assert drafter.engine.plan.source == "draft:packed-bf16" and drafter.engine.head_packed.dtype == torch.bfloat16
+    assert drafter.engine.plan.source == "draft:packed-bf16,head:packed-bf16"
+    head, x = draft.lm_head.weight.detach(), torch.randn(2, draft.config.hidden_size)
+    got = drafter.engine.logits_of(x)  # the head's rows in bfloat16: near the float product, not equal to it
+    assert torch.allclose(got, x @ head.T, atol=0.05) and not torch.equal(got, x @ head.T)
     assert engine_for(draft).head_packed is None or engine_for(draft).head_packed.dtype == torch.float32
     out, _, _ = run(target, drafter)
     assert out == oracle(target)
@@ -141,7 +144,7 @@ def test_drafts_through_the_f32_kernel_are_exact(monkeypatch):
     got = speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40)
     assert [t for c in got for t in c] == want
     sd = REGISTRY["sd"](draft_model=tiny_llama(seed=1, layers=1), gamma=4)
-    assert sd.engine.plan.source == "draft:kernel" and sd.engine.plan.kernel
+    assert sd.engine.plan.source == "draft:kernel,head:kernel" and sd.engine.plan.kernel
     got = speculative_generate(target, sd, PROMPT, sampling=GREEDY, max_new_tokens=40)
     assert [t for c in got for t in c] == want
 
@@ -174,3 +177,32 @@ def test_a_block_whose_head_runs_in_int8_equals_oracle(monkeypatch, tmp_path, mo
     stats = SpecStats()
     chunks = list(speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40, stats=stats))
     assert [t for c in chunks for t in c] == want and stats.accepted_tokens > 0
+
+
+@pytest.mark.skipif(not fdraft.weight_only.available("w8a8"), reason="torch._int_mm does not run on this CPU")
+def test_an_sd_draft_whose_head_runs_in_int8_is_exact(monkeypatch):
+    """A draft model's head is measured apart from its linears and may run in ``w8a8``: its q changes, the output
+    does not (greedy == oracle; sampled tokens follow the target's law), and the caller's draft is left as it was."""
+    from test_engine_greedy import oracle, run
+    from test_engine_sampling import ALPHA, N_RUNS, T1, chisq_pvalue, exact_law, joint_groups, sample_runs, tiny
+
+    from conftest import sharpen, tiny_llama
+
+    monkeypatch.setattr("retrospec.fastpath.engine.draft_choice",
+                        lambda weights, remeasure=False, head=False: "w8a8" if head else "plain")
+    target = sharpen(tiny_llama(seed=0))
+    draft = tiny_llama(seed=1, layers=1)
+    drafter = REGISTRY["sd"](draft_model=draft, gamma=4)
+    assert drafter.engine.plan.source == "draft:plain,head:w8a8" and type(draft.lm_head) is torch.nn.Linear
+    head, x = draft.lm_head.weight.detach(), torch.randn(2, draft.config.hidden_size)
+    got = drafter.engine.logits_of(x)
+    assert torch.allclose(got, x @ head.T, atol=0.03 * (x @ head.T).abs().max().item())
+    assert not torch.equal(got, x @ head.T)
+    out, _, _ = run(target, drafter)
+    assert out == oracle(target)
+    small, sdraft = tiny(seed=11, scale=8.0), tiny(seed=12, scale=3.0)
+    counts, stats = sample_runs(small, lambda: REGISTRY["sd"](draft_model=sdraft, gamma=2), T1,
+                                range(8_000_000, 8_000_000 + N_RUNS))
+    assert 0.03 * stats.drafted_tokens < stats.accepted_tokens < stats.drafted_tokens
+    p1, p2, _ = exact_law(small, T1)
+    assert chisq_pvalue(joint_groups(counts.sum(2), p1, p2)) > ALPHA

@@ -18,8 +18,9 @@ What:
   measured with ``head=True``, in ``w8a8`` (``weight_only``: int8 rows with a scale each, activations quantized per
   row): on the machine above a 16,384 x 576 head at 1 / 4 / 16 rows took 0.26 / 0.18 / 0.56 ms against 0.33 / 0.29 /
   0.93 ms prepacked in bfloat16; its top-1 token matched float32's on 96.8 % of the bundled block's drafted rows
-  (bfloat16: 98.2 %) and the block's greedy tau at fixed budgets moved by -1.0 % to +1.5 %. A head is measured apart
-  from the linears (its shape favours other paths); a draft's precision never touches exactness.
+  (bfloat16: 98.2 %) and the block's greedy tau at fixed budgets moved by -1.0 % to +1.5 %. A head (a block's
+  rows, a draft model's head) is measured apart from the linears (its shape favours other paths); a draft's precision
+  never touches exactness.
 
 Overrides: ``RETROSPEC_FASTPATH`` ``off`` / ``plain`` -> ``plain``, ``packed`` -> ``packed``, ``kernel`` -> ``kernel``;
 ``RETROSPEC_DRAFT_DTYPE``: ``float32`` (no bfloat16, no w8a8), ``bfloat16`` (``packed-bf16`` unmeasured), ``auto``

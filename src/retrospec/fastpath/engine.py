@@ -31,6 +31,7 @@ import sys
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -38,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..attention import hybrid_tree, prefix_block
 from ..weight_only import WeightOnlyLinear
 from . import compiled
-from .draft import draft_choice, pack_linears
+from .draft import draft_choice, pack_linears, row_product
 from .lean import LeanDecoder
 from .linear import head_logits, kernel_streamed, pack_weight
 from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode
@@ -122,7 +123,7 @@ class EngineModel:
         self.decoder: torch.nn.Module | None = None  # set when the head is applied here (plain-head families)
         self.head_weight: torch.Tensor | None = None  # [V, H]
         self.head_packed: torch.Tensor | None = None
-        self.head_fn: torch.nn.Module | None = None  # a weight-only head: called as it is
+        self.head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None  # a weight-only or draft head: as it is
         self.hybrid_min_length: int | None = None
         self.row_exact = False  # every verified row computed as a one-token step computes it (see rows_invariant)
         self.lean: LeanDecoder | None = None  # the decoder's forward as a plain loop (``fastpath.lean``) where it applies
@@ -145,11 +146,13 @@ class EngineModel:
             pack_dtype = None
             if isinstance(head, WeightOnlyLinear):  # a weight-only model: its own kernels, nothing to pack
                 self.plan, self.head_fn = Plan(source=f"weight-only:{head.fmt}"), head
-            elif draft:  # a draft model: every row count in the path measured fastest for drafts (fastpath.draft)
-                choice = draft_choice([*(m.weight for m in linears), head.weight], remeasure=remeasure)
-                layout = {"plain": None, "kernel": "kernel"}.get(choice, "packed")  # the head's, at every row count
-                self.plan = Plan(packed_rows=list(ROWS) if layout == "packed" else [], kernel=layout == "kernel",
-                                 head={r: layout for r in ROWS} if layout else {}, source=f"draft:{choice}")
+            elif draft:  # a draft model: its linears, and apart its head, each in the path measured fastest for
+                # drafts at every row count (fastpath.draft; the head's shape favours other paths, w8a8 among them)
+                choice = draft_choice([m.weight for m in linears], remeasure=remeasure)
+                head_choice = draft_choice([head.weight], remeasure=remeasure, head=True)
+                self.plan = Plan(packed_rows=list(ROWS) if choice.startswith("packed") else [],
+                                 kernel=choice == "kernel", source=f"draft:{choice},head:{head_choice}")
+                self.head_fn = row_product(head.weight, head_choice)
                 pack_dtype = torch.bfloat16 if choice == "packed-bf16" else None
             elif how == "auto":
                 self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
