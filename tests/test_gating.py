@@ -39,7 +39,7 @@ def test_first_step_measures_plain_decoding_then_ramps_up():
     gate = Gate(GateProfile(), "sd")
     budgets = simulate(gate, 8, natural=10, accept=lambda i: 10, draft_per_node=0.0005)
     assert budgets[0] == 0  # nothing known about this target yet: one plain step
-    assert budgets[1:3] == [1, 4]  # the ramp (x4) while the drafter fills its budget
+    assert budgets[1:4] == [1, 1, 4]  # the ramp (x4) while the drafter fills its budget, its first step timed twice
     assert max(budgets[:6]) >= 10  # 16 > natural: the drafter proposes its own size (10)
     assert all(b >= 10 for b in budgets[8:])  # and keeps it
 
@@ -86,7 +86,7 @@ def test_cheap_bursty_draft_that_pays_is_never_gated():
     gate = Gate(GateProfile(), "pld")
     budgets = simulate(gate, 200, natural=10, accept=lambda i: 0 if rng.random() < 1 / 3 else 10,
                        draft_per_node=0.00001)
-    assert budgets[0] == 0 and budgets[1:3] == [1, 4]
+    assert budgets[0] == 0 and budgets[1:4] == [1, 1, 4]
     assert min(budgets[10:]) >= 4  # never gated off
     assert sum(min(b, 10) for b in budgets[10:]) / len(budgets[10:]) >= 6
 
@@ -224,11 +224,11 @@ def test_ramp_slows_to_2x_where_verifying_more_nodes_is_costly():
     -> 16 ...), where verification is cheap it grows 4x (test_first_step_...). A drafter always right still climbs."""
     costly = simulate(Gate(GateProfile(), "longspec"), 12, natural=64, accept=lambda i: 64, draft_per_node=0.0001,
                       verify_per_node=0.004)
-    assert costly[1:3] == [1, 4]  # the first growth (from 1) knows nothing about costs yet: 4x
+    assert costly[1:4] == [1, 1, 4]  # the first growth (from 1) knows nothing about costs yet: 4x
     assert 8 in costly and 16 in costly and costly.index(8) < costly.index(16), costly  # then 2x
     cheap = simulate(Gate(GateProfile(), "longspec"), 12, natural=64, accept=lambda i: 64, draft_per_node=0.0001,
                      verify_per_node=0.0002)
-    assert cheap[1:4] == [1, 4, 16], cheap
+    assert cheap[1:5] == [1, 1, 4, 16], cheap
     assert max(costly) >= 64 and max(cheap) >= 64  # both reach the drafter's size (64 nodes)
 
 
@@ -236,16 +236,21 @@ def test_ramp_slows_to_2x_where_verifying_more_nodes_is_costly():
 def test_a_request_that_fails_after_a_paying_one_does_not_climb_through_carried_budgets(accepted):
     """Request 1 pays at budgets of 10-20; request 2's drafts are never accepted. Its rejections also lower the
     carried estimates of larger budgets it has not tried (a chain would have stopped at the same node), so it does
-    not try them one by one (before: 10, 11, 12, ..., 23, then 64) and is gated off within a dozen steps."""
-    rng = random.Random(0)
-    prof = GateProfile()
-    simulate(Gate(prof, "longspec"), 60, natural=64, accept=lambda i: rng.choice([0, accepted, 2 * accepted, 64]),
-             draft_per_node=0.0002, verify_per_node=0.0004)
-    budgets = simulate(Gate(prof, "longspec"), 30, natural=64, accept=lambda i: 0, draft_per_node=0.0004,
-                       verify_per_node=0.0005)
-    assert budgets[0] >= 4  # it starts from the paying request's estimates
-    assert max(budgets) <= 2 * budgets[0], budgets
-    assert 0 in budgets[:13], budgets
+    not try them one by one (before: 10, 11, 12, ..., 23, then 64) and is gated off within about a dozen steps.
+    Over 20 histories of request 1 (the property, not one lucky sequence)."""
+    first_off = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        prof = GateProfile()
+        simulate(Gate(prof, "longspec"), 60, natural=64, accept=lambda i: rng.choice([0, accepted, 2 * accepted, 64]),
+                 draft_per_node=0.0002, verify_per_node=0.0004)
+        budgets = simulate(Gate(prof, "longspec"), 30, natural=64, accept=lambda i: 0, draft_per_node=0.0004,
+                           verify_per_node=0.0005)
+        assert budgets[0] >= 2, (seed, budgets)  # it starts drafting, from the paying request's estimates
+        assert max(budgets) <= 3 * budgets[0], (seed, budgets)
+        assert 0 in budgets[:24], (seed, budgets)
+        first_off.append(budgets.index(0))
+    assert sorted(first_off)[10] <= 12, first_off
 
 
 def test_a_rejection_lowers_untried_larger_budgets_only():
@@ -278,3 +283,22 @@ def test_one_stalled_step_does_not_close_the_gate(where):
         gate.update(b, nodes, list(range(min(nodes, 2))), draft_s, verify_s, CTX + i)
     assert budgets[40] > 0 and min(budgets[20:40]) >= 2  # drafting, and paying, before the stall
     assert budgets[41:].count(0) <= 2 and min(budgets[45:]) >= 2, budgets[38:60]
+
+
+def test_a_stall_in_the_first_drafting_step_does_not_close_the_gate():
+    # the first timing of a budget has no average to be capped by (a lazy first-use cost: a weight packed on first
+    # call, a kernel loaded): once a later timing shows the budget is STALL x cheaper, that timing replaces the
+    # average, so the next requests are not priced out by it either
+    profile = GateProfile()
+    for request in range(3):
+        gate = Gate(profile, "longspec")
+        budgets = []
+        for i in range(120):
+            b = gate.choose(1000, CTX + i)
+            budgets.append(b)
+            nodes = min(b, 4)
+            first = request == 0 and b and not any(budgets[:-1])
+            draft_s = (0.0003 * nodes + (6 * PLAIN if first else 0.0)) if b else 0.0
+            gate.update(b, nodes, list(range(min(nodes, 2))), draft_s, PLAIN + 0.001 * nodes, CTX + i)
+        gate.finish()
+        assert budgets[60:].count(0) <= 6 and sorted(budgets[60:])[30] >= 2, (request, budgets[:60])

@@ -8,8 +8,10 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
   between them (budget 0 drafts nothing). verify(n): seconds to verify, accept and commit n nodes (n = 0: a plain
   step), kept per target across requests (``GateProfile``, by context-length bucket, linear between node counts,
   read so it never falls as n grows) and measured once per bucket when unknown. In both averages one timing counts
-  at most ``STALL`` x the average (a stall is not a new cost). n(b): expected node count with budget b, estimated
-  like E(b).
+  at most ``STALL`` x the average (a stall is not a new cost); the first drafting step of a request with nothing
+  carried is a warm-up: the next step drafts the same budget again and its timing replaces the warm-up's (a first
+  call may pack weights or load a kernel: a 57 ms first call once priced a 1.2 ms drafter out of a whole run).
+  n(b): expected node count with budget b, estimated like E(b).
 - E(b): expected tokens committed per step. A step with budget B also tells what any b <= B would have committed:
   the accepted path's node indices increase (parents precede children), so the first b nodes keep exactly the
   accepted nodes with index < b (exact for chains; for breadth-first trees an approximation). E(b) = 1 + decayed
@@ -204,6 +206,8 @@ class Gate:
         self.last_full = False  # the last step's whole draft was accepted
         self.context = 0
         last = profile.carried.get(drafter_name) if enabled else None
+        self.warm = last is not None  # False until a drafting step has been timed twice (the first is a warm-up)
+        self.redo = 0  # the budget of the warm-up step, drafted again at once to replace its timing
         if last is not None:  # start from the last request's estimates, worth at most CARRY_WEIGHT steps each
             self.acc, self.nodes, self.wgt = list(last["acc"]), list(last["nodes"]), list(last["wgt"])
             self.draft_s, self.top, self.filled_top = Curve(last["draft_s"]), last["top"], last["filled_top"]
@@ -242,6 +246,8 @@ class Gate:
             return 0  # measure plain decoding once for this target and context size
         if self.top == 0:
             return 1  # the first request of this drafter on this target: start the ramp
+        if self.redo:
+            return min(room, self.redo)  # the warm-up's budget once more, to time it warm
         rates = self.rates()
         best = max(rates, key=lambda b: (rates[b], b))
         if best == self.top:
@@ -309,7 +315,12 @@ class Gate:
         self.last_full = nodes > 0 and nodes == budget and len(accepted_nodes) == nodes
         if not self.enabled or budget == 0:
             return
-        self.draft_s.ema(budget, draft_s)
+        if self.warm:
+            self.draft_s.ema(budget, draft_s)
+        elif self.redo == budget:  # the step after the warm-up, at its budget: this timing replaces the warm-up's
+            self.draft_s[budget], self.warm, self.redo = draft_s, True, 0
+        else:  # the warm-up: kept until the next step measures the same budget again
+            self.draft_s[budget], self.redo = draft_s, budget
         if budget > self.top:
             self.filled_top = False
         below = len(self.acc) - 1  # the largest budget with estimates so far (0: none)
