@@ -71,9 +71,21 @@ def test_longspec_in_bfloat16_equals_oracle(monkeypatch, mode):
     assert stats.accepted_tokens > 0
 
 
+def assert_sd_samples_follow_the_target():
+    """Sampled ``sd`` runs on tiny models (the draft's engine as the test configured it): the committed tokens follow
+    the target's law (chi-square), with some drafts accepted and some rejected."""
+    from test_engine_sampling import ALPHA, N_RUNS, T1, chisq_pvalue, exact_law, joint_groups, sample_runs, tiny
+
+    small, sdraft = tiny(seed=11, scale=8.0), tiny(seed=12, scale=3.0)
+    counts, stats = sample_runs(small, lambda: REGISTRY["sd"](draft_model=sdraft, gamma=2), T1,
+                                range(8_000_000, 8_000_000 + N_RUNS))
+    assert 0.03 * stats.drafted_tokens < stats.accepted_tokens < stats.drafted_tokens
+    p1, p2, _ = exact_law(small, T1)
+    assert chisq_pvalue(joint_groups(counts.sum(2), p1, p2)) > ALPHA
+
+
 def test_sd_draft_in_bfloat16_is_exact(monkeypatch):
     from test_engine_greedy import oracle, run
-    from test_engine_sampling import ALPHA, N_RUNS, T1, chisq_pvalue, exact_law, joint_groups, sample_runs, tiny
 
     from conftest import sharpen, tiny_llama
 
@@ -89,12 +101,7 @@ def test_sd_draft_in_bfloat16_is_exact(monkeypatch):
     out, _, _ = run(target, drafter)
     assert out == oracle(target)
     # sampling: the committed tokens follow the target's law with q computed in bfloat16
-    small, sdraft = tiny(seed=11, scale=8.0), tiny(seed=12, scale=3.0)
-    counts, stats = sample_runs(small, lambda: REGISTRY["sd"](draft_model=sdraft, gamma=2), T1,
-                                range(8_000_000, 8_000_000 + N_RUNS))
-    assert 0.03 * stats.drafted_tokens < stats.accepted_tokens < stats.drafted_tokens
-    p1, p2, _ = exact_law(small, T1)
-    assert chisq_pvalue(joint_groups(counts.sum(2), p1, p2)) > ALPHA
+    assert_sd_samples_follow_the_target()
 
 
 def test_choice_is_measured_once_and_overrides(monkeypatch, tmp_path):
@@ -184,7 +191,6 @@ def test_an_sd_draft_whose_head_runs_in_int8_is_exact(monkeypatch):
     """A draft model's head is measured apart from its linears and may run in ``w8a8``: its q changes, the output
     does not (greedy == oracle; sampled tokens follow the target's law), and the caller's draft is left as it was."""
     from test_engine_greedy import oracle, run
-    from test_engine_sampling import ALPHA, N_RUNS, T1, chisq_pvalue, exact_law, joint_groups, sample_runs, tiny
 
     from conftest import sharpen, tiny_llama
 
@@ -200,9 +206,4 @@ def test_an_sd_draft_whose_head_runs_in_int8_is_exact(monkeypatch):
     assert not torch.equal(got, x @ head.T)
     out, _, _ = run(target, drafter)
     assert out == oracle(target)
-    small, sdraft = tiny(seed=11, scale=8.0), tiny(seed=12, scale=3.0)
-    counts, stats = sample_runs(small, lambda: REGISTRY["sd"](draft_model=sdraft, gamma=2), T1,
-                                range(8_000_000, 8_000_000 + N_RUNS))
-    assert 0.03 * stats.drafted_tokens < stats.accepted_tokens < stats.drafted_tokens
-    p1, p2, _ = exact_law(small, T1)
-    assert chisq_pvalue(joint_groups(counts.sum(2), p1, p2)) > ALPHA
+    assert_sd_samples_follow_the_target()
