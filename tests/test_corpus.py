@@ -163,7 +163,8 @@ def test_cli_generate_and_info(cli, saved_models, tmp_path):
     assert held.rc == 0 and len(want) == 2, held.err
     rows = [json.loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines()]
     assert rows == [{"prompt": p, "source": "mbpp", "chat": False} for p in want]
-    for bad, fragment in ((["--source", "wiki"], "sources are mbpp"), (["--heldout-prompts", "1"], "share in")):
+    for bad, fragment in ((["--source", "wiki"], "sources are mbpp"), (["--heldout-prompts", "1"], "share in"),
+                          (["--heldout-prompts", "0.5", "--skip-heldout", "0.1"], "no --skip-heldout")):
         run = cli("corpus", "export", tmp_path / "corpus", *bad, "--out", tmp_path / "x.jsonl")
         assert run.rc == 2 and fragment in run.err and run.err.count("\n") == 1
     bad = cli("corpus", "generate", "--target", saved_models.target, "--sources", "mbpp=/nonexistent.jsonl",
@@ -303,3 +304,16 @@ def test_the_corpus_kept_in_the_repository_unpacks_for_the_bundled_target(tmp_pa
     assert len(records) == json.loads(text)["packed"]["records"] > 0
     assert {r["source"] for r in records} <= {"stdlib", "self-instruct", "tasks"}  # no external data committed
     assert sum(len(r["output_ids"]) for r in records) == manifest["output_tokens"]
+
+    # its held-out prompts, one kind a file for 'bench --prompts' (chat ones under --chat): mixed kinds are refused
+    from retrospec.cli import main
+
+    assert main(["corpus", "export", str(tmp_path / "c"), "--heldout-prompts", "0.04", "--out",
+                 str(tmp_path / "mixed.jsonl")]) == 2 and not (tmp_path / "mixed.jsonl").exists()
+    for sources in ("stdlib", "self-instruct,tasks"):
+        out = tmp_path / f"{sources}.jsonl"
+        assert main(["corpus", "export", str(tmp_path / "c"), "--heldout-prompts", "0.04", "--source", sources,
+                     "--out", str(out)]) == 0
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert rows and len({r["prompt"] for r in rows}) == len(rows)
+        assert {r["source"] for r in rows} <= set(sources.split(",")) and len({r["chat"] for r in rows}) == 1

@@ -302,3 +302,19 @@ def test_a_stall_in_the_first_drafting_step_does_not_close_the_gate():
             gate.update(b, nodes, list(range(min(nodes, 2))), draft_s, PLAIN + 0.001 * nodes, CTX + i)
         gate.finish()
         assert budgets[60:].count(0) <= 6 and sorted(budgets[60:])[30] >= 2, (request, budgets[:60])
+
+
+def test_a_request_that_ends_inside_its_warm_up_hands_nothing_on():
+    # a request whose only drafting step stalled (and ended before the step that re-times it) must not price the
+    # drafter out of the next request: that one starts its own ramp and warm-up
+    profile = GateProfile()
+    first = Gate(profile, "longspec")
+    assert first.choose(1000, CTX) == 0
+    first.update(0, 0, [], 0.0, PLAIN, CTX)
+    assert first.choose(1000, CTX + 1) == 1
+    first.update(1, 1, [0], 6 * PLAIN, PLAIN + 0.001, CTX + 1)  # the warm-up, stalled; then the request ends
+    first.finish()
+    assert "longspec" not in profile.carried
+    budgets = simulate(Gate(profile, "longspec"), 120, natural=4, accept=lambda i: 2, draft_per_node=0.0003,
+                       verify_per_node=0.001)
+    assert budgets[:3] == [1, 1, 4] and budgets[60:].count(0) <= 6, budgets[:20]

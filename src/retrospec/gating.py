@@ -353,8 +353,9 @@ class Gate:
                 self.wgt[b] = DECAY * self.wgt[b] + 1.0
 
     def finish(self) -> None:
-        """Hand this request's estimates to the next one of this drafter and target, capped at ``CARRY_WEIGHT``."""
-        if not (self.enabled and self.top > 0):
+        """Hand this request's estimates to the next one of this drafter and target, capped at ``CARRY_WEIGHT``; a
+        request that ended inside its warm-up hands nothing on (its one drafting timing may be a first-call stall)."""
+        if not (self.enabled and self.top > 0 and self.warm):
             return
         scale = [min(1.0, CARRY_WEIGHT / w) if w > 0 else 1.0 for w in self.wgt]
         self.profile.carried[self.name] = {

@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     e.add_argument("--heldout-prompts", type=float, default=None, metavar="SHARE",
                    help="write instead the prompts that --heldout SHARE holds out, once each, as 'prompt' lines "
                         "for 'bench --prompts' (held-out prompts of the corpus's own distribution; chat ones with "
-                        "--chat)")
+                        "--chat); no model is loaded")
     e.add_argument("--source", default=None, metavar="NAME[,NAME]",
                    help="only the records of these prompt sources (e.g. stdlib, or self-instruct,tasks)")
     e.set_defaults(func=run_export)
@@ -175,7 +175,7 @@ def run_export(args) -> int:
         present = {r.get("source") for r in records}
         if not wanted or not wanted <= present:
             raise RetrospecError(f"--source {args.source!r}: this corpus's sources are "
-                                 f"{', '.join(sorted(map(str, present)))}")
+                                 f"{', '.join(sorted(str(p) for p in present if p is not None))}")
         records = [r for r in records if r.get("source") in wanted]
     if held is not None:  # prompts only: no tokenizer needed
         rows = {}
@@ -185,6 +185,10 @@ def run_export(args) -> int:
                                                       "chat": bool(r.get("chat"))})
         if not rows:
             raise RetrospecError(f"no prompt of {args.path} is held out at share {held}")
+        kinds = {chat: sorted({str(r["source"]) for r in rows.values() if r["chat"] == chat}) for chat in (True, False)}
+        if all(kinds.values()):  # 'bench --chat' applies to every prompt of a file: one kind a file
+            raise RetrospecError(f"the held-out prompts mix chat ({', '.join(kinds[True])}) and raw completion "
+                                 f"({', '.join(kinds[False])}); choose one kind with --source")
         write_text_atomic(out, "".join(json.dumps(row) + "\n" for row in rows.values()))
         print(f"{out}: {len(rows):,} held-out prompts")
         return 0

@@ -46,7 +46,8 @@ class MagicDecDrafter:
         self.adaptive = adaptive
         self.max_gamma = max(max_gamma, gamma)
         self.device = next(model.parameters()).device
-        # the target's DRAFT engine (fastpath.draft: maybe a bfloat16 copy; RETROSPEC_DRAFT_DTYPE=float32 avoids it);
+        # the target's DRAFT engine (fastpath.draft: maybe a bfloat16 copy, or an int8 copy of the head;
+        # RETROSPEC_DRAFT_DTYPE=float32 avoids both);
         # verification keeps the target's own engine in its weights' dtype, so the output is exact
         self.engine = engine_for(model, draft=True)
         self.cache: SinkWindowCache | None = None
