@@ -74,7 +74,7 @@ def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
     as it is."""
     rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
     weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
-    choice = draft_choice(weights, remeasure=remeasure) if weights else "plain"
+    choice = draft_choice(weights, remeasure=remeasure)  # no linears: plain
     head = draft_choice([rows], remeasure=remeasure, head=True)
     if choice == head == "plain":
         return block

@@ -92,7 +92,7 @@ def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float) -> torch.Ten
     the scores are joined, the keys and values never are. The query heads of one group are stacked along the query
     axis, so the (possibly long) keys are never copied. Scores and softmax in float32. Returns [b, L, h * d]; a query
     with no visible key gets zeros."""
-    ks, vs, masks = (k, v, allowed) if isinstance(k, tuple) else ((k,), (v,), (allowed,))
+    ks, vs, masks = _pieces(k), _pieces(v), _pieces(allowed)
     b, h, n, d = q.shape
     kvh = ks[0].shape[1]
     rep = h // kvh
