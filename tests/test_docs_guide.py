@@ -27,7 +27,7 @@ Substitutions, so that the whole file runs in under a minute on two CPU cores:
   costs seconds each on a CPU; ``tests/test_bench_longspec.py`` checks the long presets' prompts).
 - The standard library as a corpus (``--corpus stdlib``, ``--sources stdlib``, the default corpus of ``train
   longspec``, ``zoo build``, ``zoo real-draft``) is cut to its first ``STDLIB_FILES`` training files.
-- ``rag.open_pipeline`` without a config drafts 2 subsets of at most 8 rationale tokens (``ShortRagConfig``).
+- ``speculative_rag.open_pipeline`` without a config drafts 2 subsets of at most 8 rationale tokens (``ShortRagConfig``).
 - Charts (``speedup.png``, ``profile.png``) are written empty: drawing them costs about half a second each.
 - ``--port`` becomes 0, and ``retrospec serve`` does not block: its uvicorn server is replaced by a check through
   Starlette's test client (``/health``, ``/v1/models``, one completion, and the page's ``curl`` bodies).
@@ -279,7 +279,7 @@ def guide_env(stand_in, monkeypatch):
 
     from dataclasses import dataclass as _dataclass
 
-    from retrospec.rag import pipeline
+    from retrospec.speculative_rag import pipeline
 
     @_dataclass
     class ShortRagConfig(pipeline.RagConfig):  # what a pipeline opened without a config uses

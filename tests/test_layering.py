@@ -9,7 +9,7 @@ Why this order (docs/architecture.md, "Layers"): shared I/O and data sources (at
 model identity, the stdlib corpus) sit at the bottom, so every layer can build and check artefacts; ``tasks`` (prompt
 rows, presets and seeded long-context task rows) is data, read by the bench, the corpus and training alike; the core
 (kv, tree, attention -> models -> verify / acceptance / sampling -> drafters -> decode) sits below the request layer
-and the API; ``rag`` is a client of retrieval and models beside the API; ``serve`` runs requests and ``corpus`` (the
+and the API; ``speculative_rag`` is a client of retrieval and models beside the API; ``serve`` runs requests and ``corpus`` (the
 target's own outputs) generates beside it; ``bench`` measures requests, and servers through their load generator
 (``serve.loadtest``); ``train`` reads the corpus; the CLI and the demo are on top.
 """
@@ -37,7 +37,7 @@ RANKS: dict[str, int] = {
     # requests and the API
     "request": 8,
     "run": 9,
-    "api": 10, "rag": 10,
+    "api": 10, "speculative_rag": 10,
     # applications
     "__init__": 11, "serve": 11, "corpus": 11,
     "bench": 12, "train": 12,

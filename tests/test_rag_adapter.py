@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from retrospec.errors import RetrospecError
 from retrospec.models.adapters import ADAPTER_META, INT8_WEIGHTS, PEFT_WEIGHTS, is_adapter_dir, pack_adapter
 from retrospec.models.loading import load_model
-from retrospec.rag.data import Passage, Question, split_of
-from retrospec.rag.prompts import draft_reply, drafter_prompt
+from retrospec.speculative_rag.data import Passage, Question, split_of
+from retrospec.speculative_rag.prompts import draft_reply, drafter_prompt
 from retrospec.train.rag_drafter import RagDrafterConfig, build_examples, extractive_rationale, train_rag_drafter
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from retrospec.rag.index import build_index
+from retrospec.speculative_rag.index import build_index
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

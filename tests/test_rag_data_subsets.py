@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from retrospec.errors import RetrospecError
-from retrospec.rag.data import Passage, Question, read_passages, read_questions, select, split_of
-from retrospec.rag.subsets import (clustered_subsets, clusters, doc_embeddings, make_subsets, random_subsets,
+from retrospec.speculative_rag.data import Passage, Question, read_passages, read_questions, select, split_of
+from retrospec.speculative_rag.subsets import (clustered_subsets, clusters, doc_embeddings, make_subsets, random_subsets,
                                    same_cluster_subsets)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from retrospec.errors import RetrospecError
-from retrospec.rag.index import INDEX_FILE, PASSAGES_FILE, build_index, embedder_identity, load_index
+from retrospec.speculative_rag.index import INDEX_FILE, PASSAGES_FILE, build_index, embedder_identity, load_index
 from retrospec.retrieval.embedder import load_embedder
 from retrospec.retrieval.store import load_meta
 

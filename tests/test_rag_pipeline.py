@@ -14,11 +14,11 @@ import torch
 
 from retrospec.errors import RetrospecError
 from retrospec.models.loading import load_model
-from retrospec.rag import bench
-from retrospec.rag.data import Passage, Question
-from retrospec.rag.index import build_index, load_index
-from retrospec.rag.pipeline import METHODS, Draft, Method, RagAnswer, RagConfig, RagPipeline, resolve_methods
-from retrospec.rag.prompts import verifier_text
+from retrospec.speculative_rag import bench
+from retrospec.speculative_rag.data import Passage, Question
+from retrospec.speculative_rag.index import build_index, load_index
+from retrospec.speculative_rag.pipeline import METHODS, Draft, Method, RagAnswer, RagConfig, RagPipeline, resolve_methods
+from retrospec.speculative_rag.prompts import verifier_text
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -18,11 +18,11 @@ from retrospec.decode import autoregressive_generate
 from retrospec.errors import RetrospecError
 from retrospec.models.loading import load_model
 from retrospec.batched import greedy_batch
-from retrospec.rag.data import Passage
-from retrospec.rag.pipeline import Draft, RagConfig, RagPipeline
-from retrospec.rag.prompts import (ANSWER_TAG, RATIONALE_TAG, REFLECTION, answer_prompt, draft_reply, draft_spans,
+from retrospec.speculative_rag.data import Passage
+from retrospec.speculative_rag.pipeline import Draft, RagConfig, RagPipeline
+from retrospec.speculative_rag.prompts import (ANSWER_TAG, RATIONALE_TAG, REFLECTION, answer_prompt, draft_reply, draft_spans,
                                    drafter_prompt, first_line, format_documents, parse_draft, verifier_text)
-from retrospec.rag.scoring import span_logprobs, token_logprob_sum, token_spans
+from retrospec.speculative_rag.scoring import span_logprobs, token_logprob_sum, token_spans
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

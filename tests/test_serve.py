@@ -239,7 +239,7 @@ def test_models_lists_the_served_model(client):
 
 
 def test_a_failing_generation_is_500_and_the_server_lives_on(zoo, client, monkeypatch):
-    import retrospec.serve.engine as engine
+    import retrospec.serve.backend as engine
 
     class Broken(engine.Run):
         def __iter__(self):

@@ -1,6 +1,6 @@
 """The speculative decoding loop, and the naive autoregressive generator that is its test oracle.
 
-The engine works on token ids: it yields the committed ids of each verification step as soon as they are committed
+The loop works on token ids: it yields the committed ids of each verification step as soon as they are committed
 (streaming). Stop strings are the caller's business (close the generator); EOS ids and ``max_new_tokens`` are
 handled here.
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..atomic import write_text_atomic
 from ..errors import RetrospecError
-from ..rag.data import Passage, Question, read_passages, read_questions
+from ..speculative_rag.data import Passage, Question, read_passages, read_questions
 
 DEFAULT_NQ_DIR = "../shared/data/nq_open"  # relative to the repository root, where the bench commands run
 _TOP_LEVEL = ("def ", "class ", "async def ")

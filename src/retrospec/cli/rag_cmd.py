@@ -1,7 +1,7 @@
 """``retrospec rag index|answer|bench|merge``: Speculative RAG (Wang et al., ICLR 2025) from the command line.
 
 - ``index`` embeds a passages JSONL (id, title, text) into a ``rag`` datastore directory (exact FAISS inner-product
-  index over unit-norm sentence embeddings; see ``retrospec.rag.index``);
+  index over unit-norm sentence embeddings; see ``retrospec.speculative_rag.index``);
 - ``answer`` answers one question with one method and prints the drafts, their scores and the latency split;
 - ``bench`` runs methods over a question file (``--split eval`` by default: never used to tune the drafter) and
   writes ``results.json``, ``report.md`` and ``accuracy_latency.png``; ``merge`` joins benches run in shards.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from ..errors import RetrospecError
-from ..rag import DEFAULT_DRAFTER, DEFAULT_VERIFIER, RagConfig
+from ..speculative_rag import DEFAULT_DRAFTER, DEFAULT_VERIFIER, RagConfig
 
 CONFIG_INTS = (("docs", "passages retrieved per question (default 10)"),  # RagConfig fields with a flag each
                ("drafts", "document subsets = drafts (default 5)"),
@@ -43,7 +43,7 @@ def _add_index(rsub) -> None:
 
 
 def run_index(args) -> int:
-    from ..rag.index import build_index
+    from ..speculative_rag.index import build_index
     from ..retrieval.store import load_meta
 
     if args.batch_size < 1:
@@ -106,7 +106,7 @@ def _add_bench(rsub) -> None:
 def _pipeline(args):
     import torch
 
-    from ..rag import open_pipeline
+    from ..speculative_rag import open_pipeline
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,7 +122,7 @@ def _pipeline(args):
 def run_answer(args) -> int:
     import json
 
-    from ..rag.pipeline import resolve_methods
+    from ..speculative_rag.pipeline import resolve_methods
 
     method = resolve_methods(args.method)
     if len(method) != 1:
@@ -157,9 +157,9 @@ def run_bench(args) -> int:
 
     import torch
 
-    from ..rag.bench import run_bench as bench
-    from ..rag.data import read_questions, select
-    from ..rag.pipeline import METHODS, resolve_methods
+    from ..speculative_rag.bench import run_bench as bench
+    from ..speculative_rag.data import read_questions, select
+    from ..speculative_rag.pipeline import METHODS, resolve_methods
 
     methods = list(METHODS) if args.methods.strip() == "all" else resolve_methods(args.methods)
     if args.limit is not None and args.limit < 1:
@@ -188,7 +188,7 @@ def run_bench(args) -> int:
 def run_merge(args) -> int:
     from pathlib import Path
 
-    from ..rag.bench import merge
+    from ..speculative_rag.bench import merge
 
     result = merge([Path(p) for p in args.parts], Path(args.out))
     _print_summary(result, args.out)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RetrospecError
-from ..rag.data import read_questions, split_of
+from ..speculative_rag.data import read_questions, split_of
 from ..stdlib_corpus import read_texts, stdlib_files
 from ..tasks import load_prompts
 

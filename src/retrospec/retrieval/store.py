@@ -39,7 +39,7 @@ from ..models.files import read_description
 
 FORMAT = "retrospec-datastore"
 VERSION = 1
-KINDS = ("suffix", "dense", "rag")  # rag: Speculative RAG passage index (retrospec.rag.index)
+KINDS = ("suffix", "dense", "rag")  # rag: Speculative RAG passage index (retrospec.speculative_rag.index)
 # how a kind is named, and what needs it (for the wrong-kind refusal)
 _KIND_NAMES = {"suffix": "suffix store", "dense": "dense store", "rag": "RAG passage index"}
 _KIND_NEEDS = {"suffix": "method 'rest' needs a suffix store (retrospec datastore build --kind suffix)",

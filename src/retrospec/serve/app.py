@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Backend, Job, shutting_down
+from .backend import Backend, Job, shutting_down
 from .openapi import finish_openapi, route_doc
 from .protocol import Limits, ProtocolError, error_body, load_json, param_of, parse, shape, usage
 

@@ -36,8 +36,8 @@ from ..chat import end_of_turn_ids, has_chat_template
 from ..errors import RetrospecError
 from ..models.adapters import ADAPTER_META, write_adapter_meta
 from ..models.loading import load_model
-from ..rag.data import Passage, Question, read_passages, read_questions, select
-from ..rag.prompts import draft_spans, drafter_prompt
+from ..speculative_rag.data import Passage, Question, read_passages, read_questions, select
+from ..speculative_rag.prompts import draft_spans, drafter_prompt
 from .common import adamw, autocast, check_budget, check_new, set_lr, warmup_cosine, write_json
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

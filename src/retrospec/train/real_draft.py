@@ -42,7 +42,7 @@ from ..batched import generate_batch
 from ..errors import RetrospecError
 from ..identity import target_record
 from ..models.vocab import VocabMap
-from ..rag.data import read_passages, read_questions
+from ..speculative_rag.data import read_passages, read_questions
 from .common import adamw, jsonable, kl, optimizer_step, set_lr, set_threads, warmup_cosine, write_json
 
 # chat prompts the draft is trained on (the target answers them); the bench's and demo's prompts are not here

@@ -9,7 +9,7 @@ decoding) and ``scoring`` (teacher-forced span scores) → ``pipeline`` (methods
 
 Python API::
 
-    from retrospec import rag
+    from retrospec import speculative_rag as rag
 
     rag.build_index("passages.jsonl", "runs/nq-index")                 # once
     pipe = rag.open_pipeline("runs/nq-index")                           # drafter / verifier: defaults below
