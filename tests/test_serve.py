@@ -239,14 +239,14 @@ def test_models_lists_the_served_model(client):
 
 
 def test_a_failing_generation_is_500_and_the_server_lives_on(zoo, client, monkeypatch):
-    import retrospec.serve.backend as engine
+    import retrospec.serve.backend as backend
 
-    class Broken(engine.Run):
+    class Broken(backend.Run):
         def __iter__(self):
             raise RuntimeError("boom")
             yield
 
-    monkeypatch.setattr(engine, "Run", Broken)
+    monkeypatch.setattr(backend, "Run", Broken)
     with pytest.raises(openai.InternalServerError) as exc:
         client.completions.create(model="zoo", prompt=PROMPT, max_tokens=2)
     assert exc.value.response.json()["error"]["type"] == "server_error"
