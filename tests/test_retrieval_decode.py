@@ -54,9 +54,11 @@ def greedy_setup(request, tmp_path_factory):
     return model, prompts[:4], stores
 
 
-@pytest.mark.parametrize("method", ["rest", "dresd"])
+@pytest.mark.parametrize("method", ["rest", "dresd", "dresd@nearest"])
 @pytest.mark.parametrize("shape", [{}, {"num_drafts": 1, "draft_len": 4}, {"num_drafts": 5, "draft_len": 3}])
 def test_greedy_equals_oracle(greedy_setup, method, shape):
+    if method == "dresd@nearest":
+        method, shape = "dresd", shape | {"rank": "nearest"}
     model, prompts, stores = greedy_setup
     accepted = 0
     for prompt in prompts:
@@ -87,6 +89,57 @@ def test_missing_or_wrong_datastore_is_a_user_error(greedy_setup):
         retrospec.generate(prompts[0], target=model, method="dresd", datastore=stores["rest"], max_new_tokens=4)
     with pytest.raises(retrospec.RetrospecError, match="draft_len must be"):
         retrospec.generate(prompts[0], target=model, method="rest", datastore=stores["rest"], draft_len=0)
+    with pytest.raises(retrospec.RetrospecError, match="rank must be one of votes, nearest"):
+        retrospec.generate(prompts[0], target=model, method="dresd", datastore=stores["dresd"], rank="best")
+
+
+class FakeDense:
+    """Neighbours in similarity order with fixed values [x_{t+1}, continuation...] (EOS = 9)."""
+
+    value_len, eos_id = 4, 9
+
+    def __init__(self, values):
+        self.values = np.asarray(values, dtype=np.int32)  # [n, 1 + 4]
+
+    def search(self, hidden, k):
+        ids = np.arange(min(k, len(self.values)))[None]
+        return np.zeros(ids.shape, np.float32), ids
+
+
+def test_dresd_ranks_continuations_by_votes_or_by_similarity():
+    from retrospec.drafters.base import DecodeContext
+    from retrospec.drafters.dresd import DresdDrafter
+
+    store = FakeDense([[5, 1, 2, 3, 4],  # nearest, but alone
+                       [6, 7, 7, 7, 7],  # fails the token filter (did not produce the last token, 5)
+                       [5, 2, 9, 8, 8],  # ends at EOS: nothing after it is drafted
+                       [5, 2, 9, 3, 3],
+                       [5, 2, 3, 1, 1]])
+    ctx = DecodeContext(tokens=[0, 5], prompt_len=1, sampling=GREEDY)
+    h = np.zeros(4, np.float32)
+
+    def paths(tree):
+        toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+        return {tuple(toks[j] for j in _ancestry(pars, i)) for i in range(len(toks))}
+
+    votes = DresdDrafter(store, num_drafts=1, draft_len=2)
+    votes.prefill(ctx)
+    assert paths(votes.tree(h, 5, 60)) == {(2,), (2, 9)}  # 3 votes for 2, 2 of them for 2 -> EOS
+    nearest = DresdDrafter(store, num_drafts=2, draft_len=4, rank="nearest")
+    nearest.prefill(ctx)
+    assert nearest.drafts(h, 5) == [[1, 2, 3, 4], [2, 9]]  # similarity order, cut after EOS, distinct
+    full = DresdDrafter(store, num_drafts=3, draft_len=4)
+    full.prefill(ctx)
+    assert paths(full.tree(h, 5, 60)) == {(1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), (2,), (2, 9), (2, 3), (2, 3, 1),
+                                          (2, 3, 1, 1)}  # every kept neighbour, nothing after an EOS
+
+
+def _ancestry(parents, i):
+    chain = []
+    while i >= 0:
+        chain.append(i)
+        i = parents[i]
+    return chain[::-1]
 
 
 # ---- sampling: chi-square on the first generated tokens ------------------------------------------------------------
@@ -139,12 +192,13 @@ def chisq(groups) -> float:
     return float(sps.chi2.sf(stat, df))
 
 
-@pytest.mark.parametrize("method", ["rest", "dresd"])
+@pytest.mark.parametrize("method", ["rest", "dresd", "dresd@nearest"])
 def test_sampling_follows_the_target_law(sampling_setup, method):
     model, stores = sampling_setup
     p1, p2, p3 = exact_law(model)
     counts = np.zeros((V, V, V), dtype=np.int64)
-    drafter = REGISTRY[method](datastore=stores[method], target=model)  # sampling defaults: 10 x 10
+    method, opts = (method, {}) if "@" not in method else ("dresd", {"rank": "nearest"})
+    drafter = REGISTRY[method](datastore=stores[method], target=model, **opts)  # sampling defaults: 10 x 10
     drafted = accepted = 0
     for seed in range(N_RUNS):
         stats = SpecStats()
