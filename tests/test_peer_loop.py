@@ -41,7 +41,13 @@ time.sleep(120)
     while time.monotonic() < deadline and not marker.exists():
         time.sleep(0.1)
     assert marker.exists() and marker.read_text() == "bye"
-    assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0 or _zombie(pid)
+
+    def gone() -> bool:  # the exit handlers run just before the process ends: give it a moment to finish
+        return subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0 or _zombie(pid)
+
+    while time.monotonic() < deadline + 10 and not gone():
+        time.sleep(0.1)
+    assert gone()
 
 
 def _zombie(pid: int) -> bool:

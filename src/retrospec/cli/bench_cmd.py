@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     add_device_args(p)
     from .context_args import add_long_context_args
 
-    add_knob_args(p, multiple_datastores=True, skip=("tree", "max_ngram", "neighbours", "adaptive_gamma"))
+    add_knob_args(p, multiple_datastores=True, skip=("tree", "max_ngram", "neighbours", "rank", "adaptive_gamma"))
     add_long_context_args(p, context_file=False)  # rows with a 'context' field: lc, rag, sd, magicdec, rapid
     p.set_defaults(func=run, default_methods=p.get_default("methods"))
 
