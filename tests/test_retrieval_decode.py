@@ -54,11 +54,13 @@ def greedy_setup(request, tmp_path_factory):
     return model, prompts[:4], stores
 
 
-@pytest.mark.parametrize("method", ["rest", "dresd", "dresd@nearest"])
+RANKED = [("rest", {}), ("dresd", {}), ("dresd", {"rank": "nearest"})]  # (method, options)
+
+
+@pytest.mark.parametrize("method,opts", RANKED)
 @pytest.mark.parametrize("shape", [{}, {"num_drafts": 1, "draft_len": 4}, {"num_drafts": 5, "draft_len": 3}])
-def test_greedy_equals_oracle(greedy_setup, method, shape):
-    if method == "dresd@nearest":
-        method, shape = "dresd", shape | {"rank": "nearest"}
+def test_greedy_equals_oracle(greedy_setup, method, opts, shape):
+    shape = shape | opts
     model, prompts, stores = greedy_setup
     accepted = 0
     for prompt in prompts:
@@ -107,6 +109,8 @@ class FakeDense:
 
 
 def test_dresd_ranks_continuations_by_votes_or_by_similarity():
+    from test_retrieval_suffix import paths
+
     from retrospec.drafters.base import DecodeContext
     from retrospec.drafters.dresd import DresdDrafter
 
@@ -118,28 +122,16 @@ def test_dresd_ranks_continuations_by_votes_or_by_similarity():
     ctx = DecodeContext(tokens=[0, 5], prompt_len=1, sampling=GREEDY)
     h = np.zeros(4, np.float32)
 
-    def paths(tree):
-        toks, pars = tree.tokens.tolist(), tree.parents.tolist()
-        return {tuple(toks[j] for j in _ancestry(pars, i)) for i in range(len(toks))}
-
     votes = DresdDrafter(store, num_drafts=1, draft_len=2)
     votes.prefill(ctx)
-    assert paths(votes.tree(h, 5, 60)) == {(2,), (2, 9)}  # 3 votes for 2, 2 of them for 2 -> EOS
+    assert paths(votes.tree(votes.continuations(h, 5), 60)) == {(2,), (2, 9)}  # 3 votes for 2, 2 of them for 2 -> EOS
     nearest = DresdDrafter(store, num_drafts=2, draft_len=4, rank="nearest")
     nearest.prefill(ctx)
-    assert nearest.drafts(h, 5) == [[1, 2, 3, 4], [2, 9]]  # similarity order, cut after EOS, distinct
+    assert nearest.drafts(nearest.continuations(h, 5)) == [[1, 2, 3, 4], [2, 9]]  # similarity order, cut after EOS
     full = DresdDrafter(store, num_drafts=3, draft_len=4)
     full.prefill(ctx)
-    assert paths(full.tree(h, 5, 60)) == {(1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), (2,), (2, 9), (2, 3), (2, 3, 1),
-                                          (2, 3, 1, 1)}  # every kept neighbour, nothing after an EOS
-
-
-def _ancestry(parents, i):
-    chain = []
-    while i >= 0:
-        chain.append(i)
-        i = parents[i]
-    return chain[::-1]
+    assert paths(full.tree(full.continuations(h, 5), 60)) == {(1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), (2,), (2, 9),
+                                                              (2, 3), (2, 3, 1), (2, 3, 1, 1)}  # nothing after an EOS
 
 
 # ---- sampling: chi-square on the first generated tokens ------------------------------------------------------------
@@ -192,12 +184,11 @@ def chisq(groups) -> float:
     return float(sps.chi2.sf(stat, df))
 
 
-@pytest.mark.parametrize("method", ["rest", "dresd", "dresd@nearest"])
-def test_sampling_follows_the_target_law(sampling_setup, method):
+@pytest.mark.parametrize("method,opts", RANKED)
+def test_sampling_follows_the_target_law(sampling_setup, method, opts):
     model, stores = sampling_setup
     p1, p2, p3 = exact_law(model)
     counts = np.zeros((V, V, V), dtype=np.int64)
-    method, opts = (method, {}) if "@" not in method else ("dresd", {"rank": "nearest"})
     drafter = REGISTRY[method](datastore=stores[method], target=model, **opts)  # sampling defaults: 10 x 10
     drafted = accepted = 0
     for seed in range(N_RUNS):

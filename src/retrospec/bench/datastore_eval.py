@@ -146,9 +146,9 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
         rr1.append(1.0 / (rank1[0] + 1) if rank1.size else 0.0)
         rrn.append(1.0 / (rankn[0] + 1) if rankn.size else 0.0)
         with lookup_t:  # what the dresd drafter does per step
-            tree = drafter.tree(h, truth[0], 60)
-        seqs = drafter.continuations(h, truth[0])  # similarity order
-        top1.append(_prefix([x for x in seqs[0].tolist() if x >= 0], truth[1:]) if len(seqs) else 0)
+            rows = drafter.continuations(h, truth[0])  # [M, L] in similarity order
+            tree = drafter.tree(rows, 60)
+        top1.append(_prefix([x for x in rows[0].tolist() if x >= 0], truth[1:]) if len(rows) else 0)
         tree_acc.append(_tree_prefix(tree, truth[1:]))
     return {"queries": len(queries), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
             f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),

@@ -29,12 +29,21 @@ from .registry import Knob, MethodSpec, register
 from .rest import DATASTORE, DEFAULTS, DRAFT_LEN, NUM_DRAFTS, check_shape
 
 
+RANKS = ("votes", "nearest")  # the first is the default
+
+
+def parse_rank(value) -> str:
+    if value not in RANKS:
+        raise RetrospecError(f"rank must be one of {', '.join(RANKS)}, got {value!r}")
+    return value
+
+
 class DresdDrafter:
     name = "dresd"
     needs: frozenset[str] = frozenset({"hidden_states"})
 
     def __init__(self, store, num_drafts: int | None = None, draft_len: int | None = None,
-                 neighbours: int | None = None, rank: str = "votes"):
+                 neighbours: int | None = None, rank: str = RANKS[0]):
         check_shape(num_drafts, draft_len)
         self.store = store
         self.num_drafts, self.draft_len, self.neighbours = num_drafts, draft_len, neighbours
@@ -59,11 +68,11 @@ class DresdDrafter:
         vals[ended > 0] = -1
         return vals
 
-    def drafts(self, hidden: np.ndarray, last_token: int) -> list[list[int]]:
-        """Up to num_drafts distinct continuations, nearest first (the paper's rule)."""
+    def drafts(self, rows: np.ndarray) -> list[list[int]]:
+        """Up to num_drafts distinct ``continuations`` rows, nearest first (the paper's rule)."""
         out: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        for row in self.continuations(hidden, last_token).tolist():
+        for row in rows.tolist():
             key = tuple(t for t in row if t >= 0)
             if key not in seen:
                 seen.add(key)
@@ -72,31 +81,23 @@ class DresdDrafter:
                     break
         return out
 
-    def tree(self, hidden: np.ndarray, last_token: int, budget: int) -> DraftTree:
-        """The step's draft tree of at most ``budget`` nodes (and num_drafts x draft_len for ``votes``)."""
+    def tree(self, rows: np.ndarray, budget: int) -> DraftTree:
+        """The draft tree of ``continuations`` rows: at most ``budget`` nodes (and num_drafts x draft_len for
+        ``votes``)."""
+        if not len(rows):
+            return DraftTree.empty()
         if self.rank == "nearest":
-            seqs = self.drafts(hidden, last_token)
-            return merge_sequences(seqs, max_nodes=budget) if seqs else DraftTree.empty()
-        rows = self.continuations(hidden, last_token)
-        return frequency_trie(rows, None, min(budget, self._k * self._len)) if len(rows) else DraftTree.empty()
+            return merge_sequences(self.drafts(rows), max_nodes=budget)
+        return frequency_trie(rows, None, min(budget, self._k * self._len))
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         if budget <= 0 or ctx.target.hidden_states is None:
             return DraftTree.empty()
         hidden = ctx.target.hidden_states.detach().float().cpu().numpy()  # [H]
-        return self.tree(hidden, ctx.tokens[-1], budget)
+        return self.tree(self.continuations(hidden, ctx.tokens[-1]), budget)
 
     def observe(self, accepted: int, drafted: int) -> None:
         pass
-
-
-RANKS = ("votes", "nearest")
-
-
-def parse_rank(value) -> str:
-    if value not in RANKS:
-        raise RetrospecError(f"rank must be one of {', '.join(RANKS)}, got {value!r}")
-    return value
 
 
 def _make_dresd(*, datastore=None, num_drafts: int | None = None, draft_len: int | None = None,
@@ -108,7 +109,7 @@ def _make_dresd(*, datastore=None, num_drafts: int | None = None, draft_len: int
                              "'retrospec datastore build --kind dense')")
     store = open_store(datastore, "dense", target=target)
     return DresdDrafter(store, num_drafts=num_drafts, draft_len=draft_len, neighbours=neighbours,
-                        rank=rank or "votes")
+                        rank=rank or RANKS[0])
 
 
 SPEC = register(MethodSpec(
@@ -116,6 +117,6 @@ SPEC = register(MethodSpec(
     knobs=(DATASTORE, NUM_DRAFTS, DRAFT_LEN,
            Knob("neighbours", "int", None, "neighbours searched (default 512 for votes, max(128, 20 x num_drafts) "
                 "for nearest)", min=1, max=4096),
-           Knob("rank", "str", "votes", "how continuations become the tree: votes (the most supported nodes) or "
+           Knob("rank", "str", RANKS[0], "how continuations become the tree: votes (the most supported nodes) or "
                 "nearest (the paper's: the first num_drafts distinct ones)", parse=parse_rank)),
     store="dense", needs=frozenset({"hidden_states"})))
