@@ -149,8 +149,9 @@ def test_cli_generate_and_info(cli, saved_models, tmp_path):
     assert info.rc == 0 and json.loads(info.out)["by_source"]["mbpp"]["records"] == 3
     export = cli("corpus", "export", tmp_path / "corpus", "--target", saved_models.target, "--out", tmp_path / "c.jsonl")
     assert export.rc == 0, export.err
-    texts = [json.loads(line)["text"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
-    assert len(texts) == 3 and all(t.startswith(f"def add{MBPP_HELDOUT + i}(a, b):\n") for i, t in enumerate(texts))
+    exported = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert len(exported) == 3 and all(r["prompt"] == f"def add{MBPP_HELDOUT + i}(a, b):\n" and r["completion"]
+                                      for i, r in enumerate(exported))
     again = cli("corpus", "export", tmp_path / "corpus", "--target", saved_models.target, "--out", tmp_path / "c.jsonl")
     assert again.rc == 2 and "already exists" in again.err
     from retrospec.train.longspec_distill import is_heldout
@@ -163,8 +164,17 @@ def test_cli_generate_and_info(cli, saved_models, tmp_path):
     assert held.rc == 0 and len(want) == 2, held.err
     rows = [json.loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines()]
     assert rows == [{"prompt": p, "source": "mbpp", "chat": False} for p in want]
+    # the held-out records, prompt and completion, for 'datastore eval'
+    recs = cli("corpus", "export", tmp_path / "corpus", "--target", saved_models.target, "--heldout-records", 0.5,
+               "--out", tmp_path / "r.jsonl")
+    assert recs.rc == 0, recs.err
+    assert [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()] == [
+        r for r in exported if r["prompt"] in want]
     for bad, fragment in ((["--source", "wiki"], "sources are mbpp"), (["--heldout-prompts", "1"], "share in"),
-                          (["--heldout-prompts", "0.5", "--skip-heldout", "0.1"], "no --skip-heldout")):
+                          (["--heldout-prompts", "0.5", "--skip-heldout", "0.1"], "no --skip-heldout"),
+                          (["--heldout-records", "0.5", "--skip-heldout", "0.1"], "no --skip-heldout"),
+                          (["--heldout-records", "0"], "share in"),
+                          (["--heldout-prompts", "0.5", "--heldout-records", "0.5"], "or --heldout-records")):
         run = cli("corpus", "export", tmp_path / "corpus", *bad, "--out", tmp_path / "x.jsonl")
         assert run.rc == 2 and fragment in run.err and run.err.count("\n") == 1
     bad = cli("corpus", "generate", "--target", saved_models.target, "--sources", "mbpp=/nonexistent.jsonl",

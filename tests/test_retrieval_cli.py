@@ -71,6 +71,9 @@ def test_build_info_eval_suffix(cli, saved_models, files, stores, tmp_path):
     assert ev.rc == 0, ev.err
     out = json.loads(ev.out.strip().splitlines()[-1])
     assert out["hit_rate"] > 0.9 and out["mean_match_length"] >= 2 and out["tree_prefix"] > 1
+    assert out["scored"] == "every position"
+    ev = cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.jsonl", "--json")
+    assert ev.rc == 0 and json.loads(ev.out.strip().splitlines()[-1])["scored"] == "completions", ev.err
 
 
 def test_info_and_eval_dense(cli, files, stores):
@@ -82,6 +85,8 @@ def test_info_and_eval_dense(cli, files, stores):
     assert ev.rc == 0, ev.err
     out = json.loads(ev.out.strip().splitlines()[-1])
     assert out["queries"] == 50 and 0 < out["mrr_next_token"] <= 1 and "lookup_p99_ms" in out
+    ev = cli("datastore", "eval", stores / "dense", "--corpus", files / "corpus.jsonl", "--json", "--max-queries", 20)
+    assert ev.rc == 0 and json.loads(ev.out.strip().splitlines()[-1])["scored"] == "completions", ev.err
 
 
 def test_id_generations_are_saved_and_reused(cli, saved_models, stores, tmp_path):

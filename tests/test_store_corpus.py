@@ -112,3 +112,34 @@ def test_written_corpus_is_read_by_the_datastore_builder(tok, nq, tmp_path):
 def test_main_errors(capsys, tmp_path):
     rc = main(["--out", str(tmp_path / "c.jsonl"), "--target", str(tmp_path / "nowhere")])
     assert rc == 2 and "retrospec: error:" in capsys.readouterr().err
+
+
+def test_prompt_completion_rows_keep_where_the_completion_starts(tok, tmp_path):
+    """The ids are the joined text's either way; ``split()`` marks the completion's first token (from offsets, or
+    from the prompt encoded alone for a tokenizer without them), and eval samples only where the tokens to guess
+    are the completion's, after its first one."""
+    from retrospec.bench.datastore_eval import _sample_positions
+    from retrospec.retrieval.corpus import open_text_corpus, tokenize
+
+    prompt = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    rows = [{"prompt": prompt, "completion": "Hello, how are you today?"}, {"text": "plain text only, no prompt"}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = open_text_corpus(str(tmp_path / "c.jsonl"))
+    plain, split = (list(tokenize(docs, tok, progress=False)) for docs in (corpus, corpus.split()))
+    n = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert [d.ids.tolist() for d in plain] == [d.ids.tolist() for d in split]
+    assert [d.index_from for d in plain] == [0, 0] and [d.index_from for d in split] == [n, 0]
+
+    class NoOffsets:  # a tokenizer without character offsets (a Python one)
+        def __call__(self, texts, **kw):
+            if kw.get("return_offsets_mapping"):
+                raise NotImplementedError
+            return tok(texts, add_special_tokens=False)
+
+    assert [d.index_from for d in tokenize(corpus.split(), NoOffsets(), progress=False)] == [n, 0]
+    suffix = _sample_positions(split, 1000, 0, min_ctx=2, known=0)
+    dense = _sample_positions(split, 1000, 0, min_ctx=1, known=1)
+    last = len(split[0].ids) - 1
+    assert {t for d, t in suffix if d == 0} == set(range(n, last))  # context ends at or after the first reply token
+    assert {t for d, t in dense if d == 0} == set(range(n - 1, last))  # x_{t+1} filters: the first reply token
+    assert min(t for d, t in suffix if d == 1) == 1 and min(t for d, t in dense if d == 1) == 0

@@ -1,7 +1,8 @@
 """Intrinsic evaluation of a datastore on held-out documents (``retrospec datastore eval``).
 
 Query positions t are sampled (seeded) from the held-out documents; the truth at t is the sequence that really
-followed, x_{t+1}, x_{t+2}, ...
+followed, x_{t+1}, x_{t+2}, ... In prompt + completion documents (``corpus export``) only the completions are
+scored: what the target wrote, which is what a drafter meets while decoding.
 
 - dense (DReSD's intrinsic metric): the store is searched with the target's hidden state h_t. MRR@k over the k
   nearest neighbours, where a neighbour is relevant when its stored sequence starts with the true next
@@ -47,9 +48,13 @@ def _prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _sample_positions(docs: list[TokenDoc], n: int, seed: int, min_ctx: int) -> list[tuple[int, int]]:
-    """(doc, t) pairs with at least ``min_ctx`` tokens up to t and one token after it."""
-    cands = [(d, t) for d, doc in enumerate(docs) for t in range(min_ctx - 1, len(doc.ids) - 1)]
+def _sample_positions(docs: list[TokenDoc], n: int, seed: int, min_ctx: int, known: int) -> list[tuple[int, int]]:
+    """(doc, t) pairs with at least ``min_ctx`` tokens up to t and one token after it, and, in a document with a
+    completion (``index_from`` > 0), every token to guess inside it after its first one (which decoding knows
+    before its first draft): a store is scored where decoding uses it. ``known``: tokens after t the drafter is
+    given (suffix 0: it guesses from x_{t+1}; dense 1: x_{t+1} filters, it guesses from x_{t+2})."""
+    cands = [(d, t) for d, doc in enumerate(docs)
+             for t in range(max(min_ctx - 1, doc.index_from - known), len(doc.ids) - 1)]
     if not cands:
         return []
     rng = np.random.default_rng(seed)
@@ -84,7 +89,7 @@ class Timer:
 def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0) -> dict:
 
     num_drafts, draft_len = 3, 20
-    queries = _sample_positions(docs, max_queries, seed, min_ctx=2)
+    queries = _sample_positions(docs, max_queries, seed, min_ctx=2, known=0)
     hits, lengths, top1, tree_acc = 0, [], [], []
     search_t, lookup_t = Timer(), Timer()
     for d, t in queries:
@@ -118,7 +123,7 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
                match_len: int = 4, seed: int = 0, batch_tokens: int = 8192, progress: bool = True) -> dict:
 
     params = store.meta["params"]
-    queries = _sample_positions(docs, max_queries, seed, min_ctx=1)
+    queries = _sample_positions(docs, max_queries, seed, min_ctx=1, known=1)
     if not queries:
         return {"queries": 0}
     used = sorted({d for d, _ in queries})

@@ -42,8 +42,9 @@ def add_parser(sub) -> None:
 
     add_device_args(g)
     g.set_defaults(func=run_generate)
-    e = verbs.add_parser("export", help="write a corpus as a text .jsonl ('text' = prompt + reply, chat template "
-                                        "included) for 'datastore build --corpus' (in-domain REST / DReSD stores)")
+    e = verbs.add_parser("export", help="write a corpus as a text .jsonl ('prompt', chat template included, and "
+                                        "'completion' = the reply) for 'datastore build --corpus' (in-domain REST / "
+                                        "DReSD stores, built from prompt + completion)")
     e.add_argument("path", help="corpus directory")
     e.add_argument("--out", required=True, help=".jsonl file to create")
     e.add_argument("--target", help="the corpus's target (its tokenizer decodes the ids; default: the bundled zoo "
@@ -54,6 +55,9 @@ def add_parser(sub) -> None:
                    help="write instead the prompts that --heldout SHARE holds out, once each, as 'prompt' lines "
                         "for 'bench --prompts' (held-out prompts of the corpus's own distribution; chat ones with "
                         "--chat); no model is loaded")
+    e.add_argument("--heldout-records", type=float, default=None, metavar="SHARE",
+                   help="write instead the records --heldout SHARE holds out, for 'datastore eval --corpus' (it "
+                        "scores a store on their completions)")
     e.add_argument("--source", default=None, metavar="NAME[,NAME]",
                    help="only the records of these prompt sources (e.g. stdlib, or self-instruct,tasks)")
     e.set_defaults(func=run_export)
@@ -167,8 +171,11 @@ def run_export(args) -> int:
     if not 0 <= args.skip_heldout < 1:
         raise RetrospecError(f"--skip-heldout must be in [0, 1), got {args.skip_heldout}")
     held = args.heldout_prompts
-    if held is not None and not (0 < held < 1 and not args.skip_heldout):
-        raise RetrospecError("--heldout-prompts takes a share in (0, 1) and no --skip-heldout")
+    if held is not None and not (0 < held < 1 and not args.skip_heldout and args.heldout_records is None):
+        raise RetrospecError("--heldout-prompts takes a share in (0, 1) and no --skip-heldout or --heldout-records")
+    held_records = args.heldout_records
+    if held_records is not None and not (0 < held_records < 1 and not args.skip_heldout):
+        raise RetrospecError("--heldout-records takes a share in (0, 1) and no --skip-heldout")
     records = read_corpus(args.path)  # a corrupt corpus fails before the target loads
     if args.source is not None:
         wanted = {s.strip() for s in args.source.split(",") if s.strip()}
@@ -198,8 +205,24 @@ def run_export(args) -> int:
         raise RetrospecError("the target has no tokenizer to decode the corpus with")
     # the ids are decoded with the tokenizer of the model that wrote them
     check_corpus(args.path, records, target, name=args.target or DEFAULT_TARGET)
-    kept = [r for r in records if r.get("output_ids") and not (args.skip_heldout and is_heldout(r, args.skip_heldout))]
-    lines = [json.dumps({"text": tok.decode(list(r["prompt_ids"]) + list(r["output_ids"]))}) for r in kept]
+    if held_records is not None:
+        kept = [r for r in records if r.get("output_ids") and is_heldout(r, held_records)]
+        if not kept:
+            raise RetrospecError(f"no record of {args.path} is held out at share {held_records}")
+    else:
+        kept = [r for r in records
+                if r.get("output_ids") and not (args.skip_heldout and is_heldout(r, args.skip_heldout))]
+    lines = [json.dumps(_text_row(tok, r)) for r in kept]
     write_text_atomic(out, "".join(line + "\n" for line in lines))
     print(f"{out}: {len(kept):,} of {len(records):,} records")
     return 0
+
+
+def _text_row(tok, record: dict) -> dict:
+    """A record as text: ``prompt`` + ``completion`` decode its ids together (so the two joined are exactly the
+    decoded document); a plain ``text`` row where the prompt alone does not decode to a prefix of it."""
+    prompt_ids = list(record["prompt_ids"])
+    text, prompt = tok.decode(prompt_ids + list(record["output_ids"])), tok.decode(prompt_ids)
+    if text.startswith(prompt):
+        return {"prompt": prompt, "completion": text[len(prompt):]}
+    return {"text": text}

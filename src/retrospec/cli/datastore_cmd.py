@@ -46,9 +46,11 @@ def add_parser(sub) -> None:
     i.add_argument("--json", action="store_true", help="print meta.json")
     i.set_defaults(func=run_info)
 
-    e = dsub.add_parser("eval", help="intrinsic quality on held-out text (dense: MRR; suffix: hit rate)")
+    e = dsub.add_parser("eval", help="intrinsic quality on held-out text (dense: MRR; suffix: hit rate); "
+                                     "prompt + completion rows are scored on their completions")
     e.add_argument("dir")
-    e.add_argument("--corpus", required=True, help="held-out corpus (same forms as build), e.g. stdlib:heldout")
+    e.add_argument("--corpus", required=True, help="held-out corpus (same forms as build), e.g. stdlib:heldout or "
+                                                   "'corpus export --heldout-records'")
     e.add_argument("--target", help="target model directory (default: the store's target, else the zoo target)")
     e.add_argument("--max-tokens", type=int, default=50_000, help="held-out tokens to read (default 50000)")
     e.add_argument("--max-queries", type=int, default=1000)
@@ -91,13 +93,16 @@ def _eos_id(target) -> int:
     return ids[0]
 
 
-def _documents(corpus: str | None, target, max_tokens: int | None):
+def _documents(corpus: str | None, target, max_tokens: int | None, completions: bool = False):
+    """Token documents of ``--corpus``; with ``completions``, prompt + completion rows keep where their completion
+    starts (``TokenDoc.index_from``; eval scores there), else every position is a document's own (build)."""
     from ..retrieval.corpus import limit_tokens, open_text_corpus, tokenize
 
     if target.tokenizer is None:
         raise RetrospecError(f"target {target.path} has no tokenizer; a text corpus cannot be encoded")
     text = open_text_corpus(corpus)
-    return limit_tokens(tokenize(text, target.tokenizer, total=len(text)), max_tokens), text.description
+    docs = tokenize(text.split() if completions else text, target.tokenizer, total=len(text))
+    return limit_tokens(docs, max_tokens), text.description
 
 
 def run_build(args) -> int:
@@ -206,7 +211,7 @@ def run_eval(args) -> int:
             args.target = recorded
     target = _load_target(args.target)
     store = open_store(args.dir, meta["kind"], target=target)
-    docs, desc = _documents(args.corpus, target, args.max_tokens)
+    docs, desc = _documents(args.corpus, target, args.max_tokens, completions=True)
     if not (docs := list(docs)):
         raise RetrospecError(f"held-out corpus {args.corpus} has no tokens")
     if meta["kind"] == "suffix":
@@ -216,7 +221,8 @@ def run_eval(args) -> int:
             raise RetrospecError(f"--match-len must be <= {store.value_len + 1} for this store")
         res = eval_dense(store, target.model, docs, max_queries=args.max_queries, k=args.k, match_len=args.match_len,
                          seed=args.seed)
-    res = {"datastore": str(args.dir), "kind": meta["kind"], "heldout": desc} | res
+    scored = "completions" if any(d.index_from for d in docs) else "every position"
+    res = {"datastore": str(args.dir), "kind": meta["kind"], "heldout": desc, "scored": scored} | res
     if args.json:
         print(json.dumps(res))
     else:

@@ -3,7 +3,8 @@
 Sources (``--corpus``):
 - ``stdlib`` (= ``stdlib:train``): the zoo's training split of the standard library (``retrospec.stdlib_corpus``);
   ``stdlib:heldout``: the held-out packages (for ``datastore eval``);
-- a ``.jsonl`` file: one document per line, from a ``text`` field or ``prompt`` + ``completion``;
+- a ``.jsonl`` file: one document per line, from a ``text`` field or ``prompt`` + ``completion`` (the document is
+  their concatenation; where the completion starts is kept, for ``datastore eval`` to score completions only);
 - any other file: UTF-8 text, one document (files over ``CHUNK_CHARS`` are cut into documents at line ends);
 - a directory: every non-hidden file below it in sorted order, each read as above (non-UTF-8 files skipped).
 (``--from-generations``, the target's own outputs, lives above retrieval: ``retrospec.corpus.documents``.)
@@ -39,10 +40,17 @@ class TextCorpus:
     description: str
     texts: list[str] | None = None  # in memory (stdlib, jsonl)
     files: list[Path] | None = None  # read lazily (directories, big files)
+    starts: list[int] | None = None  # per text: the character where its completion starts (0: no prompt)
 
     def __iter__(self) -> Iterator[str]:
+        for text, _ in self.split():
+            yield text
+
+    def split(self) -> Iterator[tuple[str, int]]:
+        """(text, start) per document: ``start`` is the character where a prompt + completion row's completion
+        begins, 0 for every other document."""
         if self.texts is not None:
-            yield from self.texts
+            yield from zip(self.texts, self.starts or [0] * len(self.texts))
             return
         for f in self.files or []:
             yield from _read_file(f, skip_bad=True)
@@ -51,7 +59,7 @@ class TextCorpus:
         return len(self.texts) if self.texts is not None else len(self.files or [])
 
 
-def _read_jsonl(path: Path) -> list[str]:
+def _read_jsonl(path: Path) -> list[tuple[str, int]]:
     texts = []
     with path.open(encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
@@ -62,16 +70,16 @@ def _read_jsonl(path: Path) -> list[str]:
             except json.JSONDecodeError:
                 raise RetrospecError(f"{path}:{n}: not valid JSON") from None
             if isinstance(row, dict) and isinstance(row.get("text"), str):
-                texts.append(row["text"])
+                texts.append((row["text"], 0))
             elif (isinstance(row, dict) and isinstance(row.get("prompt"), str)
                   and isinstance(row.get("completion"), str)):
-                texts.append(row["prompt"] + row["completion"])
+                texts.append((row["prompt"] + row["completion"], len(row["prompt"])))
             else:
                 raise RetrospecError(f"{path}:{n}: each line needs a string 'text', or 'prompt' and 'completion'")
     return texts
 
 
-def _read_file(path: Path, skip_bad: bool = False) -> Iterator[str]:
+def _read_file(path: Path, skip_bad: bool = False) -> Iterator[tuple[str, int]]:
     if path.suffix == ".jsonl":
         yield from _read_jsonl(path)
         return
@@ -82,7 +90,7 @@ def _read_file(path: Path, skip_bad: bool = False) -> Iterator[str]:
                 if not chunk:
                     return
                 rest = fh.readline()  # finish the line so documents end at line boundaries
-                yield chunk + rest
+                yield chunk + rest, 0
     except UnicodeDecodeError:
         if skip_bad:
             return
@@ -106,24 +114,52 @@ def open_text_corpus(spec: str) -> TextCorpus:
             raise RetrospecError(f"corpus directory has no files: {path}")
         return TextCorpus(f"directory {path} ({len(files)} files)", files=files)
     if path.suffix == ".jsonl":
-        texts = _read_jsonl(path)
-        if not texts:
+        rows = _read_jsonl(path)
+        if not rows:
             raise RetrospecError(f"corpus file has no documents: {path}")
-        return TextCorpus(f"jsonl {path} ({len(texts)} documents)", texts=texts)
+        return TextCorpus(f"jsonl {path} ({len(rows)} documents)", texts=[t for t, _ in rows],
+                          starts=[s for _, s in rows])
     if path.stat().st_size == 0:
         raise RetrospecError(f"corpus file is empty: {path}")
     return TextCorpus(f"text file {path}", files=[path])
 
 
-def tokenize(texts: Iterable[str], tokenizer, *, total: int | None = None, batch: int = 64,
-             progress: bool = True) -> Iterator[TokenDoc]:
-    """Encode texts in batches (no special tokens); empty documents are dropped."""
+def _first_token_at(offsets: list[tuple[int, int]], start: int) -> int:
+    """Index of the first token that begins at or after character ``start`` (a token straddling it is the
+    prompt's)."""
+    return next((i for i, (a, _) in enumerate(offsets) if a >= start), len(offsets))
+
+
+def _completion_starts(tokenizer, buf: list[tuple[str, int]], ids: list[list[int]]) -> list[int]:
+    """``index_from`` per (text, start): from the fast tokenizers' character offsets, else (a Python tokenizer)
+    the length of the prompt encoded alone."""
+    try:
+        offsets = tokenizer([t for t, _ in buf], add_special_tokens=False, verbose=False,
+                            return_offsets_mapping=True)["offset_mapping"]
+        return [_first_token_at(o, s) for o, (_, s) in zip(offsets, buf)]
+    except NotImplementedError:
+        return [min(len(tokenizer(t[:s], add_special_tokens=False)["input_ids"]), len(i)) if s else 0
+                for (t, s), i in zip(buf, ids)]
+
+
+def tokenize(texts: Iterable[str] | Iterable[tuple[str, int]], tokenizer, *, total: int | None = None,
+             batch: int = 64, progress: bool = True) -> Iterator[TokenDoc]:
+    """Encode texts in batches (no special tokens); empty documents are dropped.
+
+    ``texts`` holds strings (``index_from`` = 0) or ``(text, start)`` pairs (``TextCorpus.split()``): then
+    ``index_from`` is the first token that begins at or after character ``start``. The whole text is encoded
+    either way, so the ids do not depend on where the completion starts."""
     bar = tqdm(total=total, desc="tokenize", unit="doc", disable=not progress, dynamic_ncols=True)
-    texts = (t for t in texts if t.strip())
-    while buf := list(itertools.islice(texts, batch)):
-        for enc in tokenizer(buf, add_special_tokens=False, verbose=False)["input_ids"]:
-            if enc:
-                yield TokenDoc(np.asarray(enc, dtype=np.int32))
+    pairs = ((t, 0) if isinstance(t, str) else t for t in texts)
+    pairs = (p for p in pairs if p[0].strip())
+    while buf := list(itertools.islice(pairs, batch)):
+        strings = [t for t, _ in buf]
+        enc, froms = tokenizer(strings, add_special_tokens=False, verbose=False), [0] * len(buf)
+        if any(s for _, s in buf):
+            froms = _completion_starts(tokenizer, buf, enc["input_ids"])
+        for ids, index_from in zip(enc["input_ids"], froms):
+            if ids:
+                yield TokenDoc(np.asarray(ids, dtype=np.int32), index_from)
         bar.update(len(buf))
     bar.close()
 
