@@ -222,9 +222,12 @@ def test_wsd_run_writes_a_state_that_a_later_run_resumes(saved_models, tmp_path)
     assert not (tmp_path / "x").exists()
 
 
-def test_a_run_resumed_on_an_unpacked_corpus_trains_bit_for_bit(saved_models, tmp_path):
+def test_a_run_resumed_on_an_unpacked_corpus_trains_bit_for_bit(saved_models, tmp_path, monkeypatch):
     """A corpus kept packed in a repository (``corpus pack``) and unpacked in a fresh checkout resumes training
-    exactly as the original folder would: the same records in the same order, the same block to the last bit."""
+    exactly as the original folder would: the same records in the same order, the same block to the last bit. A
+    resumed ``auto`` run keeps the precision its predecessor measured instead of timing again (on a busy machine
+    the timing can choose the other)."""
+    import retrospec.train.longspec_distill as distill
     from retrospec.corpus.pack import pack, unpack
 
     target = load_model(saved_models.target)
@@ -234,13 +237,20 @@ def test_a_run_resumed_on_an_unpacked_corpus_trains_bit_for_bit(saved_models, tm
     first = DistillConfig(target=str(saved_models.target), corpus=str(tmp_path / "corpus"), out=str(tmp_path / "a"),
                           draft_vocab=24, max_len=48, batch_tokens=96, heldout=0.3, eval_records=4, curve=(),
                           max_positions=256, storage=None, schedule="wsd", decay=0.5, max_tokens=120)
-    distill_longspec(first, log=lambda *_: None, target=target)
+    chosen = distill_longspec(first, log=lambda *_: None, target=target)["precision"]
+    measure = distill.pick_precision
+
+    def no_timing(precision, *args):
+        assert precision != "auto", "a resumed run timed the precision again"
+        return measure(precision, *args)
+
+    monkeypatch.setattr(distill, "pick_precision", no_timing)
     blocks = []
     for name in ("corpus", "unpacked"):
         cfg = DistillConfig(**{**first.__dict__, "corpus": str(tmp_path / name), "out": str(tmp_path / f"r-{name}"),
                                "resume": str(tmp_path / "a"), "max_tokens": 96})
         manifest = distill_longspec(cfg, log=lambda *_: None, target=target)
-        assert manifest["tokens_seen"] > 0
+        assert manifest["tokens_seen"] > 0 and manifest["precision"] == chosen
         blocks.append(load_longspec(tmp_path / f"r-{name}", target).state_dict())
     assert blocks[0].keys() == blocks[1].keys()
     assert all(torch.equal(blocks[0][k], blocks[1][k]) for k in blocks[0])

@@ -111,13 +111,19 @@ def resume_run(cfg, model: torch.nn.Module, opt: torch.optim.Optimizer, manifest
                target: torch.nn.Module | None = None):
     """A distiller's start under ``cfg.resume`` (none: ``(cfg, None, 0)``): the state loaded into ``model`` and
     ``opt`` (refused if trained for another ``target``); returns (``cfg`` with no warm-up, the previous run's
-    manifest, tokens trained before this run)."""
+    manifest, tokens trained before this run). With ``precision`` ``auto``, the run keeps the precision the one it
+    resumes measured: timing it again could choose the other on a busy machine, and a chain would no longer train
+    as one run (nor a resumed run give the same weights twice)."""
     if not cfg.resume:
         return cfg, None, 0
     previous = load_stable_state(cfg.resume, model, opt, cfg, manifest, target)
     log(f"resuming {cfg.resume}: {previous['tokens_total']:,} tokens trained before, its stable weights and optimiser "
         "state")
-    return replace(cfg, warmup=0.0), previous, previous["tokens_total"]  # the stable rate from the first step
+    kept = {}
+    if getattr(cfg, "precision", None) == "auto" and previous.get("precision") in ("float32", "bfloat16"):
+        kept["precision"] = previous["precision"]
+        log(f"precision {kept['precision']}, as the run resumed (--precision to choose another)")
+    return replace(cfg, warmup=0.0, **kept), previous, previous["tokens_total"]  # the stable rate from the first step
 
 
 def chain_fields(previous: dict | None, before: int, tokens_seen: int) -> dict:
