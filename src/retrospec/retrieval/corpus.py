@@ -130,16 +130,19 @@ def _first_token_at(offsets: list[tuple[int, int]], start: int) -> int:
     return next((i for i, (a, _) in enumerate(offsets) if a >= start), len(offsets))
 
 
-def _completion_starts(tokenizer, buf: list[tuple[str, int]], ids: list[list[int]]) -> list[int]:
-    """``index_from`` per (text, start): from the fast tokenizers' character offsets, else (a Python tokenizer)
-    the length of the prompt encoded alone."""
+def _encode(tokenizer, buf: list[tuple[str, int]]) -> tuple[list[list[int]], list[int]]:
+    """(ids, ``index_from``) per (text, start), the texts encoded once: the first token at or after ``start`` from
+    the fast tokenizers' character offsets, else (a Python tokenizer) the length of the prompt encoded alone."""
+    strings = [t for t, _ in buf]
+    if not any(s for _, s in buf):
+        return tokenizer(strings, add_special_tokens=False, verbose=False)["input_ids"], [0] * len(buf)
     try:
-        offsets = tokenizer([t for t, _ in buf], add_special_tokens=False, verbose=False,
-                            return_offsets_mapping=True)["offset_mapping"]
-        return [_first_token_at(o, s) for o, (_, s) in zip(offsets, buf)]
+        enc = tokenizer(strings, add_special_tokens=False, verbose=False, return_offsets_mapping=True)
+        return enc["input_ids"], [_first_token_at(o, s) for o, (_, s) in zip(enc["offset_mapping"], buf)]
     except NotImplementedError:
-        return [min(len(tokenizer(t[:s], add_special_tokens=False)["input_ids"]), len(i)) if s else 0
-                for (t, s), i in zip(buf, ids)]
+        ids = tokenizer(strings, add_special_tokens=False, verbose=False)["input_ids"]
+        return ids, [min(len(tokenizer(t[:s], add_special_tokens=False)["input_ids"]), len(i)) if s else 0
+                     for (t, s), i in zip(buf, ids)]
 
 
 def tokenize(texts: Iterable[str] | Iterable[tuple[str, int]], tokenizer, *, total: int | None = None,
@@ -153,11 +156,7 @@ def tokenize(texts: Iterable[str] | Iterable[tuple[str, int]], tokenizer, *, tot
     pairs = ((t, 0) if isinstance(t, str) else t for t in texts)
     pairs = (p for p in pairs if p[0].strip())
     while buf := list(itertools.islice(pairs, batch)):
-        strings = [t for t, _ in buf]
-        enc, froms = tokenizer(strings, add_special_tokens=False, verbose=False), [0] * len(buf)
-        if any(s for _, s in buf):
-            froms = _completion_starts(tokenizer, buf, enc["input_ids"])
-        for ids, index_from in zip(enc["input_ids"], froms):
+        for ids, index_from in zip(*_encode(tokenizer, buf)):
             if ids:
                 yield TokenDoc(np.asarray(ids, dtype=np.int32), index_from)
         bar.update(len(buf))
