@@ -19,10 +19,14 @@ def test_a_busy_worker_exits_through_its_exit_handlers_when_its_parent_dies(tmp_
     marker = tmp_path / "exited"
     worker = tmp_path / "worker.py"
     worker.write_text(f"""
-import atexit, sys, time
+import atexit, os, sys, time
 sys.path.insert(0, {str(BENCH)!r})
 import peer_loop
-atexit.register(lambda: open({str(marker)!r}, "w").write("bye"))  # where vLLM stops its engine processes
+def bye():  # where vLLM stops its engine processes; written whole, then renamed, so a reader never sees it half-done
+    with open({str(marker)!r} + ".part", "w") as f:
+        f.write("bye")
+    os.replace({str(marker)!r} + ".part", {str(marker)!r})
+atexit.register(bye)
 peer_loop.serve(lambda request: (object(), "0"), lambda engine, request: time.sleep(120) or {{}})
 """)
     parent = subprocess.Popen([sys.executable, "-c", f"""
