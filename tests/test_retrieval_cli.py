@@ -101,6 +101,32 @@ def test_id_generations_are_saved_and_reused(cli, saved_models, stores, tmp_path
     assert meta["counts"]["tokens"] == sum(len(r["prompt_ids"]) + len(r["completion_ids"]) + 1 for r in rows)
 
 
+def test_a_dense_build_keys_the_completions_of_prompt_completion_rows(cli, saved_models, files, tmp_path):
+    """Default: only the keys whose drafts (x_{t+2}, ...) start in a completion; ``--keys all``: every position."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from retrospec.retrieval.corpus import open_text_corpus, tokenize
+
+    tok = AutoTokenizer.from_pretrained(saved_models.target)
+    text = open_text_corpus(str(files / "corpus.jsonl"))
+    docs = list(tokenize(text.split(), tok, total=len(text)))
+    assert all(d.index_from > 2 for d in docs)
+    t = ["--target", saved_models.target, "--corpus", files / "corpus.jsonl", "--pca-dims", 4]
+    for keys, first in (("completions", [d.index_from - 2 for d in docs]), ("all", [0] * len(docs))):
+        res = cli("datastore", "build", "--kind", "dense", "--out", tmp_path / keys, *t, *(["--keys", keys] *
+                                                                                          (keys == "all")))
+        assert res.rc == 0 and f"({keys} of prompt + completion rows)" in res.out, res.err
+        meta = json.loads(cli("datastore", "info", tmp_path / keys, "--json").out)
+        assert meta["corpus"]["keys"] == keys
+        assert meta["counts"]["entries"] == sum(len(d.ids) - 1 - f for d, f in zip(docs, first))
+        values = np.load(tmp_path / keys / "values.npy")  # row 0: x_{t+1}, x_{t+2}, ... of the first key
+        assert values[0, :4].tolist() == docs[0].ids[first[0] + 1 : first[0] + 5].tolist()
+    cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "s", "--target", saved_models.target,
+        "--corpus", files / "corpus.jsonl", "--keys", "all").assert_user_error("--keys applies to dense")
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("method", ["rest", "dresd"])
 def test_generate_with_datastore_equals_ar(cli, saved_models, stores, method):
     def gen(*extra, m):
