@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     b.add_argument("--keys", choices=KEYS, default=None,
                    help="dense: the positions of prompt + completion rows that become keys: 'completions' (the "
                         "default: where the drafts start in a completion, as decoding's do; about half the store "
-                        "and build time on chat and code corpora, the same tau) or 'all'")
+                        "on chat and code corpora, the same tau) or 'all'")
     b.add_argument("--value-len", type=int, default=20, help="dense: tokens stored after each key (default 20)")
     b.add_argument("--pca-dims", type=int, default=64, help="dense: PCA dimensions, 0 = no PCA (default 64)")
     b.add_argument("--pca-sample", type=int, default=1_000_000, help="dense: positions the z-norm/PCA are fit on")
@@ -191,9 +191,9 @@ def summary(path, meta: dict) -> str:
         idx, t = p.get("index"), meta.get("target") or {}
         extra = {"hnsw": f"M={p.get('M')}, efSearch={p.get('ef_search')}",
                  "ivf": f"nlist={p.get('nlist')}, nprobe={p.get('nprobe')}"}.get(idx, "exact")
-        keys = (meta.get("corpus") or {}).get("keys")
-        keys = f" ({keys} of prompt + completion rows)" if keys else ""
-        lines += [f"  entries {c.get('entries', 0):,} from {c.get('documents', 0):,} documents{keys}; keys "
+        keyed = (meta.get("corpus") or {}).get("keys")
+        keyed = f" ({keyed} of prompt + completion rows)" if keyed else ""
+        lines += [f"  entries {c.get('entries', 0):,} from {c.get('documents', 0):,} documents{keyed}; keys "
                   f"{p.get('key_dim')}-d (PCA {p.get('pca_dims') or 'off'}, fit on {p.get('pca_sample', 0):,}); "
                   f"values 1 + {p.get('value_len')} tokens; index {idx} ({extra})",
                   f"  target {t.get('path')} (fingerprint {t.get('fingerprint')}, layer {t.get('layer')}, "
