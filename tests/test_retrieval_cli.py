@@ -89,6 +89,36 @@ def test_info_and_eval_dense(cli, files, stores):
     assert ev.rc == 0 and json.loads(ev.out.strip().splitlines()[-1])["scored"] == "completions", ev.err
 
 
+def test_eval_walks_the_targets_own_replies_as_a_decode(cli, files, stores):
+    """``--from-generations``: the dense store holds these very replies (built from the same prompts), so each walk
+    drafts the whole reply after its first token: two target calls per reply (the prompt's, then one step)."""
+    rows = [json.loads(line) for line in (stores / "dense" / "generations.jsonl").read_text().splitlines()]
+    ev = cli("datastore", "eval", stores / "dense", "--from-generations", files / "prompts.jsonl",
+             "--gen-max-new-tokens", 8, "--max-queries", 10, "--json")
+    assert ev.rc == 0, ev.err
+    out = json.loads(ev.out.strip().splitlines()[-1])
+    walked = [r for r in rows if len(r["completion_ids"]) > 1]
+    assert out["walked_documents"] == len(walked) > 0 and out["decode_steps"] == 2 * len(walked)
+    assert out["decode_tau"] == pytest.approx(sum(len(r["completion_ids"]) for r in walked) / (2 * len(walked)))
+    ev = cli("datastore", "eval", stores / "suffix", "--from-generations", files / "prompts.jsonl",
+             "--gen-max-new-tokens", 8, "--max-queries", 10, "--json")  # a store of other text drafts less
+    assert ev.rc == 0, ev.err
+    assert 1 <= json.loads(ev.out.strip().splitlines()[-1])["decode_tau"] < out["decode_tau"]
+
+
+def test_a_decode_walk_counts_what_greedy_verification_accepts():
+    from retrospec.bench.datastore_eval import _walk, _walk_summary
+    from retrospec.tree import merge_sequences
+    from retrospec.types import DraftTree
+
+    ids = list(range(100, 130))  # 30 tokens; the walk starts with ids[5] committed
+    assert _walk(ids, 5, lambda pos: DraftTree.empty()) == (24, 24)  # no draft: one token a step
+    assert _walk(ids, 5, lambda pos: merge_sequences([ids[pos + 1 :]], max_nodes=60)) == (1, 24)  # all at once
+    # a draft right for 3 tokens, then wrong: 4 tokens a step (the target's own after the third), 24 = 6 x 4
+    assert _walk(ids, 5, lambda pos: merge_sequences([ids[pos + 1 : pos + 4] + [0]], max_nodes=60)) == (6, 24)
+    assert _walk_summary([0], [(6, 24)]) == {"walked_documents": 1, "decode_steps": 7, "decode_tau": 25 / 7}
+
+
 def test_id_generations_are_saved_and_reused(cli, saved_models, stores, tmp_path):
     gen = stores / "dense" / "generations.jsonl"
     rows = [json.loads(line) for line in gen.read_text().splitlines()]
@@ -162,6 +192,8 @@ def test_build_errors(cli, saved_models, files, stores, tmp_path):
     cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "x", *t).assert_user_error("--corpus")
     cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "x", *t,
         "--corpus", tmp_path / "nope.txt").assert_user_error("corpus not found")
+    cli("datastore", "build", "--kind", "suffix", "--out", tmp_path / "x", *t, "--corpus", files / "corpus.txt",
+        "--chat").assert_user_error("--chat applies to --from-generations")
     cli("datastore", "build", "--kind", "suffix", "--out", stores / "suffix", *t,
         "--corpus", files / "corpus.txt").assert_user_error("already exists", "--overwrite")
     cli("datastore", "build", "--kind", "vector", "--out", tmp_path / "x", *t,
@@ -192,6 +224,13 @@ def test_info_and_eval_errors(cli, saved_models, files, stores, tmp_path):
     cli("datastore", "eval", stores / "dense", "--corpus", files / "corpus.txt",
         "--target", saved_models.draft_other_tokens).assert_user_error("another tokenizer")
     cli("datastore", "eval", stores / "suffix", "--corpus", tmp_path / "nope").assert_user_error("corpus not found")
+    cli("datastore", "eval", stores / "suffix").assert_user_error("one held-out source")
+    cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.txt", "--from-generations",
+        files / "prompts.jsonl").assert_user_error("one held-out source")
+    cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.txt",
+        "--walk-docs", 0).assert_user_error("--walk-docs must be >= 1")
+    cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.txt",
+        "--chat").assert_user_error("--chat applies to --from-generations")
 
 
 def test_generate_and_bench_errors(cli, saved_models, stores, tmp_path):
@@ -212,3 +251,25 @@ def test_generate_and_bench_errors(cli, saved_models, stores, tmp_path):
         stores / "suffix").assert_user_error("two suffix datastores")
     cli(*bench, "--methods", "ar,dresd", "--datastore", stores / "dense", "--target",
         saved_models.draft).assert_user_error("another target")
+
+
+def test_chat_generations_are_replies_under_the_template(chat_models, tmp_path):
+    """``chat``: the prompt is one user message under the chat template, and the reply ends at end-of-turn."""
+    from conftest import CHAT_STOP_MESSAGES
+
+    from retrospec.corpus.documents import generation_documents, save_generations
+    from retrospec.models import load_model
+
+    target = load_model(chat_models.target, role="target")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": CHAT_STOP_MESSAGES[0]["content"]}) + "\n")
+    docs, rows, desc = generation_documents(prompts, target, max_new_tokens=24, chat=True, progress=False)
+    templated = target.tokenizer.apply_chat_template(CHAT_STOP_MESSAGES, add_generation_prompt=True)["input_ids"]
+    assert rows[0]["prompt_ids"] == list(templated) and docs[0].index_from == len(templated)
+    assert len(rows[0]["completion_ids"]) == chat_models.stop_step and "chat prompts" in desc
+    saved = tmp_path / "generations.jsonl"
+    save_generations(rows, saved)
+    _, again, desc = generation_documents(saved, target, max_new_tokens=24, chat=True, progress=False)
+    assert again == rows and "1 reused" in desc
+    _, plain, desc = generation_documents(saved, target, max_new_tokens=24, progress=False)  # not chat: decoded anew
+    assert plain[0]["prompt_ids"] != rows[0]["prompt_ids"] and "reused" not in desc

@@ -11,7 +11,13 @@ scored: what the target wrote, which is what a drafter meets while decoding.
   (the length of the longest matching suffix, over hits).
 - both: the drafts a drafter would propose with its greedy defaults (3 x 20 budget), scored against the truth:
   ``top1_prefix`` = tokens of the truth reproduced by the first draft, ``tree_prefix`` = tokens of the truth
-  reproduced along the draft tree (what greedy verification would accept, so tau ~ 1 + tree_prefix);
+  reproduced along the draft tree (what greedy verification would accept at that position);
+- both: ``decode_tau``, the tokens a greedy decode gains per target step when the target writes these documents:
+  up to ``walk_docs`` documents (seeded) are walked as decoding walks them, from the first completion token (which
+  decoding knows before its first draft), one drafter step at a time (the drafter itself, greedy defaults, the
+  ungated 60-node tree), each step accepting the tree's longest path along the text plus the target's own token.
+  On the target's own greedy replies (``--from-generations``) it is the ungated bench's tau; ``tree_prefix``
+  counts every position once, ``decode_tau`` only those a decode meets (after an accepted draft it skips ahead);
 - latency, p50 / p99 in milliseconds, wall clock and thread CPU time: ``search`` (suffix: longest-suffix search;
   dense: transform + FAISS search) and ``lookup`` (the drafter's whole step: search, continuations / filtering,
   tree), the target forward excluded.
@@ -27,6 +33,7 @@ import torch
 from ..config import SamplingConfig
 from ..drafters.base import DecodeContext
 from ..drafters.dresd import DresdDrafter
+from ..drafters.rest import RestDrafter
 from ..retrieval.corpus import TokenDoc
 from ..retrieval.dense_index import _encode, _key_range
 from ..tree import frequency_trie
@@ -62,6 +69,38 @@ def _sample_positions(docs: list[TokenDoc], n: int, seed: int, min_ctx: int, kno
     return [cands[i] for i in sorted(pick)]
 
 
+WALK_BUDGET = 60  # nodes a step: the greedy defaults' 3 x 20 tree, as an ungated bench drafts
+
+
+def _walked(docs: list[TokenDoc], n: int, seed: int) -> list[int]:
+    """Up to ``n`` (seeded, in corpus order) documents with a token to guess after the first one walked."""
+    cands = [d for d, doc in enumerate(docs) if len(doc.ids) - 1 > max(doc.index_from, 1)]
+    if len(cands) <= n:
+        return cands
+    return sorted(np.random.default_rng(seed).choice(cands, size=n, replace=False).tolist())
+
+
+def _walk(ids: list[int], start: int, propose) -> tuple[int, int]:
+    """(steps, tokens) of a greedy decode that has committed ``ids[: start + 1]`` and whose target writes the rest:
+    per step ``propose(pos)`` drafts a tree below ``ids[pos]``, which accepts its longest path along the text and
+    the target's next token (the last step takes what is left)."""
+    steps = tokens = 0
+    pos = start
+    while pos < len(ids) - 1:
+        tree = propose(pos)
+        gained = min(_tree_prefix(tree, ids[pos + 1 : pos + 1 + WALK_BUDGET]), len(ids) - 2 - pos) + 1
+        steps, tokens, pos = steps + 1, tokens + gained, pos + gained
+    return steps, tokens
+
+
+def _walk_summary(walked: list[int], walks: list[tuple[int, int]]) -> dict:
+    """Walks' totals; ``decode_tau`` counts each document's first completion token and the prompt forward that
+    wrote it, as the bench's tau (new tokens / target calls) does."""
+    steps, tokens = sum(s for s, _ in walks) + len(walks), sum(t for _, t in walks) + len(walks)
+    return {"walked_documents": len(walked), "decode_steps": steps,
+            "decode_tau": tokens / steps if steps else 0.0}
+
+
 class Timer:
     """Wall-clock and thread-CPU milliseconds per timed call (CPU time is the cost without waiting for a core,
     which matters on a shared machine)."""
@@ -86,7 +125,7 @@ class Timer:
                 f"{name}_cpu_p50_ms": float(np.percentile(c, 50)), f"{name}_cpu_p99_ms": float(np.percentile(c, 99))}
 
 
-def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0) -> dict:
+def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0, walk_docs: int = 64) -> dict:
 
     num_drafts, draft_len = 3, 20
     queries = _sample_positions(docs, max_queries, seed, min_ctx=2, known=0)
@@ -113,20 +152,35 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
         top1.append(_prefix([x for x in seqs[0].tolist() if x >= 0], truth) if len(seqs) else 0)
         tree_acc.append(_tree_prefix(tree, truth))
     n = len(queries)
+    drafter = RestDrafter(store)
+    drafter.prefill(DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig()))  # greedy defaults
+    walked = _walked(docs, walk_docs, seed)
+    walks = []
+    for d in walked:
+        ids = docs[d].ids.tolist()
+        ctx = DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig())
+
+        def propose(pos: int):
+            ctx.tokens = ids[: pos + 1]
+            return drafter.propose(ctx, WALK_BUDGET)
+
+        walks.append(_walk(ids, max(docs[d].index_from, 1), propose))
     return {"queries": n, "hit_rate": hits / n if n else 0.0,
             "mean_match_length": float(np.mean(lengths)) if lengths else 0.0,
             "top1_prefix": float(np.mean(top1)) if n else 0.0, "tree_prefix": float(np.mean(tree_acc)) if n else 0.0,
-            } | search_t.summary("search") | lookup_t.summary("lookup")
+            } | _walk_summary(walked, walks) | search_t.summary("search") | lookup_t.summary("lookup")
 
 
 def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queries: int = 1000, k: int = 10,
-               match_len: int = 4, seed: int = 0, batch_tokens: int = 8192, progress: bool = True) -> dict:
+               match_len: int = 4, seed: int = 0, batch_tokens: int = 8192, progress: bool = True,
+               walk_docs: int = 64) -> dict:
 
     params = store.meta["params"]
     queries = _sample_positions(docs, max_queries, seed, min_ctx=1, known=1)
+    walked = _walked(docs, walk_docs, seed)
     if not queries:
         return {"queries": 0}
-    used = sorted({d for d, _ in queries})
+    used = sorted({d for d, _ in queries} | set(walked))
     sub = [TokenDoc(docs[d].ids) for d in used]
     sizes = [max(0, hi - lo) for lo, hi in map(_key_range, sub)]
     bases = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -155,6 +209,15 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
             tree = drafter.tree(rows, 60)
         top1.append(_prefix([x for x in rows[0].tolist() if x >= 0], truth[1:]) if len(rows) else 0)
         tree_acc.append(_tree_prefix(tree, truth[1:]))
+    walks = []
+    for d in walked:
+        ids, row = docs[d].ids.tolist(), row_of[d]
+
+        def propose(pos: int):  # searched with the hidden state that produced ids[pos]
+            return drafter.tree(drafter.continuations(hidden[row + pos - 1], ids[pos]), WALK_BUDGET)
+
+        walks.append(_walk(ids, max(docs[d].index_from, 1), propose))
     return {"queries": len(queries), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
             f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),
-            "tree_prefix": float(np.mean(tree_acc))} | search_t.summary("search") | lookup_t.summary("lookup")
+            "tree_prefix": float(np.mean(tree_acc))} | _walk_summary(walked, walks) | search_t.summary("search") \
+        | lookup_t.summary("lookup")

@@ -10,6 +10,14 @@ from ..errors import RetrospecError
 KEYS = ("completions", "all")  # the first is the default
 
 
+def _generation_args(p, what: str) -> None:
+    """``--from-generations`` (``what`` the target's greedy replies become), its length and ``--chat``."""
+    p.add_argument("--from-generations", metavar="PROMPTS.jsonl", help=what)
+    p.add_argument("--gen-max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--chat", action="store_true",
+                   help="with --from-generations: each prompt is one user message under the target's chat template")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("datastore", help="build, describe or evaluate retrieval datastores (rest, dresd)")
     dsub = p.add_subparsers(dest="datastore_command", required=True, parser_class=type(p))
@@ -21,10 +29,8 @@ def add_parser(sub) -> None:
                                     "for dense, its hidden states) define the store")
     b.add_argument("--corpus", help="text file, .jsonl (text | prompt+completion), directory, 'stdlib' "
                                     "(zoo training split) or 'stdlib:heldout'")
-    b.add_argument("--from-generations", metavar="PROMPTS.jsonl",
-                   help="in-distribution store: the target's own greedy outputs on these prompts (saved in the "
+    _generation_args(b, "in-distribution store: the target's own greedy outputs on these prompts (saved in the "
                         "store as generations.jsonl; passing that file again reuses them)")
-    b.add_argument("--gen-max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     b.add_argument("--max-tokens", type=int, default=None, help="use at most N corpus tokens")
     b.add_argument("--keys", choices=KEYS, default=None,
                    help="dense: the positions of prompt + completion rows that become keys: 'completions' (the "
@@ -52,11 +58,16 @@ def add_parser(sub) -> None:
     i.add_argument("--json", action="store_true", help="print meta.json")
     i.set_defaults(func=run_info)
 
-    e = dsub.add_parser("eval", help="intrinsic quality on held-out text (dense: MRR; suffix: hit rate); "
-                                     "prompt + completion rows are scored on their completions")
+    e = dsub.add_parser("eval", help="intrinsic quality on held-out text (dense: MRR; suffix: hit rate) and the "
+                                     "tau a greedy decode would reach on it; prompt + completion rows are scored "
+                                     "on their completions")
     e.add_argument("dir")
-    e.add_argument("--corpus", required=True, help="held-out corpus (same forms as build), e.g. stdlib:heldout or "
-                                                   "'corpus export --heldout-records'")
+    e.add_argument("--corpus", help="held-out corpus (same forms as build), e.g. stdlib:heldout or "
+                                    "'corpus export --heldout-records'")
+    _generation_args(e, "held-out prompts: score the target's own greedy replies to them (then decode_tau is the "
+                        "ungated bench's tau on these prompts)")
+    e.add_argument("--walk-docs", type=int, default=64,
+                   help="documents walked as a greedy decode for decode_tau (default 64)")
     e.add_argument("--target", help="target model directory (default: the store's target, else the zoo target)")
     e.add_argument("--max-tokens", type=int, default=50_000, help="held-out tokens to read (default 50000)")
     e.add_argument("--max-queries", type=int, default=1000)
@@ -122,6 +133,8 @@ def run_build(args) -> int:
 
     if not args.corpus and not args.from_generations:
         raise RetrospecError("give --corpus PATH|stdlib and/or --from-generations PROMPTS.jsonl")
+    if args.chat and not args.from_generations:
+        raise RetrospecError("--chat applies to --from-generations prompts")
     if args.pca_dims < 0:
         raise RetrospecError(f"--pca-dims must be >= 0, got {args.pca_dims}")
     if args.keys is not None and args.kind != "dense":
@@ -141,7 +154,7 @@ def run_build(args) -> int:
     sources, parts, extra = [], [], {}
     if args.from_generations:
         gdocs, rows, gdesc = generation_documents(args.from_generations, target,
-                                                  max_new_tokens=args.gen_max_new_tokens)
+                                                  max_new_tokens=args.gen_max_new_tokens, chat=args.chat)
         sources.append(gdocs)
         parts.append(gdesc)
         extra[GENERATIONS_FILE] = lambda path: save_generations(rows, path)  # reusable by the next ID build
@@ -216,7 +229,11 @@ def run_eval(args) -> int:
     from ..retrieval import load_meta, open_store
     from ..bench.datastore_eval import eval_dense, eval_suffix
 
-    _check(args, ("max_tokens", "max_queries", "k", "match_len"))
+    _check(args, ("max_tokens", "max_queries", "k", "match_len", "gen_max_new_tokens", "walk_docs"))
+    if (args.corpus is None) == (args.from_generations is None):
+        raise RetrospecError("give one held-out source: --corpus PATH|stdlib:heldout or --from-generations PROMPTS.jsonl")
+    if args.chat and not args.from_generations:
+        raise RetrospecError("--chat applies to --from-generations prompts")
     meta = load_meta(args.dir)
     recorded = (meta.get("target") or {}).get("path") or (meta.get("tokenizer") or {}).get("source")
     if args.target is None and recorded:
@@ -226,16 +243,24 @@ def run_eval(args) -> int:
             args.target = recorded
     target = _load_target(args.target)
     store = open_store(args.dir, meta["kind"], target=target)
-    docs, desc = _documents(args.corpus, target, args.max_tokens, completions=True)
+    if args.from_generations:
+        from ..corpus.documents import generation_documents
+        from ..retrieval.corpus import limit_tokens
+
+        gdocs, _, desc = generation_documents(args.from_generations, target, max_new_tokens=args.gen_max_new_tokens,
+                                              chat=args.chat)
+        docs = limit_tokens(gdocs, args.max_tokens)
+    else:
+        docs, desc = _documents(args.corpus, target, args.max_tokens, completions=True)
     if not (docs := list(docs)):
-        raise RetrospecError(f"held-out corpus {args.corpus} has no tokens")
+        raise RetrospecError(f"held-out source {args.corpus or args.from_generations} has no tokens")
     if meta["kind"] == "suffix":
-        res = eval_suffix(store, docs, max_queries=args.max_queries, seed=args.seed)
+        res = eval_suffix(store, docs, max_queries=args.max_queries, seed=args.seed, walk_docs=args.walk_docs)
     else:
         if args.match_len > store.value_len + 1:
             raise RetrospecError(f"--match-len must be <= {store.value_len + 1} for this store")
         res = eval_dense(store, target.model, docs, max_queries=args.max_queries, k=args.k, match_len=args.match_len,
-                         seed=args.seed)
+                         seed=args.seed, walk_docs=args.walk_docs)
     scored = "completions" if any(d.index_from for d in docs) else "every position"
     res = {"datastore": str(args.dir), "kind": meta["kind"], "heldout": desc, "scored": scored} | res
     if args.json:

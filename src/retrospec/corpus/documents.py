@@ -24,28 +24,38 @@ GENERATIONS_FILE = "generations.jsonl"
 
 
 def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: int = 128, batch_size: int = 32,
-                         progress: bool = True) -> tuple[list[TokenDoc], list[dict], str]:
+                         chat: bool = False, progress: bool = True) -> tuple[list[TokenDoc], list[dict], str]:
     """The target's (a ``LoadedModel``) own greedy continuations of the prompts in a jsonl file (``prompt`` field
     per line), decoded ``batch_size`` at a time, shortest first (``batched.generate_batch``: each row equals plain
-    greedy decoding). Rows that already carry ``prompt_ids`` and ``completion_ids`` from the same target and
-    ``max_new_tokens`` (the ``generations.jsonl`` a previous ID build saved in its store) are reused. Returns the
-    documents, the rows to save, and a description."""
+    greedy decoding). With ``chat`` each prompt is one user message under the target's chat template, and a reply
+    also ends at the template's end-of-turn token (as ``bench --chat`` decodes). Rows that already carry
+    ``prompt_ids`` and ``completion_ids`` from the same target, ``max_new_tokens`` and ``chat`` (the
+    ``generations.jsonl`` a previous ID build saved in its store) are reused. Returns the documents, the rows to
+    save, and a description."""
     if target.tokenizer is None:
         raise RetrospecError(f"--from-generations needs a target with a tokenizer ({target.path} has none)")
     prompts = load_prompts(prompts_path)
     fingerprint = model_identity(target.model)["fingerprint"]
     eos = target.eos_ids()
+    built = {}
+    if chat:
+        from ..chat import build_chat_prompt
+
+        built = {i: build_chat_prompt(target.tokenizer, [{"role": "user", "content": row["prompt"]}],
+                                      name=f"target {target.path}") for i, row in enumerate(prompts)}
+        eos = eos.union(*(b.end_of_turn_ids for b in built.values()))
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     limit = target.max_positions or 1 << 30
     entries: list[tuple[dict, list[int], list[int] | None]] = []  # (row, prompt ids, completion or None = to do)
     reused = 0
-    for row in prompts:
+    for i, row in enumerate(prompts):
         if (row.get("target") == fingerprint and row.get("max_new_tokens") == max_new_tokens
+                and bool(row.get("chat")) == chat
                 and isinstance(row.get("prompt_ids"), list) and isinstance(row.get("completion_ids"), list)):
             entries.append((row, [int(i) for i in row["prompt_ids"]], [int(i) for i in row["completion_ids"]]))
             reused += 1
             continue
-        ids = target.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        ids = built[i].prompt_ids if chat else target.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         if ids and len(ids) < limit:
             entries.append((row, list(ids), None))
     todo = sorted((i for i, e in enumerate(entries) if e[2] is None), key=lambda i: len(entries[i][1]))
@@ -63,11 +73,11 @@ def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: in
     bar.close()
     docs = [TokenDoc(np.asarray(ids + out, dtype=np.int32), index_from=len(ids)) for _, ids, out in entries]
     rows = [{"prompt": row["prompt"], "prompt_ids": ids, "completion_ids": out, "target": fingerprint,
-             "max_new_tokens": max_new_tokens} for row, ids, out in entries]
+             "max_new_tokens": max_new_tokens, "chat": chat} for row, ids, out in entries]
     generated = sum(len(out) for _, _, out in entries)
     if not docs:
         raise RetrospecError(f"no usable prompts in {prompts_path}")
-    desc = (f"greedy generations of {target.path} on {len(docs)} prompts from {prompts_path} "
+    desc = (f"greedy generations of {target.path} on {len(docs)} {'chat ' if chat else ''}prompts from {prompts_path} "
             f"(max {max_new_tokens} new tokens, batched {batch_size}, {generated} generated tokens"
             + (f", {reused} reused from the file" if reused else "") + ")")
     return docs, rows, desc
