@@ -16,8 +16,9 @@ scored: what the target wrote, which is what a drafter meets while decoding.
   up to ``walk_docs`` documents (seeded) are walked as decoding walks them, from the first completion token (which
   decoding knows before its first draft), one drafter step at a time (the drafter itself, greedy defaults, the
   ungated 60-node tree), each step accepting the tree's longest path along the text plus the target's own token.
-  On the target's own greedy replies (``--from-generations``) it is the ungated bench's tau; ``tree_prefix``
-  counts every position once, ``decode_tau`` only those a decode meets (after an accepted draft it skips ahead);
+  On the target's own greedy replies (``--from-generations``) it tracks the ungated bench's tau within a few per
+  cent (the bench's last steps draft fewer nodes, capped by the tokens left); ``tree_prefix`` counts every
+  position once, ``decode_tau`` only those a decode meets (after an accepted draft it skips ahead);
 - latency, p50 / p99 in milliseconds, wall clock and thread CPU time: ``search`` (suffix: longest-suffix search;
   dense: transform + FAISS search) and ``lookup`` (the drafter's whole step: search, continuations / filtering,
   tree), the target forward excluded.
@@ -73,7 +74,8 @@ WALK_BUDGET = 60  # nodes a step: the greedy defaults' 3 x 20 tree, as an ungate
 
 
 def _walked(docs: list[TokenDoc], n: int, seed: int) -> list[int]:
-    """Up to ``n`` (seeded, in corpus order) documents with a token to guess after the first one walked."""
+    """Up to ``n`` documents to walk (a seeded choice, in corpus order): those with a token to guess after the
+    first one of their completion."""
     cands = [d for d, doc in enumerate(docs) if len(doc.ids) - 1 > max(doc.index_from, 1)]
     if len(cands) <= n:
         return cands
