@@ -89,21 +89,48 @@ def test_info_and_eval_dense(cli, files, stores):
     assert ev.rc == 0 and json.loads(ev.out.strip().splitlines()[-1])["scored"] == "completions", ev.err
 
 
-def test_eval_walks_the_targets_own_replies_as_a_decode(cli, files, stores):
-    """``--from-generations``: the dense store holds these very replies (built from the same prompts), so each walk
-    drafts the whole reply after its first token: two target calls per reply (the prompt's, then one step)."""
-    rows = [json.loads(line) for line in (stores / "dense" / "generations.jsonl").read_text().splitlines()]
-    ev = cli("datastore", "eval", stores / "dense", "--from-generations", files / "prompts.jsonl",
-             "--gen-max-new-tokens", 8, "--max-queries", 10, "--json")
+def test_eval_walks_the_targets_own_replies_as_a_decode(cli, saved_models, files, stores, tmp_path):
+    """``--from-generations``: stores of nothing but these very replies draft each whole reply below its last
+    prompt token, so a walk takes one target call per reply; a store of other text drafts less."""
+    gen = stores / "dense" / "generations.jsonl"  # the replies to prompts.jsonl, reused (no decoding here)
+    rows = [json.loads(line) for line in gen.read_text().splitlines()]
+    walked = [r for r in rows if r["completion_ids"]]
+
+    def walk(store):
+        ev = cli("datastore", "eval", store, "--from-generations", gen, "--gen-max-new-tokens", 8,
+                 "--max-queries", 10, "--json")
+        assert ev.rc == 0, ev.err
+        return json.loads(ev.out.strip().splitlines()[-1])
+
+    for kind in ("suffix", "dense"):
+        res = cli("datastore", "build", "--kind", kind, "--out", tmp_path / kind, "--target", saved_models.target,
+                  "--from-generations", gen, "--gen-max-new-tokens", 8, *(["--pca-dims", 8] * (kind == "dense")))
+        assert res.rc == 0, res.err
+        out = walk(tmp_path / kind)
+        assert out["walked_documents"] == len(walked) > 0 and out["decode_steps"] == len(walked), kind
+        assert out["decode_tau"] == pytest.approx(sum(len(r["completion_ids"]) for r in walked) / len(walked))
+    assert 1 <= walk(stores / "suffix")["decode_tau"] < out["decode_tau"]
+
+
+@pytest.mark.parametrize("kind", ["suffix", "dense"])
+def test_the_walk_of_replies_is_the_decode_of_their_prompts(cli, saved_models, stores, kind):
+    """Decoding each prompt ungated with the store's drafter takes the walk's target calls for the walk's tokens."""
+    import retrospec
+    from retrospec.models import load_model
+
+    gen = stores / "dense" / "generations.jsonl"
+    ev = cli("datastore", "eval", stores / kind, "--from-generations", gen, "--gen-max-new-tokens", 8,
+             "--max-queries", 10, "--json")
     assert ev.rc == 0, ev.err
     out = json.loads(ev.out.strip().splitlines()[-1])
-    walked = [r for r in rows if len(r["completion_ids"]) > 1]
-    assert out["walked_documents"] == len(walked) > 0 and out["decode_steps"] == 2 * len(walked)
-    assert out["decode_tau"] == pytest.approx(sum(len(r["completion_ids"]) for r in walked) / (2 * len(walked)))
-    ev = cli("datastore", "eval", stores / "suffix", "--from-generations", files / "prompts.jsonl",
-             "--gen-max-new-tokens", 8, "--max-queries", 10, "--json")  # a store of other text drafts less
-    assert ev.rc == 0, ev.err
-    assert 1 <= json.loads(ev.out.strip().splitlines()[-1])["decode_tau"] < out["decode_tau"]
+    target = load_model(saved_models.target, role="target")
+    calls = tokens = 0
+    for row in map(json.loads, gen.read_text().splitlines()):
+        res = retrospec.generate(row["prompt_ids"], target=target, method="rest" if kind == "suffix" else "dresd",
+                                 datastore=stores / kind, gating=False, max_new_tokens=8)
+        assert res.token_ids == row["completion_ids"] + [row["stop"]] * (row["stop"] is not None)
+        calls, tokens = calls + res.stats.target_calls, tokens + res.stats.new_tokens
+    assert out["decode_steps"] == calls and out["decode_tau"] == pytest.approx(tokens / calls)
 
 
 def test_a_decode_walk_counts_what_greedy_verification_accepts():
@@ -112,11 +139,15 @@ def test_a_decode_walk_counts_what_greedy_verification_accepts():
     from retrospec.types import DraftTree
 
     ids = list(range(100, 130))  # 30 tokens; the walk starts with ids[5] committed
-    assert _walk(ids, 5, lambda pos: DraftTree.empty()) == (24, 24)  # no draft: one token a step
-    assert _walk(ids, 5, lambda pos: merge_sequences([ids[pos + 1 :]], max_nodes=60)) == (1, 24)  # all at once
+    assert _walk(ids, 5, lambda pos, budget: DraftTree.empty()) == (24, 24)  # no draft: one token a step
+    everything = lambda pos, budget: merge_sequences([ids[pos + 1 :]], max_nodes=budget)  # noqa: E731
+    assert _walk(ids, 5, everything) == (1, 24)  # all at once
+    assert _walk(ids, 5, everything, max_new=10) == (1, 10)  # room for 9 drafted + the target's own, then done
     # a draft right for 3 tokens, then wrong: 4 tokens a step (the target's own after the third), 24 = 6 x 4
-    assert _walk(ids, 5, lambda pos: merge_sequences([ids[pos + 1 : pos + 4] + [0]], max_nodes=60)) == (6, 24)
-    assert _walk_summary([0], [(6, 24)]) == {"walked_documents": 1, "decode_steps": 7, "decode_tau": 25 / 7}
+    three = lambda pos, budget: merge_sequences([ids[pos + 1 : pos + 4] + [0]], max_nodes=budget)  # noqa: E731
+    assert _walk(ids, 5, three) == (6, 24)
+    assert _walk(ids, 5, three, max_new=10) == (3, 10)  # 3 + 1, 3 + 1, then room for 1 drafted: 1 + 1
+    assert _walk_summary([0, 1], [(6, 24), (2, 3)]) == {"walked_documents": 2, "decode_steps": 8, "decode_tau": 27 / 8}
 
 
 def test_id_generations_are_saved_and_reused(cli, saved_models, stores, tmp_path):

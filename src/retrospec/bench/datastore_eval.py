@@ -13,12 +13,13 @@ scored: what the target wrote, which is what a drafter meets while decoding.
   ``top1_prefix`` = tokens of the truth reproduced by the first draft, ``tree_prefix`` = tokens of the truth
   reproduced along the draft tree (what greedy verification would accept at that position);
 - both: ``decode_tau``, the tokens a greedy decode gains per target step when the target writes these documents:
-  up to ``walk_docs`` documents (seeded) are walked as decoding walks them, from the first completion token (which
-  decoding knows before its first draft), one drafter step at a time (the drafter itself, greedy defaults, the
-  ungated 60-node tree), each step accepting the tree's longest path along the text plus the target's own token.
-  On the target's own greedy replies (``--from-generations``) it tracks the ungated bench's tau within a few per
-  cent (the bench's last steps draft fewer nodes, capped by the tokens left); ``tree_prefix`` counts every
-  position once, ``decode_tau`` only those a decode meets (after an accepted draft it skips ahead);
+  up to ``walk_docs`` documents (seeded) are walked as decoding walks them, from the last prompt token (the root of
+  decoding's first step), one drafter step at a time (the drafter itself, greedy defaults, the ungated 60-node
+  tree; with ``max_new``, capped as the decode loop caps it by the tokens left), each step accepting the tree's
+  longest path along the text plus the target's own token. On the target's own greedy replies with their stop
+  tokens (``--from-generations``) it is the tau of an ungated greedy bench of the same prompts and length, up to
+  the hidden states' rounding; ``tree_prefix`` counts every position once, ``decode_tau`` only those a decode
+  meets (after an accepted draft it skips ahead);
 - latency, p50 / p99 in milliseconds, wall clock and thread CPU time: ``search`` (suffix: longest-suffix search;
   dense: transform + FAISS search) and ``lookup`` (the drafter's whole step: search, continuations / filtering,
   tree), the target forward excluded.
@@ -38,6 +39,7 @@ from ..drafters.rest import RestDrafter
 from ..retrieval.corpus import TokenDoc
 from ..retrieval.dense_index import _encode, _key_range
 from ..tree import frequency_trie
+from ..types import DraftTree
 
 
 def _tree_prefix(tree, truth: list[int]) -> int:
@@ -73,32 +75,40 @@ def _sample_positions(docs: list[TokenDoc], n: int, seed: int, min_ctx: int, kno
 WALK_BUDGET = 60  # nodes a step: the greedy defaults' 3 x 20 tree, as an ungated bench drafts
 
 
+def _walk_start(doc: TokenDoc) -> int:
+    """The last committed token when a walk starts: the last prompt token (decoding's first step drafts below it;
+    a document without a prompt starts from its first token)."""
+    return max(doc.index_from - 1, 0)
+
+
 def _walked(docs: list[TokenDoc], n: int, seed: int) -> list[int]:
-    """Up to ``n`` documents to walk (a seeded choice, in corpus order): those with a token to guess after the
-    first one of their completion."""
-    cands = [d for d, doc in enumerate(docs) if len(doc.ids) - 1 > max(doc.index_from, 1)]
+    """Up to ``n`` documents to walk (a seeded choice, in corpus order): those with a token after ``_walk_start``."""
+    cands = [d for d, doc in enumerate(docs) if len(doc.ids) - 1 > _walk_start(doc)]
     if len(cands) <= n:
         return cands
     return sorted(np.random.default_rng(seed).choice(cands, size=n, replace=False).tolist())
 
 
-def _walk(ids: list[int], start: int, propose) -> tuple[int, int]:
+def _walk(ids: list[int], start: int, propose, max_new: int | None = None) -> tuple[int, int]:
     """(steps, tokens) of a greedy decode that has committed ``ids[: start + 1]`` and whose target writes the rest:
-    per step ``propose(pos)`` drafts a tree below ``ids[pos]``, which accepts its longest path along the text and
-    the target's next token (the last step takes what is left)."""
+    per step ``propose(pos, budget)`` drafts a tree of at most ``budget`` nodes below ``ids[pos]`` (``WALK_BUDGET``,
+    or with ``max_new`` the decode loop's room: the new tokens still allowed minus the target's own), which accepts
+    its longest path along the text and the target's next token (the last step takes what is left; with
+    ``max_new`` the walk ends after that many tokens, as decoding does)."""
     steps = tokens = 0
     pos = start
-    while pos < len(ids) - 1:
-        tree = propose(pos)
-        gained = min(_tree_prefix(tree, ids[pos + 1 : pos + 1 + WALK_BUDGET]), len(ids) - 2 - pos) + 1
+    while pos < len(ids) - 1 and (max_new is None or pos - start < max_new):
+        budget = WALK_BUDGET if max_new is None else min(WALK_BUDGET, max_new - (pos - start) - 1)
+        tree = propose(pos, budget) if budget > 0 else DraftTree.empty()
+        left = len(ids) - 1 - pos if max_new is None else min(len(ids) - 1 - pos, max_new - (pos - start))
+        gained = min(_tree_prefix(tree, ids[pos + 1 : pos + 1 + WALK_BUDGET]), left - 1) + 1
         steps, tokens, pos = steps + 1, tokens + gained, pos + gained
     return steps, tokens
 
 
 def _walk_summary(walked: list[int], walks: list[tuple[int, int]]) -> dict:
-    """Walks' totals; ``decode_tau`` counts each document's first completion token and the prompt forward that
-    wrote it, as the bench's tau (new tokens / target calls) does."""
-    steps, tokens = sum(s for s, _ in walks) + len(walks), sum(t for _, t in walks) + len(walks)
+    """Walks' totals; ``decode_tau`` = tokens / steps, as the bench's tau is new tokens / target calls."""
+    steps, tokens = sum(s for s, _ in walks), sum(t for _, t in walks)
     return {"walked_documents": len(walked), "decode_steps": steps,
             "decode_tau": tokens / steps if steps else 0.0}
 
@@ -127,7 +137,8 @@ class Timer:
                 f"{name}_cpu_p50_ms": float(np.percentile(c, 50)), f"{name}_cpu_p99_ms": float(np.percentile(c, 99))}
 
 
-def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0, walk_docs: int = 64) -> dict:
+def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0, walk_docs: int = 64,
+                max_new: int | None = None) -> dict:
 
     num_drafts, draft_len = 3, 20
     queries = _sample_positions(docs, max_queries, seed, min_ctx=2, known=0)
@@ -162,11 +173,11 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
         ids = docs[d].ids.tolist()
         ctx = DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig())
 
-        def propose(pos: int):
+        def propose(pos: int, budget: int):
             ctx.tokens = ids[: pos + 1]
-            return drafter.propose(ctx, WALK_BUDGET)
+            return drafter.propose(ctx, budget)
 
-        walks.append(_walk(ids, max(docs[d].index_from, 1), propose))
+        walks.append(_walk(ids, _walk_start(docs[d]), propose, max_new))
     return {"queries": n, "hit_rate": hits / n if n else 0.0,
             "mean_match_length": float(np.mean(lengths)) if lengths else 0.0,
             "top1_prefix": float(np.mean(top1)) if n else 0.0, "tree_prefix": float(np.mean(tree_acc)) if n else 0.0,
@@ -175,7 +186,7 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
 
 def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queries: int = 1000, k: int = 10,
                match_len: int = 4, seed: int = 0, batch_tokens: int = 8192, progress: bool = True,
-               walk_docs: int = 64) -> dict:
+               walk_docs: int = 64, max_new: int | None = None) -> dict:
 
     params = store.meta["params"]
     queries = _sample_positions(docs, max_queries, seed, min_ctx=1, known=1)
@@ -215,10 +226,12 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
     for d in walked:
         ids, row = docs[d].ids.tolist(), row_of[d]
 
-        def propose(pos: int):  # searched with the hidden state that produced ids[pos]
-            return drafter.tree(drafter.continuations(hidden[row + pos - 1], ids[pos]), WALK_BUDGET)
+        def propose(pos: int, budget: int):  # searched with the hidden state that produced ids[pos]
+            if pos == 0:  # no state produced the first token: decoding hands the drafter none
+                return DraftTree.empty()
+            return drafter.tree(drafter.continuations(hidden[row + pos - 1], ids[pos]), budget)
 
-        walks.append(_walk(ids, max(docs[d].index_from, 1), propose))
+        walks.append(_walk(ids, _walk_start(docs[d]), propose, max_new))
     return {"queries": len(queries), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
             f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),
             "tree_prefix": float(np.mean(tree_acc))} | _walk_summary(walked, walks) | search_t.summary("search") \

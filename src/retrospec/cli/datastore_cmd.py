@@ -64,8 +64,9 @@ def add_parser(sub) -> None:
     e.add_argument("dir")
     e.add_argument("--corpus", help="held-out corpus (same forms as build), e.g. stdlib:heldout or "
                                     "'corpus export --heldout-records'")
-    _generation_args(e, "held-out prompts: score the target's own greedy replies to them (then decode_tau is the "
-                        "ungated bench's tau on these prompts)")
+    _generation_args(e, "held-out prompts: score the target's own greedy replies to them (then decode_tau is an "
+                        "ungated greedy bench's tau on these prompts at --gen-max-new-tokens; every prompt is "
+                        "decoded, --max-tokens caps what is scored)")
     e.add_argument("--walk-docs", type=int, default=64,
                    help="documents walked as a greedy decode for decode_tau (default 64)")
     e.add_argument("--target", help="target model directory (default: the store's target, else the zoo target)")
@@ -225,13 +226,24 @@ def run_info(args) -> int:
     return 0
 
 
+def _as_decoded(docs, rows: list[dict]) -> list:
+    """Generated documents with the token that ended each reply (EOS or end of turn) put back: decoding emits it."""
+    import numpy as np
+
+    from ..retrieval.corpus import TokenDoc
+
+    return [d if row.get("stop") is None else TokenDoc(np.append(d.ids, row["stop"]).astype(np.int32), d.index_from)
+            for d, row in zip(docs, rows)]
+
+
 def run_eval(args) -> int:
     from ..retrieval import load_meta, open_store
     from ..bench.datastore_eval import eval_dense, eval_suffix
 
     _check(args, ("max_tokens", "max_queries", "k", "match_len", "gen_max_new_tokens", "walk_docs"))
     if (args.corpus is None) == (args.from_generations is None):
-        raise RetrospecError("give one held-out source: --corpus PATH|stdlib:heldout or --from-generations PROMPTS.jsonl")
+        raise RetrospecError("give one held-out source: --corpus PATH|stdlib:heldout or --from-generations "
+                             "PROMPTS.jsonl")
     if args.chat and not args.from_generations:
         raise RetrospecError("--chat applies to --from-generations prompts")
     meta = load_meta(args.dir)
@@ -247,20 +259,23 @@ def run_eval(args) -> int:
         from ..corpus.documents import generation_documents
         from ..retrieval.corpus import limit_tokens
 
-        gdocs, _, desc = generation_documents(args.from_generations, target, max_new_tokens=args.gen_max_new_tokens,
-                                              chat=args.chat)
-        docs = limit_tokens(gdocs, args.max_tokens)
+        gdocs, rows, desc = generation_documents(args.from_generations, target,
+                                                 max_new_tokens=args.gen_max_new_tokens, chat=args.chat)
+        docs = limit_tokens(_as_decoded(gdocs, rows), args.max_tokens)
+        max_new = args.gen_max_new_tokens
     else:
         docs, desc = _documents(args.corpus, target, args.max_tokens, completions=True)
+        max_new = None
     if not (docs := list(docs)):
         raise RetrospecError(f"held-out source {args.corpus or args.from_generations} has no tokens")
     if meta["kind"] == "suffix":
-        res = eval_suffix(store, docs, max_queries=args.max_queries, seed=args.seed, walk_docs=args.walk_docs)
+        res = eval_suffix(store, docs, max_queries=args.max_queries, seed=args.seed, walk_docs=args.walk_docs,
+                          max_new=max_new)
     else:
         if args.match_len > store.value_len + 1:
             raise RetrospecError(f"--match-len must be <= {store.value_len + 1} for this store")
         res = eval_dense(store, target.model, docs, max_queries=args.max_queries, k=args.k, match_len=args.match_len,
-                         seed=args.seed, walk_docs=args.walk_docs)
+                         seed=args.seed, walk_docs=args.walk_docs, max_new=max_new)
     scored = "completions" if any(d.index_from for d in docs) else "every position"
     res = {"datastore": str(args.dir), "kind": meta["kind"], "heldout": desc, "scored": scored} | res
     if args.json:

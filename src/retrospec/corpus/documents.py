@@ -30,34 +30,37 @@ def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: in
     greedy decoding). With ``chat`` each prompt is one user message under the target's chat template, and a reply
     also ends at the template's end-of-turn token (as ``bench --chat`` decodes). Rows that already carry
     ``prompt_ids`` and ``completion_ids`` from the same target, ``max_new_tokens`` and ``chat`` (the
-    ``generations.jsonl`` a previous ID build saved in its store) are reused. Returns the documents, the rows to
-    save, and a description."""
+    ``generations.jsonl`` a previous ID build saved in its store) are reused. A row's ``stop`` is the EOS or
+    end-of-turn token that ended its reply (None: cut at ``max_new_tokens``), kept out of the document (the builders
+    add their own separator). Returns the documents, the rows to save, and a description."""
     if target.tokenizer is None:
         raise RetrospecError(f"--from-generations needs a target with a tokenizer ({target.path} has none)")
     prompts = load_prompts(prompts_path)
     fingerprint = model_identity(target.model)["fingerprint"]
     eos = target.eos_ids()
-    built = {}
     if chat:
-        from ..chat import build_chat_prompt
+        from ..chat import build_chat_prompt, end_of_turn_ids
 
-        built = {i: build_chat_prompt(target.tokenizer, [{"role": "user", "content": row["prompt"]}],
-                                      name=f"target {target.path}") for i, row in enumerate(prompts)}
-        eos = eos.union(*(b.end_of_turn_ids for b in built.values()))
+        eos = eos | set(end_of_turn_ids(target.tokenizer))
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     limit = target.max_positions or 1 << 30
-    entries: list[tuple[dict, list[int], list[int] | None]] = []  # (row, prompt ids, completion or None = to do)
+    entries: list[list] = []  # [row, prompt ids, completion (None = to do), the token that ended it or None]
     reused = 0
-    for i, row in enumerate(prompts):
+    for row in prompts:
         if (row.get("target") == fingerprint and row.get("max_new_tokens") == max_new_tokens
                 and bool(row.get("chat")) == chat
                 and isinstance(row.get("prompt_ids"), list) and isinstance(row.get("completion_ids"), list)):
-            entries.append((row, [int(i) for i in row["prompt_ids"]], [int(i) for i in row["completion_ids"]]))
+            entries.append([row, [int(t) for t in row["prompt_ids"]], [int(t) for t in row["completion_ids"]],
+                            row.get("stop")])
             reused += 1
             continue
-        ids = built[i].prompt_ids if chat else target.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        if chat:
+            ids = build_chat_prompt(target.tokenizer, [{"role": "user", "content": row["prompt"]}],
+                                    name=f"target {target.path}").prompt_ids
+        else:
+            ids = target.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         if ids and len(ids) < limit:
-            entries.append((row, list(ids), None))
+            entries.append([row, list(ids), None, None])
     todo = sorted((i for i, e in enumerate(entries) if e[2] is None), key=lambda i: len(entries[i][1]))
     bar = tqdm(total=len(todo), desc="generate", unit="prompt", disable=not progress, dynamic_ncols=True)
     for k in range(0, len(todo), batch_size):
@@ -66,15 +69,14 @@ def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: in
         res = generate_batch(target.model, [entries[i][1] for i in batch], max_new_tokens=room, eos_ids=eos,
                              pad_id=pad)
         for i, out in zip(batch, res.tokens):
-            if out and out[-1] in eos:
-                out = out[:-1]  # the document separator (EOS) is added by the builders
-            entries[i] = (entries[i][0], entries[i][1], out)
+            stop = out[-1] if out and out[-1] in eos else None
+            entries[i][2:] = [out[:-1] if stop is not None else out, stop]  # the builders add the separator EOS
         bar.update(len(batch))
     bar.close()
-    docs = [TokenDoc(np.asarray(ids + out, dtype=np.int32), index_from=len(ids)) for _, ids, out in entries]
-    rows = [{"prompt": row["prompt"], "prompt_ids": ids, "completion_ids": out, "target": fingerprint,
-             "max_new_tokens": max_new_tokens, "chat": chat} for row, ids, out in entries]
-    generated = sum(len(out) for _, _, out in entries)
+    docs = [TokenDoc(np.asarray(ids + out, dtype=np.int32), index_from=len(ids)) for _, ids, out, _ in entries]
+    rows = [{"prompt": row["prompt"], "prompt_ids": ids, "completion_ids": out, "stop": stop, "target": fingerprint,
+             "max_new_tokens": max_new_tokens, "chat": chat} for row, ids, out, stop in entries]
+    generated = sum(len(out) for _, _, out, _ in entries)
     if not docs:
         raise RetrospecError(f"no usable prompts in {prompts_path}")
     desc = (f"greedy generations of {target.path} on {len(docs)} {'chat ' if chat else ''}prompts from {prompts_path} "
