@@ -35,6 +35,12 @@ def default_rule(sampling: SamplingConfig) -> AcceptanceRule:
     return GreedyMatch() if sampling.greedy else RejectionSampling()
 
 
+def draft_room(max_new_tokens: int, new_tokens: int, positions_left: int) -> int:
+    """Nodes a step may draft: the new tokens still allowed and the positions left in the model, each less the
+    step's recovered or bonus token (never below 0)."""
+    return max(0, min(max_new_tokens - new_tokens, positions_left) - 1)
+
+
 def speculative_generate(
     target: torch.nn.Module,
     drafter: Drafter,
@@ -90,10 +96,8 @@ def speculative_generate(
         while not done:
             if len(ctx.tokens) >= max_pos:  # the model has no position left for another token
                 break
-            # draft room: new tokens still allowed (minus the recovered/bonus one) and positions in the model
-            budget = min(max_new_tokens - stats.new_tokens - 1, max_pos - len(ctx.tokens) - 1)
             t = clock()
-            room = max(0, budget)
+            room = draft_room(max_new_tokens, stats.new_tokens, max_pos - len(ctx.tokens))
             given = gate.choose(room, len(ctx.tokens))
             tree = drafter.propose(ctx, given)
             t_draft = clock()

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..config import SamplingConfig
+from ..decode import draft_room
 from ..drafters.base import DecodeContext
 from ..drafters.dresd import DresdDrafter
 from ..drafters.rest import RestDrafter
@@ -98,12 +99,21 @@ def _walk(ids: list[int], start: int, propose, max_new: int | None = None) -> tu
     steps = tokens = 0
     pos = start
     while pos < len(ids) - 1 and (max_new is None or pos - start < max_new):
-        budget = WALK_BUDGET if max_new is None else min(WALK_BUDGET, max_new - (pos - start) - 1)
+        budget = WALK_BUDGET if max_new is None else min(WALK_BUDGET, draft_room(max_new, pos - start, 1 << 30))
         tree = propose(pos, budget) if budget > 0 else DraftTree.empty()
         left = len(ids) - 1 - pos if max_new is None else min(len(ids) - 1 - pos, max_new - (pos - start))
         gained = min(_tree_prefix(tree, ids[pos + 1 : pos + 1 + WALK_BUDGET]), left - 1) + 1
         steps, tokens, pos = steps + 1, tokens + gained, pos + gained
     return steps, tokens
+
+
+def _walks(docs: list[TokenDoc], walked: list[int], proposer, max_new: int | None) -> list[tuple[int, int]]:
+    """``_walk`` of each walked document; ``proposer(d, ids)`` gives its ``propose``."""
+    out = []
+    for d in walked:
+        ids = docs[d].ids.tolist()
+        out.append(_walk(ids, _walk_start(docs[d]), proposer(d, ids), max_new))
+    return out
 
 
 def _walk_summary(walked: list[int], walks: list[tuple[int, int]]) -> dict:
@@ -166,18 +176,17 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
         tree_acc.append(_tree_prefix(tree, truth))
     n = len(queries)
     drafter = RestDrafter(store)
-    drafter.prefill(DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig()))  # greedy defaults
-    walked = _walked(docs, walk_docs, seed)
-    walks = []
-    for d in walked:
-        ids = docs[d].ids.tolist()
-        ctx = DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig())
+    ctx = DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig())
+    drafter.prefill(ctx)  # greedy defaults
 
+    def proposer(d: int, ids: list[int]):
         def propose(pos: int, budget: int):
             ctx.tokens = ids[: pos + 1]
             return drafter.propose(ctx, budget)
+        return propose
 
-        walks.append(_walk(ids, _walk_start(docs[d]), propose, max_new))
+    walked = _walked(docs, walk_docs, seed)
+    walks = _walks(docs, walked, proposer, max_new)
     return {"queries": n, "hit_rate": hits / n if n else 0.0,
             "mean_match_length": float(np.mean(lengths)) if lengths else 0.0,
             "top1_prefix": float(np.mean(top1)) if n else 0.0, "tree_prefix": float(np.mean(tree_acc)) if n else 0.0,
@@ -222,16 +231,14 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
             tree = drafter.tree(rows, 60)
         top1.append(_prefix([x for x in rows[0].tolist() if x >= 0], truth[1:]) if len(rows) else 0)
         tree_acc.append(_tree_prefix(tree, truth[1:]))
-    walks = []
-    for d in walked:
-        ids, row = docs[d].ids.tolist(), row_of[d]
-
+    def proposer(d: int, ids: list[int]):
         def propose(pos: int, budget: int):  # searched with the hidden state that produced ids[pos]
             if pos == 0:  # no state produced the first token: decoding hands the drafter none
                 return DraftTree.empty()
-            return drafter.tree(drafter.continuations(hidden[row + pos - 1], ids[pos]), budget)
+            return drafter.tree(drafter.continuations(hidden[row_of[d] + pos - 1], ids[pos]), budget)
+        return propose
 
-        walks.append(_walk(ids, _walk_start(docs[d]), propose, max_new))
+    walks = _walks(docs, walked, proposer, max_new)
     return {"queries": len(queries), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
             f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),
             "tree_prefix": float(np.mean(tree_acc))} | _walk_summary(walked, walks) | search_t.summary("search") \

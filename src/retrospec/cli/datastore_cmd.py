@@ -226,16 +226,6 @@ def run_info(args) -> int:
     return 0
 
 
-def _as_decoded(docs, rows: list[dict]) -> list:
-    """Generated documents with the token that ended each reply (EOS or end of turn) put back: decoding emits it."""
-    import numpy as np
-
-    from ..retrieval.corpus import TokenDoc
-
-    return [d if row.get("stop") is None else TokenDoc(np.append(d.ids, row["stop"]).astype(np.int32), d.index_from)
-            for d, row in zip(docs, rows)]
-
-
 def run_eval(args) -> int:
     from ..retrieval import load_meta, open_store
     from ..bench.datastore_eval import eval_dense, eval_suffix
@@ -256,12 +246,12 @@ def run_eval(args) -> int:
     target = _load_target(args.target)
     store = open_store(args.dir, meta["kind"], target=target)
     if args.from_generations:
-        from ..corpus.documents import generation_documents
+        from ..corpus.documents import as_decoded, generation_documents
         from ..retrieval.corpus import limit_tokens
 
         gdocs, rows, desc = generation_documents(args.from_generations, target,
                                                  max_new_tokens=args.gen_max_new_tokens, chat=args.chat)
-        docs = limit_tokens(_as_decoded(gdocs, rows), args.max_tokens)
+        docs = limit_tokens(as_decoded(gdocs, rows), args.max_tokens)
         max_new = args.gen_max_new_tokens
     else:
         docs, desc = _documents(args.corpus, target, args.max_tokens, completions=True)

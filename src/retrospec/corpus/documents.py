@@ -85,5 +85,12 @@ def generation_documents(prompts_path: str | Path, target, *, max_new_tokens: in
     return docs, rows, desc
 
 
+def as_decoded(docs: list[TokenDoc], rows: list[dict]) -> list[TokenDoc]:
+    """``generation_documents``' documents with the token that ended each reply (``stop``: EOS or end of turn) put
+    back, as decoding emits it."""
+    return [d if row.get("stop") is None else TokenDoc(np.append(d.ids, row["stop"]).astype(np.int32), d.index_from)
+            for d, row in zip(docs, rows)]
+
+
 def save_generations(rows: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
