@@ -413,6 +413,25 @@ def test_probs_top_p_keeps_smallest_prefix_reaching_p():
     assert int((got[0] > 0).sum()) >= 1 and torch.allclose(got.sum(-1), torch.ones(2))
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-45, 1e-38, 1e-20, 1e-6])
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-40, 0.5, 1.0])
+def test_probs_extreme_knobs_stay_a_distribution(temperature, top_p):
+    """Any accepted temperature and top_p (down to the smallest double) gives a distribution that can be drawn from:
+    finite, summing to 1, on the argmax. A tiny temperature once overflowed the logits to inf (NaN after softmax)
+    and a top_p that rounds to 0 in float32 once dropped every token."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(103)) * 30
+    logits[2, 4:] = float("-inf")  # a row whose vocabulary is partly masked, as a mapped draft's is
+    for top_k in (0, 2):
+        got = probs_from_logits(logits, SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k))
+        assert torch.isfinite(got).all() and (got >= 0).all()
+        torch.testing.assert_close(got.sum(-1), torch.ones(3))
+        assert (got.gather(-1, logits.argmax(-1, keepdim=True)) > 0).all()
+        torch.multinomial(got, 1)  # drawable
+    if temperature < 1e-30:  # colder than any logit gap: one-hot on the argmax
+        got = probs_from_logits(logits, SamplingConfig(temperature=temperature, top_p=top_p))
+        assert torch.equal(got, probs_from_logits(logits, SamplingConfig(temperature=0.0)))
+
+
 def test_probs_top_k_then_top_p():
     """top-k is applied before top-p (as in Hugging Face), and top-p renormalises over the top-k survivors."""
     base = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0]) + 1e-9

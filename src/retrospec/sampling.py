@@ -18,7 +18,11 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
     if cfg.greedy:
         out = torch.zeros_like(logits)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / cfg.temperature
+    # shifted so the largest logit is 0 before dividing: the same softmax, and a tiny temperature sends the others
+    # to -inf (one-hot on the argmax) instead of overflowing them to +inf (inf - inf: NaN); a temperature below
+    # float32's smallest normal number (which would round to 0, and 0 / 0 is NaN) divides as that number
+    top = logits.amax(-1, keepdim=True)  # [..., 1]
+    logits = (logits - top.masked_fill(top.isinf(), 0.0)) / max(cfg.temperature, torch.finfo(logits.dtype).tiny)
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -28,6 +32,7 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
         # drop a token when the mass strictly before it already reaches top_p (always keeps the top token)
         before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = before >= cfg.top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's smallest number would otherwise drop every token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
