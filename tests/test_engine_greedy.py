@@ -8,7 +8,7 @@ import pytest
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
-from retrospec.drafters.base import DecodeContext
+from retrospec.drafters.base import DecodeContext, chain_room
 from retrospec.tree import children_lists, merge_sequences
 from retrospec.types import DraftTree, SpecStats
 
@@ -223,7 +223,7 @@ class OracleTreeDrafter:
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         n = len(ctx.tokens)
         assert ctx.tokens == self.full[:n]  # greedy engine committed exactly the oracle's tokens so far
-        true = self.full[n : n + self.depth]
+        true = self.full[n : n + chain_room(ctx, self.depth)]  # no deeper than the loop would keep
         if not true or budget <= 0:
             self.trees.append(DraftTree.empty())
             self.expect_accepted.append(0)
@@ -298,3 +298,48 @@ def test_step_timings_wait_for_the_device(monkeypatch):
     clock = device_clock(torch.device("cuda", 0))
     first, second = clock(), clock()
     assert second >= first and synced == [torch.device("cuda", 0)] * 2
+
+
+class DeepWideDrafter:
+    """Ignores ``max_depth``: a wide tree as deep as the truth allows (the true continuation, each depth's
+    siblings junk), so the loop must cut it."""
+
+    name, needs = "deep-wide", frozenset()
+
+    def __init__(self, full: list[int], vocab: int, depth: int = 12, width: int = 3):
+        self.full, self.vocab, self.depth, self.width = full, vocab, depth, width
+        self.max_depths: list[int | None] = []
+
+    def prefill(self, ctx: DecodeContext) -> None:
+        self.max_depths = []
+
+    def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
+        self.max_depths.append(ctx.max_depth)
+        true = self.full[len(ctx.tokens): len(ctx.tokens) + self.depth]
+        seqs = [true] + [true[:d] + [(true[d] + j) % self.vocab] for d in range(len(true)) for j in
+                         range(1, self.width)]
+        return merge_sequences(seqs, max_nodes=budget) if true and budget > 0 else DraftTree.empty()
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 30])
+def test_the_loop_cuts_a_tree_at_the_tokens_left_and_keeps_its_width(target, max_new):
+    """The new tokens left bound a step's depth (deeper nodes are dropped before verification), not its nodes: a
+    drafter that ignores ``max_depth`` still matches the oracle, each step verifies only nodes the step could
+    commit, and the last steps keep their width."""
+    full = PROMPT + oracle(target, max_new_tokens=max_new + 16)
+    drafter = DeepWideDrafter(full, target.config.vocab_size)
+    out, stats, chunks = run(target, drafter, max_new_tokens=max_new)
+    assert out == full[len(PROMPT): len(PROMPT) + max_new]
+    check_stats(stats, out, chunks)
+    made = 0
+    for step, (room, chunk) in enumerate(zip(drafter.max_depths, chunks)):
+        assert room == max_new - made - 1  # the tokens left, less the target's own
+        assert len(chunk) == min(room, drafter.depth) + 1  # the whole true path, as deep as the step allows
+        made += len(chunk)
+    assert len(stats.per_position_drafted) <= max_new - 1  # nothing deeper than a step could commit was verified
+    if max_new >= 7:  # the last drafting step: its full width (true + 2 junk per depth), to its room's depth
+        room = drafter.max_depths[-1]
+        assert stats.drafted_tokens >= drafter.width * room

@@ -139,7 +139,7 @@ def test_dresd_ranks_continuations_by_votes_or_by_similarity():
 V = 8
 PROMPT = [3, 1, 4, 1]
 N_RUNS = 2_000
-MAX_NEW = 5  # the first step may draft MAX_NEW - 2 = 3 nodes: x2, x3 are accepted, recovered or bonus tokens
+MAX_NEW = 5  # the first step drafts trees at most MAX_NEW - 2 = 3 deep: x2, x3 are accepted, recovered or bonus tokens
 T1 = SamplingConfig(temperature=1.0)
 
 
@@ -199,7 +199,7 @@ def test_sampling_follows_the_target_law(sampling_setup, method, opts):
         counts[out[0], out[1], out[2]] += 1
         drafted += stats.drafted_tokens
         accepted += stats.accepted_tokens
-    assert 0.1 * drafted < accepted < 0.9 * drafted  # drafts were accepted and rejected
+    assert 0.02 * drafted < accepted < 0.9 * drafted  # drafts were accepted and rejected (wide trees: most rejected)
     c12 = counts.sum(2)
     assert chisq([(c12, p1[:, None] * p2 * N_RUNS)]) > 1e-3
     groups = [(counts[a, b], p3[a, b] * counts[a, b].sum()) for a in range(V) for b in range(V) if counts[a, b].sum()]

@@ -287,3 +287,23 @@ def test_reserve_then_advance_holds_what_update_holds():
             kb, vb = b.update(k, v)
             assert torch.equal(a.keys, kb) and torch.equal(a.values, vb) and a.length == b.length
     assert a.capacity == b.capacity >= 9
+
+
+def test_within_depth_drops_deeper_nodes_and_keeps_the_rest_in_order():
+    from retrospec.tree import depths, within_depth
+
+    chain = DraftTree.chain([4, 5, 6, 7], torch.eye(8)[[4, 5, 6, 7]])
+    cut = within_depth(chain, 2)
+    assert cut.is_chain and cut.tokens.tolist() == [4, 5] and torch.equal(cut.draft_probs, torch.eye(8)[[4, 5]])
+    assert within_depth(chain, 4) is chain and within_depth(chain, None) is chain
+    assert len(within_depth(chain, 0)) == 0
+    # root -> 10 -> 11 -> 12, root -> 20 -> 21, 10 -> 13 -> 14 (interleaved, as tries are)
+    tree = DraftTree(torch.tensor([10, 20, 11, 21, 13, 12, 14]), torch.tensor([-1, -1, 0, 1, 0, 2, 4]),
+                     torch.arange(7.0)[:, None].expand(7, 3).clone())
+    cut = within_depth(tree, 2)
+    assert cut.tokens.tolist() == [10, 20, 11, 21, 13] and cut.parents.tolist() == [-1, -1, 0, 1, 0]
+    assert cut.draft_probs[:, 0].tolist() == [0, 1, 2, 3, 4]  # each node keeps its own q row
+    assert int(depths(cut.parents).max()) == 2
+    assert within_depth(tree, 3) is tree
+    one = within_depth(tree, 1)
+    assert one.tokens.tolist() == [10, 20] and one.parents.tolist() == [-1, -1]

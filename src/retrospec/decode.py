@@ -25,7 +25,7 @@ from .drafters.base import DecodeContext, Drafter, NoDraft, TargetViews, state_b
 from .gating import Gate, profile_for
 from .sampling import make_generator, probs_from_logits
 from .text import check_prompt_ids
-from .tree import depths
+from .tree import depths, within_depth
 from .types import SpecStats
 from .fastpath import device_clock
 from .verify import PrefillMemo, Verifier
@@ -35,10 +35,13 @@ def default_rule(sampling: SamplingConfig) -> AcceptanceRule:
     return GreedyMatch() if sampling.greedy else RejectionSampling()
 
 
-def draft_room(max_new_tokens: int, new_tokens: int, positions_left: int) -> int:
-    """Nodes a step may draft: the new tokens still allowed and the positions left in the model, each less the
-    step's recovered or bonus token (never below 0)."""
-    return max(0, min(max_new_tokens - new_tokens, positions_left) - 1)
+def draft_room(max_new_tokens: int, new_tokens: int, positions_left: int) -> tuple[int, int]:
+    """(nodes, depth) a step may draft: the positions left in the model bound the tree's nodes (each is written to
+    the target's cache while it is verified), the new tokens still allowed bound its depth (an accepted path longer
+    than that would be cut), each less the step's recovered or bonus token (never below 0). Bounding the depth, not
+    the nodes, by the tokens left keeps a tree drafter's full width to the end of a generation."""
+    depth = max(0, min(max_new_tokens - new_tokens, positions_left) - 1)
+    return (max(0, positions_left - 1) if depth else 0), depth
 
 
 def speculative_generate(
@@ -97,9 +100,9 @@ def speculative_generate(
             if len(ctx.tokens) >= max_pos:  # the model has no position left for another token
                 break
             t = clock()
-            room = draft_room(max_new_tokens, stats.new_tokens, max_pos - len(ctx.tokens))
+            room, ctx.max_depth = draft_room(max_new_tokens, stats.new_tokens, max_pos - len(ctx.tokens))
             given = gate.choose(room, len(ctx.tokens))
-            tree = drafter.propose(ctx, given)
+            tree = within_depth(drafter.propose(ctx, given), ctx.max_depth)
             t_draft = clock()
             logits = verifier.score(ctx.tokens[-1], tree)  # [1 + N, V]
             t_verify = clock()

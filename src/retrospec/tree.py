@@ -25,6 +25,28 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
+def within_depth(tree: DraftTree, max_depth: int | None) -> DraftTree:
+    """``tree`` without its nodes deeper than ``max_depth`` (None: no limit), in the same order (parents remapped,
+    ``draft_probs`` rows kept with their nodes); the tree itself when nothing is that deep."""
+    if max_depth is None or len(tree) == 0:
+        return tree
+    if max_depth <= 0:
+        return DraftTree.empty()
+    if tree.is_chain:
+        if len(tree) <= max_depth:
+            return tree
+        probs = None if tree.draft_probs is None else tree.draft_probs[:max_depth]
+        return DraftTree.chain(tree.tokens[:max_depth], probs)
+    keep = depths(tree.parents) <= max_depth  # [N] bool; a kept node's parent is kept (it is shallower)
+    if bool(keep.all()):
+        return tree
+    new_index = keep.long().cumsum(0) - 1  # [N] old index -> new index, for kept nodes
+    parents = tree.parents[keep]  # [M]
+    parents = torch.where(parents < 0, parents, new_index[parents.clamp(min=0)])
+    probs = None if tree.draft_probs is None else tree.draft_probs[keep]
+    return DraftTree(tree.tokens[keep], parents, probs)
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[N, N] bool: mask[i, j] = j is an ancestor of i or i itself."""
     n = parents.shape[0]

@@ -15,7 +15,7 @@ scored: what the target wrote, which is what a drafter meets while decoding.
 - both: ``decode_tau``, the tokens a greedy decode gains per target step when the target writes these documents:
   up to ``walk_docs`` documents (seeded) are walked as decoding walks them, from the last prompt token (the root of
   decoding's first step), one drafter step at a time (the drafter itself, greedy defaults, the ungated 60-node
-  tree; with ``max_new``, capped as the decode loop caps it by the tokens left), each step accepting the tree's
+  tree; with ``max_new``, cut as the decode loop cuts it: no deeper than the tokens left), each step accepting the tree's
   longest path along the text plus the target's own token. On the target's own greedy replies with their stop
   tokens (``--from-generations``) it is the tau of an ungated greedy bench of the same prompts and length, up to
   the hidden states' rounding; ``tree_prefix`` counts every position once, ``decode_tau`` only those a decode
@@ -39,7 +39,7 @@ from ..drafters.dresd import DresdDrafter
 from ..drafters.rest import RestDrafter
 from ..retrieval.corpus import TokenDoc
 from ..retrieval.dense_index import _encode, _key_range
-from ..tree import frequency_trie
+from ..tree import frequency_trie, within_depth
 from ..types import DraftTree
 
 
@@ -92,15 +92,15 @@ def _walked(docs: list[TokenDoc], n: int, seed: int) -> list[int]:
 
 def _walk(ids: list[int], start: int, propose, max_new: int | None = None) -> tuple[int, int]:
     """(steps, tokens) of a greedy decode that has committed ``ids[: start + 1]`` and whose target writes the rest:
-    per step ``propose(pos, budget)`` drafts a tree of at most ``budget`` nodes below ``ids[pos]`` (``WALK_BUDGET``,
-    or with ``max_new`` the decode loop's room: the new tokens still allowed minus the target's own), which accepts
-    its longest path along the text and the target's next token (the last step takes what is left; with
+    per step ``propose(pos, budget)`` drafts a tree of at most ``budget`` (``WALK_BUDGET``) nodes below
+    ``ids[pos]`` (with ``max_new``, cut to the decode loop's depth: the new tokens left less the target's own), which
+    accepts its longest path along the text and the target's next token (the last step takes what is left; with
     ``max_new`` the walk ends after that many tokens, as decoding does)."""
     steps = tokens = 0
     pos = start
     while pos < len(ids) - 1 and (max_new is None or pos - start < max_new):
-        budget = WALK_BUDGET if max_new is None else min(WALK_BUDGET, draft_room(max_new, pos - start, 1 << 30))
-        tree = propose(pos, budget) if budget > 0 else DraftTree.empty()
+        depth = None if max_new is None else draft_room(max_new, pos - start, 1 << 30)[1]
+        tree = within_depth(propose(pos, WALK_BUDGET), depth) if depth != 0 else DraftTree.empty()
         left = len(ids) - 1 - pos if max_new is None else min(len(ids) - 1 - pos, max_new - (pos - start))
         gained = min(_tree_prefix(tree, ids[pos + 1 : pos + 1 + WALK_BUDGET]), left - 1) + 1
         steps, tokens, pos = steps + 1, tokens + gained, pos + gained

@@ -58,6 +58,13 @@ class DecodeContext:
     generator: torch.Generator | None = None
     target: TargetViews = field(default_factory=TargetViews)  # filled per the drafter's ``needs``
     eos_ids: frozenset[int] = frozenset()  # generation ends at these: a chain drafted past one is wasted work
+    max_depth: int | None = None  # this step's deepest useful node (the new tokens left, less the target's own;
+    #                               None = no limit): the loop drops deeper nodes, a chain drafter need not draft them
+
+
+def chain_room(ctx: DecodeContext, n: int) -> int:
+    """``n`` tokens, or fewer when the step's ``max_depth`` is smaller (what a chain drafter drafts)."""
+    return n if ctx.max_depth is None else min(n, ctx.max_depth)
 
 
 def draft_chain(logits: torch.Tensor, gamma: int, ctx: DecodeContext, advance: Callable[[int, int], torch.Tensor],

@@ -44,7 +44,7 @@ from ..errors import RetrospecError
 from ..fastpath.draft import draft_choice, fast_copy, row_product
 from ..models.longspec import DraftState, LongSpecDraft, load_longspec
 from ..types import DraftTree
-from .base import DecodeContext, as_module
+from .base import DecodeContext, as_module, chain_room
 from .prompt_lookup import PromptLookupDrafter
 from .registry import MAX_DRAFT, Knob, MethodSpec, register
 
@@ -123,7 +123,8 @@ class LongSpecDrafter:
 
     @torch.no_grad()
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
-        n = min(budget, self.gamma if self.gamma is not None else sum(self.tree))
+        levels = self.tree if self.tree is None or ctx.max_depth is None else self.tree[: ctx.max_depth]
+        n = min(budget, chain_room(ctx, self.gamma) if self.gamma is not None else sum(levels))
         if n <= 0:  # an undrafted step costs nothing here: the ring catches up when drafting resumes (one append)
             return DraftTree.empty()
         target_kv = self._sync(ctx)
@@ -138,7 +139,7 @@ class LongSpecDrafter:
             if self.gamma is not None:
                 tree = self._chain(logits, n, target_kv, ctx.eos_ids)
             else:
-                tree = self._tree(logits, n, target_kv, ctx.eos_ids)
+                tree = self._tree(logits, n, target_kv, ctx.eos_ids, levels)
         finally:
             self.state.rollback()
         return graft(chain, tree, budget) if len(chain) else tree
@@ -156,15 +157,17 @@ class LongSpecDrafter:
             logits = self._speculate([tok], [i], target_kv)[0]  # parent: tentative token i (0 = the root)
         return DraftTree.chain(tokens)
 
-    def _tree(self, root_logits: torch.Tensor, n: int, target_kv, eos_ids) -> DraftTree:
+    def _tree(self, root_logits: torch.Tensor, n: int, target_kv, eos_ids, levels: tuple[int, ...]) -> DraftTree:
+        """The beam tree of ``levels`` (widths per depth: ``self.tree``, or its first levels near the end of a
+        generation), at most ``n`` nodes."""
         vocab = root_logits.shape[-1]  # K columns (the draft vocabulary, or the target's V)
         eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=root_logits.device)
-        k = min(self.tree[0], n, vocab)
+        k = min(levels[0], n, vocab)
         scores, cols = root_logits.float().log_softmax(-1).topk(k)  # [k] cumulative log-probs, best first
         toks = self.block.token_ids(cols)  # target ids (columns differ under a draft vocabulary)
         tokens, parents = toks.tolist(), [-1] * k
         level = list(range(k))  # tree indices of the last level (tentative index = tree index + 1; 0 = root)
-        for width in self.tree[1:]:
+        for width in levels[1:]:
             room = n - len(tokens)
             if room <= 0:
                 break

@@ -23,7 +23,7 @@ from ..fastpath import engine_for
 from ..kv.streaming import SinkWindowCache
 from ..types import DraftTree
 from ..errors import RetrospecError
-from .base import DecodeContext, adapt_gamma, as_module, draft_chain
+from .base import DecodeContext, adapt_gamma, as_module, chain_room, draft_chain
 from .registry import ADAPTIVE, Knob, MethodSpec, gamma_knob, register
 
 DEFAULT_SINK = 4
@@ -78,7 +78,7 @@ class MagicDecDrafter:
                 self.cache.evict()
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
-        gamma = min(self.gamma, budget)
+        gamma = chain_room(ctx, min(self.gamma, budget))
         if gamma <= 0 or len(ctx.tokens) <= self.kv_budget:  # the draft would read every key: the target itself
             return DraftTree.empty()
         if self.cache is None:

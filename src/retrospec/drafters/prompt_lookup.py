@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import DraftTree
-from .base import DecodeContext
+from .base import DecodeContext, chain_room
 from .registry import Knob, MethodSpec, gamma_knob, register
 
 
@@ -72,7 +72,7 @@ class PromptLookupDrafter:
         return self._buf[:n]
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
-        k = min(self.k, budget)
+        k = chain_room(ctx, min(self.k, budget))
         if k <= 0:
             return DraftTree.empty()
         cont = lookup(self._sync(ctx.tokens), k, self.max_ngram, self.min_ngram)

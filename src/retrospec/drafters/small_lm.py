@@ -20,7 +20,7 @@ from ..fastpath import engine_for
 from ..kv import KVCache
 from ..models.vocab import VocabMap
 from ..types import DraftTree
-from .base import DecodeContext, adapt_gamma, draft_chain
+from .base import DecodeContext, adapt_gamma, chain_room, draft_chain
 from .registry import ADAPTIVE, MethodSpec, gamma_knob, register
 
 
@@ -72,7 +72,7 @@ class SmallLMDrafter:
         return ctx.tokens
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
-        gamma = min(self.gamma, budget)
+        gamma = chain_room(ctx, min(self.gamma, budget))
         if gamma <= 0:
             return DraftTree.empty()
         seq = self.sequence(ctx)
