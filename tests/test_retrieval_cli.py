@@ -112,22 +112,28 @@ def test_eval_walks_the_targets_own_replies_as_a_decode(cli, saved_models, files
     assert 1 <= walk(stores / "suffix")["decode_tau"] < out["decode_tau"]
 
 
-@pytest.mark.parametrize("kind", ["suffix", "dense"])
-def test_the_walk_of_replies_is_the_decode_of_their_prompts(cli, saved_models, stores, kind):
-    """Decoding each prompt ungated with the store's drafter takes the walk's target calls for the walk's tokens."""
+@pytest.mark.parametrize("kind,shape", [("suffix", None), ("dense", None), ("suffix", (2, 3)), ("dense", (1, 2))])
+def test_the_walk_of_replies_is_the_decode_of_their_prompts(cli, saved_models, stores, kind, shape):
+    """Decoding each prompt ungated with the store's drafter takes the walk's target calls for the walk's tokens
+    (at the drafters' greedy defaults, and at a shape given as --num-drafts / --draft-len and as knobs)."""
     import retrospec
     from retrospec.models import load_model
 
     gen = stores / "dense" / "generations.jsonl"
+    knobs = {} if shape is None else {"num_drafts": shape[0], "draft_len": shape[1]}
+    flags = [] if shape is None else ["--num-drafts", shape[0], "--draft-len", shape[1]]
     ev = cli("datastore", "eval", stores / kind, "--from-generations", gen, "--gen-max-new-tokens", 8,
-             "--max-queries", 10, "--json")
+             "--max-queries", 10, "--json", *flags)
     assert ev.rc == 0, ev.err
     out = json.loads(ev.out.strip().splitlines()[-1])
+    assert (out["num_drafts"], out["draft_len"]) == (shape or (3, 20))
+    if shape is not None:  # a step gains at most a draft and the target's own token
+        assert 1 <= out["decode_tau"] <= shape[1] + 1 and out["tree_prefix"] <= shape[1]
     target = load_model(saved_models.target, role="target")
     calls = tokens = 0
     for row in map(json.loads, gen.read_text().splitlines()):
         res = retrospec.generate(row["prompt_ids"], target=target, method="rest" if kind == "suffix" else "dresd",
-                                 datastore=stores / kind, gating=False, max_new_tokens=8)
+                                 datastore=stores / kind, gating=False, max_new_tokens=8, **knobs)
         assert res.token_ids == row["completion_ids"] + [row["stop"]] * (row["stop"] is not None)
         calls, tokens = calls + res.stats.target_calls, tokens + res.stats.new_tokens
     assert out["decode_steps"] == calls and out["decode_tau"] == pytest.approx(tokens / calls)
@@ -260,6 +266,9 @@ def test_info_and_eval_errors(cli, saved_models, files, stores, tmp_path):
         files / "prompts.jsonl").assert_user_error("one held-out source")
     cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.txt",
         "--walk-docs", 0).assert_user_error("--walk-docs must be >= 1")
+    for flag in ("--num-drafts", "--draft-len"):
+        cli("datastore", "eval", stores / "dense", "--corpus", files / "corpus.txt",
+            flag, 0).assert_user_error(f"{flag} must be >= 1")
     cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.txt",
         "--chat").assert_user_error("--chat applies to --from-generations")
 

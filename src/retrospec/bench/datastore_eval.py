@@ -9,13 +9,14 @@ scored: what the target wrote, which is what a drafter meets while decoding.
   ``match_len`` tokens (reported for match_len = 1, the next token, and for the requested length).
 - suffix (REST): hit rate (some suffix of >= 2 tokens of the context occurs in the corpus) and mean match length
   (the length of the longest matching suffix, over hits).
-- both: the drafts a drafter would propose with its greedy defaults (3 x 20 budget), scored against the truth:
+- both: the drafts a drafter would propose (``num_drafts x draft_len`` nodes; default the greedy 3 x 20), scored
+  against the truth:
   ``top1_prefix`` = tokens of the truth reproduced by the first draft, ``tree_prefix`` = tokens of the truth
   reproduced along the draft tree (what greedy verification would accept at that position);
 - both: ``decode_tau``, the tokens a greedy decode gains per target step when the target writes these documents:
   up to ``walk_docs`` documents (seeded) are walked as decoding walks them, from the last prompt token (the root of
-  decoding's first step), one drafter step at a time (the drafter itself, greedy defaults, the ungated 60-node
-  tree; with ``max_new``, cut as the decode loop cuts it: no deeper than the tokens left), each step accepting the tree's
+  decoding's first step), one drafter step at a time (the drafter itself, the same shape, ungated; with
+  ``max_new``, cut as the decode loop cuts it: no deeper than the tokens left), each step accepting the tree's
   longest path along the text plus the target's own token. On the target's own greedy replies with their stop
   tokens (``--from-generations``) it is the tau of an ungated greedy bench of the same prompts and length, up to
   the hidden states' rounding; ``tree_prefix`` counts every position once, ``decode_tau`` only those a decode
@@ -36,7 +37,7 @@ from ..config import SamplingConfig
 from ..decode import draft_room
 from ..drafters.base import DecodeContext
 from ..drafters.dresd import DresdDrafter
-from ..drafters.rest import RestDrafter
+from ..drafters.rest import RestDrafter, check_shape
 from ..retrieval.corpus import TokenDoc
 from ..retrieval.dense_index import _encode, _key_range
 from ..tree import frequency_trie, within_depth
@@ -90,9 +91,10 @@ def _walked(docs: list[TokenDoc], n: int, seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(cands, size=n, replace=False).tolist())
 
 
-def _walk(ids: list[int], start: int, propose, max_new: int | None = None) -> tuple[int, int]:
+def _walk(ids: list[int], start: int, propose, max_new: int | None = None, budget: int = WALK_BUDGET
+          ) -> tuple[int, int]:
     """(steps, tokens) of a greedy decode that has committed ``ids[: start + 1]`` and whose target writes the rest:
-    per step ``propose(pos, budget)`` drafts a tree of at most ``budget`` (``WALK_BUDGET``) nodes below
+    per step ``propose(pos, budget)`` drafts a tree of at most ``budget`` nodes below
     ``ids[pos]`` (with ``max_new``, cut to the decode loop's depth: the new tokens left less the target's own), which
     accepts its longest path along the text and the target's next token (the last step takes what is left; with
     ``max_new`` the walk ends after that many tokens, as decoding does)."""
@@ -100,19 +102,20 @@ def _walk(ids: list[int], start: int, propose, max_new: int | None = None) -> tu
     pos = start
     while pos < len(ids) - 1 and (max_new is None or pos - start < max_new):
         depth = None if max_new is None else draft_room(max_new, pos - start, 1 << 30)[1]
-        tree = within_depth(propose(pos, WALK_BUDGET), depth) if depth != 0 else DraftTree.empty()
+        tree = within_depth(propose(pos, budget), depth) if depth != 0 else DraftTree.empty()
         left = len(ids) - 1 - pos if max_new is None else min(len(ids) - 1 - pos, max_new - (pos - start))
-        gained = min(_tree_prefix(tree, ids[pos + 1 : pos + 1 + WALK_BUDGET]), left - 1) + 1
+        gained = min(_tree_prefix(tree, ids[pos + 1 : pos + 1 + budget]), left - 1) + 1
         steps, tokens, pos = steps + 1, tokens + gained, pos + gained
     return steps, tokens
 
 
-def _walks(docs: list[TokenDoc], walked: list[int], proposer, max_new: int | None) -> list[tuple[int, int]]:
+def _walks(docs: list[TokenDoc], walked: list[int], proposer, max_new: int | None,
+           budget: int = WALK_BUDGET) -> list[tuple[int, int]]:
     """``_walk`` of each walked document; ``proposer(d, ids)`` gives its ``propose``."""
     out = []
     for d in walked:
         ids = docs[d].ids.tolist()
-        out.append(_walk(ids, _walk_start(docs[d]), proposer(d, ids), max_new))
+        out.append(_walk(ids, _walk_start(docs[d]), proposer(d, ids), max_new, budget))
     return out
 
 
@@ -148,9 +151,9 @@ class Timer:
 
 
 def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: int = 0, walk_docs: int = 64,
-                max_new: int | None = None) -> dict:
+                max_new: int | None = None, num_drafts: int = 3, draft_len: int = 20) -> dict:
 
-    num_drafts, draft_len = 3, 20
+    check_shape(num_drafts, draft_len)
     queries = _sample_positions(docs, max_queries, seed, min_ctx=2, known=0)
     hits, lengths, top1, tree_acc = 0, [], [], []
     search_t, lookup_t = Timer(), Timer()
@@ -175,9 +178,9 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
         top1.append(_prefix([x for x in seqs[0].tolist() if x >= 0], truth) if len(seqs) else 0)
         tree_acc.append(_tree_prefix(tree, truth))
     n = len(queries)
-    drafter = RestDrafter(store)
+    drafter = RestDrafter(store, num_drafts=num_drafts, draft_len=draft_len)
     ctx = DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig())
-    drafter.prefill(ctx)  # greedy defaults
+    drafter.prefill(ctx)
 
     def proposer(d: int, ids: list[int]):
         def propose(pos: int, budget: int):
@@ -186,8 +189,8 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
         return propose
 
     walked = _walked(docs, walk_docs, seed)
-    walks = _walks(docs, walked, proposer, max_new)
-    return {"queries": n, "hit_rate": hits / n if n else 0.0,
+    walks = _walks(docs, walked, proposer, max_new, num_drafts * draft_len)
+    return {"queries": n, "num_drafts": num_drafts, "draft_len": draft_len, "hit_rate": hits / n if n else 0.0,
             "mean_match_length": float(np.mean(lengths)) if lengths else 0.0,
             "top1_prefix": float(np.mean(top1)) if n else 0.0, "tree_prefix": float(np.mean(tree_acc)) if n else 0.0,
             } | _walk_summary(walked, walks) | search_t.summary("search") | lookup_t.summary("lookup")
@@ -195,8 +198,9 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
 
 def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queries: int = 1000, k: int = 10,
                match_len: int = 4, seed: int = 0, batch_tokens: int = 8192, progress: bool = True,
-               walk_docs: int = 64, max_new: int | None = None) -> dict:
+               walk_docs: int = 64, max_new: int | None = None, num_drafts: int = 3, draft_len: int = 20) -> dict:
 
+    check_shape(num_drafts, draft_len)
     params = store.meta["params"]
     queries = _sample_positions(docs, max_queries, seed, min_ctx=1, known=1)
     walked = _walked(docs, walk_docs, seed)
@@ -210,8 +214,9 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
     _encode(model, sub, bases[:-1].tolist(), hidden, window=params.get("window", 512),
             overlap=params.get("overlap", 128), batch_tokens=batch_tokens, pad_id=store.eos_id, progress=progress)
     row_of = {d: int(b) for d, b in zip(used, bases[:-1])}
-    drafter = DresdDrafter(store, num_drafts=3, draft_len=20)
-    drafter.prefill(DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig()))  # greedy defaults
+    drafter = DresdDrafter(store, num_drafts=num_drafts, draft_len=draft_len)
+    drafter.prefill(DecodeContext(tokens=[], prompt_len=0, sampling=SamplingConfig()))
+    budget = num_drafts * draft_len
     rr1, rrn, top1, tree_acc = [], [], [], []
     search_t, lookup_t = Timer(), Timer()
     for d, t in queries:
@@ -228,7 +233,7 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
         rrn.append(1.0 / (rankn[0] + 1) if rankn.size else 0.0)
         with lookup_t:  # what the dresd drafter does per step
             rows = drafter.continuations(h, truth[0])  # [M, L] in similarity order
-            tree = drafter.tree(rows, 60)
+            tree = drafter.tree(rows, budget)
         top1.append(_prefix([x for x in rows[0].tolist() if x >= 0], truth[1:]) if len(rows) else 0)
         tree_acc.append(_tree_prefix(tree, truth[1:]))
     def proposer(d: int, ids: list[int]):
@@ -238,8 +243,8 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
             return drafter.tree(drafter.continuations(hidden[row_of[d] + pos - 1], ids[pos]), budget)
         return propose
 
-    walks = _walks(docs, walked, proposer, max_new)
-    return {"queries": len(queries), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
+    walks = _walks(docs, walked, proposer, max_new, budget)
+    return {"queries": len(queries), "num_drafts": num_drafts, "draft_len": min(draft_len, store.value_len), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
             f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),
             "tree_prefix": float(np.mean(tree_acc))} | _walk_summary(walked, walks) | search_t.summary("search") \
         | lookup_t.summary("lookup")

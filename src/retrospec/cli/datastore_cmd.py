@@ -69,6 +69,10 @@ def add_parser(sub) -> None:
                         "decoded, --max-tokens caps what is scored)")
     e.add_argument("--walk-docs", type=int, default=64,
                    help="documents walked as a greedy decode for decode_tau (default 64)")
+    e.add_argument("--num-drafts", type=int, default=3,
+                   help="drafts per step of the drafter scored (default 3, the greedy default of rest and dresd)")
+    e.add_argument("--draft-len", type=int, default=20,
+                   help="tokens per draft (default 20; dense: at most the store's value length)")
     e.add_argument("--target", help="target model directory (default: the store's target, else the zoo target)")
     e.add_argument("--max-tokens", type=int, default=50_000, help="held-out tokens to read (default 50000)")
     e.add_argument("--max-queries", type=int, default=1000)
@@ -230,7 +234,8 @@ def run_eval(args) -> int:
     from ..retrieval import load_meta, open_store
     from ..bench.datastore_eval import eval_dense, eval_suffix
 
-    _check(args, ("max_tokens", "max_queries", "k", "match_len", "gen_max_new_tokens", "walk_docs"))
+    _check(args, ("max_tokens", "max_queries", "k", "match_len", "gen_max_new_tokens", "walk_docs", "num_drafts",
+                  "draft_len"))
     if (args.corpus is None) == (args.from_generations is None):
         raise RetrospecError("give one held-out source: --corpus PATH|stdlib:heldout or --from-generations "
                              "PROMPTS.jsonl")
@@ -260,12 +265,13 @@ def run_eval(args) -> int:
         raise RetrospecError(f"held-out source {args.corpus or args.from_generations} has no tokens")
     if meta["kind"] == "suffix":
         res = eval_suffix(store, docs, max_queries=args.max_queries, seed=args.seed, walk_docs=args.walk_docs,
-                          max_new=max_new)
+                          max_new=max_new, num_drafts=args.num_drafts, draft_len=args.draft_len)
     else:
         if args.match_len > store.value_len + 1:
             raise RetrospecError(f"--match-len must be <= {store.value_len + 1} for this store")
         res = eval_dense(store, target.model, docs, max_queries=args.max_queries, k=args.k, match_len=args.match_len,
-                         seed=args.seed, walk_docs=args.walk_docs, max_new=max_new)
+                         seed=args.seed, walk_docs=args.walk_docs, max_new=max_new, num_drafts=args.num_drafts,
+                         draft_len=args.draft_len)
     scored = "completions" if any(d.index_from for d in docs) else "every position"
     res = {"datastore": str(args.dir), "kind": meta["kind"], "heldout": desc, "scored": scored} | res
     if args.json:
