@@ -244,7 +244,8 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
         return propose
 
     walks = _walks(docs, walked, proposer, max_new, budget)
-    return {"queries": len(queries), "num_drafts": num_drafts, "draft_len": min(draft_len, store.value_len), "k": k, "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
+    return {"queries": len(queries), "num_drafts": num_drafts, "draft_len": min(draft_len, store.value_len), "k": k,
+            "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
             f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),
             "tree_prefix": float(np.mean(tree_acc))} | _walk_summary(walked, walks) | search_t.summary("search") \
         | lookup_t.summary("lookup")
