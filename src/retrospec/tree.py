@@ -28,13 +28,11 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
 def within_depth(tree: DraftTree, max_depth: int | None) -> DraftTree:
     """``tree`` without its nodes deeper than ``max_depth`` (None: no limit), in the same order (parents remapped,
     ``draft_probs`` rows kept with their nodes); the tree itself when nothing is that deep."""
-    if max_depth is None or len(tree) == 0:
+    if max_depth is None or len(tree) <= max_depth:  # no node of N can be deeper than N (most steps: no work)
         return tree
     if max_depth <= 0:
         return DraftTree.empty()
     if tree.is_chain:
-        if len(tree) <= max_depth:
-            return tree
         probs = None if tree.draft_probs is None else tree.draft_probs[:max_depth]
         return DraftTree.chain(tree.tokens[:max_depth], probs)
     keep = depths(tree.parents) <= max_depth  # [N] bool; a kept node's parent is kept (it is shallower)

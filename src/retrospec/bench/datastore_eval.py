@@ -94,10 +94,10 @@ def _walked(docs: list[TokenDoc], n: int, seed: int) -> list[int]:
 def _walk(ids: list[int], start: int, propose, max_new: int | None = None, budget: int = WALK_BUDGET
           ) -> tuple[int, int]:
     """(steps, tokens) of a greedy decode that has committed ``ids[: start + 1]`` and whose target writes the rest:
-    per step ``propose(pos, budget)`` drafts a tree of at most ``budget`` nodes below
-    ``ids[pos]`` (with ``max_new``, cut to the decode loop's depth: the new tokens left less the target's own), which
-    accepts its longest path along the text and the target's next token (the last step takes what is left; with
-    ``max_new`` the walk ends after that many tokens, as decoding does)."""
+    per step ``propose(pos, budget)`` drafts a tree of at most ``budget`` nodes below ``ids[pos]`` (with ``max_new``,
+    cut to the decode loop's depth: the new tokens left less the target's own), which accepts its longest path
+    along the text and the target's next token (the last step takes what is left; with ``max_new`` the walk ends
+    after that many tokens, as decoding does)."""
     steps = tokens = 0
     pos = start
     while pos < len(ids) - 1 and (max_new is None or pos - start < max_new):
