@@ -117,7 +117,7 @@ def test_main_errors(capsys, tmp_path):
 def test_prompt_completion_rows_keep_where_the_completion_starts(tok, tmp_path):
     """The ids are the joined text's either way; ``split()`` marks the completion's first token (from offsets, or
     from the prompt encoded alone for a tokenizer without them), and eval samples only where the tokens to guess
-    are the completion's, after its first one."""
+    are the completion's, its first one included."""
     from retrospec.bench.datastore_eval import _sample_positions
     from retrospec.retrieval.corpus import open_text_corpus, tokenize
 
@@ -140,6 +140,6 @@ def test_prompt_completion_rows_keep_where_the_completion_starts(tok, tmp_path):
     suffix = _sample_positions(split, 1000, 0, min_ctx=2, known=0)
     dense = _sample_positions(split, 1000, 0, min_ctx=1, known=1)
     last = len(split[0].ids) - 1
-    assert {t for d, t in suffix if d == 0} == set(range(n, last))  # context ends at or after the first reply token
-    assert {t for d, t in dense if d == 0} == set(range(n - 1, last))  # x_{t+1} filters: the first reply token
+    assert {t for d, t in suffix if d == 0} == set(range(n - 1, last))  # guesses start at the first reply token
+    assert {t for d, t in dense if d == 0} == set(range(n - 2, last))  # x_{t+1} (the last prompt token) filters
     assert min(t for d, t in suffix if d == 1) == 1 and min(t for d, t in dense if d == 1) == 0

@@ -62,11 +62,11 @@ def _prefix(a: list[int], b: list[int]) -> int:
 
 def _sample_positions(docs: list[TokenDoc], n: int, seed: int, min_ctx: int, known: int) -> list[tuple[int, int]]:
     """(doc, t) pairs with at least ``min_ctx`` tokens up to t and one token after it, and, in a document with a
-    completion (``index_from`` > 0), every token to guess inside it after its first one (which decoding knows
-    before its first draft): a store is scored where decoding uses it. ``known``: tokens after t the drafter is
-    given (suffix 0: it guesses from x_{t+1}; dense 1: x_{t+1} filters, it guesses from x_{t+2})."""
+    completion (``index_from`` > 0), every token to guess inside it, its first one included (decoding's first step
+    drafts it, below the last prompt token): a store is scored where decoding uses it. ``known``: tokens after t the
+    drafter is given (suffix 0: it guesses from x_{t+1}; dense 1: x_{t+1} filters, it guesses from x_{t+2})."""
     cands = [(d, t) for d, doc in enumerate(docs)
-             for t in range(max(min_ctx - 1, doc.index_from - known), len(doc.ids) - 1)]
+             for t in range(max(min_ctx - 1, doc.index_from - 1 - known), len(doc.ids) - 1)]
     if not cands:
         return []
     rng = np.random.default_rng(seed)
