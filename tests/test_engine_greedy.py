@@ -9,7 +9,7 @@ from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
 from retrospec.drafters.base import DecodeContext, chain_room
-from retrospec.tree import children_lists, merge_sequences
+from retrospec.tree import children_lists, merge_sequences, within_depth
 from retrospec.types import DraftTree, SpecStats
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -309,16 +309,18 @@ class DeepWideDrafter:
     def __init__(self, full: list[int], vocab: int, depth: int = 12, width: int = 3):
         self.full, self.vocab, self.depth, self.width = full, vocab, depth, width
         self.max_depths: list[int | None] = []
+        self.trees: list[DraftTree] = []
 
     def prefill(self, ctx: DecodeContext) -> None:
-        self.max_depths = []
+        self.max_depths, self.trees = [], []
 
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         self.max_depths.append(ctx.max_depth)
         true = self.full[len(ctx.tokens): len(ctx.tokens) + self.depth]
         seqs = [true] + [true[:d] + [(true[d] + j) % self.vocab] for d in range(len(true)) for j in
                          range(1, self.width)]
-        return merge_sequences(seqs, max_nodes=budget) if true and budget > 0 else DraftTree.empty()
+        self.trees.append(merge_sequences(seqs, max_nodes=budget) if true and budget > 0 else DraftTree.empty())
+        return self.trees[-1]
 
     def observe(self, accepted: int, drafted: int) -> None:
         pass
@@ -340,6 +342,7 @@ def test_the_loop_cuts_a_tree_at_the_tokens_left_and_keeps_its_width(target, max
         assert len(chunk) == min(room, drafter.depth) + 1  # the whole true path, as deep as the step allows
         made += len(chunk)
     assert len(stats.per_position_drafted) <= max_new - 1  # nothing deeper than a step could commit was verified
-    if max_new >= 7:  # the last drafting step: its full width (true + 2 junk per depth), to its room's depth
-        room = drafter.max_depths[-1]
-        assert stats.drafted_tokens >= drafter.width * room
+    verified = [len(within_depth(t, r)) for t, r in zip(drafter.trees, drafter.max_depths)]
+    assert stats.drafted_tokens == sum(verified)  # what each step verified: its draft cut at its depth
+    for room, nodes in zip(drafter.max_depths, verified):  # every step: the full width (the true token and two
+        assert nodes == drafter.width * min(room, drafter.depth)  # junk siblings per depth), as deep as allowed

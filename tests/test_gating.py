@@ -120,6 +120,31 @@ def test_counterfactual_budgets_from_one_tree():
     assert got == pytest.approx([0, 1, 1, 1, 2, 2])  # budget b keeps the accepted nodes with index < b
 
 
+def test_a_step_cut_by_the_end_of_the_request_teaches_only_its_verification_cost():
+    """Near the end the loop cuts a step's depth at the tokens left, so a chain drafter fills less than its budget
+    and the whole cut draft is accepted: that says nothing about what the budget buys, so only its verification
+    timing counts (without this, a 16-token chain always accepted would read as ~13 tokens a step)."""
+    gate = Gate(GateProfile(), "sd")
+    gate.profile.record_verify(CTX, 0, PLAIN)
+    gate.update(16, 16, list(range(16)), 0.002, PLAIN, CTX)  # a full step at budget 16: learnt
+    before = (list(gate.acc), list(gate.nodes), list(gate.wgt), dict(gate.draft_s), gate.top, gate.filled_top)
+    gate.update(16, 2, [0, 1], 0.0005, 0.011, CTX + 17, depth_bound=True)  # 3 tokens left: a 2-token draft
+    assert (list(gate.acc), list(gate.nodes), list(gate.wgt), dict(gate.draft_s), gate.top,
+            gate.filled_top) == before
+    assert not gate.last_full  # not taken for a full accept that would double the next probe
+    assert gate.profile.verify_cost(CTX + 17, 2) is not None  # its verification timing was recorded
+
+
+def test_draft_room_bounds_nodes_by_positions_and_depth_by_tokens_left():
+    from retrospec.decode import draft_room
+
+    assert draft_room(10, 0, 1000) == (999, 9)  # 10 tokens to go: a path of 9 and the target's own token
+    assert draft_room(10, 9, 1000) == (0, 0)  # one token left: the target's own, nothing to draft
+    assert draft_room(10, 3, 5) == (4, 4)  # the model's positions bind both
+    assert draft_room(10, 0, 1) == (0, 0)
+    assert draft_room(10, 10, 1000) == (0, 0)
+
+
 def test_disabled_gate_hands_over_the_room():
     gate = Gate(GateProfile(), "sd", enabled=False)
     assert [gate.choose(r, CTX) for r in (0, 3, 50)] == [0, 3, 50]

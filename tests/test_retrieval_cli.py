@@ -269,6 +269,8 @@ def test_info_and_eval_errors(cli, saved_models, files, stores, tmp_path):
     for flag in ("--num-drafts", "--draft-len"):
         cli("datastore", "eval", stores / "dense", "--corpus", files / "corpus.txt",
             flag, 0).assert_user_error(f"{flag} must be >= 1")
+        cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.txt",
+            flag, 65).assert_user_error(f"{flag} must be <= 64")
     cli("datastore", "eval", stores / "suffix", "--corpus", files / "corpus.txt",
         "--chat").assert_user_error("--chat applies to --from-generations")
 

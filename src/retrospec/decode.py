@@ -109,7 +109,7 @@ def speculative_generate(
             step = rule.accept(tree, pick(logits), gen)  # reads its decision back: one sync (greedy, chains)
             verifier.commit(step.accepted_nodes)
             gate.update(given, len(tree), step.accepted_nodes, t_draft - t, clock() - t_draft,
-                        len(ctx.tokens))
+                        len(ctx.tokens), depth_bound=ctx.max_depth < given)
             if gate.enabled:
                 stats.record_shape(given, gated=given == 0 and room > 0)
             stats.draft_s += t_draft - t

@@ -19,7 +19,7 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
   position for the first budgets, and a larger budget starts from the largest one known.
 
 Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried. At the top of what was tried, while the
-drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the engine's room), or 2x where the larger
+drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the positions left), or 2x where the larger
 step is predicted to cost more than twice the top's (verify read on the curve, or extrapolated linearly from the
 plain step through the top's node count beyond what was measured; drafting scaled with the budget): at a long
 context a 64-node verification costs several plain steps, and such a probe rarely pays. Below the top, a probe
@@ -309,11 +309,14 @@ class Gate:
 
     # ---- feedback --------------------------------------------------------------------------------------------
     def update(self, budget: int, nodes: int, accepted_nodes: list[int], draft_s: float, verify_s: float,
-               context_tokens: int) -> None:
-        """One step's outcome: budget, node count, accepted path (node indices), seconds drafting and verifying."""
+               context_tokens: int, depth_bound: bool = False) -> None:
+        """One step's outcome: budget, node count, accepted path (node indices), seconds drafting and verifying.
+        ``depth_bound``: the end of the request allowed no draft as deep as the budget (the loop cuts a step's
+        depth at the new tokens left): its verification timing counts, its acceptance and drafting time do not
+        (they tell what the end of a request allows, not what the budget buys)."""
         self.profile.record_verify(context_tokens, nodes, verify_s)
-        self.last_full = nodes > 0 and nodes == budget and len(accepted_nodes) == nodes
-        if not self.enabled or budget == 0:
+        self.last_full = nodes > 0 and nodes == budget and len(accepted_nodes) == nodes and not depth_bound
+        if not self.enabled or budget == 0 or depth_bound:
             return
         if self.warm:
             self.draft_s.ema(budget, draft_s)

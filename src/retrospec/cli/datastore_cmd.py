@@ -70,9 +70,9 @@ def add_parser(sub) -> None:
     e.add_argument("--walk-docs", type=int, default=64,
                    help="documents walked as a greedy decode for decode_tau (default 64)")
     e.add_argument("--num-drafts", type=int, default=3,
-                   help="drafts per step of the drafter scored (default 3, the greedy default of rest and dresd)")
+                   help="drafts per step of the drafter scored (1-64; default 3, the greedy default of rest and dresd)")
     e.add_argument("--draft-len", type=int, default=20,
-                   help="tokens per draft (default 20; dense: at most the store's value length)")
+                   help="tokens per draft (1-64; default 20; dense: at most the store's value length)")
     e.add_argument("--target", help="target model directory (default: the store's target, else the zoo target)")
     e.add_argument("--max-tokens", type=int, default=50_000, help="held-out tokens to read (default 50000)")
     e.add_argument("--max-queries", type=int, default=1000)
@@ -233,9 +233,13 @@ def run_info(args) -> int:
 def run_eval(args) -> int:
     from ..retrieval import load_meta, open_store
     from ..bench.datastore_eval import eval_dense, eval_suffix
+    from ..drafters.registry import MAX_DRAFT
 
     _check(args, ("max_tokens", "max_queries", "k", "match_len", "gen_max_new_tokens", "walk_docs", "num_drafts",
                   "draft_len"))
+    for name in ("num_drafts", "draft_len"):  # the bounds rest and dresd decode with
+        if getattr(args, name) > MAX_DRAFT:
+            raise RetrospecError(f"--{name.replace('_', '-')} must be <= {MAX_DRAFT}, got {getattr(args, name)}")
     if (args.corpus is None) == (args.from_generations is None):
         raise RetrospecError("give one held-out source: --corpus PATH|stdlib:heldout or --from-generations "
                              "PROMPTS.jsonl")

@@ -5,8 +5,9 @@ A drafter proposes a ``DraftTree`` below the last committed token. It declares w
 ``ctx.target`` (a ``TargetViews``) and leaves the others None.
 A drafter never mutates the target model or the target's KV cache.
 
-Lifecycle per request: ``prefill(ctx)`` once, then per step ``propose(ctx, budget)`` (at most ``budget`` nodes)
-and ``observe(accepted, drafted)`` with the outcome.
+Lifecycle per request: ``prefill(ctx)`` once, then per step ``propose(ctx, budget)`` (at most ``budget`` nodes;
+``ctx.max_depth``: the deepest node the step could commit, the loop drops deeper ones) and
+``observe(accepted, drafted)`` with the outcome.
 
 Optional: ``state_bytes() -> int``, the bytes of per-request state (own KV cache, ring buffer, window cache; not
 shared weights or datastores), 0 before ``prefill``; recorded in ``SpecStats.draft_state_bytes`` for the bench.
