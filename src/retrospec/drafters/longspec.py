@@ -123,7 +123,7 @@ class LongSpecDrafter:
 
     @torch.no_grad()
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
-        levels = self.tree if self.tree is None or ctx.max_depth is None else self.tree[: ctx.max_depth]
+        levels = None if self.tree is None else self.tree[: ctx.max_depth]  # the tree's levels that fit
         n = min(budget, chain_room(ctx, self.gamma) if self.gamma is not None else sum(levels))
         if n <= 0:  # an undrafted step costs nothing here: the ring catches up when drafting resumes (one append)
             return DraftTree.empty()
