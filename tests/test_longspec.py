@@ -132,6 +132,27 @@ def test_block_equals_naive_reference(arch, shift):
     assert not any(k.startswith(("embed", "lm_head")) for k in block.state_dict())
 
 
+def test_rotary_table_and_gradients_where_nothing_is_visible(arch):
+    """The block reads cos / sin from a table the family's rotary embedding filled (grown as positions grow, rebuilt
+    for another dtype): the same values as calling it. A query that sees nothing (position 0, shift >= 1) gets a zero
+    attention output and finite gradients in training."""
+    block = randomized(make_target(arch), window=6)
+    x = torch.zeros(1, 1, block.config.hidden_size)
+    for positions in ([[0, 5, 3]], [[1500, 7, 2047]], [[9, 0, 4000]]):
+        pos = torch.tensor(positions)
+        for dtype in (torch.float32, torch.bfloat16):
+            want = block.rotary(x.to(dtype), pos)
+            got = block._cos_sin(x.to(dtype), pos)
+            assert all(g.dtype == dtype and torch.equal(g, w) for g, w in zip(got, want)), (positions, dtype)
+    assert block._rope_table[0].shape[0] >= 4001
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(5))
+    tk, tv = (t.expand(2, -1, -1, -1) for t in random_kv(block, 10))
+    block.train()
+    logits = block(ids, (tk, tv), shift=torch.tensor([[1], [4]]))
+    logits.logsumexp(-1).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in block.parameters())
+
+
 def test_cross_attention_visibility_rule(arch):
     target = make_target(arch)
     block = randomized(target, window=8)

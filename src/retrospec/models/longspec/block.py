@@ -52,12 +52,14 @@ import copy
 import importlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...errors import RetrospecError
 from ..loading import as_module
 
 DEFAULT_WINDOW = 512
+ROPE_TABLE_MAX = 1 << 16  # positions the rotary table holds at most (cos and sin: 32 MiB at head size 64, float32)
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type> (Llama-style decoder layers)
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 
@@ -84,34 +86,29 @@ def cross_visible(q_pos: torch.Tensor, length: int, shift: int | torch.Tensor = 
 
 
 def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float) -> torch.Tensor:
-    """Softmax attention with grouped key/value heads and an explicit visibility mask.
+    """Softmax attention with grouped key/value heads and an explicit visibility mask: PyTorch's
+    ``scaled_dot_product_attention`` (``enable_gqa``: query head i reads key/value head i // (h / kvh), as
+    transformers' repeat_kv, without repeating the keys).
 
-    q [b, h, L, d]; k, v [b, kvh, S, d] (query head i reads key/value head i // (h / kvh), as transformers'
-    repeat_kv); allowed [b, L, S] bool (None: every key visible, no mask built). ``k``, ``v`` and ``allowed`` may
-    each be a tuple of pieces along the key axis (S = the pieces' sum; a ring buffer, tentative tokens, new tokens):
-    the scores are joined, the keys and values never are. The query heads of one group are stacked along the query
-    axis, so the (possibly long) keys are never copied. Scores and softmax in float32. Returns [b, L, h * d]; a query
-    with no visible key gets zeros."""
-    ks, vs, masks = _pieces(k), _pieces(v), _pieces(allowed)
+    q [b, h, L, d]; k, v [b, kvh, S, d]; allowed [b, L, S] bool (None: every key visible, no mask built). ``k``,
+    ``v`` and ``allowed`` may each be a tuple of pieces along the key axis (S = the pieces' sum), joined here: the
+    pieces are the draft's own window-bounded keys (a ring buffer, tentative tokens, new tokens); the target's
+    (possibly long) cache always comes whole and is never copied. Returns [b, L, h * d]; a query with no visible key
+    gets zeros."""
+    key, value, mask = _joined(k, 2), _joined(v, 2), _joined(allowed, -1)
     b, h, n, d = q.shape
-    kvh = ks[0].shape[1]
-    rep = h // kvh
-    qg = q.reshape(b, kvh, rep * n, d)
-    scores = [qg @ piece.transpose(-1, -2) for piece in ks]  # each [b, kvh, rep * L, S_i]
-    scores = (scores[0] if len(scores) == 1 else torch.cat(scores, -1)).float() * scale
-    s = scores.shape[-1]
-    if masks[0] is None:
-        weights = scores.softmax(-1)
-    else:
-        mask = (masks[0] if len(masks) == 1 else torch.cat(masks, -1))[:, None, None]  # [b, 1, 1, L, S]
-        weights = scores.view(b, kvh, rep, n, s).masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1)
-        weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # rows with nothing visible: zero output
-    weights = weights.view(b, kvh, rep * n, s).to(vs[0].dtype)
-    out, start = None, 0
-    for piece in vs:  # [b, kvh, rep * L, d], summed over the pieces
-        part = weights[..., start: start + piece.shape[2]] @ piece
-        out, start = part if out is None else out + part, start + piece.shape[2]
-    return out.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
+    out = F.scaled_dot_product_attention(q, key, value, None if mask is None else mask[:, None], scale=scale,
+                                         enable_gqa=h != key.shape[1])  # [b, h, L, d]
+    if mask is not None:  # rows with nothing visible: zero output, whatever the backend makes of them
+        out = out.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)
+    return out.transpose(1, 2).reshape(b, n, h * d)
+
+
+def _joined(x, dim: int) -> torch.Tensor | None:
+    """A tensor, or a tuple of pieces along ``dim`` joined into one."""
+    if not isinstance(x, tuple):
+        return x
+    return x[0] if len(x) == 1 else torch.cat(x, dim)
 
 
 def _pieces(x) -> tuple[torch.Tensor, ...]:
@@ -158,6 +155,7 @@ class LongSpecDraft(nn.Module):
         o_bias = config.model_type != "qwen2" and qkv_bias
         self._apply_rope = fam.apply_rotary_pos_emb  # (q, k, cos, sin) -> (q, k)
         self.rotary = getattr(fam, f"{prefix}RotaryEmbedding")(config)  # buffers only (not in the state dict)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, d] of positions 0..P-1
         norm = getattr(fam, f"{prefix}RMSNorm")
         self.norm1 = norm(hidden, eps=eps)
         self.self_attn = _linears(q_proj=(hidden, q_dim, qkv_bias), k_proj=(hidden, kv_dim, qkv_bias),
@@ -287,6 +285,21 @@ class LongSpecDraft(nn.Module):
     # ------------------------------------------------------------------------------------------------------------
     # computation
 
+    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's rotary cos, sin [b, L, d] (``x``'s dtype) at ``positions`` [b, L]: rows of a table of
+        positions 0..P-1 the rotary embedding computed once (grown by doubling), or the rotary embedding itself where
+        its frequencies depend on the sequence (``dynamic``, ``longrope``) or a position is past ``ROPE_TABLE_MAX``."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if getattr(self.rotary, "rope_type", "default") in ("dynamic", "longrope") or need > ROPE_TABLE_MAX:
+            return self.rotary(x, positions)
+        table = self._rope_table
+        if table is None or table[0].shape[0] < need or table[0].dtype != x.dtype or table[0].device != x.device:
+            size = min(ROPE_TABLE_MAX, max(need, 1024, 2 * table[0].shape[0] if table is not None else 0))
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in training too
+                cos, sin = self.rotary(x, torch.arange(size, device=x.device)[None])  # [1, P, d]
+            table = self._rope_table = (cos[0], sin[0])
+        return table[0][positions], table[1][positions]
+
     def _heads(self, lin: nn.Linear, h: torch.Tensor, n_heads: int) -> torch.Tensor:
         b, n, _ = h.shape
         return lin(h).view(b, n, n_heads, self.head_dim).transpose(1, 2)  # [b, heads, L, d]
@@ -295,7 +308,7 @@ class LongSpecDraft(nn.Module):
         """Self-attention keys (post-RoPE) and values of tokens ``ids`` [b, L] at ``positions`` [b, L]; each
         [b, kv_heads, L, head_dim]. They depend on nothing else (one layer), so committing needs no attention."""
         h = self.norm1(self.embed_tokens(ids))  # [b, L, H]
-        cos, sin = self.rotary(h, positions)  # [b, L, d]
+        cos, sin = self._cos_sin(h, positions)  # [b, L, d]
         k = self._heads(self.self_attn.k_proj, h, self.num_kv_heads)
         return self._apply_rope(k, k, cos, sin)[1], self._heads(self.self_attn.v_proj, h, self.num_kv_heads)
 
@@ -315,7 +328,7 @@ class LongSpecDraft(nn.Module):
         below each)."""
         b, n = ids.shape
         x = self.embed_tokens(ids)  # [b, L, H]
-        cos, sin = self.rotary(x, positions)  # [b, L, d]
+        cos, sin = self._cos_sin(x, positions)  # [b, L, d]
         h = self.norm1(x)
         q = self._heads(self.self_attn.q_proj, h, self.num_heads)  # [b, heads, L, d]
         k = self._heads(self.self_attn.k_proj, h, self.num_kv_heads)  # [b, kv_heads, L, d]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .block import LongSpecDraft, cross_visible, self_visible
@@ -54,7 +55,7 @@ class DraftState:
         self.t_v = self.v[:, :, :0]
         self.t_pos: list[int] = []  # [S] positions
         self.t_out = self._no_out  # [S, H] block outputs (a block with features: what is drafted below them reads)
-        self.t_anc = torch.zeros(0, 0, dtype=torch.bool)  # [S, S] t_anc[i, j]: j is i or an ancestor of i (CPU)
+        self.t_anc = np.zeros((0, 0), dtype=bool)  # [S, S] t_anc[i, j]: j is i or an ancestor of i (host memory)
 
     @torch.no_grad()
     def append(self, ids: Sequence[int] | torch.Tensor) -> None:
@@ -88,7 +89,8 @@ class DraftState:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         n, s = ids.numel(), len(self.t_pos)
         all_pos = list(self.t_pos)
-        anc = torch.zeros(s + n, s + n, dtype=torch.bool)  # [S + N, S + N]
+        # the tree's bookkeeping in numpy on the host (a few dozen tiny operations per call; torch's cost ~10x per op)
+        anc = np.zeros((s + n, s + n), dtype=bool)  # [S + N, S + N]
         anc[:s, :s] = self.t_anc
         for i, p in enumerate(parents):
             p = int(p)
@@ -98,12 +100,14 @@ class DraftState:
             if p >= 0:
                 anc[s + i] = anc[p]
             anc[s + i, s + i] = True
+        pos = np.asarray(all_pos)  # [S + N]
+        # ancestry and ``self_visible``'s rule (positions are >= 0): [N, S + N]
+        visible = anc[s:] & (pos[None] <= pos[s:, None]) & (pos[None] > pos[s:, None] - self.window)
         new_pos = torch.tensor(all_pos[s:], device=self.device)[None]  # [1, N]
-        t_pos = torch.tensor(all_pos, device=self.device)[None]  # [1, S + N]
         feature = self._features(parents, s, root_feature) if self.draft.features else None  # [1, N, H]
-        tree = anc[s:].to(self.device)[None] & self_visible(new_pos, t_pos, self.window)  # [1, N, S + N]
+        tree = torch.from_numpy(visible).to(self.device)[None]  # [1, N, S + N]
         ring = self_visible(new_pos, self.slot_pos[None], self.window)  # [1, N, window]
-        # the ring, then the tentative tokens (when any), as pieces [1, kv_heads, window | S, d]: never copied together
+        # the ring, then the tentative tokens (when any), as pieces [1, kv_heads, window | S, d] (attention joins them)
         past = ((self.k, self.t_k), (self.v, self.t_v)) if s else (self.k, self.v)
         cross = None  # [1, N, T]; None when every new token sees the whole cache (at inference, shift 1: always)
         if target_kv is not None and target_kv[0].shape[2] > min(all_pos[s:]) - shift + 1:
@@ -132,5 +136,5 @@ class DraftState:
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (ring and tentative tokens)."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.slot_pos, self.t_k, self.t_v,
-                                                             self.t_anc, self.t_out))
+        tensors = (self.k, self.v, self.slot_pos, self.t_k, self.t_v, self.t_out)
+        return sum(t.numel() * t.element_size() for t in tensors) + self.t_anc.nbytes
