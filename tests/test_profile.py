@@ -28,6 +28,10 @@ def test_profile_json_plot_and_table(cli, saved_models, tmp_path):
     assert prof["floors"]["bandwidth_gbs"] > 0 and prof["floors"]["weights_bytes"] > 0
     assert set(prof["floors"]["linear_ms"]) == {"1", "2", "3"}
     assert prof["draft"]["ms_per_token"] > 0 and "sd" in prof["gamma"]
+    d = prof["draft"]
+    assert d["ms_first_after_step"] > 0 and d["share_first_after_step"] == pytest.approx(
+        d["ms_first_after_step"] / prof["forward_ms"]["20"]["1"])
+    assert "right after the target's forward" in (tmp_path / "out" / "profile.md").read_text()
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"profile.json", "profile.md", "profile.png"}
     assert "| 20 | retrospec |" in (tmp_path / "out" / "profile.md").read_text()
@@ -62,6 +66,9 @@ def test_tree_shapes_and_gamma_choice():
     assert best_gamma(flat, 0.0, 0.9, 8)[0] == 8
     steep = {1: 10.0, 2: 20.0, 16: 160.0}  # every token costs a full step: plain decoding pays best
     assert best_gamma(steep, 0.0, 0.5, 8) == (0, 1.0)
+    # a chain's first drafted token dearer than the others: the same chain pays less, a short one may not pay
+    assert best_gamma(flat, 1.0, 0.9, 8, first_ms=3.0)[1] < best_gamma(flat, 1.0, 0.9, 8)[1]
+    assert best_gamma(flat, 0.5, 0.5, 8, first_ms=20.0)[0] == 0
 
 
 def test_a_saved_profile_seeds_the_gate_of_a_new_process(cli, saved_models, tmp_path, monkeypatch):

@@ -202,7 +202,9 @@ def _print_profile(console, prof: dict) -> None:
     console.print(table)
     note = f"engine: {prof['engine'].get('mode')}, attention {prof['engine'].get('attention')}"
     if "draft" in prof:
-        note += f"; a drafted token costs {100 * prof['draft']['share_of_target_step']:.1f} % of a target step"
+        d = prof["draft"]
+        note += (f"; a drafted token costs {100 * d['share_of_target_step']:.1f} % of a target step "
+                 f"({100 * d['share_first_after_step']:.1f} % the first one after it)")
     console.print(note, style="dim", markup=False, highlight=False)
     fl = prof["floors"]
     console.print(f"floor: {prof['format']} weights, {fl['weights_bytes'] / 1e6:.0f} MB, read once at the measured "

@@ -10,7 +10,8 @@ how a user chooses a method on their hardware. Measured (medians, one process, n
 - floors: the weights' bytes read once at the measured memory bandwidth (``bandwidth_floor_ms``), and the model's
   linear layers alone on the engine's matmul path (``linear_ms``, decoder linears + head, no attention or norms);
 - with a draft: its cost per drafted token (a one-token step of the draft on its own cache), as a share of a
-  one-token target step;
+  one-token target step, both repeated (``ms_per_token``: a chain's later tokens) and right after a one-token target
+  step (``ms_first_after_step``: a step's first drafted token, which finds the caches the target's forward left);
 - ``gamma``: the chain length a method would pick from these costs for a per-token acceptance alpha (expected
   tokens per step (1 - alpha^(g+1)) / (1 - alpha) over the step's cost, against a plain step), per alpha.
 
@@ -129,10 +130,42 @@ def linear_ms(model, tokens: tuple[int, ...], reps: int) -> dict[int, float]:
     return out
 
 
+def target_step(model, context: int, vocab: int):
+    """A callable running one one-token ``Verifier.score`` of ``model`` over a cache of ``context`` tokens, rolled
+    back after each call: what decoding runs between two drafting steps."""
+    prompt = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    ver = Verifier(model)
+    ver.prefill(prompt[:-1])
+    empty = DraftTree.empty()
+
+    def step():
+        ver.score(prompt[-1], empty)
+        ver.commit([])
+        ver.kv.crop(context - 1)
+
+    return step
+
+
+def _token_ms(step, reps: int, device, after=None) -> float:
+    """Median ms of ``step``; with ``after``, each timed call runs right after one untimed ``after()`` (the first
+    drafted token of a decoding step, with the caches and threads the target's forward left)."""
+    if after is None:
+        return median_ms(step, reps, device)
+    clock, times = device_clock(device), []
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # the first repetition warms up
+            after()
+            t = clock()
+            step()
+            if rep:
+                times.append(clock() - t)
+    return statistics.median(times) * 1e3
+
+
 @torch.inference_mode()
-def draft_step_ms(draft, context: int, reps: int) -> float:
+def draft_step_ms(draft, context: int, reps: int, after=None) -> float:
     """Median ms of one draft token (a one-token forward of the draft on its own cache of ``context`` tokens), on
-    the draft's engine as ``sd`` runs it (``engine_for(draft, draft=True)``)."""
+    the draft's engine as ``sd`` runs it (``engine_for(draft, draft=True)``); ``after``: see ``_token_ms``."""
     engine = engine_for(draft, draft=True)
     kv = KVCache(draft)
     device = next(draft.parameters()).device
@@ -144,14 +177,15 @@ def draft_step_ms(draft, context: int, reps: int) -> float:
         engine.forward(one, pos, None, kv.cache, last_only=True)
         kv.crop(context)
 
-    return median_ms(step, reps, device)
+    return _token_ms(step, reps, device, after)
 
 
 @torch.inference_mode()
-def block_step_ms(block, target_model, context: int, reps: int) -> float:
+def block_step_ms(block, target_model, context: int, reps: int, after=None) -> float:
     """Median ms of one token drafted by a LongSpec block as ``longspec`` runs it (its fast copy,
     ``drafters.longspec.fast_block``): ``DraftState.speculate`` of one tentative token over a ring of ``context``
-    committed tokens, cross-attending to the target's last-layer K/V of ``context`` tokens."""
+    committed tokens, cross-attending to the target's last-layer K/V of ``context`` tokens; ``after``: see
+    ``_token_ms``."""
     from ..drafters.longspec import fast_block
     from ..models.longspec import DraftState
 
@@ -167,13 +201,16 @@ def block_step_ms(block, target_model, context: int, reps: int) -> float:
         state.speculate([1], [-1], kv)
         state.rollback()
 
-    return median_ms(step, reps, ref.device)
+    return _token_ms(step, reps, ref.device, after)
 
 
-def best_gamma(step_ms: dict[int, float], draft_ms: float, alpha: float, max_gamma: int) -> tuple[int, float]:
+def best_gamma(step_ms: dict[int, float], draft_ms: float, alpha: float, max_gamma: int,
+               first_ms: float | None = None) -> tuple[int, float]:
     """(gamma, expected speedup over plain decoding) maximising expected tokens per ms for a chain of gamma; 0 =
-    plain decoding pays best. ``step_ms[t]`` = a forward of t tokens (read linearly between measured t)."""
+    plain decoding pays best. ``step_ms[t]`` = a forward of t tokens (read linearly between measured t); a chain's
+    first drafted token costs ``first_ms`` (default ``draft_ms``), the others ``draft_ms`` each."""
     xs = sorted(step_ms)
+    first = draft_ms if first_ms is None else first_ms
 
     def cost(t):
         for lo, hi in zip(xs, xs[1:]):
@@ -184,7 +221,7 @@ def best_gamma(step_ms: dict[int, float], draft_ms: float, alpha: float, max_gam
     best, rate = 0, 1.0 / step_ms[xs[0]]
     for g in range(1, max_gamma + 1):
         expected = (1 - alpha ** (g + 1)) / (1 - alpha)
-        r = expected / (g * draft_ms + cost(g + 1))
+        r = expected / (first + (g - 1) * draft_ms + cost(g + 1))
         if r > rate:
             best, rate = g, r
     return best, rate * step_ms[xs[0]]
@@ -232,17 +269,21 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
     }
     short = fwd[str(contexts[0])]
     steps = {int(t): v for t, v in short.items()}
-    draft_ms = None
+    draft_ms = first_ms = None
     if draft is not None:
         say("draft")
         block = getattr(draft, "longspec_block", None)
-        draft_ms = (block_step_ms(block, model, contexts[0], reps) if block is not None
-                    else draft_step_ms(draft.model, contexts[0], reps))
+        after = target_step(model, contexts[0], vocab)
+        if block is not None:
+            draft_ms, first_ms = (block_step_ms(block, model, contexts[0], reps, a) for a in (None, after))
+        else:
+            draft_ms, first_ms = (draft_step_ms(draft.model, contexts[0], reps, a) for a in (None, after))
         out["draft"] = {"model": str(getattr(draft, "path", "")), "ms_per_token": draft_ms,
-                        "share_of_target_step": draft_ms / steps[min(steps)]}
+                        "share_of_target_step": draft_ms / steps[min(steps)],
+                        "ms_first_after_step": first_ms, "share_first_after_step": first_ms / steps[min(steps)]}
     gam = {"pld (draft cost ~0)": {str(a): best_gamma(steps, 0.0, a, 16) for a in ALPHAS}}
     if draft_ms is not None:
-        gam["sd"] = {str(a): best_gamma(steps, draft_ms, a, 16) for a in ALPHAS}
+        gam["sd"] = {str(a): best_gamma(steps, draft_ms, a, 16, first_ms) for a in ALPHAS}
     out["gamma"] = {m: {a: {"gamma": g, "expected_speedup": s} for a, (g, s) in row.items()} for m, row in gam.items()}
     return out
 
@@ -334,7 +375,9 @@ def render_table(profile: dict) -> str:
     if "draft" in profile:
         d = profile["draft"]
         lines.append(f"Draft: {d['ms_per_token']:.2f} ms per drafted token = "
-                     f"{100 * d['share_of_target_step']:.1f} % of a one-token target step.")
+                     f"{100 * d['share_of_target_step']:.1f} % of a one-token target step; the first of a step, right "
+                     f"after the target's forward: {d['ms_first_after_step']:.2f} ms = "
+                     f"{100 * d['share_first_after_step']:.1f} %.")
     for m, row in profile["gamma"].items():
         picks = ", ".join(f"alpha {a}: gamma {v['gamma']} (~{v['expected_speedup']:.2f}x)" for a, v in row.items())
         lines.append(f"Best chain for {m}: {picks}.")
