@@ -472,6 +472,21 @@ def test_save_load_round_trip_and_mismatch(arch, tmp_path):
         load_longspec(tmp_path, target)
 
 
+def test_requests_share_a_block_while_its_files_stay_the_same(tmp_path):
+    """A block directory is loaded once per target for requests (``shared_block``) and again once its files
+    change; ``load_block`` (what training uses) always loads a private block."""
+    from retrospec.drafters.longspec import load_block, shared_block
+
+    target = make_target("llama")
+    out = save_longspec(randomized(target, window=5), target, tmp_path / "blk")
+    first = shared_block(str(out), target)
+    assert shared_block(out, target) is first and load_block(out, target) is not first
+    assert shared_block(out, make_target("llama")) is not first  # another target module: its own
+    save_longspec(randomized(target, window=5, seed=3), target, out, overwrite=True)
+    again = shared_block(out, target)
+    assert again is not first and not torch.equal(again.norm1.weight, first.norm1.weight)
+
+
 def test_api_and_cli(saved_models, cli, tmp_path):
     import retrospec
     from retrospec.models import load_model
