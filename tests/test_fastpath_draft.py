@@ -157,29 +157,33 @@ def test_drafts_through_the_f32_kernel_are_exact(monkeypatch):
     assert [t for c in got for t in c] == want
 
 
-@pytest.mark.skipif(not fdraft.weight_only.available("w8a8"), reason="torch._int_mm does not run on this CPU")
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.skipif(
+    not fdraft.weight_only.available(f), reason=f"no {f} kernel on this CPU")) for f in fdraft.HEAD_FORMATS])
 @pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 8, 8)}], ids=["chain", "tree"])
-def test_a_block_whose_head_runs_in_int8_equals_oracle(monkeypatch, tmp_path, mode):
-    """The head rows may be measured into ``w8a8`` (int8 rows, activations quantized per row) apart from the
-    block's linears: the head's logits stay near the float ones, the block and its linears are left as they are,
-    and the output is the oracle's. ``RETROSPEC_DRAFT_DTYPE=float32`` rules int8 out; other weights never get it."""
+def test_a_block_whose_head_runs_quantized_equals_oracle(monkeypatch, tmp_path, mode, fmt):
+    """The head rows may be measured into ``w8a8`` (int8 rows, activations quantized per row) or ``w4a8`` (4-bit
+    rows in groups of 32, activations quantized per group) apart from the block's linears: the head's logits stay
+    near the float ones, the block and its linears are left as they are, and the output is the oracle's.
+    ``RETROSPEC_DRAFT_DTYPE=float32`` rules them out; other weights never get them."""
     monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
     monkeypatch.setenv("RETROSPEC_FASTPATH", "auto")
     target, block = mimic_pair("llama")
     rows = block.lm_head.weight.detach()
     x = torch.randn(3, rows.shape[1])
-    got, want = fdraft.row_product(rows, "w8a8")(x), x @ rows.T
-    assert torch.allclose(got, want, atol=0.03 * want.abs().max().item()) and not torch.equal(got, want)
+    got, want = fdraft.row_product(rows, fmt)(x), x @ rows.T
+    near = {"w8a8": 0.03, "w4a8": 0.15}[fmt]
+    assert torch.allclose(got, want, atol=near * want.abs().max().item()) and not torch.equal(got, want)
     monkeypatch.setattr(fdraft, "measure_choice", lambda w, allowed: {"version": fdraft.VERSION,
                                                                       "choice": allowed[-1], "ms": {}})
-    assert fdraft.draft_choice([rows], head=True) == "w8a8" and fdraft.draft_choice([rows]) != "w8a8"
+    assert fdraft.draft_choice([rows], head=True) in fdraft.HEAD_FORMATS
+    assert fdraft.draft_choice([rows]) not in fdraft.HEAD_FORMATS
     monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "float32")
-    assert fdraft.draft_choice([rows], head=True) != "w8a8"
+    assert fdraft.draft_choice([rows], head=True) not in fdraft.HEAD_FORMATS
     monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "auto")
     monkeypatch.setattr("retrospec.drafters.longspec.draft_choice",
-                        lambda weights, remeasure=False, head=False: "w8a8" if head else "plain")
+                        lambda weights, remeasure=False, head=False: fmt if head else "plain")
     drafter = LongSpecDrafter(block, **mode)
-    assert drafter.fast is not block and drafter.fast.head_choice == "w8a8" and block.head_fn is None
+    assert drafter.fast is not block and drafter.fast.head_choice == fmt and block.head_fn is None
     assert type(drafter.fast.mlp.down_proj) is torch.nn.Linear  # the linears stay plain: only the head changed
     want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
     stats = SpecStats()
@@ -187,23 +191,27 @@ def test_a_block_whose_head_runs_in_int8_equals_oracle(monkeypatch, tmp_path, mo
     assert [t for c in chunks for t in c] == want and stats.accepted_tokens > 0
 
 
-@pytest.mark.skipif(not fdraft.weight_only.available("w8a8"), reason="torch._int_mm does not run on this CPU")
-def test_an_sd_draft_whose_head_runs_in_int8_is_exact(monkeypatch):
-    """A draft model's head is measured apart from its linears and may run in ``w8a8``: its q changes, the output
-    does not (greedy == oracle; sampled tokens follow the target's law), and the caller's draft is left as it was."""
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.skipif(
+    not fdraft.weight_only.available(f), reason=f"no {f} kernel on this CPU")) for f in fdraft.HEAD_FORMATS])
+def test_an_sd_draft_whose_head_runs_quantized_is_exact(monkeypatch, fmt):
+    """A draft model's head is measured apart from its linears and may run in ``w8a8`` or ``w4a8``: its q changes,
+    the output does not (greedy == oracle; sampled tokens follow the target's law), and the caller's draft is left as
+    it was."""
     from test_engine_greedy import oracle, run
 
     from conftest import sharpen, tiny_llama
 
-    monkeypatch.setattr("retrospec.fastpath.engine.draft_choice",
-                        lambda weights, remeasure=False, head=False: "w8a8" if head else "plain")
+    monkeypatch.setattr("retrospec.fastpath.engine.draft_choice",  # where the head's shape allows it
+                        lambda weights, remeasure=False, head=False:
+                        fmt if head and fdraft._quantizable(list(weights), fmt) else "plain")
     target = sharpen(tiny_llama(seed=0))
     draft = tiny_llama(seed=1, layers=1)
     drafter = REGISTRY["sd"](draft_model=draft, gamma=4)
-    assert drafter.engine.plan.source == "draft:plain,head:w8a8" and type(draft.lm_head) is torch.nn.Linear
+    assert drafter.engine.plan.source == f"draft:plain,head:{fmt}" and type(draft.lm_head) is torch.nn.Linear
     head, x = draft.lm_head.weight.detach(), torch.randn(2, draft.config.hidden_size)
     got = drafter.engine.logits_of(x)
-    assert torch.allclose(got, x @ head.T, atol=0.03 * (x @ head.T).abs().max().item())
+    near = {"w8a8": 0.03, "w4a8": 0.15}[fmt]
+    assert torch.allclose(got, x @ head.T, atol=near * (x @ head.T).abs().max().item())
     assert not torch.equal(got, x @ head.T)
     out, _, _ = run(target, drafter)
     assert out == oracle(target)
