@@ -21,7 +21,7 @@ What:
   (bfloat16: 98.2 %) and the block's greedy tau at fixed budgets moved by -1.0 % to +1.5 %. Or in ``w4a8``
   (``weight_only``: 4-bit rows in groups of 32, activations quantized per group; AVX-512 VNNI), half the bytes: on a
   2-core AMD EPYC VM the same head took 0.15 / 0.19 / 0.54 ms against w8a8's 0.23 / 0.17 / 0.51 ms, and a drafted
-  token right after a target step, whose forward leaves none of the head in the caches, 0.25-0.4 ms less; ungated
+  token right after a target step, whose forward leaves none of the head in the caches, ~0.4 ms less; ungated
   greedy tau moved by -0.5 % to -1.5 % (``longspec`` and ``sd``, chat and code prompts). A head (a block's rows, a
   draft model's head) is measured apart from the linears (its shape favours other paths); a draft's precision never
   touches exactness.
