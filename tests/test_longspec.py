@@ -30,7 +30,7 @@ from retrospec.drafters import REGISTRY
 from retrospec.drafters.base import DecodeContext
 from retrospec.drafters.longspec import LongSpecDrafter, graft, parse_tree
 from retrospec.errors import RetrospecError
-from retrospec.models.longspec import DraftState, LongSpecDraft, load_longspec, save_longspec
+from retrospec.models.longspec import DraftState, LongSpecDraft, grouped_attention, load_longspec, save_longspec
 from retrospec.sampling import probs_from_logits
 from retrospec.types import DraftTree, SpecStats
 from retrospec.verify import Verifier
@@ -145,6 +145,23 @@ def test_rotary_table_and_gradients_where_nothing_is_visible(arch):
             got = block._cos_sin(x.to(dtype), pos)
             assert all(g.dtype == dtype and torch.equal(g, w) for g, w in zip(got, want)), (positions, dtype)
     assert block._rope_table[0].shape[0] >= 4001
+    # grouped attention: a row with nothing visible gets exact zeros and zero gradients; the others equal a plain
+    # repeat_kv reference, keys given in pieces
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 3, 8, generator=g, requires_grad=True)
+    ks, vs = ([torch.randn(1, 2, s, 8, generator=g) for s in (5, 3)] for _ in "kv")
+    allowed = torch.rand(1, 3, 8, generator=g) > 0.4
+    allowed[0, 1] = False
+    allowed[0, 0, 0] = allowed[0, 2, 0] = True
+    k, v = (torch.cat(p, 2).repeat_interleave(2, 1) for p in (ks, vs))  # [1, 4, 8, 8]
+    want = ((q @ k.transpose(-1, -2)) * 0.3).masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+    want = (want.nan_to_num(0.0) @ v).transpose(1, 2).reshape(1, 3, 32)
+    for stacked in (False, True):  # grouped heads read in place (the CPU's way), or stacked (other devices')
+        q.grad = None
+        out = grouped_attention(q, tuple(ks), tuple(vs), (allowed[..., :5], allowed[..., 5:]), 0.3, stacked)
+        assert torch.equal(out[0, 1], torch.zeros(32)) and torch.allclose(out, want, atol=1e-6), stacked
+        out.sum().backward()
+        assert torch.isfinite(q.grad).all() and torch.equal(q.grad[0, :, 1], torch.zeros(4, 8))
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(5))
     tk, tv = (t.expand(2, -1, -1, -1) for t in random_kv(block, 10))
     block.train()
@@ -485,6 +502,10 @@ def test_requests_share_a_block_while_its_files_stay_the_same(tmp_path):
     save_longspec(randomized(target, window=5, seed=3), target, out, overwrite=True)
     again = shared_block(out, target)
     assert again is not first and not torch.equal(again.norm1.weight, first.norm1.weight)
+    assert shared_block(out, target) is again
+    target.to(torch.bfloat16)  # the target cast in place: its cached block no longer fits it
+    cast = shared_block(out, target)
+    assert cast is not again and cast.norm1.weight.dtype == torch.bfloat16 and cast.uses(target)
 
 
 def test_api_and_cli(saved_models, cli, tmp_path):

@@ -32,6 +32,10 @@ def test_profile_json_plot_and_table(cli, saved_models, tmp_path):
     assert d["ms_first_after_step"] > 0 and d["share_first_after_step"] == pytest.approx(
         d["ms_first_after_step"] / prof["forward_ms"]["20"]["1"])
     assert "right after the target's forward" in (tmp_path / "out" / "profile.md").read_text()
+    steps = {int(t): v for t, v in prof["forward_ms"]["20"].items()}
+    for a, pick in prof["gamma"]["sd"].items():  # chains priced with the dearer first token
+        assert (pick["gamma"], pick["expected_speedup"]) == pytest.approx(
+            best_gamma(steps, d["ms_per_token"], float(a), 16, d["ms_first_after_step"]))
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"profile.json", "profile.md", "profile.png"}
     assert "| 20 | retrospec |" in (tmp_path / "out" / "profile.md").read_text()

@@ -36,6 +36,7 @@ against it every drafting step.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from pathlib import Path
 
@@ -71,8 +72,8 @@ def parse_tree(spec) -> tuple[int, ...]:
 
 def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
     """The block as drafting runs it: a private copy sharing the weights, its linears and its head rows each in the
-    matmul path measured fastest for them (``fastpath.draft``; the head may run in int8). The block itself is left
-    as it is."""
+    matmul path measured fastest for them (``fastpath.draft``; the head may run in int8 or 4 bits). The block itself
+    is left as it is."""
     rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
     weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
     choice = draft_choice(weights, remeasure=remeasure)  # no linears: plain
@@ -233,31 +234,41 @@ def load_block(draft, target) -> LongSpecDraft:
 
 # target module -> {(block directory, its files' stamps): the block loaded from it}; see ``shared_block``
 _SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, LongSpecDraft]]" = weakref.WeakKeyDictionary()
-SHARED_PER_TARGET = 4  # blocks kept per target (the oldest dropped first)
+_SHARED_LOCK = threading.Lock()
+SHARED_PER_TARGET = 4  # blocks kept per target (the least recently used dropped first)
 
 
 def shared_block(draft, target) -> LongSpecDraft:
     """``load_block`` for requests: a block given as a directory or name is loaded once per target module and reused
-    while its files stay the same (name, size and modification time), as ``load_model`` reuses models, so a request
-    does not pay loading the block and packing its head again (~0.2 s for the bundled block on a 2-core CPU). The
-    block is shared between requests and only read by them; code that changes a block loads its own with
-    ``load_block``."""
+    while its files stay the same (name, size, inode, modification and change times) and it still reads the target's
+    own embedding and head where they are (device, dtype), as ``load_model`` reuses models, so a request does not pay
+    loading the block and packing its head again (~0.2 s for the bundled block on a 2-core CPU). The block is shared
+    between requests and only read by them (each target keeps at most ``SHARED_PER_TARGET``, with their drafting
+    copies); code that changes a block loads its own with ``load_block``."""
     if not isinstance(draft, (str, Path)):
         return load_block(draft, target)
     from ..models.named import longspec_dir
 
     model, path = as_module(target), longspec_dir(draft)
     try:
-        stamps = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir()))
+        stats = [(f.name, f.stat()) for f in path.iterdir()]
     except OSError:  # not a directory: load_block says why
         return load_block(path, model)
-    key, kept = (str(path.resolve()), stamps), _SHARED.setdefault(model, {})
-    if key not in kept:
-        block = load_block(path, model)
-        kept[key] = block
+    where = str(path.resolve())
+    key = (where, tuple(sorted((n, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) for n, st in stats)))
+    ref = model.get_input_embeddings().weight
+    with _SHARED_LOCK:
+        kept = _SHARED.setdefault(model, {})
+        block = kept.pop(key, None)
+        if block is None or not block.uses(model) or block.norm1.weight.device != ref.device \
+                or block.norm1.weight.dtype != ref.dtype:
+            for old in [k for k in kept if k[0] == where]:  # the directory's earlier contents
+                del kept[old]
+            block = load_block(path, model)
+        kept[key] = block  # the most recently used last
         while len(kept) > SHARED_PER_TARGET:
             kept.pop(next(iter(kept)))
-    return kept[key]
+    return block
 
 
 def longspec_options(draft, target, gamma: int | None, tree) -> dict:
@@ -282,7 +293,7 @@ def load_longspec_block(spec: MethodSpec, target, draft, options: dict, *, conte
 def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=None,
                    lookup: int = DEFAULT_LOOKUP) -> LongSpecDrafter:
     if not isinstance(block, LongSpecDraft):
-        block = shared_block(block, target)
+        block = load_block(block, target)
     return LongSpecDrafter(block, gamma=gamma, tree=tree, lookup=lookup)
 
 

@@ -147,7 +147,8 @@ class EngineModel:
             if isinstance(head, WeightOnlyLinear):  # a weight-only model: its own kernels, nothing to pack
                 self.plan, self.head_fn = Plan(source=f"weight-only:{head.fmt}"), head
             elif draft:  # a draft model: its linears, and apart its head, each in the path measured fastest for
-                # drafts at every row count (fastpath.draft; the head's shape favours other paths, w8a8 among them)
+                # drafts at every row count (fastpath.draft; the head's shape favours other paths, quantized ones among
+                # them)
                 choice = draft_choice([m.weight for m in linears], remeasure=remeasure)
                 head_choice = draft_choice([head.weight], remeasure=remeasure, head=True)
                 self.plan = Plan(packed_rows=list(ROWS) if choice.startswith("packed") else [],

@@ -85,23 +85,37 @@ def cross_visible(q_pos: torch.Tensor, length: int, shift: int | torch.Tensor = 
     return torch.arange(length, device=q_pos.device) <= limit[..., None]
 
 
-def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float) -> torch.Tensor:
-    """Softmax attention with grouped key/value heads and an explicit visibility mask: PyTorch's
-    ``scaled_dot_product_attention`` (``enable_gqa``: query head i reads key/value head i // (h / kvh), as
-    transformers' repeat_kv, without repeating the keys).
+def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float, stacked: bool | None = None) -> torch.Tensor:
+    """Softmax attention with grouped key/value heads and an explicit visibility mask, through PyTorch's
+    ``scaled_dot_product_attention``.
 
-    q [b, h, L, d]; k, v [b, kvh, S, d]; allowed [b, L, S] bool (None: every key visible, no mask built). ``k``,
-    ``v`` and ``allowed`` may each be a tuple of pieces along the key axis (S = the pieces' sum), joined here: the
-    pieces are the draft's own window-bounded keys (a ring buffer, tentative tokens, new tokens); the target's
-    (possibly long) cache always comes whole and is never copied. Returns [b, L, h * d]; a query with no visible key
-    gets zeros."""
+    q [b, h, L, d]; k, v [b, kvh, S, d] (query head i reads key/value head i // (h / kvh), as transformers'
+    repeat_kv); allowed [b, L, S] bool (None: every key visible, no mask built). ``k``, ``v`` and ``allowed`` may
+    each be a tuple of pieces along the key axis (S = the pieces' sum), joined here: the pieces are the draft's own
+    window-bounded keys (a ring buffer, tentative tokens, new tokens); the target's (possibly long) cache always comes
+    whole. No key is repeated: on the CPU, PyTorch's kernels read the grouped heads in place (``enable_gqa``);
+    elsewhere, where a backend may repeat them, a group's query heads are stacked along the query axis instead
+    (``stacked``: None = by the device; True / False force one way). Returns [b, L, h * d]; a query with no visible key gets zeros (in training too: such a row attends to every key
+    and its output is then zeroed, so no backend's NaN reaches a gradient)."""
     key, value, mask = _joined(k, 2), _joined(v, 2), _joined(allowed, -1)
     b, h, n, d = q.shape
-    out = F.scaled_dot_product_attention(q, key, value, None if mask is None else mask[:, None], scale=scale,
-                                         enable_gqa=h != key.shape[1])  # [b, h, L, d]
-    if mask is not None:  # rows with nothing visible: zero output, whatever the backend makes of them
-        out = out.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)
-    return out.transpose(1, 2).reshape(b, n, h * d)
+    kvh = key.shape[1]
+    seen = None if mask is None else mask.any(-1, keepdim=True)  # [b, L, 1]
+    if mask is not None:
+        mask = mask | ~seen
+    if not (q.device.type != "cpu" if stacked is None else stacked):
+        out = F.scaled_dot_product_attention(q, key, value, None if mask is None else mask[:, None], scale=scale,
+                                             enable_gqa=h != kvh)  # [b, h, L, d]
+        if seen is not None:
+            out = out.masked_fill(~seen[:, None], 0.0)  # rows with nothing visible: zeros
+        return out.transpose(1, 2).reshape(b, n, h * d)
+    rep = h // kvh
+    qg = q.reshape(b, kvh, rep * n, d)  # [b, kvh, rep * L, d]: a group's query heads one after another
+    out = F.scaled_dot_product_attention(qg, key, value, None if mask is None else mask.repeat(1, rep, 1)[:, None],
+                                         scale=scale)
+    if seen is not None:
+        out = out.masked_fill(~seen.repeat(1, rep, 1)[:, None], 0.0)
+    return out.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
 
 
 def _joined(x, dim: int) -> torch.Tensor | None:
@@ -155,7 +169,7 @@ class LongSpecDraft(nn.Module):
         o_bias = config.model_type != "qwen2" and qkv_bias
         self._apply_rope = fam.apply_rotary_pos_emb  # (q, k, cos, sin) -> (q, k)
         self.rotary = getattr(fam, f"{prefix}RotaryEmbedding")(config)  # buffers only (not in the state dict)
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, d] of positions 0..P-1
+        self._rope_table: tuple | None = None  # (cos, sin [P, d] of positions 0..P-1, what they were computed for)
         norm = getattr(fam, f"{prefix}RMSNorm")
         self.norm1 = norm(hidden, eps=eps)
         self.self_attn = _linears(q_proj=(hidden, q_dim, qkv_bias), k_proj=(hidden, kv_dim, qkv_bias),
@@ -292,12 +306,14 @@ class LongSpecDraft(nn.Module):
         need = int(positions.max()) + 1 if positions.numel() else 0
         if getattr(self.rotary, "rope_type", "default") in ("dynamic", "longrope") or need > ROPE_TABLE_MAX:
             return self.rotary(x, positions)
+        freq = getattr(self.rotary, "inv_freq", None)  # a module moved or cast since: its frequencies are new tensors
+        stamp = (x.dtype, x.device, None if freq is None else freq.data_ptr())
         table = self._rope_table
-        if table is None or table[0].shape[0] < need or table[0].dtype != x.dtype or table[0].device != x.device:
+        if table is None or table[0].shape[0] < need or table[2] != stamp:
             size = min(ROPE_TABLE_MAX, max(need, 1024, 2 * table[0].shape[0] if table is not None else 0))
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in training too
                 cos, sin = self.rotary(x, torch.arange(size, device=x.device)[None])  # [1, P, d]
-            table = self._rope_table = (cos[0], sin[0])
+            table = self._rope_table = (cos[0], sin[0], stamp)
         return table[0][positions], table[1][positions]
 
     def _heads(self, lin: nn.Linear, h: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -335,7 +351,7 @@ class LongSpecDraft(nn.Module):
         v = self._heads(self.self_attn.v_proj, h, self.num_kv_heads)
         q, k = self._apply_rope(q, k, cos, sin)
         keys, values, allowed = (k,), (v,), (own_allowed,)
-        if past is not None:  # the earlier keys first, in pieces as given: [b, kv_heads, P + L, d] never built
+        if past is not None:  # the earlier keys first, in pieces as given (grouped_attention joins them)
             keys, values = (*_pieces(past[0]), k), (*_pieces(past[1]), v)
             allowed = (*_pieces(past_allowed), own_allowed)
         x = x + self.self_attn.o_proj(grouped_attention(q, keys, values, allowed, self.scaling))

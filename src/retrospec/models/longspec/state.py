@@ -135,6 +135,6 @@ class DraftState:
         return torch.where((p < 0).to(below.device)[:, None], root, below)[None]
 
     def nbytes(self) -> int:
-        """Bytes held by the state's tensors (ring and tentative tokens)."""
+        """Bytes held by the state (ring and tentative tokens: their tensors and the ancestry matrix)."""
         tensors = (self.k, self.v, self.slot_pos, self.t_k, self.t_v, self.t_out)
         return sum(t.numel() * t.element_size() for t in tensors) + self.t_anc.nbytes
