@@ -95,15 +95,18 @@ def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float, stacked: boo
     window-bounded keys (a ring buffer, tentative tokens, new tokens); the target's (possibly long) cache always comes
     whole. No key is repeated: on the CPU, PyTorch's kernels read the grouped heads in place (``enable_gqa``);
     elsewhere, where a backend may repeat them, a group's query heads are stacked along the query axis instead
-    (``stacked``: None = by the device; True / False force one way). Returns [b, L, h * d]; a query with no visible key gets zeros (in training too: such a row attends to every key
-    and its output is then zeroed, so no backend's NaN reaches a gradient)."""
+    (``stacked``: None = by the device; True / False force one way). Returns [b, L, h * d]; a query with no visible
+    key gets zeros (in training too: such a row attends to every key and its output is then zeroed, so no backend's
+    NaN reaches a gradient)."""
     key, value, mask = _joined(k, 2), _joined(v, 2), _joined(allowed, -1)
     b, h, n, d = q.shape
     kvh = key.shape[1]
     seen = None if mask is None else mask.any(-1, keepdim=True)  # [b, L, 1]
     if mask is not None:
         mask = mask | ~seen
-    if not (q.device.type != "cpu" if stacked is None else stacked):
+    if stacked is None:
+        stacked = q.device.type != "cpu"
+    if not stacked:
         out = F.scaled_dot_product_attention(q, key, value, None if mask is None else mask[:, None], scale=scale,
                                              enable_gqa=h != kvh)  # [b, h, L, d]
         if seen is not None:
