@@ -32,8 +32,8 @@ def _head_format_runs(fmt: str) -> bool:
     return kernels.w4a8_cpu() if fmt == "w4a8" else fdraft.weight_only.available(fmt)
 
 
-HEAD_FORMATS_HERE = [pytest.param(f, marks=pytest.mark.skipif(not _head_format_runs(f), reason=f"no {f} kernel here"))
-                     for f in fdraft.HEAD_FORMATS]
+QUANTIZED_HERE = [pytest.param(f, marks=pytest.mark.skipif(not _head_format_runs(f), reason=f"no {f} kernel here"))
+                     for f in fdraft.QUANTIZED]
 
 
 def test_bf16_packed_linear_casts_in_and_out():
@@ -132,9 +132,10 @@ def test_choice_is_measured_once_and_overrides(monkeypatch, tmp_path):
     monkeypatch.setenv("RETROSPEC_FASTPATH", "auto")
     first = fdraft.draft_choice(weights)
     files = list((tmp_path / "fastpath").glob("draft-*.json"))
-    assert len(files) == 1 and first in fdraft.CHOICES
+    assert len(files) == 1 and first in fdraft.CHOICES + fdraft.QUANTIZED
     data = json.loads(files[0].read_text())
     measured = set(fdraft.CHOICES) - (set() if kernel_available(weights[0]) else {"kernel"})  # no AVX-512: no kernel
+    measured |= {f for f in fdraft.QUANTIZED if fdraft._quantizable(weights, f)}  # 200 rows: no w4a8 (tiles of 16)
     assert data["choice"] == first and set(data["ms"]) == measured
     monkeypatch.setattr(fdraft, "measure_choice", lambda *a, **k: pytest.fail("measured twice"))
     assert fdraft.draft_choice(weights) == first  # read from the cache
@@ -167,13 +168,13 @@ def test_drafts_through_the_f32_kernel_are_exact(monkeypatch):
     assert [t for c in got for t in c] == want
 
 
-@pytest.mark.parametrize("fmt", HEAD_FORMATS_HERE)
+@pytest.mark.parametrize("fmt", QUANTIZED_HERE)
 @pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 8, 8)}], ids=["chain", "tree"])
-def test_a_block_whose_head_runs_quantized_equals_oracle(monkeypatch, tmp_path, mode, fmt):
-    """The head rows may be measured into ``w8a8`` (int8 rows, activations quantized per row) or ``w4a8`` (4-bit
-    rows in groups of 32, activations quantized per group) apart from the block's linears: the head's logits stay
-    near the float ones, the block and its linears are left as they are, and the output is the oracle's.
-    ``RETROSPEC_DRAFT_DTYPE=float32`` rules them out; other weights never get them."""
+def test_a_block_that_runs_quantized_equals_oracle(monkeypatch, tmp_path, mode, fmt):
+    """A block's linears and, measured apart, its head rows may run in ``w8a8`` (int8 rows, activations quantized per
+    row) or ``w4a8`` (4-bit rows in groups of 32, activations quantized per group): the logits stay near the float
+    ones, the block is left as it is, and the output is the oracle's. ``RETROSPEC_DRAFT_DTYPE=float32`` rules them
+    out."""
     monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
     monkeypatch.setenv("RETROSPEC_FASTPATH", "auto")
     target, block = mimic_pair("llama")
@@ -184,38 +185,48 @@ def test_a_block_whose_head_runs_quantized_equals_oracle(monkeypatch, tmp_path, 
     assert torch.allclose(got, want, atol=near * want.abs().max().item()) and not torch.equal(got, want)
     monkeypatch.setattr(fdraft, "measure_choice", lambda w, allowed: {"version": fdraft.VERSION,
                                                                       "choice": allowed[-1], "ms": {}})
-    last = [f for f in fdraft.HEAD_FORMATS if fdraft._quantizable([rows], f)][-1]  # what the stub picks
-    assert fdraft.draft_choice([rows], head=True) == last and fdraft.draft_choice([rows]) not in fdraft.HEAD_FORMATS
+    last = [f for f in fdraft.QUANTIZED if fdraft._quantizable([rows], f)][-1]  # what the stub picks
+    assert fdraft.draft_choice([rows]) == last
     monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "float32")
-    assert fdraft.draft_choice([rows], head=True) not in fdraft.HEAD_FORMATS
+    assert fdraft.draft_choice([rows]) not in fdraft.QUANTIZED
     monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "auto")
-    monkeypatch.setattr("retrospec.drafters.longspec.draft_choice",
-                        lambda weights, remeasure=False, head=False: fmt if head else "plain")
+    monkeypatch.setattr("retrospec.drafters.longspec.draft_choice", lambda weights, remeasure=False: fmt)
+    plain = block(torch.tensor([PROMPT]))  # [1, L, V]
     drafter = LongSpecDrafter(block, **mode)
-    assert drafter.fast is not block and drafter.fast.head_choice == fmt and block.head_fn is None
-    assert type(drafter.fast.mlp.down_proj) is torch.nn.Linear  # the linears stay plain: only the head changed
+    fast = drafter.fast
+    assert fast is not block and fast.head_choice == fmt and block.head_fn is None
+    assert type(block.mlp.down_proj) is torch.nn.Linear  # the caller's block is untouched
+    assert isinstance(fast.mlp.down_proj, fdraft.weight_only.WeightOnlyLinear) and fast.mlp.down_proj.fmt == fmt
+    with torch.inference_mode():
+        quantized = fast(torch.tensor([PROMPT]))
+    assert torch.allclose(quantized, plain, atol=2 * near * plain.abs().max().item())
     want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
     stats = SpecStats()
     chunks = list(speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40, stats=stats))
     assert [t for c in chunks for t in c] == want and stats.accepted_tokens > 0
 
 
-@pytest.mark.parametrize("fmt", HEAD_FORMATS_HERE)
-def test_an_sd_draft_whose_head_runs_quantized_is_exact(monkeypatch, fmt):
-    """A draft model's head is measured apart from its linears and may run in ``w8a8`` or ``w4a8``: its q changes,
-    the output does not (greedy == oracle; sampled tokens follow the target's law), and the caller's draft is left as
-    it was."""
+@pytest.mark.parametrize("fmt", QUANTIZED_HERE)
+def test_an_sd_draft_that_runs_quantized_is_exact(monkeypatch, fmt):
+    """A draft model's linears and, measured apart, its head may run in ``w8a8`` or ``w4a8`` (where the shapes fit):
+    its q changes, the output does not (greedy == oracle; sampled tokens follow the target's law), and the caller's
+    draft is left as it was."""
     from test_engine_greedy import oracle, run
 
     from conftest import sharpen, tiny_llama
 
-    monkeypatch.setattr("retrospec.fastpath.engine.draft_choice",  # where the head's shape allows it
-                        lambda weights, remeasure=False, head=False:
-                        fmt if head and fdraft._quantizable(list(weights), fmt) else "plain")
+    monkeypatch.setattr("retrospec.fastpath.engine.draft_choice",  # where the shapes allow it
+                        lambda weights, remeasure=False:
+                        fmt if fdraft._quantizable(list(weights), fmt) else "plain")
     target = sharpen(tiny_llama(seed=0))
     draft = tiny_llama(seed=1, layers=1)
     drafter = REGISTRY["sd"](draft_model=draft, gamma=4)
-    assert drafter.engine.plan.source == f"draft:plain,head:{fmt}" and type(draft.lm_head) is torch.nn.Linear
+    linears = [m.weight for m in draft.modules() if type(m) is torch.nn.Linear and m is not draft.lm_head]
+    body = fmt if fdraft._quantizable(linears, fmt) else "plain"
+    assert drafter.engine.plan.source == f"draft:{body},head:{fmt}" and type(draft.lm_head) is torch.nn.Linear
+    assert all(type(m) is torch.nn.Linear for m in draft.modules() if isinstance(m, torch.nn.Linear))
+    copies = [m for m in drafter.engine.decoder.modules() if isinstance(m, fdraft.weight_only.WeightOnlyLinear)]
+    assert bool(copies) == (body != "plain") and all(m.fmt == fmt for m in copies)
     head, x = draft.lm_head.weight.detach(), torch.randn(2, draft.config.hidden_size)
     got = drafter.engine.logits_of(x)
     near = {"w8a8": 0.03, "w4a8": 0.15}[fmt]

@@ -31,6 +31,7 @@ from retrospec.drafters.base import DecodeContext
 from retrospec.drafters.longspec import LongSpecDrafter, graft, parse_tree
 from retrospec.errors import RetrospecError
 from retrospec.models.longspec import DraftState, LongSpecDraft, grouped_attention, load_longspec, save_longspec
+from retrospec.models.longspec.state import ROOM
 from retrospec.sampling import probs_from_logits
 from retrospec.types import DraftTree, SpecStats
 from retrospec.verify import Verifier
@@ -238,6 +239,31 @@ def test_ring_buffer_equals_sliding_window_forward(arch):
         assert state.tentative == 0 and state.length == t
 
 
+def test_tentative_tokens_past_the_room_grow_the_buffers(monkeypatch):
+    """Tentative keys live right after the ring in buffers that double when short: levels wider than the room give the
+    logits a roomy state gives, bitwise, and the ring survives the move."""
+    import retrospec.models.longspec.state as state_mod
+
+    block = randomized(make_target("llama"), window=8)
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    cache = random_kv(block, 20)
+    got = {}
+    for room in (2, 256):
+        monkeypatch.setattr(state_mod, "ROOM", room)
+        state = DraftState(block)
+        state.append(ids)
+        ring = state.k.clone()
+        with torch.no_grad():
+            rows = [state.speculate([5], [-1], cache)]
+            rows.append(state.speculate(list(range(10, 15)), [0] * 5, cache))  # 1..5
+            rows.append(state.speculate(list(range(30, 50)), [1 + i % 5 for i in range(20)], cache))  # 6..25
+        assert state.tentative == 26 and torch.equal(state.k, ring) and state.t_k.shape[2] == 26
+        got[room] = torch.cat(rows)
+        state.rollback()
+        assert state.tentative == 0 and torch.equal(state.k, ring)
+    assert torch.equal(got[2], got[256])
+
+
 def test_state_memory_is_flat_in_context_length():
     target = tiny_llama(max_pos=9000)
     block = LongSpecDraft.for_target(target, window=64)
@@ -252,7 +278,8 @@ def test_state_memory_is_flat_in_context_length():
         state.rollback()
         assert state.nbytes() == before and state.length == context
         sizes.append(before)
-    assert sizes[0] == sizes[1] == 2 * 64 * block.num_kv_heads * block.head_dim * 4 + 64 * 8
+    slots = 64 + ROOM  # the ring and the room for tentative tokens after it
+    assert sizes[0] == sizes[1] == 2 * slots * block.num_kv_heads * block.head_dim * 4 + 64 * 8
 
 
 # ----------------------------------------------------------------------------------------------------------------

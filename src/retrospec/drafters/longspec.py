@@ -71,13 +71,13 @@ def parse_tree(spec) -> tuple[int, ...]:
 
 
 def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
-    """The block as drafting runs it: a private copy sharing the weights, its linears and its head rows each in the
-    matmul path measured fastest for them (``fastpath.draft``; the head may run in int8 or 4 bits). The block itself
-    is left as it is."""
+    """The block as drafting runs it: a private copy sharing the weights, its linears and, measured apart, its head
+    rows each in the matmul path measured fastest for them (``fastpath.draft``; either may run in int8 or 4 bits).
+    The block itself is left as it is."""
     rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
     weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
     choice = draft_choice(weights, remeasure=remeasure)  # no linears: plain
-    head = draft_choice([rows], remeasure=remeasure, head=True)
+    head = draft_choice([rows], remeasure=remeasure)
     if choice == head == "plain":
         return block
     fast = fast_copy(block, choice, shared=(block.embed_tokens, block.lm_head), private=True)

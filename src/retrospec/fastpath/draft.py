@@ -9,25 +9,26 @@ proposed, never the output. Never applied to a target (``engine_for`` without ``
 What:
 - ``draft_choice(weights)`` times the [out, in] weights at ``ROWS`` rows in each of ``CHOICES``: ``plain``
   (``F.linear``), ``packed`` (oneDNN prepacked), ``packed-bf16`` (a bfloat16 prepacked copy; activations cast
-  in and out) and ``kernel`` (``kernels.f32`` on float32 weights, where it is built), and returns the fastest; cached
-  as JSON under ``cache_home()/fastpath/`` keyed like ``plan``.
-- ``fast_copy(module, choice, shared)``: a private copy with every ``nn.Linear`` swapped for a ``PackedLinear`` or a
-  ``KernelLinear`` (weights and the ``shared`` modules are the originals), cached weakly per module while its weights
-  stay the same.
-- ``row_product(weight, choice)``: ``x -> x @ weight.T`` computed the same way (a block's head rows), or for a head
-  measured with ``head=True``, in ``w8a8`` (``weight_only``: int8 rows with a scale each, activations quantized per
-  row): on the machine above a 16,384 x 576 head at 1 / 4 / 16 rows took 0.26 / 0.18 / 0.56 ms against 0.33 / 0.29 /
-  0.93 ms prepacked in bfloat16; its top-1 token matched float32's on 96.8 % of the bundled block's drafted rows
-  (bfloat16: 98.2 %) and the block's greedy tau at fixed budgets moved by -1.0 % to +1.5 %. Or in ``w4a8``
-  (``weight_only``: 4-bit rows in groups of 32, activations quantized per group; AVX-512 VNNI), half the bytes: on a
-  2-core AMD EPYC VM the same head took 0.15 / 0.19 / 0.54 ms against w8a8's 0.23 / 0.17 / 0.51 ms, and a drafted
-  token right after a target step, whose forward leaves none of the head in the caches, ~0.4 ms less; ungated
-  greedy tau moved by -0.5 % to -1.5 % (``longspec`` and ``sd``, chat and code prompts). A head (a block's rows, a
-  draft model's head) is measured apart from the linears (its shape favours other paths); a draft's precision never
-  touches exactness.
+  in and out) and ``kernel`` (``kernels.f32`` on float32 weights, where it is built), and in each of ``QUANTIZED``
+  where its kernel runs and the shapes fit, and returns the fastest; cached as JSON under ``cache_home()/fastpath/``
+  keyed like ``plan``. A head (a block's rows, a draft model's head) is measured apart from the linears (its shape
+  favours other paths).
+- ``fast_copy(module, choice, shared)``: a private copy with every ``nn.Linear`` swapped for a ``PackedLinear``, a
+  ``KernelLinear`` or a quantized ``WeightOnlyLinear`` (weights and the ``shared`` modules are the originals; a
+  quantized linear holds its own integer copy), cached weakly per module while its weights stay the same.
+- ``row_product(weight, choice)``: ``x -> x @ weight.T`` computed the same way (a block's head rows).
+
+The quantized formats (``weight_only``): ``w8a8`` (int8 rows with a scale each, activations quantized per row) and
+``w4a8`` (4-bit rows in groups of 32, activations quantized per group; AVX-512 VNNI), a quarter and an eighth of
+float32's bytes. On a 2-core AMD EPYC VM with a 32 MiB L3: a 16,384 x 576 head at 1 / 4 / 16 rows took 0.15 / 0.19 /
+0.54 ms in ``w4a8``, 0.23 / 0.17 / 0.51 ms in ``w8a8``, 0.33 / 0.29 / 0.93 ms prepacked in bfloat16; a LongSpec
+block's nine linears at one row 0.16 ms in ``w4a8`` against 0.31 ms in float32 (``kernel``), and right after a
+target step, whose forward leaves none of the draft's weights in the caches, 0.42 ms against 0.85 ms. A draft's
+precision changes what it proposes, never the output; on the bundled drafts, ungated greedy tau moved by a few
+percent at most (``docs/results.md``).
 
 Overrides: ``RETROSPEC_FASTPATH`` ``off`` / ``plain`` -> ``plain``, ``packed`` -> ``packed``, ``kernel`` -> ``kernel``;
-``RETROSPEC_DRAFT_DTYPE``: ``float32`` (no bfloat16, no quantized head), ``bfloat16`` (``packed-bf16`` unmeasured),
+``RETROSPEC_DRAFT_DTYPE``: ``float32`` (no bfloat16, nothing quantized), ``bfloat16`` (``packed-bf16`` unmeasured),
 ``auto`` (default).
 """
 
@@ -52,7 +53,7 @@ from .linear import KernelLinear, PackedLinear, kernel_available, kernel_matmul,
 from .plan import cached_json, machine_id, median_ms, mode
 
 CHOICES = ("plain", "packed", "packed-bf16", "kernel")
-HEAD_FORMATS = ("w8a8", "w4a8")  # what a head may also run in (``weight_only``), measured like the rest
+QUANTIZED = ("w8a8", "w4a8")  # the integer formats a draft's weights may also run in (``weight_only``), measured too
 ROWS = (1, 4, 16)  # a chain step, a tree level of 4, a level of 16
 MAX_ROWS = 64  # inputs with more rows (a prompt) take the plain path on the shared weights
 DTYPES = ("auto", "float32", "bfloat16")
@@ -87,8 +88,10 @@ def measure_choice(weights: list[torch.Tensor], allowed: tuple[str, ...] = CHOIC
                 if not kernel_available(weights[0]):
                     continue
                 fns = [lambda x, w=w: kernel_matmul(x, w) for w in weights]
-            elif choice in HEAD_FORMATS:
+            elif choice in QUANTIZED:
                 fns = [_quantized(w, choice) for w in weights]
+                for f in fns:
+                    f(weights[0].new_zeros(1, f.in_features))  # w8a8 packs for fbgemm on its first call
             else:
                 packed = [pack_weight(w, torch.bfloat16 if choice == "packed-bf16" else None) for w in weights]
                 if any(p is None for p in packed):
@@ -102,9 +105,9 @@ def measure_choice(weights: list[torch.Tensor], allowed: tuple[str, ...] = CHOIC
     return {"version": VERSION, "choice": best, "ms": ms, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def draft_choice(weights: Iterable[torch.Tensor], remeasure: bool = False, head: bool = False) -> str:
-    """The matmul path for a draft with these [out, in] weights on this machine (module docstring); ``head``: the
-    weights are a head's rows, which may also run in a ``HEAD_FORMATS`` format."""
+def draft_choice(weights: Iterable[torch.Tensor], remeasure: bool = False) -> str:
+    """The matmul path for a draft with these [out, in] weights on this machine (module docstring), one of
+    ``CHOICES`` or, where it runs and fits them, ``QUANTIZED``."""
     weights = [w.detach() for w in weights]
     m = mode()
     if m in ("off", "plain") or not weights or weights[0].device.type != "cpu" or not onednn_available():
@@ -119,8 +122,8 @@ def draft_choice(weights: Iterable[torch.Tensor], remeasure: bool = False, head:
     allowed = ("plain", "packed")  # bfloat16 copies only where not ruled out; the kernel multiplies float32
     if fp32:
         allowed += ("packed-bf16", "kernel") if setting == "auto" else ("kernel",)
-        if head and setting == "auto":
-            allowed += tuple(f for f in HEAD_FORMATS if _quantizable(weights, f))
+        if setting == "auto":
+            allowed += tuple(f for f in QUANTIZED if _quantizable(weights, f))
     home = cache_home()
     seen = (str(home), torch.get_num_threads(), weights[0].dtype, tuple(sorted(tuple(w.shape) for w in weights)),
             allowed)
@@ -142,13 +145,21 @@ def _pack_dtype(choice: str) -> torch.dtype | None:
 
 
 def pack_linears(module: torch.nn.Module, choice: str, max_rows: int = MAX_ROWS) -> None:
-    """Swap ``module``'s own ``nn.Linear`` children (recursively) for ``PackedLinear`` per ``choice``, or for
-    ``KernelLinear`` (``kernel``; float32 weights) (in place: call it on a private copy only)."""
+    """Swap ``module``'s own ``nn.Linear`` children (recursively) for ``PackedLinear`` per ``choice``, for
+    ``KernelLinear`` (``kernel``; float32 weights) or for a ``weight_only.WeightOnlyLinear`` holding its own quantized
+    copy (``QUANTIZED``; every row count, a prompt's too: the integer kernels beat float32 ones at any size here) (in
+    place: call it on a private copy only)."""
     if choice == "plain":
         return
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear:
+                continue
+            if choice in QUANTIZED:
+                lin = _quantized(child.weight, choice, child.bias)
+                with torch.inference_mode():
+                    lin(child.weight.new_zeros(1, child.in_features))  # w8a8 packs for fbgemm now, not mid-draft
+                setattr(parent, name, lin)
                 continue
             if choice == "kernel":
                 if kernel_available(child.weight):
@@ -160,24 +171,26 @@ def pack_linears(module: torch.nn.Module, choice: str, max_rows: int = MAX_ROWS)
 
 
 def _quantizable(weights: list[torch.Tensor], fmt: str) -> bool:
-    """Whether ``fmt`` (a ``HEAD_FORMATS`` entry) runs here and fits these [out, in] weights."""
+    """Whether ``fmt`` (a ``QUANTIZED`` entry) runs here and fits these [out, in] weights."""
     if not weight_only.available(fmt):
         return False
     return fmt != "w4a8" or all(w.shape[1] % weight_only.GROUP == 0 and w.shape[0] % 16 == 0 for w in weights)
 
 
-def _quantized(weight: torch.Tensor, fmt: str) -> weight_only.WeightOnlyLinear:
-    """``weight`` [out, in] as a linear without bias in ``fmt`` (``w8a8`` or ``w4a8``; its own quantized copy)."""
+def _quantized(weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> weight_only.WeightOnlyLinear:
+    """``weight`` [out, in] (and ``bias`` [out], shared) as a linear in ``fmt`` (``w8a8`` or ``w4a8``; its own
+    quantized copy of the weight)."""
     w = weight.detach().float()
     q, scales = weight_only.quantize_int8(w) if fmt == "w8a8" else weight_only.pack_w4a8(*weight_only.int4_groups(w))
-    return weight_only.WeightOnlyLinear(fmt, w.shape[1], w.shape[0], q, scales, None)
+    return weight_only.WeightOnlyLinear(fmt, w.shape[1], w.shape[0], q, scales,
+                                        None if bias is None else bias.detach())
 
 
 def row_product(weight: torch.Tensor, choice: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x [..., in] -> x @ weight.T [..., out]`` in the path ``choice`` (inputs over ``MAX_ROWS`` rows: plain)."""
     if choice == "kernel" and kernel_available(weight):
         return lambda x: kernel_matmul(x, weight)
-    if choice in HEAD_FORMATS:
+    if choice in QUANTIZED:
         lin = _quantized(weight, choice)
         with torch.inference_mode():
             lin(weight.new_zeros(1, weight.shape[1]))  # w8a8 packs for fbgemm now (~50 ms), not in a drafting step

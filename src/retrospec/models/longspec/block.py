@@ -121,6 +121,15 @@ def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float, stacked: boo
     return out.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
 
 
+class KeyBuffer:
+    """Self-attention keys and values [b, kv_heads, C, d] of earlier tokens in their first ``filled`` positions,
+    with room after them: ``run`` writes the new tokens' keys and values at [filled, filled + L) and attends over
+    [0, filled + L) in place, so no key is copied (``DraftState``: the ring, then the tentative tokens)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, filled: int):
+        self.k, self.v, self.filled = k, v, filled
+
+
 def _joined(x, dim: int) -> torch.Tensor | None:
     """A tensor, or a tuple of pieces along ``dim`` joined into one."""
     if not isinstance(x, tuple):
@@ -332,14 +341,15 @@ class LongSpecDraft(nn.Module):
         return self._apply_rope(k, k, cos, sin)[1], self._heads(self.self_attn.v_proj, h, self.num_kv_heads)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, own_allowed: torch.Tensor,
-            past: tuple[torch.Tensor, torch.Tensor] | None = None, past_allowed: torch.Tensor | None = None,
+            past: tuple[torch.Tensor, torch.Tensor] | KeyBuffer | None = None, past_allowed: torch.Tensor | None = None,
             target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, cross_allowed: torch.Tensor | None = None,
             feature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block over new tokens ``ids`` [b, L] at ``positions`` [b, L].
 
         Self-attention keys: ``past`` (k, v) [b, kv_heads, P, d] of earlier tokens (a ring buffer, tentative
         tokens), visible per ``past_allowed`` [b, L, P], then the new tokens' own, visible per ``own_allowed``
-        [b, L, L]; k, v and ``past_allowed`` may each be a tuple of pieces along P (``grouped_attention``).
+        [b, L, L]; k, v and ``past_allowed`` may each be a tuple of pieces along P (``grouped_attention``), or
+        ``past`` a ``KeyBuffer`` (P = its ``filled``) that receives the new tokens' keys and values.
         Cross-attention: ``target_kv`` (k, v) [b, kv_heads, T, d], visible per ``cross_allowed`` [b, L, T] (None:
         every entry visible to every new token). ``feature`` [b, L, H]: each new token's feature g (a block with
         ``features``; None: none given, nothing added). Returns (logits [b, L, K] (K: ``draft_vocab_size``), the
@@ -354,7 +364,12 @@ class LongSpecDraft(nn.Module):
         v = self._heads(self.self_attn.v_proj, h, self.num_kv_heads)
         q, k = self._apply_rope(q, k, cos, sin)
         keys, values, allowed = (k,), (v,), (own_allowed,)
-        if past is not None:  # the earlier keys first, in pieces as given (grouped_attention joins them)
+        if isinstance(past, KeyBuffer):  # the new keys written after the earlier ones; attention reads them in place
+            end = past.filled + n
+            past.k[:, :, past.filled:end], past.v[:, :, past.filled:end] = k, v
+            keys, values = past.k[:, :, :end], past.v[:, :, :end]
+            allowed = (*_pieces(past_allowed), own_allowed)
+        elif past is not None:  # the earlier keys first, in pieces as given (grouped_attention joins them)
             keys, values = (*_pieces(past[0]), k), (*_pieces(past[1]), v)
             allowed = (*_pieces(past_allowed), own_allowed)
         x = x + self.self_attn.o_proj(grouped_attention(q, keys, values, allowed, self.scaling))

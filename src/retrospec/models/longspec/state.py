@@ -5,8 +5,9 @@ fixed size whatever the context length; only the target's cache (read, never wri
 
 Layout: the ring ``k``, ``v`` [1, kv_heads, window, head_dim] and ``slot_pos`` [window] (absolute position held by
 each slot, -1 = empty); position p lives in slot p % window and ``length`` counts every committed token. Tentative
-tokens (a draft tree under construction) keep their own keys/values, positions and ancestor matrix; they never
-enter the ring.
+tokens (a draft tree under construction) keep their own keys/values (``t_k``, ``t_v``: right after the ring in the
+same buffers, which grow by doubling, so attention reads ring and tree in place), positions and ancestor matrix;
+they never enter the ring.
 
 Operations: ``append(ids)`` commits tokens (a projection of at most ``window`` tokens, no attention; refused while
 tentative tokens exist); ``speculate(ids, parents, target_kv)`` runs the block on tentative tokens below the
@@ -25,7 +26,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .block import LongSpecDraft, cross_visible, self_visible
+from .block import KeyBuffer, LongSpecDraft, cross_visible, self_visible
+
+
+ROOM = 64  # tentative tokens the buffers hold after the ring at first (a default tree has 36)
 
 
 class DraftState:
@@ -33,9 +37,11 @@ class DraftState:
         self.draft = draft
         ref = next(draft.parameters())
         self.window = draft.window
-        shape = (1, draft.num_kv_heads, draft.window, draft.head_dim)
-        self.k = ref.new_zeros(shape)  # [1, kv_heads, window, head_dim]
-        self.v = ref.new_zeros(shape)
+        shape = (1, draft.num_kv_heads, draft.window + ROOM, draft.head_dim)
+        self.keys = ref.new_zeros(shape)  # [1, kv_heads, window + room, head_dim]: the ring, then tentative tokens
+        self.values = ref.new_zeros(shape)
+        self.k = self.keys[:, :, :self.window]  # [1, kv_heads, window, head_dim]: the ring (views)
+        self.v = self.values[:, :, :self.window]
         self.slot_pos = torch.full((draft.window,), -1, dtype=torch.long, device=ref.device)  # [window]
         self.length = 0  # committed tokens so far = position of the next one
         self._no_out = ref.new_zeros(0, draft.config.hidden_size)  # [0, H]
@@ -51,8 +57,8 @@ class DraftState:
 
     def rollback(self) -> None:
         """Forget every tentative token."""
-        self.t_k = self.k[:, :, :0]  # [1, kv_heads, S, head_dim]
-        self.t_v = self.v[:, :, :0]
+        self.t_k = self.keys[:, :, self.window:self.window]  # [1, kv_heads, S, head_dim] (views after the ring)
+        self.t_v = self.values[:, :, self.window:self.window]
         self.t_pos: list[int] = []  # [S] positions
         self.t_out = self._no_out  # [S, H] block outputs (a block with features: what is drafted below them reads)
         self.t_anc = np.zeros((0, 0), dtype=bool)  # [S, S] t_anc[i, j]: j is i or an ancestor of i (host memory)
@@ -107,18 +113,33 @@ class DraftState:
         feature = self._features(parents, s, root_feature) if self.draft.features else None  # [1, N, H]
         tree = torch.from_numpy(visible).to(self.device)[None]  # [1, N, S + N]
         ring = self_visible(new_pos, self.slot_pos[None], self.window)  # [1, N, window]
-        # the ring, then the tentative tokens (when any), as pieces [1, kv_heads, window | S, d] (attention joins them)
-        past = ((self.k, self.t_k), (self.v, self.t_v)) if s else (self.k, self.v)
+        # the ring, then the tentative tokens, then these: [1, kv_heads, window + S + N, d] in place
+        self._room(s + n)
+        past = KeyBuffer(self.keys, self.values, self.window + s)
         cross = None  # [1, N, T]; None when every new token sees the whole cache (at inference, shift 1: always)
         if target_kv is not None and target_kv[0].shape[2] > min(all_pos[s:]) - shift + 1:
             cross = cross_visible(new_pos, target_kv[0].shape[2], shift)
         logits, k, v, out = self.draft.run(ids.to(self.device)[None], new_pos, tree[..., s:], past,
                                            (ring, tree[..., :s]) if s else ring, target_kv, cross, feature)
-        self.t_k, self.t_v = torch.cat([self.t_k, k], 2), torch.cat([self.t_v, v], 2)
+        end = self.window + s + n  # ``run`` wrote k, v there
+        self.t_k, self.t_v = self.keys[:, :, self.window:end], self.values[:, :, self.window:end]
         if self.draft.features:  # the features of tokens drafted below these
             self.t_out = torch.cat([self.t_out, out[0]])
         self.t_pos, self.t_anc = all_pos, anc
         return logits[0]  # [N, V]
+
+    def _room(self, tentative: int) -> None:
+        """Buffers with room for ``tentative`` tokens after the ring (doubled when short; ring and tree kept)."""
+        have = self.keys.shape[2] - self.window
+        if tentative <= have:
+            return
+        used = self.window + self.t_k.shape[2]
+        shape = (*self.keys.shape[:2], self.window + max(tentative, 2 * have), self.keys.shape[3])
+        keys, values = self.keys.new_zeros(shape), self.values.new_zeros(shape)
+        keys[:, :, :used], values[:, :, :used] = self.keys[:, :, :used], self.values[:, :, :used]
+        self.keys, self.values = keys, values
+        self.k, self.v = keys[:, :, :self.window], values[:, :, :self.window]
+        self.t_k, self.t_v = keys[:, :, self.window:used], values[:, :, self.window:used]
 
     def _features(self, parents: Sequence[int], s: int, root_feature: torch.Tensor | None) -> torch.Tensor:
         """[1, N, H]: ``root_feature`` (zeros when None: nothing added) below the prefix, a parent's output below it."""
@@ -135,6 +156,6 @@ class DraftState:
         return torch.where((p < 0).to(below.device)[:, None], root, below)[None]
 
     def nbytes(self) -> int:
-        """Bytes held by the state (ring and tentative tokens: their tensors and the ancestry matrix)."""
-        tensors = (self.k, self.v, self.slot_pos, self.t_k, self.t_v, self.t_out)
+        """Bytes held by the state (ring and tentative tokens: their buffers and the ancestry matrix)."""
+        tensors = (self.keys, self.values, self.slot_pos, self.t_out)
         return sum(t.numel() * t.element_size() for t in tensors) + self.t_anc.nbytes
