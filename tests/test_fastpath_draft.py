@@ -135,10 +135,14 @@ def test_choice_is_measured_once_and_overrides(monkeypatch, tmp_path):
     assert len(files) == 1 and first in fdraft.CHOICES + fdraft.QUANTIZED
     data = json.loads(files[0].read_text())
     measured = set(fdraft.CHOICES) - (set() if kernel_available(weights[0]) else {"kernel"})  # no AVX-512: no kernel
-    measured |= {f for f in fdraft.QUANTIZED if fdraft._quantizable(weights, f)}  # 200 rows: no w4a8 (tiles of 16)
     assert data["choice"] == first and set(data["ms"]) == measured
     monkeypatch.setattr(fdraft, "measure_choice", lambda *a, **k: pytest.fail("measured twice"))
     assert fdraft.draft_choice(weights) == first  # read from the cache
+    monkeypatch.setattr(fdraft, "measure_choice", lambda w, allowed: {"version": fdraft.VERSION, "choice": "plain",
+                                                                      "ms": {c: {} for c in allowed}})
+    fdraft.draft_choice(weights, quantized=True)  # a block's weights: the integer formats that fit are measured too
+    data = json.loads(max((tmp_path / "fastpath").glob("draft-*.json"), key=lambda f: f.stat().st_mtime).read_text())
+    assert set(data["ms"]) - measured == {f for f in fdraft.QUANTIZED if fdraft._quantizable(weights, f)} != set()
     monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "float32")  # another allowed set: another key
     monkeypatch.setattr(fdraft, "measure_choice",
                         lambda w, allowed: {"version": fdraft.VERSION, "choice": allowed[-1], "ms": {}})
@@ -186,11 +190,12 @@ def test_a_block_that_runs_quantized_equals_oracle(monkeypatch, tmp_path, mode, 
     monkeypatch.setattr(fdraft, "measure_choice", lambda w, allowed: {"version": fdraft.VERSION,
                                                                       "choice": allowed[-1], "ms": {}})
     last = [f for f in fdraft.QUANTIZED if fdraft._quantizable([rows], f)][-1]  # what the stub picks
-    assert fdraft.draft_choice([rows]) == last
+    assert fdraft.draft_choice([rows], quantized=True) == last and fdraft.draft_choice([rows]) not in fdraft.QUANTIZED
     monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "float32")
-    assert fdraft.draft_choice([rows]) not in fdraft.QUANTIZED
+    assert fdraft.draft_choice([rows], quantized=True) not in fdraft.QUANTIZED
     monkeypatch.setenv("RETROSPEC_DRAFT_DTYPE", "auto")
-    monkeypatch.setattr("retrospec.drafters.longspec.draft_choice", lambda weights, remeasure=False: fmt)
+    monkeypatch.setattr("retrospec.drafters.longspec.draft_choice",
+                        lambda weights, remeasure=False, quantized=False: fmt if quantized else "plain")
     plain = block(torch.tensor([PROMPT]))  # [1, L, V]
     drafter = LongSpecDrafter(block, **mode)
     fast = drafter.fast
@@ -207,26 +212,22 @@ def test_a_block_that_runs_quantized_equals_oracle(monkeypatch, tmp_path, mode, 
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED_HERE)
-def test_an_sd_draft_that_runs_quantized_is_exact(monkeypatch, fmt):
-    """A draft model's linears and, measured apart, its head may run in ``w8a8`` or ``w4a8`` (where the shapes fit):
-    its q changes, the output does not (greedy == oracle; sampled tokens follow the target's law), and the caller's
-    draft is left as it was."""
+def test_an_sd_draft_whose_head_runs_quantized_is_exact(monkeypatch, fmt):
+    """A draft model's head is measured apart from its linears and may run in ``w8a8`` or ``w4a8`` (its linears may
+    not: the error compounds through its layers): its q changes, the output does not (greedy == oracle; sampled tokens
+    follow the target's law), and the caller's draft is left as it was."""
     from test_engine_greedy import oracle, run
 
     from conftest import sharpen, tiny_llama
 
-    monkeypatch.setattr("retrospec.fastpath.engine.draft_choice",  # where the shapes allow it
-                        lambda weights, remeasure=False:
-                        fmt if fdraft._quantizable(list(weights), fmt) else "plain")
+    monkeypatch.setattr("retrospec.fastpath.engine.draft_choice",  # where allowed and the shapes fit
+                        lambda weights, remeasure=False, quantized=False:
+                        fmt if quantized and fdraft._quantizable(list(weights), fmt) else "plain")
     target = sharpen(tiny_llama(seed=0))
     draft = tiny_llama(seed=1, layers=1)
     drafter = REGISTRY["sd"](draft_model=draft, gamma=4)
-    linears = [m.weight for m in draft.modules() if type(m) is torch.nn.Linear and m is not draft.lm_head]
-    body = fmt if fdraft._quantizable(linears, fmt) else "plain"
-    assert drafter.engine.plan.source == f"draft:{body},head:{fmt}" and type(draft.lm_head) is torch.nn.Linear
-    assert all(type(m) is torch.nn.Linear for m in draft.modules() if isinstance(m, torch.nn.Linear))
-    copies = [m for m in drafter.engine.decoder.modules() if isinstance(m, fdraft.weight_only.WeightOnlyLinear)]
-    assert bool(copies) == (body != "plain") and all(m.fmt == fmt for m in copies)
+    assert drafter.engine.plan.source == f"draft:plain,head:{fmt}" and type(draft.lm_head) is torch.nn.Linear
+    assert not any(isinstance(m, fdraft.weight_only.WeightOnlyLinear) for m in drafter.engine.decoder.modules())
     head, x = draft.lm_head.weight.detach(), torch.randn(2, draft.config.hidden_size)
     got = drafter.engine.logits_of(x)
     near = {"w8a8": 0.03, "w4a8": 0.15}[fmt]

@@ -76,8 +76,8 @@ def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
     The block itself is left as it is."""
     rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
     weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
-    choice = draft_choice(weights, remeasure=remeasure)  # no linears: plain
-    head = draft_choice([rows], remeasure=remeasure)
+    choice = draft_choice(weights, remeasure=remeasure, quantized=True)  # no linears: plain
+    head = draft_choice([rows], remeasure=remeasure, quantized=True)
     if choice == head == "plain":
         return block
     fast = fast_copy(block, choice, shared=(block.embed_tokens, block.lm_head), private=True)

@@ -39,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..attention import hybrid_tree, prefix_block
 from ..weight_only import WeightOnlyLinear
 from . import compiled
-from .draft import QUANTIZED, draft_choice, pack_linears, row_product
+from .draft import draft_choice, pack_linears, row_product
 from .lean import LeanDecoder
 from .linear import head_logits, kernel_streamed, pack_weight
 from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode
@@ -147,16 +147,14 @@ class EngineModel:
             if isinstance(head, WeightOnlyLinear):  # a weight-only model: its own kernels, nothing to pack
                 self.plan, self.head_fn = Plan(source=f"weight-only:{head.fmt}"), head
             elif draft:  # a draft model: its linears, and apart its head, each in the path measured fastest for
-                # drafts at every row count (fastpath.draft; integer formats among them; the head's shape favours
-                # other paths)
+                # drafts at every row count (fastpath.draft; the head's shape favours other paths, integer formats
+                # among them)
                 choice = draft_choice([m.weight for m in linears], remeasure=remeasure)
-                head_choice = draft_choice([head.weight], remeasure=remeasure)
+                head_choice = draft_choice([head.weight], remeasure=remeasure, quantized=True)
                 self.plan = Plan(packed_rows=list(ROWS) if choice.startswith("packed") else [],
                                  kernel=choice == "kernel", source=f"draft:{choice},head:{head_choice}")
                 self.head_fn = row_product(head.weight, head_choice)
                 pack_dtype = torch.bfloat16 if choice == "packed-bf16" else None
-                if choice in QUANTIZED:  # the copy's own linears hold integer copies of the weights
-                    pack_linears(decoder, choice)
             elif how == "auto":
                 self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
                 if self.plan.uses_kernel:
