@@ -25,7 +25,8 @@ block's layers in ``feature_layers``; the decode loop hands it the target's outp
 produced the root, fused into the root's feature (``target_feature``); every drafted token reads its parent's output
 (``DraftState.speculate``). One level per block call, as the tree is drafted anyway.
 
-Speed: the block's fast copy (``fast_block``: possibly bfloat16) changes what is proposed, never the output.
+Speed: the block's fast copy (``fast_block``: possibly bfloat16, int8 or 4-bit) changes what is proposed, never the
+output.
 State consistency: the ring holds every committed token but the last, like the target's cache. ``observe`` only
 gets counts and runs before the loop extends ``ctx.tokens``, so the ring catches up at the top of a drafting
 ``propose`` from ``ctx.tokens`` itself (a step the gate leaves undrafted does not touch it: the tokens it missed
@@ -98,7 +99,7 @@ class LongSpecDrafter:
         if self.feature_layers:
             self.needs = frozenset({"target_kv", "layer_states"})
         self.lookup = PromptLookupDrafter(k=lookup) if lookup > 0 else None
-        self.fast = fast_block(block)  # what drafts: the block's fast copy (the same weights)
+        self.fast = fast_block(block)  # what drafts: the block's fast copy (its weights, or integer copies of them)
         self.gamma = gamma
         self.tree = None if gamma is not None else parse_tree(DEFAULT_TREE if tree is None else tree)
         self.state: DraftState | None = None

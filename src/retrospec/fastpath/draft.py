@@ -210,7 +210,8 @@ def fast_copy(module: torch.nn.Module, choice: str, shared: Iterable[torch.nn.Mo
               private: bool = False) -> torch.nn.Module:
     """``module``'s private copy with its linears packed per ``choice`` (for ``plain``, the module itself unless
     ``private``). The copy's modules are new objects; every parameter and buffer, and the ``shared`` modules, are the
-    originals. Cached (weakly) per module and rebuilt when its weights change."""
+    originals (a quantized linear holds its own integer copy of a weight). Cached (weakly) per module and rebuilt
+    when its weights change."""
     if choice == "plain" and not private:
         return module
     fp = (choice, tuple((id(t), t.data_ptr(), t._version) for t in itertools.chain(module.parameters(),

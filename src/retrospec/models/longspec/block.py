@@ -124,7 +124,8 @@ def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float, stacked: boo
 class KeyBuffer:
     """Self-attention keys and values [b, kv_heads, C, d] of earlier tokens in their first ``filled`` positions,
     with room after them: ``run`` writes the new tokens' keys and values at [filled, filled + L) and attends over
-    [0, filled + L) in place, so no key is copied (``DraftState``: the ring, then the tentative tokens)."""
+    [0, filled + L) in place, so no key is copied (``DraftState``: the ring, then the tentative tokens). The caller
+    leaves room for L more and passes ``past_allowed`` for the ``filled`` ones."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, filled: int):
         self.k, self.v, self.filled = k, v, filled

@@ -16,7 +16,8 @@ and itself, and the target's K/V (``cross_visible``, shift 1); ``rollback()`` fo
 
 Invariant (tested): logits from ``speculate`` equal ``LongSpecDraft.forward`` over the committed tokens followed by
 the tentative token's ancestor path, with a sliding window mask, as long as the sequence is longer than the window.
-``nbytes()`` is the same at any context length (for a given number of tentative tokens).
+``nbytes()`` does not grow with the context: the key buffers hold window + ``ROOM`` slots, doubled when a tree needs
+more (never shrunk); the tentative outputs and the ancestry matrix follow the tentative count.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from .block import KeyBuffer, LongSpecDraft, cross_visible, self_visible
 
 
-ROOM = 64  # tentative tokens the buffers hold after the ring at first (a default tree has 36)
+ROOM = 64  # tentative tokens the buffers hold after the ring at first (the default tree leaves 53)
 
 
 class DraftState:
@@ -38,11 +39,12 @@ class DraftState:
         ref = next(draft.parameters())
         self.window = draft.window
         shape = (1, draft.num_kv_heads, draft.window + ROOM, draft.head_dim)
-        self.keys = ref.new_zeros(shape)  # [1, kv_heads, window + room, head_dim]: the ring, then tentative tokens
-        self.values = ref.new_zeros(shape)
-        self.k = self.keys[:, :, :self.window]  # [1, kv_heads, window, head_dim]: the ring (views)
-        self.v = self.values[:, :, :self.window]
-        self.slot_pos = torch.full((draft.window,), -1, dtype=torch.long, device=ref.device)  # [window]
+        with torch.inference_mode(False):  # plain tensors: written in place in or out of inference mode
+            self.keys = ref.new_zeros(shape)  # [1, kv_heads, window + room, head_dim]: the ring, then tentative tokens
+            self.values = ref.new_zeros(shape)
+            self.k = self.keys[:, :, :self.window]  # [1, kv_heads, window, head_dim]: the ring (views)
+            self.v = self.values[:, :, :self.window]
+            self.slot_pos = torch.full((draft.window,), -1, dtype=torch.long, device=ref.device)  # [window]
         self.length = 0  # committed tokens so far = position of the next one
         self._no_out = ref.new_zeros(0, draft.config.hidden_size)  # [0, H]
         self.rollback()
@@ -135,11 +137,12 @@ class DraftState:
             return
         used = self.window + self.t_k.shape[2]
         shape = (*self.keys.shape[:2], self.window + max(tentative, 2 * have), self.keys.shape[3])
-        keys, values = self.keys.new_zeros(shape), self.values.new_zeros(shape)
-        keys[:, :, :used], values[:, :, :used] = self.keys[:, :, :used], self.values[:, :, :used]
-        self.keys, self.values = keys, values
-        self.k, self.v = keys[:, :, :self.window], values[:, :, :self.window]
-        self.t_k, self.t_v = keys[:, :, self.window:used], values[:, :, self.window:used]
+        with torch.inference_mode(False), torch.no_grad():
+            keys, values = self.keys.new_zeros(shape), self.values.new_zeros(shape)
+            keys[:, :, :used], values[:, :, :used] = self.keys[:, :, :used], self.values[:, :, :used]
+            self.keys, self.values = keys, values
+            self.k, self.v = keys[:, :, :self.window], values[:, :, :self.window]
+            self.t_k, self.t_v = keys[:, :, self.window:used], values[:, :, self.window:used]
 
     def _features(self, parents: Sequence[int], s: int, root_feature: torch.Tensor | None) -> torch.Tensor:
         """[1, N, H]: ``root_feature`` (zeros when None: nothing added) below the prefix, a parent's output below it."""
