@@ -94,8 +94,6 @@ def measure_choice(weights: list[torch.Tensor], allowed: tuple[str, ...] = CHOIC
                 fns = [lambda x, w=w: kernel_matmul(x, w) for w in weights]
             elif choice in QUANTIZED:
                 fns = [_quantized(w, choice) for w in weights]
-                for f in fns:
-                    f(weights[0].new_zeros(1, f.in_features))  # w8a8 packs for fbgemm on its first call
             else:
                 packed = [pack_weight(w, torch.bfloat16 if choice == "packed-bf16" else None) for w in weights]
                 if any(p is None for p in packed):
@@ -161,10 +159,7 @@ def pack_linears(module: torch.nn.Module, choice: str, max_rows: int = MAX_ROWS)
             if type(child) is not torch.nn.Linear:
                 continue
             if choice in QUANTIZED:
-                lin = _quantized(child.weight, choice, child.bias)
-                with torch.inference_mode():
-                    lin(child.weight.new_zeros(1, child.in_features))  # w8a8 packs for fbgemm now, not mid-draft
-                setattr(parent, name, lin)
+                setattr(parent, name, _quantized(child.weight, choice, child.bias))
                 continue
             if choice == "kernel":
                 if kernel_available(child.weight):
@@ -184,11 +179,14 @@ def _quantizable(weights: list[torch.Tensor], fmt: str) -> bool:
 
 def _quantized(weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> weight_only.WeightOnlyLinear:
     """``weight`` [out, in] (and ``bias`` [out], shared) as a linear in ``fmt`` (``w8a8`` or ``w4a8``; its own
-    quantized copy of the weight)."""
+    quantized copy of the weight), called once: ``w8a8`` packs for fbgemm on its first call (~50 ms for a large head),
+    which must not fall in a drafting step."""
     w = weight.detach().float()
     q, scales = weight_only.quantize_int8(w) if fmt == "w8a8" else weight_only.pack_w4a8(*weight_only.int4_groups(w))
-    return weight_only.WeightOnlyLinear(fmt, w.shape[1], w.shape[0], q, scales,
-                                        None if bias is None else bias.detach())
+    lin = weight_only.WeightOnlyLinear(fmt, w.shape[1], w.shape[0], q, scales, None if bias is None else bias.detach())
+    with torch.inference_mode():
+        lin(w.new_zeros(1, w.shape[1]))
+    return lin
 
 
 def row_product(weight: torch.Tensor, choice: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -197,8 +195,6 @@ def row_product(weight: torch.Tensor, choice: str) -> Callable[[torch.Tensor], t
         return lambda x: kernel_matmul(x, weight)
     if choice in QUANTIZED:
         lin = _quantized(weight, choice)
-        with torch.inference_mode():
-            lin(weight.new_zeros(1, weight.shape[1]))  # w8a8 packs for fbgemm now (~50 ms), not in a drafting step
         return lambda x: lin(x) if x.numel() <= MAX_ROWS * x.shape[-1] else F.linear(x, weight)
     packed = None if choice in ("plain", "kernel") else pack_weight(weight, _pack_dtype(choice))
     if packed is None:

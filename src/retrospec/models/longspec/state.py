@@ -42,8 +42,6 @@ class DraftState:
         with torch.inference_mode(False):  # plain tensors: written in place in or out of inference mode
             self.keys = ref.new_zeros(shape)  # [1, kv_heads, window + room, head_dim]: the ring, then tentative tokens
             self.values = ref.new_zeros(shape)
-            self.k = self.keys[:, :, :self.window]  # [1, kv_heads, window, head_dim]: the ring (views)
-            self.v = self.values[:, :, :self.window]
             self.slot_pos = torch.full((draft.window,), -1, dtype=torch.long, device=ref.device)  # [window]
         self.length = 0  # committed tokens so far = position of the next one
         self._no_out = ref.new_zeros(0, draft.config.hidden_size)  # [0, H]
@@ -51,7 +49,23 @@ class DraftState:
 
     @property
     def device(self) -> torch.device:
-        return self.k.device
+        return self.keys.device
+
+    @property
+    def k(self) -> torch.Tensor:  # [1, kv_heads, window, head_dim]: the ring's keys (a view)
+        return self.keys[:, :, :self.window]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.values[:, :, :self.window]
+
+    @property
+    def t_k(self) -> torch.Tensor:  # [1, kv_heads, S, head_dim]: the tentative tokens' keys (a view after the ring)
+        return self.keys[:, :, self.window:self.window + len(self.t_pos)]
+
+    @property
+    def t_v(self) -> torch.Tensor:
+        return self.values[:, :, self.window:self.window + len(self.t_pos)]
 
     @property
     def tentative(self) -> int:
@@ -59,8 +73,6 @@ class DraftState:
 
     def rollback(self) -> None:
         """Forget every tentative token."""
-        self.t_k = self.keys[:, :, self.window:self.window]  # [1, kv_heads, S, head_dim] (views after the ring)
-        self.t_v = self.values[:, :, self.window:self.window]
         self.t_pos: list[int] = []  # [S] positions
         self.t_out = self._no_out  # [S, H] block outputs (a block with features: what is drafted below them reads)
         self.t_anc = np.zeros((0, 0), dtype=bool)  # [S, S] t_anc[i, j]: j is i or an ancestor of i (host memory)
@@ -123,8 +135,7 @@ class DraftState:
             cross = cross_visible(new_pos, target_kv[0].shape[2], shift)
         logits, k, v, out = self.draft.run(ids.to(self.device)[None], new_pos, tree[..., s:], past,
                                            (ring, tree[..., :s]) if s else ring, target_kv, cross, feature)
-        end = self.window + s + n  # ``run`` wrote k, v there
-        self.t_k, self.t_v = self.keys[:, :, self.window:end], self.values[:, :, self.window:end]
+        # ``run`` wrote k, v after the earlier tentative tokens: ``t_k`` / ``t_v`` cover them with ``t_pos``
         if self.draft.features:  # the features of tokens drafted below these
             self.t_out = torch.cat([self.t_out, out[0]])
         self.t_pos, self.t_anc = all_pos, anc
@@ -135,14 +146,12 @@ class DraftState:
         have = self.keys.shape[2] - self.window
         if tentative <= have:
             return
-        used = self.window + self.t_k.shape[2]
+        used = self.window + len(self.t_pos)
         shape = (*self.keys.shape[:2], self.window + max(tentative, 2 * have), self.keys.shape[3])
         with torch.inference_mode(False), torch.no_grad():
             keys, values = self.keys.new_zeros(shape), self.values.new_zeros(shape)
             keys[:, :, :used], values[:, :, :used] = self.keys[:, :, :used], self.values[:, :, :used]
-            self.keys, self.values = keys, values
-            self.k, self.v = keys[:, :, :self.window], values[:, :, :self.window]
-            self.t_k, self.t_v = keys[:, :, self.window:used], values[:, :, self.window:used]
+        self.keys, self.values = keys, values
 
     def _features(self, parents: Sequence[int], s: int, root_feature: torch.Tensor | None) -> torch.Tensor:
         """[1, N, H]: ``root_feature`` (zeros when None: nothing added) below the prefix, a parent's output below it."""
