@@ -187,13 +187,15 @@ def block_step_ms(block, target_model, context: int, reps: int, after=None) -> f
     committed tokens, cross-attending to the target's last-layer K/V of ``context`` tokens; ``after``: see
     ``_token_ms``."""
     from ..drafters.longspec import fast_block
-    from ..models.longspec import DraftState
+    from ..models.longspec import DraftState, KeyBuffer
 
     cfg = target_model.config
     heads = cfg.num_key_value_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     ref = next(target_model.parameters())
-    kv = tuple(torch.randn(1, heads, context, dim, dtype=ref.dtype, device=ref.device) for _ in range(2))
+    # the target's cache as drafting reads it: its buffers (room to spare) holding ``context`` positions
+    kv = KeyBuffer(*(torch.randn(1, heads, context + 64, dim, dtype=ref.dtype, device=ref.device) for _ in "kv"),
+                   context)
     state = DraftState(fast_block(block))
     state.append(torch.randint(0, cfg.vocab_size, (context,)))
 
@@ -281,6 +283,12 @@ def run_profile(target, draft=None, contexts=DEFAULT_CONTEXTS, tokens=DEFAULT_TO
         out["draft"] = {"model": str(getattr(draft, "path", "")), "ms_per_token": draft_ms,
                         "share_of_target_step": draft_ms / steps[min(steps)],
                         "ms_first_after_step": first_ms, "share_first_after_step": first_ms / steps[min(steps)]}
+        if block is not None:  # whether its drafting calls ran as one compiled program (``fastpath.compiled_block``)
+            from ..drafters.longspec import fast_block
+            from ..fastpath import compiled_block
+
+            out["draft"]["compiled"] = getattr(fast_block(block), "program_info", None) or {
+                "compiled": False, "why": compiled_block.unwanted(block)}
     gam = {"pld (draft cost ~0)": {str(a): best_gamma(steps, 0.0, a, 16) for a in ALPHAS}}
     if draft_ms is not None:
         gam["sd"] = {str(a): best_gamma(steps, draft_ms, a, 16, first_ms) for a in ALPHAS}
@@ -378,6 +386,10 @@ def render_table(profile: dict) -> str:
                      f"{100 * d['share_of_target_step']:.1f} % of a one-token target step; the first of a step, right "
                      f"after the target's forward: {d['ms_first_after_step']:.2f} ms = "
                      f"{100 * d['share_first_after_step']:.1f} %.")
+        if "compiled" in d:
+            c = d["compiled"]
+            lines.append("The block's drafting call ran as one compiled program." if c.get("compiled") else
+                         f"The block's drafting call ran its modules ({c.get('why')}).")
     for m, row in profile["gamma"].items():
         picks = ", ".join(f"alpha {a}: gamma {v['gamma']} (~{v['expected_speedup']:.2f}x)" for a, v in row.items())
         lines.append(f"Best chain for {m}: {picks}.")

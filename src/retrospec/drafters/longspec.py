@@ -37,6 +37,7 @@ against it every drafting step.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -44,8 +45,9 @@ from pathlib import Path
 import torch
 
 from ..errors import RetrospecError
+from ..fastpath import compiled_block
 from ..fastpath.draft import draft_choice, fast_copy, row_product
-from ..models.longspec import DraftState, LongSpecDraft, load_longspec
+from ..models.longspec import DraftState, KeyBuffer, LongSpecDraft, load_longspec
 from ..types import DraftTree
 from .base import DecodeContext, as_module, chain_room
 from .prompt_lookup import PromptLookupDrafter
@@ -73,18 +75,26 @@ def parse_tree(spec) -> tuple[int, ...]:
 
 def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
     """The block as drafting runs it: a private copy sharing the weights, its linears and, measured apart, its head
-    rows each in the matmul path measured fastest for them (``fastpath.draft``; either may run in int8 or 4 bits).
-    The block itself is left as it is."""
+    rows each in the matmul path measured fastest for them (``fastpath.draft``; either may run in int8 or 4 bits),
+    its drafting calls one compiled program where that is wanted and pays (``fastpath.compiled_block``). The block
+    itself is left as it is."""
     rows = block.head_rows if block.head_rows is not None else block.lm_head.weight  # [K, H]
     weights = [m.weight for m in block.modules() if type(m) is torch.nn.Linear]
     choice = draft_choice(weights, remeasure=remeasure, quantized=True)  # no linears: plain
     head = draft_choice([rows], remeasure=remeasure, quantized=True)
-    if choice == head == "plain":
+    program = compiled_block.wanted(block)
+    if choice == head == "plain" and not program:
         return block
     fast = fast_copy(block, choice, shared=(block.embed_tokens, block.lm_head), private=True)
     if getattr(fast, "head_choice", None) != head:  # a copy reused from the cache keeps its head when it is the same
         fast.head_fn, fast.head_choice = row_product(rows, head), head
+    if program and getattr(fast, "program_info", None) is None:  # tried once per copy (the copy is cached)
+        fast.program, fast.program_info = compiled_block.build(fast, progress=_say)
     return fast
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 class LongSpecDrafter:
@@ -111,14 +121,17 @@ class LongSpecDrafter:
         self.state = DraftState(self.fast)
         self.state.append(ctx.tokens[:-1])
 
-    def _sync(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Commit the tokens the ring lacks (all but the root); return the target's last-layer (k, v)."""
+    def _sync(self, ctx: DecodeContext) -> KeyBuffer | tuple[torch.Tensor, torch.Tensor] | None:
+        """Commit the tokens the ring lacks (all but the root); return the target's last-layer keys and values (its
+        buffers, or (k, v) views where the cache does not keep its layers in buffers)."""
         state = self.state
         state.rollback()
         state.append(ctx.tokens[state.length: len(ctx.tokens) - 1])
         kv = ctx.target.kv
-        last = kv.last_layer() if kv is not None else None
-        cached = int(last[0].shape[2]) if last is not None else 0
+        last = kv.last_buffers() if kv is not None else None  # read in place where the cache has them
+        if last is None and kv is not None:
+            last = kv.last_layer()
+        cached = 0 if last is None else last.filled if isinstance(last, KeyBuffer) else int(last[0].shape[2])
         if cached != state.length:
             raise RetrospecError(f"longspec needs the target's full last-layer KV cache of the committed tokens; it "
                                  f"holds {cached} positions for {state.length} committed tokens")

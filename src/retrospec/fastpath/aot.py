@@ -35,7 +35,8 @@ def rows_dim() -> "torch.export.Dim":
     return torch.export.Dim("rows", min=1, max=MAX_ROWS)
 
 
-def runner(program: torch.nn.Module, example: list[torch.Tensor], name: str, dims: tuple, progress=None):
+def runner(program: torch.nn.Module, example: list[torch.Tensor], name: str, dims: tuple, progress=None,
+           what: str = "a decoder layer"):
     """The loaded runner of ``program`` for inputs like ``example`` with ``torch.export`` dynamic ``dims`` (compiled
     and cached under ``name`` = ``key(...)`` on first use): ``run(list) -> list``."""
     folder = cache_home() / "compiled"
@@ -44,7 +45,7 @@ def runner(program: torch.nn.Module, example: list[torch.Tensor], name: str, dim
         return _LOADED[str(path)]
     if not path.exists():
         if progress:
-            progress(f"compiling a decoder layer ahead of time ({type(program).__name__.strip('_').lower()}, "
+            progress(f"compiling {what} ahead of time ({type(program).__name__.strip('_').lower()}, "
                      "once per machine and model shape; about half a minute)")
         folder.mkdir(parents=True, exist_ok=True)
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():

@@ -387,17 +387,7 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
     why = _checked(lean, compiled, row_exact)
     if why is not None:
         return None, {"compiled": False, "why": why}
-    verdict_path = cache_home() / "compiled" / f"{aot.key('verdict', _verdict_sig(lean, layers[0]))}.json"
-    verdict = None
-    if verdict_path.exists():
-        try:
-            verdict = json.loads(verdict_path.read_text())
-        except (OSError, ValueError):
-            verdict = None
-    if verdict is None or "eager_ms" not in verdict:
-        eager_ms, compiled_ms = _timed(lean, compiled)
-        verdict = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3)}
-        write_text_atomic(verdict_path, json.dumps(verdict))
+    verdict = timed_verdict(aot.key("verdict", _verdict_sig(lean, layers[0])), lambda: _timed(lean, compiled))
     info = {"compiled": verdict["compiled_ms"] < verdict["eager_ms"], **verdict,
             "seconds": round(time.perf_counter() - t0, 2)}
     if not info["compiled"]:
@@ -405,6 +395,22 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
         return None, info
     compiled.describe = info
     return compiled, info
+
+
+def timed_verdict(name: str, timer) -> dict:
+    """{"eager_ms", "compiled_ms"}: read from ``cache_home()/compiled/<name>.json``, else ``timer()`` -> (eager ms,
+    compiled ms), measured once here and saved there."""
+    path = cache_home() / "compiled" / f"{name}.json"
+    try:
+        verdict = json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError):
+        verdict = None
+    if not isinstance(verdict, dict) or "eager_ms" not in verdict:
+        eager_ms, compiled_ms = timer()
+        verdict = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(verdict))
+    return verdict
 
 
 def _verdict_sig(lean, first: torch.nn.Module) -> tuple:

@@ -1,5 +1,5 @@
 """KV-cache adapters: the only package that touches ``transformers`` cache internals."""
 
-from .cache import KVCache
+from .cache import KeyBuffer, KVCache
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "KeyBuffer"]

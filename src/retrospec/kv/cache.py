@@ -146,6 +146,17 @@ class WindowLayer(DynamicSlidingWindowLayer):
         return keys[:, :, -visible:], values[:, :, -visible:]
 
 
+class KeyBuffer:
+    """Keys and values [b, kv_heads, C, d] in their first ``filled`` positions, with room after them, read (and
+    written after ``filled``) in place: a LongSpec block's own keys (``run`` writes the new tokens' keys and values
+    at [filled, filled + L) and attends over [0, filled + L); the caller leaves room for L more and passes
+    ``past_allowed`` for the ``filled`` ones), or the target's last-layer cache buffers (``KVCache.last_buffers``),
+    only read."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, filled: int):
+        self.k, self.v, self.filled = k, v, filled
+
+
 class KVCache:
     """The engine's handle on one model's KV cache (``.cache`` is what goes into ``past_key_values``)."""
 
@@ -185,6 +196,15 @@ class KVCache:
         """The last layer's (keys, values) [batch, kv_heads, seq, head_dim], or None before the first forward."""
         layers = [layer for layer in self.cache.layers if layer.is_initialized]
         return (layers[-1].keys, layers[-1].values) if layers else None
+
+    def last_buffers(self) -> KeyBuffer | None:
+        """The last layer's whole buffers [batch, kv_heads, capacity, head_dim] holding its ``filled`` positions, for
+        code that reads them in place; None before the first forward or where the last layer is not a
+        ``BufferLayer``. Read-only."""
+        layers = [layer for layer in self.cache.layers if layer.is_initialized]
+        if not layers or type(layers[-1]) is not BufferLayer:
+            return None
+        return KeyBuffer(layers[-1]._k, layers[-1]._v, layers[-1].length)
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, each [batch, kv_heads, seq, head_dim]; read-only views for drafters/tests."""

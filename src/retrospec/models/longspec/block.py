@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import RetrospecError
+from ...kv import KeyBuffer
 from ..loading import as_module
 
 DEFAULT_WINDOW = 512
@@ -119,16 +120,6 @@ def grouped_attention(q: torch.Tensor, k, v, allowed, scale: float, stacked: boo
     if seen is not None:
         out = out.masked_fill(~seen.repeat(1, rep, 1)[:, None], 0.0)
     return out.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
-
-
-class KeyBuffer:
-    """Self-attention keys and values [b, kv_heads, C, d] of earlier tokens in their first ``filled`` positions,
-    with room after them: ``run`` writes the new tokens' keys and values at [filled, filled + L) and attends over
-    [0, filled + L) in place, so no key is copied (``DraftState``: the ring, then the tentative tokens). The caller
-    leaves room for L more and passes ``past_allowed`` for the ``filled`` ones."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, filled: int):
-        self.k, self.v, self.filled = k, v, filled
 
 
 def _joined(x, dim: int) -> torch.Tensor | None:
@@ -202,6 +193,9 @@ class LongSpecDraft(nn.Module):
         # the same logits computed another way (a prepacked product: ``fastpath.draft``, on a drafter's private
         # copy of the block), or None: ``head`` multiplies by the rows itself
         self.head_fn = None
+        # ``run``'s drafting calls computed another way (one compiled program: ``fastpath.compiled_block``, on a
+        # drafter's private copy), called as program(block, ids, positions, own_allowed, past, past_allowed, target)
+        self.program = None
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -312,7 +306,7 @@ class LongSpecDraft(nn.Module):
     # ------------------------------------------------------------------------------------------------------------
     # computation
 
-    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The family's rotary cos, sin [b, L, d] (``x``'s dtype) at ``positions`` [b, L]: rows of a table of
         positions 0..P-1 the rotary embedding computed once (grown by doubling), or the rotary embedding itself where
         its frequencies depend on the sequence (``dynamic``, ``longrope``) or a position is past ``ROPE_TABLE_MAX``."""
@@ -337,13 +331,14 @@ class LongSpecDraft(nn.Module):
         """Self-attention keys (post-RoPE) and values of tokens ``ids`` [b, L] at ``positions`` [b, L]; each
         [b, kv_heads, L, head_dim]. They depend on nothing else (one layer), so committing needs no attention."""
         h = self.norm1(self.embed_tokens(ids))  # [b, L, H]
-        cos, sin = self._cos_sin(h, positions)  # [b, L, d]
+        cos, sin = self.rope(h, positions)  # [b, L, d]
         k = self._heads(self.self_attn.k_proj, h, self.num_kv_heads)
         return self._apply_rope(k, k, cos, sin)[1], self._heads(self.self_attn.v_proj, h, self.num_kv_heads)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, own_allowed: torch.Tensor,
             past: tuple[torch.Tensor, torch.Tensor] | KeyBuffer | None = None, past_allowed: torch.Tensor | None = None,
-            target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, cross_allowed: torch.Tensor | None = None,
+            target_kv: tuple[torch.Tensor, torch.Tensor] | KeyBuffer | None = None,
+            cross_allowed: torch.Tensor | None = None,
             feature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block over new tokens ``ids`` [b, L] at ``positions`` [b, L].
 
@@ -351,14 +346,21 @@ class LongSpecDraft(nn.Module):
         tokens), visible per ``past_allowed`` [b, L, P], then the new tokens' own, visible per ``own_allowed``
         [b, L, L]; k, v and ``past_allowed`` may each be a tuple of pieces along P (``grouped_attention``), or
         ``past`` a ``KeyBuffer`` (P = its ``filled``) that receives the new tokens' keys and values.
-        Cross-attention: ``target_kv`` (k, v) [b, kv_heads, T, d], visible per ``cross_allowed`` [b, L, T] (None:
-        every entry visible to every new token). ``feature`` [b, L, H]: each new token's feature g (a block with
-        ``features``; None: none given, nothing added). Returns (logits [b, L, K] (K: ``draft_vocab_size``), the
-        new tokens' self-attention k and v [b, kv_heads, L, d], their outputs [b, L, H]: the feature of a token drafted
-        below each)."""
+        Cross-attention: ``target_kv`` (k, v) [b, kv_heads, T, d], or a ``KeyBuffer`` holding T = ``filled``
+        positions (read in place), visible per ``cross_allowed`` [b, L, T] (None: every entry visible to every new
+        token). ``feature`` [b, L, H]: each new token's feature g (a block with ``features``; None: none given,
+        nothing added). Returns (logits [b, L, K] (K: ``draft_vocab_size``), the new tokens' self-attention k and v
+        [b, kv_heads, L, d], their outputs [b, L, H]: the feature of a token drafted below each). A drafting call
+        (one sequence, both key sets ``KeyBuffer``s, every cached position visible, no feature) runs ``program``
+        where one is set."""
         b, n = ids.shape
+        if isinstance(target_kv, KeyBuffer):
+            if (self.program is not None and b == 1 and isinstance(past, KeyBuffer) and target_kv.filled > 0
+                    and cross_allowed is None and feature is None):
+                return self.program(self, ids, positions, own_allowed, past, past_allowed, target_kv)
+            target_kv = (target_kv.k[:, :, :target_kv.filled], target_kv.v[:, :, :target_kv.filled])
         x = self.embed_tokens(ids)  # [b, L, H]
-        cos, sin = self._cos_sin(x, positions)  # [b, L, d]
+        cos, sin = self.rope(x, positions)  # [b, L, d]
         h = self.norm1(x)
         q = self._heads(self.self_attn.q_proj, h, self.num_heads)  # [b, heads, L, d]
         k = self._heads(self.self_attn.k_proj, h, self.num_kv_heads)  # [b, kv_heads, L, d]

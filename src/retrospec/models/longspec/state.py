@@ -98,11 +98,12 @@ class DraftState:
 
     @torch.no_grad()
     def speculate(self, ids: Sequence[int] | torch.Tensor, parents: Sequence[int],
-                  target_kv: tuple[torch.Tensor, torch.Tensor] | None, shift: int = 1,
+                  target_kv: tuple[torch.Tensor, torch.Tensor] | KeyBuffer | None, shift: int = 1,
                   root_feature: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, V] of tentative tokens ``ids`` [N]; ``parents[i]``: -1 (the token follows the committed
         prefix) or the index of an earlier tentative token (earlier calls first, then this call's, < S + i).
-        ``target_kv``: the target's last-layer (keys, values) [1, kv_heads, T, d] (None: no target context).
+        ``target_kv``: the target's last-layer (keys, values) [1, kv_heads, T, d], or its buffers as a ``KeyBuffer``
+        holding T (read in place; None: no target context).
         A block with ``features`` reads, per token, ``root_feature`` [H] (``target_feature`` of the committed
         prefix's last position; None: no feature) below the prefix, else its parent's output, so a parent must
         come from an earlier call."""
@@ -131,8 +132,10 @@ class DraftState:
         self._room(s + n)
         past = KeyBuffer(self.keys, self.values, self.window + s)
         cross = None  # [1, N, T]; None when every new token sees the whole cache (at inference, shift 1: always)
-        if target_kv is not None and target_kv[0].shape[2] > min(all_pos[s:]) - shift + 1:
-            cross = cross_visible(new_pos, target_kv[0].shape[2], shift)
+        cached = 0 if target_kv is None else target_kv.filled if isinstance(target_kv, KeyBuffer) else \
+            target_kv[0].shape[2]
+        if cached > min(all_pos[s:]) - shift + 1:
+            cross = cross_visible(new_pos, cached, shift)
         logits, k, v, out = self.draft.run(ids.to(self.device)[None], new_pos, tree[..., s:], past,
                                            (ring, tree[..., :s]) if s else ring, target_kv, cross, feature)
         # ``run`` wrote k, v after the earlier tentative tokens: ``t_k`` / ``t_v`` cover them with ``t_pos``
