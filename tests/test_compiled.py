@@ -126,6 +126,45 @@ def test_greedy_methods_through_compiled_layers_match_the_oracle(models, fmt, ho
         out = [t for chunk in speculative_generate(model, drafter, PROMPT, sampling=greedy, max_new_tokens=32)
                for t in chunk]
         assert out == oracle, drafter
+    assert engine_for(draft, how, draft=True).describe()["loop"] == "compiled"  # sd drafted through programs too
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_a_draft_takes_the_kernel_and_programs_where_they_beat_prepacked_linears(pays, monkeypatch, tmp_path):
+    """A draft's linears measured fastest prepacked (which the programs do not express) go through the f32 kernel,
+    its layers compiled, where one-token steps measured that way are faster (the timing is a double here; the
+    timer itself runs once below), and stay prepacked where not; sd stays token-identical to the oracle."""
+    if not kernel_available():
+        pytest.skip("the f32 kernel is not built here")
+    from retrospec.fastpath import engine as engine_mod
+
+    monkeypatch.setenv("RETROSPEC_COMPILE", "on")
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "auto")
+    monkeypatch.setattr(engine_mod, "draft_choice", lambda weights, remeasure=False, quantized=False: "packed")
+    monkeypatch.setattr(engine_mod, "_draft_paths_ms", lambda model, choice: (2.0, 1.0) if pays else (1.0, 2.0))
+    monkeypatch.setattr(compiled, "cache_home", lambda: tmp_path)  # the double's verdict is not kept
+    draft = tiny_llama(seed=6 if pays else 7, layers=1, hidden=64)
+    described = EngineModel(draft, "auto", draft=True).describe()
+    assert described["loop"] == ("compiled" if pays else "lean")
+    assert described["plan"].startswith("draft:kernel" if pays else "draft:packed")
+    model = _model("float32")
+    greedy = SamplingConfig(temperature=0.0)
+    monkeypatch.setenv("RETROSPEC_FASTPATH", "plain")  # the target as in the other tests
+    oracle = autoregressive_generate(model, PROMPT, sampling=greedy, max_new_tokens=24)
+    out = speculative_generate(model, REGISTRY["sd"](draft_model=draft, gamma=3, adaptive=False), PROMPT,
+                               sampling=greedy, max_new_tokens=24)
+    assert [t for chunk in out for t in chunk] == oracle
+
+
+def test_the_draft_path_timer_runs_both_engines(monkeypatch):
+    if not kernel_available():
+        pytest.skip("the f32 kernel is not built here")
+    from retrospec.fastpath import engine as engine_mod
+
+    monkeypatch.setenv("RETROSPEC_COMPILE", "on")
+    eager_ms, compiled_ms = engine_mod._draft_paths_ms(tiny_llama(seed=6, layers=1, hidden=64), "packed", reps=2)
+    assert 0 < eager_ms < float("inf") and 0 < compiled_ms < float("inf")  # both built: the programs were kept
+
 
 
 @pytest.mark.parametrize("fmt", ["w8a8", "w4a8"])

@@ -42,31 +42,38 @@ def compiling(monkeypatch):
     monkeypatch.setenv("RETROSPEC_FASTPATH", "plain")  # the block's own linears: the program's "linear" kind
 
 
-def _states(block, program, target_len: int = 21):
-    """Two states over the same 13 committed tokens (the ring of 8 has wrapped), one drafting through ``program``,
-    and the target's cache as its buffers (room to spare)."""
-    kv = KeyBuffer(*(torch.randn(1, block.num_kv_heads, target_len + 5, block.head_dim) for _ in "kv"), target_len)
+def _states(block):
+    """Two states over the same 13 committed tokens (the ring of 8 has wrapped) and the target's cache of those 13
+    as its buffers (room to spare), as drafting sees it: every cached position visible to every drafted token."""
+    committed = PROMPT + [1]
+    kv = KeyBuffer(*(torch.randn(1, block.num_kv_heads, len(committed) + 5, block.head_dim) for _ in "kv"),
+                   len(committed))
     plain, fast = DraftState(block), DraftState(block)
     for s in (plain, fast):
-        s.append(PROMPT + [1])
+        s.append(committed)
     return plain, fast, kv
 
 
-def test_the_program_computes_what_the_block_computes(world, compiling):
+def test_the_program_computes_what_the_block_computes(world, compiling, monkeypatch):
     _, block = world
     program, why = compiled_block.program_for(block)
     assert program is not None, why
-    plain, fast, kv = _states(block, program)
-    with torch.inference_mode():
-        for ids, parents in (([4], [-1]), ([7, 2, 9], [0, 0, 1]), ([3, 3], [1, 3])):  # first token, a level, deeper
-            block.program = None
-            want = plain.speculate(ids, parents, kv)
-            block.program = program
-            got = fast.speculate(ids, parents, kv)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(fast.keys, plain.keys, rtol=1e-5, atol=1e-5)  # ring and tentative keys
-            torch.testing.assert_close(fast.values, plain.values, rtol=1e-5, atol=1e-5)
-    block.program = None
+    calls = []
+    monkeypatch.setattr(program, "run", lambda args, run=program.run: calls.append(1) or run(args))
+    plain, fast, kv = _states(block)
+    try:
+        with torch.inference_mode():
+            for ids, parents in (([4], [-1]), ([7, 2, 9], [0, 0, 1]), ([3, 3], [1, 3])):  # first, a level, deeper
+                block.program = None
+                want = plain.speculate(ids, parents, kv)
+                block.program = program
+                got = fast.speculate(ids, parents, kv)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(fast.keys, plain.keys, rtol=1e-5, atol=1e-5)  # ring and tentative keys
+                torch.testing.assert_close(fast.values, plain.values, rtol=1e-5, atol=1e-5)
+    finally:
+        block.program = None
+    assert len(calls) == 3  # every call above went through the program
 
 
 def test_drafting_through_the_program_is_lossless(world, compiling, monkeypatch, tmp_path):

@@ -88,9 +88,17 @@ def fast_block(block: LongSpecDraft, remeasure: bool = False) -> LongSpecDraft:
     fast = fast_copy(block, choice, shared=(block.embed_tokens, block.lm_head), private=True)
     if getattr(fast, "head_choice", None) != head:  # a copy reused from the cache keeps its head when it is the same
         fast.head_fn, fast.head_choice = row_product(rows, head), head
-    if program and getattr(fast, "program_info", None) is None:  # tried once per copy (the copy is cached)
-        fast.program, fast.program_info = compiled_block.build(fast, progress=_say)
+    if program:
+        with _BUILD_LOCK:  # built once per copy (the copy is cached), by one thread
+            if getattr(fast, "program_info", None) is None:
+                fast.program_built, fast.program_info = compiled_block.build(fast, progress=_say)
+        fast.program = fast.program_built
+    else:  # no longer wanted (RETROSPEC_COMPILE changed in this process): the copy drafts through its modules
+        fast.program = None
     return fast
+
+
+_BUILD_LOCK = threading.Lock()
 
 
 def _say(message: str) -> None:

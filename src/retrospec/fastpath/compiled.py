@@ -24,8 +24,10 @@ format.
 
 When it is used (``RETROSPEC_COMPILE``: ``auto``, the default; ``on``; ``off``): ``auto`` compiles for float32
 activations and models of at least ``AUTO_MIN_LAYERS`` layers and hidden size ``AUTO_MIN_HIDDEN`` (a compile takes
-about half a minute once per machine, model shape and format; smaller models do not repay it), ``on`` for any model
-the lean loop runs. Programs are cached under ``cache_home()/compiled/``, keyed by machine, torch version, threads
+about half a minute once per machine, model shape and format; smaller models do not repay it), and draft models of
+that hidden size at any depth (called once per drafted token: their per-operation cost weighs more; the engine
+measures whether this beats prepacked linears for them, ``engine._programs_pay``), ``on`` for any model the lean
+loop runs. Programs are cached under ``cache_home()/compiled/``, keyed by machine, torch version, threads
 and the program's signature; loading a cached one takes milliseconds. The engine keeps them only where they pass,
 on probes of the model's own first layer: (1) they equal the lean loop within ``TOLERANCE`` (relative; the
 weight-only formats, whose activations are rounded, within ``ROUNDED_TOLERANCE``), (2) a T-row call's rows are
@@ -223,9 +225,12 @@ def chain_bias(rows: int, length: int, dtype=torch.float32) -> torch.Tensor:
     return bias
 
 
-def wanted(n_layers: int, hidden: int) -> bool:
+def wanted(n_layers: int, hidden: int, draft: bool = False) -> bool:
+    """Whether ``RETROSPEC_COMPILE`` asks for a model's layers compiled; ``auto``: a draft (called once per drafted
+    token, so its per-operation cost weighs more) at any depth, a target of ``AUTO_MIN_LAYERS`` layers or more."""
     m = compile_mode()
-    return m == "on" or (m == "auto" and n_layers >= AUTO_MIN_LAYERS and hidden >= AUTO_MIN_HIDDEN)
+    deep = draft or n_layers >= AUTO_MIN_LAYERS
+    return m == "on" or (m == "auto" and deep and hidden >= AUTO_MIN_HIDDEN)
 
 
 def _format(lean) -> str | None:
@@ -358,14 +363,16 @@ def _timed(lean, compiled: CompiledLayers, length: int = 512, reps: int = 7) -> 
     return statistics.median(times["eager"]), statistics.median(times["compiled"])
 
 
-def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers | None, dict]:
-    """The compiled layers for ``lean`` (``fastpath.lean.LeanDecoder``) when wanted, compiled, correct and faster
-    here; else (None, why). Never raises: any failure falls back to the lean loop."""
+def build(lean, decoder, row_exact: bool, progress=None, draft: bool = False) -> tuple[CompiledLayers | None, dict]:
+    """The compiled layers for ``lean`` (``fastpath.lean.LeanDecoder``) when wanted (``draft``: a draft model's
+    engine, see ``wanted``), compiled, correct and faster here; else (None, why). Never raises: any failure falls
+    back to the lean loop."""
     layers = decoder.layers[: len(lean.layers)]
     first = lean.layers[0].norm_params[0][0]
-    if not wanted(len(lean.layers), first.shape[0] if first is not None else 0):
-        why = "RETROSPEC_COMPILE=off" if compile_mode() == "off" else (
-            f"smaller than {AUTO_MIN_LAYERS} layers of hidden size {AUTO_MIN_HIDDEN} (RETROSPEC_COMPILE=on compiles it)")
+    if not wanted(len(lean.layers), first.shape[0] if first is not None else 0, draft):
+        size = f"hidden size below {AUTO_MIN_HIDDEN}" if draft else \
+            f"smaller than {AUTO_MIN_LAYERS} layers of hidden size {AUTO_MIN_HIDDEN}"
+        why = "RETROSPEC_COMPILE=off" if compile_mode() == "off" else f"{size} (RETROSPEC_COMPILE=on compiles it)"
         return None, {"compiled": False, "why": why}
     if lean.embed.weight.dtype != torch.float32:
         return None, {"compiled": False, "why": "activations in a dtype other than float32"}
@@ -397,12 +404,12 @@ def build(lean, decoder, row_exact: bool, progress=None) -> tuple[CompiledLayers
     return compiled, info
 
 
-def timed_verdict(name: str, timer) -> dict:
-    """{"eager_ms", "compiled_ms"}: read from ``cache_home()/compiled/<name>.json``, else ``timer()`` -> (eager ms,
-    compiled ms), measured once here and saved there."""
+def timed_verdict(name: str, timer, redo: bool = False) -> dict:
+    """{"eager_ms", "compiled_ms"}: read from ``cache_home()/compiled/<name>.json``, else (or ``redo``) ``timer()``
+    -> (eager ms, compiled ms), measured here and saved there."""
     path = cache_home() / "compiled" / f"{name}.json"
     try:
-        verdict = json.loads(path.read_text()) if path.exists() else None
+        verdict = json.loads(path.read_text()) if path.exists() and not redo else None
     except (OSError, ValueError):
         verdict = None
     if not isinstance(verdict, dict) or "eager_ms" not in verdict:

@@ -21,10 +21,11 @@ target features, runs the block's own modules.
 
 A draft's arithmetic changes what it proposes, never the output (the rules read q as the draft made it), so the
 program need not be bitwise the eager block: it is kept where it is within ``compiled.ROUNDED_TOLERANCE`` of the
-block's own ``run`` on probes (a chain and a tree), and faster here (timed at one row after a target-sized sweep of
-memory, interleaved; the verdict cached beside the program). When: ``RETROSPEC_COMPILE`` as for the target's layers
-(``auto`` compiles blocks of hidden size at least ``compiled.AUTO_MIN_HIDDEN`` in float32). A failed compile
-leaves the block's own modules with one warning.
+block's own ``run`` on probes (one row, a chain, a tree), and faster here (timed at one row right after a sweep of
+64 MiB of other memory, as after a target step, interleaved; the verdict cached beside the program). When:
+``RETROSPEC_COMPILE`` as for the target's layers (``auto``: blocks of hidden size at least
+``compiled.AUTO_MIN_HIDDEN``; ``on``: any), for float32 blocks on the CPU without target features. A failed
+compile leaves the block's own modules with one warning.
 """
 
 from __future__ import annotations
@@ -103,7 +104,12 @@ def wanted(block) -> bool:
 
 
 def unwanted(block) -> str | None:
-    """Why ``RETROSPEC_COMPILE`` leaves ``block`` to its modules, or None when it wants the block compiled."""
+    """Why ``block`` is left to its modules before any compile (``RETROSPEC_COMPILE``, its dtype or device, target
+    features), or None when it is wanted compiled."""
+    if block.norm1.weight.dtype != torch.float32 or block.norm1.weight.device.type != "cpu":
+        return "a block in another dtype than float32 or off the CPU"
+    if block.features:
+        return "a block that reads target features"
     m = compile_mode()
     if m == "on" or (m == "auto" and block.config.hidden_size >= AUTO_MIN_HIDDEN):
         return None
@@ -146,15 +152,18 @@ def _runner(program: _Block, example: list[torch.Tensor], name: str, progress=No
     return aot.runner(program, example, name, dims, progress, what="the draft block")
 
 
-def _probe(block, rows: int, filled: int, target_len: int, gen: torch.Generator):
+def _probe(block, rows: int, filled: int, target_len: int, gen: torch.Generator, tree: bool = False):
     """Inputs of one drafting call: ids [1, T], positions, a ring of ``filled`` random keys with room for the rows,
-    a tree mask (row r sees rows 0..r), the target's cache of ``target_len`` positions (capacity to spare)."""
+    the rows' own mask (a chain: row r sees rows 0..r; ``tree``: rows 0 and 1 siblings, row 2 below row 0), the
+    target's cache of ``target_len`` positions (capacity to spare)."""
     kvh, d, vocab = block.num_kv_heads, block.head_dim, block.embed_tokens.weight.shape[0]
     ids = torch.randint(0, vocab, (1, rows), generator=gen)
     positions = torch.arange(target_len, target_len + rows)[None]
     ring = KeyBuffer(*(torch.randn(1, kvh, filled + rows + 3, d, generator=gen) for _ in "kv"), filled)
     past_allowed = torch.rand(1, rows, filled, generator=gen) < 0.7
     own = torch.ones(rows, rows, dtype=torch.bool).tril()[None]
+    if tree:
+        own[0, 1, 0] = own[0, 2, 1] = False
     target = KeyBuffer(*(torch.randn(1, kvh, target_len + 7, d, generator=gen) for _ in "kv"), target_len)
     return ids, positions, own, ring, past_allowed, target
 
@@ -167,11 +176,12 @@ def _eager(block, ids, positions, own, ring, past_allowed, target):
 
 def _checked(block, program: BlockProgram) -> str | None:
     """Why the program must not be used (None: it passes): logits, outputs and written keys within
-    ``ROUNDED_TOLERANCE`` (relative to the largest magnitude) of the block's own run, for one row and a chain."""
+    ``ROUNDED_TOLERANCE`` (relative to the largest magnitude) of the block's own run, for one row, a chain and a
+    tree."""
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for rows, filled, target_len in ((1, 40, 31), (3, 52, 17)):
-            call = _probe(block, rows, filled, target_len, gen)
+        for rows, filled, target_len, tree in ((1, 40, 31, False), (3, 52, 17, False), (3, 45, 23, True)):
+            call = _probe(block, rows, filled, target_len, gen, tree)
             ref_ring = KeyBuffer(call[3].k.clone(), call[3].v.clone(), filled)
             ours = program(block, *call)
             ref = _eager(block, *call[:3], ref_ring, *call[4:])
@@ -203,10 +213,8 @@ def _timed(block, program: BlockProgram, reps: int = 9) -> tuple[float, float]:
 def program_for(block, progress=None) -> tuple[BlockProgram | None, str | None]:
     """``block``'s compiled call, compiled (or loaded from the cache) and checked against the block's own run, and
     None; or (None, why not). Not timed (``build`` is). Never raises."""
-    if block.norm1.weight.dtype != torch.float32 or block.norm1.weight.device.type != "cpu":
-        return None, "a block in another dtype than float32 or off the CPU"
-    if block.features:
-        return None, "a block that reads target features"
+    if block.norm1.weight.dtype != torch.float32 or block.norm1.weight.device.type != "cpu" or block.features:
+        return None, "a block in another dtype than float32, off the CPU or reading target features"
     found = _signature(block)
     if found is None:
         return None, "a part the program does not express"

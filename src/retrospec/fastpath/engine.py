@@ -27,7 +27,9 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import statistics
 import sys
+import time
 import types
 import warnings
 import weakref
@@ -38,11 +40,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import hybrid_tree, prefix_block
 from ..weight_only import WeightOnlyLinear
-from . import compiled
+from . import aot, compiled
 from .draft import draft_choice, pack_linears, row_product
 from .lean import LeanDecoder
-from .linear import head_logits, kernel_streamed, pack_weight
-from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode
+from .linear import head_logits, kernel_available, kernel_streamed, pack_weight
+from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode, model_plan_key
 from .rows import linear_modules, rows_invariant
 
 CROSSOVER_LENGTHS = (256, 1024, 4096, 16384)  # cache lengths at which hybrid tree attention is timed against sdpa
@@ -113,7 +115,9 @@ class EngineModel:
     """One model as the engine runs it: ``forward`` -> (logits [T, V], last hidden states [T, H] or None)."""
 
     def __init__(self, model: torch.nn.Module, how: str = "auto", remeasure: bool = False,
-                 attention: str = "prefix_block", draft: bool = False):
+                 attention: str = "prefix_block", draft: bool = False, linears: str | None = None):
+        """``linears``: a draft's linear path forced (``fastpath.draft.CHOICES``; None: measured, see
+        ``_programs_pay``)."""
         self.source = model
         self.draft = draft
         self.mode = how
@@ -142,14 +146,17 @@ class EngineModel:
                 self.mode = "off"
                 return
             decoder, head = clone.get_decoder(), _plain_head(clone)
-            linears = linear_layers(decoder)
+            forced, linears = linears, linear_layers(decoder)
             pack_dtype = None
             if isinstance(head, WeightOnlyLinear):  # a weight-only model: its own kernels, nothing to pack
                 self.plan, self.head_fn = Plan(source=f"weight-only:{head.fmt}"), head
             elif draft:  # a draft model: its linears, and apart its head, each in the path measured fastest for
                 # drafts at every row count (fastpath.draft; the head's shape favours other paths, integer formats
                 # among them)
-                choice = draft_choice([m.weight for m in linears], remeasure=remeasure)
+                choice = forced or draft_choice([m.weight for m in linears], remeasure=remeasure)
+                if forced is None and how == "auto" and choice.startswith("packed") and _programs_pay(
+                        model, choice, remeasure):
+                    choice = "kernel"  # its layers compiled around the f32 kernel beat them prepacked, eager
                 head_choice = draft_choice([head.weight], remeasure=remeasure, quantized=True)
                 self.plan = Plan(packed_rows=list(ROWS) if choice.startswith("packed") else [],
                                  kernel=choice == "kernel", source=f"draft:{choice},head:{head_choice}")
@@ -175,8 +182,8 @@ class EngineModel:
         self.module, self.decoder = clone, decoder
         if LeanDecoder.supports(decoder):
             self.lean = LeanDecoder(decoder)
-            if not draft and how != "off":
-                self.lean.compiled, self.compiled = compiled.build(self.lean, decoder, self.row_exact, _say)
+            if how != "off":
+                self.lean.compiled, self.compiled = compiled.build(self.lean, decoder, self.row_exact, _say, draft)
 
     def logits_of(self, rows: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, V] logits, as ``forward`` computes them (the plan's layout for T rows)."""
@@ -262,6 +269,46 @@ class EngineModel:
             if self.plan.uses_kernel:
                 d["streamed"] = self.plan.streamed
         return d
+
+
+def _programs_pay(model: torch.nn.Module, choice: str, remeasure: bool = False) -> bool:
+    """Whether a draft model's layers compiled around the f32 kernel (``fastpath.compiled``, wanted for drafts of
+    any depth) beat its layers eager with prepacked linears (``choice``, which the programs do not express): a draft
+    is called once per drafted token, so its per-operation cost may outweigh the matmul path measured alone. Timed
+    once per machine and model shape (one-token steps over a 300-token cache, interleaved) and cached."""
+    cfg = model.config
+    layers, hidden = getattr(cfg, "num_hidden_layers", 0), getattr(cfg, "hidden_size", 0)
+    if not (kernel_available(model.get_input_embeddings().weight) and compiled.wanted(layers, hidden, draft=True)):
+        return False
+    name = aot.key("draft-paths", (model_plan_key(model), choice))
+    verdict = compiled.timed_verdict(name, lambda: _draft_paths_ms(model, choice), redo=remeasure)
+    return verdict["compiled_ms"] < verdict["eager_ms"]
+
+
+@torch.inference_mode()
+def _draft_paths_ms(model: torch.nn.Module, choice: str, context: int = 300, reps: int = 15) -> tuple[float, float]:
+    """Median ms of a one-token step of ``model`` as a draft engine: (eager with ``choice`` linears, compiled around
+    the f32 kernel), timed in turn; the second is infinite where the programs were not kept."""
+    from ..kv.cache import KVCache
+
+    engines = [EngineModel(model, "auto", draft=True, linears=c) for c in (choice, "kernel")]
+    if engines[1].lean is None or engines[1].lean.compiled is None:
+        return 1.0, float("inf")
+    device = next(model.parameters()).device
+    ids = torch.randint(0, int(model.config.vocab_size), (1, context), device=device)
+    caches = [KVCache(model) for _ in engines]
+    for engine, kv in zip(engines, caches):
+        engine.forward(ids, torch.arange(context, device=device)[None], None, kv.cache, last_only=True)
+    one, at = ids[:, :1], torch.tensor([[context]], device=device)
+    times: list[list[float]] = [[], []]
+    for rep in range(reps + 1):
+        for i, (engine, kv) in enumerate(zip(engines, caches)):
+            t0 = time.perf_counter()
+            engine.forward(one, at, None, kv.cache, last_only=True)
+            if rep:
+                times[i].append((time.perf_counter() - t0) * 1e3)
+            kv.crop(context)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def engine_for(model: torch.nn.Module, how: str | None = None, remeasure: bool = False,

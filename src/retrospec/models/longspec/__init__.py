@@ -7,5 +7,5 @@ from .block import DEFAULT_WINDOW, KeyBuffer, LongSpecDraft, cross_visible, grou
 from .checkpoint import load_longspec, read_meta, repack_longspec, save_longspec
 from .state import DraftState
 
-__all__ = ["DEFAULT_WINDOW", "KeyBuffer", "LongSpecDraft", "DraftState", "cross_visible", "self_visible", "grouped_attention",
-           "save_longspec", "load_longspec", "read_meta", "repack_longspec"]
+__all__ = ["DEFAULT_WINDOW", "KeyBuffer", "LongSpecDraft", "DraftState", "cross_visible", "self_visible",
+           "grouped_attention", "save_longspec", "load_longspec", "read_meta", "repack_longspec"]

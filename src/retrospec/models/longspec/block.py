@@ -356,7 +356,7 @@ class LongSpecDraft(nn.Module):
         b, n = ids.shape
         if isinstance(target_kv, KeyBuffer):
             if (self.program is not None and b == 1 and isinstance(past, KeyBuffer) and target_kv.filled > 0
-                    and cross_allowed is None and feature is None):
+                    and cross_allowed is None and feature is None and past.k.shape[0] == target_kv.k.shape[0] == 1):
                 return self.program(self, ids, positions, own_allowed, past, past_allowed, target_kv)
             target_kv = (target_kv.k[:, :, :target_kv.filled], target_kv.v[:, :, :target_kv.filled])
         x = self.embed_tokens(ids)  # [b, L, H]
