@@ -48,8 +48,9 @@ class MagicDecDrafter:
         self.device = next(model.parameters()).device
         # the target's DRAFT engine (fastpath.draft: maybe a bfloat16 copy, or an int8 copy of the head;
         # RETROSPEC_DRAFT_DTYPE=float32 avoids both);
-        # verification keeps the target's own engine in its weights' dtype, so the output is exact
-        self.engine = engine_for(model, draft=True)
+        # verification keeps the target's own engine in its weights' dtype, so the output is exact; no compiled
+        # layers: they run over the engine's own cache, not the sink + window one
+        self.engine = engine_for(model, draft=True, programs=False)
         self.cache: SinkWindowCache | None = None
         self.kv_budget = sink + (window or 0)  # keys the draft reads: set per request by ``prefill``
 

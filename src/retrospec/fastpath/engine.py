@@ -50,7 +50,7 @@ from .rows import linear_modules, rows_invariant
 CROSSOVER_LENGTHS = (256, 1024, 4096, 16384)  # cache lengths at which hybrid tree attention is timed against sdpa
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})  # logits = lm_head(last_hidden_state)
-_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, bool], tuple[tuple, EngineModel]]]" = \
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, bool, bool], tuple[tuple, EngineModel]]]" = \
     weakref.WeakKeyDictionary()  # model -> attention -> (fingerprint, engine)
 
 
@@ -115,9 +115,10 @@ class EngineModel:
     """One model as the engine runs it: ``forward`` -> (logits [T, V], last hidden states [T, H] or None)."""
 
     def __init__(self, model: torch.nn.Module, how: str = "auto", remeasure: bool = False,
-                 attention: str = "prefix_block", draft: bool = False, linears: str | None = None):
+                 attention: str = "prefix_block", draft: bool = False, linears: str | None = None,
+                 programs: bool = True):
         """``linears``: a draft's linear path forced (``fastpath.draft.CHOICES``; None: measured, see
-        ``_programs_pay``)."""
+        ``_programs_pay``). ``programs=False``: no compiled layers (a draft run over a cache they do not run over)."""
         self.source = model
         self.draft = draft
         self.mode = how
@@ -154,7 +155,7 @@ class EngineModel:
                 # drafts at every row count (fastpath.draft; the head's shape favours other paths, integer formats
                 # among them)
                 choice = forced or draft_choice([m.weight for m in linears], remeasure=remeasure)
-                if forced is None and how == "auto" and choice.startswith("packed") and _programs_pay(
+                if forced is None and programs and how == "auto" and choice.startswith("packed") and _programs_pay(
                         model, choice, remeasure):
                     choice = "kernel"  # its layers compiled around the f32 kernel beat them prepacked, eager
                 head_choice = draft_choice([head.weight], remeasure=remeasure, quantized=True)
@@ -182,7 +183,7 @@ class EngineModel:
         self.module, self.decoder = clone, decoder
         if LeanDecoder.supports(decoder):
             self.lean = LeanDecoder(decoder)
-            if how != "off":
+            if how != "off" and programs:
                 self.lean.compiled, self.compiled = compiled.build(self.lean, decoder, self.row_exact, _say, draft)
 
     def logits_of(self, rows: torch.Tensor) -> torch.Tensor:
@@ -312,18 +313,19 @@ def _draft_paths_ms(model: torch.nn.Module, choice: str, context: int = 300, rep
 
 
 def engine_for(model: torch.nn.Module, how: str | None = None, remeasure: bool = False,
-               attention: str = "prefix_block", draft: bool = False) -> EngineModel:
+               attention: str = "prefix_block", draft: bool = False, programs: bool = True) -> EngineModel:
     """The cached ``EngineModel`` of ``model`` (built on first use; rebuilt when its weights change).
     ``how`` defaults to ``RETROSPEC_FASTPATH`` (see ``fastpath.plan``). ``attention="sdpa"`` keeps transformers'
     attention (padding masks respected: batched generation); the default is the decode loop's prefix + block.
     ``draft=True``: the engine of a DRAFT model, its matmuls in the path ``fastpath.draft`` measured fastest for
-    drafts (possibly bfloat16; never use it for a model whose logits are the target's p)."""
+    drafts (possibly bfloat16; never use it for a model whose logits are the target's p). ``programs=False``: no
+    compiled layers, for a caller whose cache they do not run over (they run over the engine's ``KVCache``)."""
     how = how or mode()
     fp = (how, _fingerprint(model))
     slot = _ENGINES.setdefault(model, {})
-    hit = slot.get((attention, draft))
+    hit = slot.get((attention, draft, programs))
     if hit is not None and hit[0] == fp and not remeasure:
         return hit[1]
-    engine = EngineModel(model, how, remeasure=remeasure, attention=attention, draft=draft)
-    slot[(attention, draft)] = (fp, engine)
+    engine = EngineModel(model, how, remeasure=remeasure, attention=attention, draft=draft, programs=programs)
+    slot[(attention, draft, programs)] = (fp, engine)
     return engine
