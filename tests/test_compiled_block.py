@@ -74,15 +74,26 @@ def test_the_program_computes_what_the_block_computes(world, compiling, monkeypa
     finally:
         block.program = None
     assert len(calls) == 3  # every call above went through the program
+    program.max_rows = 2  # a level wider than the program takes runs the block's modules, the same logits
+    with torch.inference_mode():
+        block.program = program
+        try:
+            got = fast.speculate([6, 1, 8], [-1, -1, -1], kv)
+        finally:
+            block.program = None
+        want = plain.speculate([6, 1, 8], [-1, -1, -1], kv)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(calls) == 3
 
 
 def test_drafting_through_the_program_is_lossless(world, compiling, monkeypatch, tmp_path):
     target, block = world
-    monkeypatch.setattr(compiled_block, "_timed", lambda *a: (2.0, 1.0))  # the verdict: faster (not timed here)
+    monkeypatch.setattr(compiled_block, "_timed", lambda *a: {"eager_ms": 2.0, "compiled_ms": 1.0, "max_rows": 2})
     monkeypatch.setattr(compiled, "cache_home", lambda: tmp_path)  # ...and not cached for other tests
     drafter = CheckedDrafter(block, tree=(3, 4, 4), lookup=0)
     assert drafter.fast is not block and drafter.fast.program is not None and block.program is None
-    assert drafter.fast.program_info["compiled"]
+    assert drafter.fast.program_info["compiled"] and drafter.fast.program.max_rows == 2  # the (doubled) verdict's
+    # levels wider than 2 (the tree's 4-wide ones) run the block's modules, narrower ones the program
     through_program = LongSpecDrafter(block, tree=(3, 4, 4), lookup=0)  # the same copy, its program kept
     calls, call = [], compiled_block.BlockProgram.__call__
     monkeypatch.setattr(compiled_block.BlockProgram, "__call__", lambda self, *a: calls.append(1) or call(self, *a))

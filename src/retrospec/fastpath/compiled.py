@@ -404,17 +404,18 @@ def build(lean, decoder, row_exact: bool, progress=None, draft: bool = False) ->
     return compiled, info
 
 
-def timed_verdict(name: str, timer, redo: bool = False) -> dict:
-    """{"eager_ms", "compiled_ms"}: read from ``cache_home()/compiled/<name>.json``, else (or ``redo``) ``timer()``
-    -> (eager ms, compiled ms), measured here and saved there."""
+def timed_verdict(name: str, timer, redo: bool = False, keys: tuple[str, ...] = ("eager_ms", "compiled_ms")) -> dict:
+    """{"eager_ms", "compiled_ms", ...}: read from ``cache_home()/compiled/<name>.json`` where it has ``keys``, else
+    (or ``redo``) ``timer()`` -> (eager ms, compiled ms) or a dict of ``keys``, measured here and saved there."""
     path = cache_home() / "compiled" / f"{name}.json"
     try:
         verdict = json.loads(path.read_text()) if path.exists() and not redo else None
     except (OSError, ValueError):
         verdict = None
-    if not isinstance(verdict, dict) or "eager_ms" not in verdict:
-        eager_ms, compiled_ms = timer()
-        verdict = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3)}
+    if not isinstance(verdict, dict) or any(k not in verdict for k in keys):
+        got = timer()
+        verdict = dict(zip(("eager_ms", "compiled_ms"), got)) if isinstance(got, tuple) else dict(got)
+        verdict = {k: round(v, 3) if isinstance(v, float) else v for k, v in verdict.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps(verdict))
     return verdict

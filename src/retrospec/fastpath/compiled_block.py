@@ -22,7 +22,9 @@ target features, runs the block's own modules.
 A draft's arithmetic changes what it proposes, never the output (the rules read q as the draft made it), so the
 program need not be bitwise the eager block: it is kept where it is within ``compiled.ROUNDED_TOLERANCE`` of the
 block's own ``run`` on probes (one row, a chain, a tree), and faster here (timed at one row right after a sweep of
-64 MiB of other memory, as after a target step, interleaved; the verdict cached beside the program). When:
+64 MiB of other memory, as after a target step, interleaved; the verdict cached beside the program), and takes levels
+up to the widest one it was also faster for over a 4,096-position cache (its attention reads the cache once per row
+and head, so wide levels over long caches may favour the block's own). When:
 ``RETROSPEC_COMPILE`` as for the target's layers (``auto``: blocks of hidden size at least
 ``compiled.AUTO_MIN_HIDDEN``; ``on``: any), for float32 blocks on the CPU without target features. A failed
 compile leaves the block's own modules with one warning.
@@ -45,6 +47,7 @@ from .compiled import AUTO_MIN_HIDDEN, ROUNDED_TOLERANCE, Proj, _side_by_side, _
     timed_verdict
 
 SWEEP_BYTES = 64 << 20  # memory read between timed calls: a target step's worth of weights leaves the caches cold
+WIDTHS, LONG = (2, 4, 8, 16), 4096  # level widths timed over a long cache (``_timed``'s "max_rows")
 
 
 class _Block(torch.nn.Module):
@@ -83,6 +86,11 @@ class BlockProgram:
 
     def __init__(self, run: Callable, args: list[torch.Tensor]):
         self.run, self.args = run, args
+        self.max_rows: int | None = None  # the widest level it takes (None: any; ``build`` sets what it measured)
+
+    def takes(self, rows: int) -> bool:
+        """Whether a level of ``rows`` tokens runs here (wider ones run the block's modules)."""
+        return self.max_rows is None or rows <= self.max_rows
 
     def __call__(self, block, ids, positions, own_allowed, past, past_allowed, target):
         """``run``'s results (logits [1, L, K], the new keys and values [1, kv_heads, L, d], outputs [1, L, H]) for
@@ -193,21 +201,35 @@ def _checked(block, program: BlockProgram) -> str | None:
     return None
 
 
-def _timed(block, program: BlockProgram, reps: int = 9) -> tuple[float, float]:
-    """Median ms of a one-row drafting call over a 512-key ring and 512 cached positions, each timed right after a
-    sweep of ``SWEEP_BYTES`` (as after a target step): (the block's own, the program's), in turn."""
+def _timed(block, program: BlockProgram, reps: int = 9) -> dict:
+    """{"eager_ms", "compiled_ms"}: median ms of a one-row drafting call over a 512-key ring and 512 cached positions,
+    each timed right after a sweep of ``SWEEP_BYTES`` (as after a target step), the block's own and the program's in
+    turn; "max_rows": the widest level up to which the program was also faster over ``LONG`` cached positions (its
+    attention reads the cache once per row and head: many rows over a long cache favour the block's own attention)."""
     call = _probe(block, 1, 512, 512, torch.Generator().manual_seed(1))
     sweep = torch.ones(SWEEP_BYTES // 4)
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    with torch.inference_mode():
+
+    def pair(call, cold: bool, reps: int) -> tuple[float, float]:
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
         for rep in range(reps + 1):
             for name, fn in (("eager", lambda: _eager(block, *call)), ("compiled", lambda: program(block, *call))):
-                sweep.add_(1.0)
+                if cold:
+                    sweep.add_(1.0)
                 t0 = time.perf_counter()
                 fn()
                 if rep:
                     times[name].append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times["eager"]), statistics.median(times["compiled"])
+        return statistics.median(times["eager"]), statistics.median(times["compiled"])
+
+    with torch.inference_mode():
+        eager_ms, compiled_ms = pair(call, True, reps)
+        max_rows = 1
+        for rows in WIDTHS:
+            eager, compiled = pair(_probe(block, rows, 512, LONG, torch.Generator().manual_seed(rows)), False, 5)
+            if compiled > eager:
+                break
+            max_rows = rows
+    return {"eager_ms": eager_ms, "compiled_ms": compiled_ms, "max_rows": max_rows}
 
 
 def program_for(block, progress=None) -> tuple[BlockProgram | None, str | None]:
@@ -242,10 +264,12 @@ def build(block, progress=None) -> tuple[BlockProgram | None, dict]:
     program, why = program_for(block, progress)
     if program is None:
         return None, {"compiled": False, "why": why}
-    verdict = timed_verdict(aot.key("longspec-block-verdict", _signature(block)[:2]), lambda: _timed(block, program))
+    verdict = timed_verdict(aot.key("longspec-block-verdict", _signature(block)[:2]), lambda: _timed(block, program),
+                            keys=("eager_ms", "compiled_ms", "max_rows"))
     info = {"compiled": verdict["compiled_ms"] < verdict["eager_ms"], **verdict,
             "seconds": round(time.perf_counter() - t0, 2)}
     if not info["compiled"]:
         info["why"] = "not faster than the block's own modules here"
         return None, info
+    program.max_rows = int(verdict["max_rows"])
     return program, info

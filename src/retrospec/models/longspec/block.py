@@ -351,12 +351,13 @@ class LongSpecDraft(nn.Module):
         token). ``feature`` [b, L, H]: each new token's feature g (a block with ``features``; None: none given,
         nothing added). Returns (logits [b, L, K] (K: ``draft_vocab_size``), the new tokens' self-attention k and v
         [b, kv_heads, L, d], their outputs [b, L, H]: the feature of a token drafted below each). A drafting call
-        (one sequence, both key sets ``KeyBuffer``s, every cached position visible, no feature) runs ``program``
-        where one is set."""
+        (one sequence, both key sets ``KeyBuffer``s, every cached position visible, no feature, as many tokens as
+        ``program.takes``) runs ``program`` where one is set."""
         b, n = ids.shape
         if isinstance(target_kv, KeyBuffer):
             if (self.program is not None and b == 1 and isinstance(past, KeyBuffer) and target_kv.filled > 0
-                    and cross_allowed is None and feature is None and past.k.shape[0] == target_kv.k.shape[0] == 1):
+                    and cross_allowed is None and feature is None and past.k.shape[0] == target_kv.k.shape[0] == 1
+                    and self.program.takes(n)):
                 return self.program(self, ids, positions, own_allowed, past, past_allowed, target_kv)
             target_kv = (target_kv.k[:, :, :target_kv.filled], target_kv.v[:, :, :target_kv.filled])
         x = self.embed_tokens(ids)  # [b, L, H]
