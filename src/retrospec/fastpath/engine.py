@@ -51,7 +51,7 @@ CROSSOVER_LENGTHS = (256, 1024, 4096, 16384)  # cache lengths at which hybrid tr
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})  # logits = lm_head(last_hidden_state)
 _ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, bool, bool], tuple[tuple, EngineModel]]]" = \
-    weakref.WeakKeyDictionary()  # model -> attention -> (fingerprint, engine)
+    weakref.WeakKeyDictionary()  # model -> (attention, draft, programs) -> (fingerprint, engine)
 
 
 def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
