@@ -196,6 +196,22 @@ def bench_two_prompts(cli, models, tmp_path, methods, *extra):
     return res, (json.loads((out / "results.json").read_text()) if res.rc == 0 else None)
 
 
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """Ahead-of-time compiles fail (as without a C++ compiler), with nothing cached or loaded to fall back on: the
+    fresh cache folder is returned, to check nothing half-written was left in it."""
+    from retrospec.fastpath import aot
+
+    monkeypatch.setenv("RETROSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(aot, "_LOADED", {})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
+    return tmp_path
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread for tiny models: with the machine's 2 cores busy, 2 OpenMP threads make a 2-layer forward

@@ -84,8 +84,8 @@ class BlockProgram:
     """The compiled call of one block (its runner and weight arguments): ``LongSpecDraft.run``'s drafting case (one
     sequence, its keys and the target's cache in ``KeyBuffer``s, every cached position visible, no feature)."""
 
-    def __init__(self, run: Callable, args: list[torch.Tensor]):
-        self.run, self.args = run, args
+    def __init__(self, run: Callable, args: list[torch.Tensor], signature: tuple):
+        self.run, self.args, self.signature = run, args, signature  # signature: (projections, the rest), its key
         self.max_rows: int | None = None  # the widest level it takes (None: any; ``build`` sets what it measured)
 
     def takes(self, rows: int) -> bool:
@@ -111,13 +111,19 @@ def wanted(block) -> bool:
     return unwanted(block) is None
 
 
+def _unfit(block) -> str | None:
+    """Why no program can serve ``block`` whatever ``RETROSPEC_COMPILE`` says (its dtype, device, target features)."""
+    if block.norm1.weight.dtype != torch.float32 or block.norm1.weight.device.type != "cpu":
+        return "a block in another dtype than float32 or off the CPU"
+    return "a block that reads target features" if block.features else None
+
+
 def unwanted(block) -> str | None:
     """Why ``block`` is left to its modules before any compile (``RETROSPEC_COMPILE``, its dtype or device, target
     features), or None when it is wanted compiled."""
-    if block.norm1.weight.dtype != torch.float32 or block.norm1.weight.device.type != "cpu":
-        return "a block in another dtype than float32 or off the CPU"
-    if block.features:
-        return "a block that reads target features"
+    unfit = _unfit(block)
+    if unfit is not None:
+        return unfit
     m = compile_mode()
     if m == "on" or (m == "auto" and block.config.hidden_size >= AUTO_MIN_HIDDEN):
         return None
@@ -235,8 +241,9 @@ def _timed(block, program: BlockProgram, reps: int = 9) -> dict:
 def program_for(block, progress=None) -> tuple[BlockProgram | None, str | None]:
     """``block``'s compiled call, compiled (or loaded from the cache) and checked against the block's own run, and
     None; or (None, why not). Not timed (``build`` is). Never raises."""
-    if block.norm1.weight.dtype != torch.float32 or block.norm1.weight.device.type != "cpu" or block.features:
-        return None, "a block in another dtype than float32, off the CPU or reading target features"
+    unfit = _unfit(block)
+    if unfit is not None:
+        return None, unfit
     found = _signature(block)
     if found is None:
         return None, "a part the program does not express"
@@ -249,7 +256,7 @@ def program_for(block, progress=None) -> tuple[BlockProgram | None, str | None]:
         warnings.warn(f"the draft block was not compiled ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                       "drafting runs its modules", RuntimeWarning, stacklevel=3)
         return None, f"compile failed: {type(exc).__name__}"
-    program = BlockProgram(run, args)
+    program = BlockProgram(run, args, (projs, sig))
     why = _checked(block, program)
     return (None, why) if why is not None else (program, None)
 
@@ -264,7 +271,7 @@ def build(block, progress=None) -> tuple[BlockProgram | None, dict]:
     program, why = program_for(block, progress)
     if program is None:
         return None, {"compiled": False, "why": why}
-    verdict = timed_verdict(aot.key("longspec-block-verdict", _signature(block)[:2]), lambda: _timed(block, program),
+    verdict = timed_verdict(aot.key("longspec-block-verdict", program.signature), lambda: _timed(block, program),
                             keys=("eager_ms", "compiled_ms", "max_rows"))
     info = {"compiled": verdict["compiled_ms"] < verdict["eager_ms"], **verdict,
             "seconds": round(time.perf_counter() - t0, 2)}
