@@ -239,6 +239,14 @@ def test_auto_leaves_small_models_to_the_lean_loop(monkeypatch):
         EngineModel(_model("float32"), "plain")
 
 
+def _reference(qkv, kbuf, vbuf, bias, heads):  # float64 attention, as the kernel's header defines it (scaling 0.3)
+    kv_heads = kbuf.shape[1]
+    q = qkv[:, :heads].permute(1, 0, 2).double()  # [h, T, d]
+    k, v = (b[0, :, : bias.shape[1]].repeat_interleave(heads // kv_heads, 0).double() for b in (kbuf, vbuf))
+    probs = (q @ k.transpose(1, 2) * 0.3 + bias.double()).softmax(-1)
+    return (probs @ v).permute(1, 0, 2).reshape(qkv.shape[0], -1)
+
+
 def test_the_attention_kernel_is_attention_and_a_row_sees_only_its_keys():
     """``kernels.attention``: softmax(q k^T * scaling + bias) v per row and head (grouped heads share a key/value head)
     within float error of a float64 reference; a chain's row i is bitwise the one-row call over its keys, and a tree
@@ -247,23 +255,18 @@ def test_the_attention_kernel_is_attention_and_a_row_sees_only_its_keys():
         pytest.skip("no C++ compiler here")
     attention = torch.ops.retrospec.attention
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, d = 6, 2, 24  # d not a multiple of the kernel's 16 lanes
-    kbuf, vbuf = (torch.randn(1, kv_heads, 80, d, generator=gen) for _ in "kv")
-
-    def reference(qkv, bias):  # float64
-        q = qkv[:, :heads].permute(1, 0, 2).double()  # [h, T, d]
-        k, v = (b[0, :, : bias.shape[1]].repeat_interleave(heads // kv_heads, 0).double() for b in (kbuf, vbuf))
-        probs = (q @ k.transpose(1, 2) * 0.3 + bias.double()).softmax(-1)
-        return (probs @ v).permute(1, 0, 2).reshape(qkv.shape[0], -1)
-
-    for rows, length in ((1, 1), (1, 37), (5, 50), (8, 73)):
-        qkv = torch.randn(rows, heads + 2 * kv_heads, d, generator=gen)
-        bias = compiled.chain_bias(rows, length)
-        out = attention(qkv, kbuf, vbuf, bias, heads, 0.3)  # [rows, heads * d]
-        torch.testing.assert_close(out.double(), reference(qkv, bias), rtol=1e-5, atol=1e-5)
-        for i in range(rows):
-            one = attention(qkv[i:i + 1], kbuf, vbuf, torch.zeros(1, length - rows + i + 1), heads, 0.3)
-            assert torch.equal(one[0], out[i])
+    heads, kv_heads = 6, 2
+    # d = 24: not a multiple of the kernel's 16 lanes; 300 positions: several key blocks, and rows reading them at once
+    for d, cache, cases in ((24, 80, ((1, 1), (1, 37), (5, 50), (8, 73))), (64, 300, ((1, 300), (11, 290), (3, 129)))):
+        kbuf, vbuf = (torch.randn(1, kv_heads, cache, d, generator=gen) for _ in "kv")
+        for rows, length in cases:
+            qkv = torch.randn(rows, heads + 2 * kv_heads, d, generator=gen)
+            bias = compiled.chain_bias(rows, length)
+            out = attention(qkv, kbuf, vbuf, bias, heads, 0.3)  # [rows, heads * d]
+            torch.testing.assert_close(out.double(), _reference(qkv, kbuf, vbuf, bias, heads), rtol=1e-5, atol=1e-5)
+            for i in range(rows):
+                one = attention(qkv[i:i + 1], kbuf, vbuf, torch.zeros(1, length - rows + i + 1), heads, 0.3)
+                assert torch.equal(one[0], out[i])
     visible = torch.zeros(4, 40, dtype=torch.bool)
     visible[:, :35] = True
     for row, extra in enumerate(([35], [36], [35, 37], [36, 38, 39])):

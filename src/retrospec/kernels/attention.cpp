@@ -11,10 +11,14 @@
 // (whose visible keys are not a prefix) and a k-token verification would not be bitwise the one-token steps along
 // their paths. Here, per row and head, with keys in cache order:
 //   s_j = (q . k_j, 16 lanes then a fixed sum) * scaling + bias_j      for the keys the row sees (skipped otherwise)
-//   m = max s_j;  e_j = exp(s_j - m) (one vectorized exp for every key);  den = sum of e_j, one after another;  out = sum of (e_j / den) v_j, in order
+//   m = max s_j;  e_j = exp(s_j - m) (one vectorized exp for every key);  den = sum of e_j, one after another;
+//   out = (sum of e_j v_j, in order) / den
 // A key a row does not see adds nothing anywhere, so its result depends only on the keys it sees, in their order:
 // the same bits as a one-row call over exactly those keys (a tree's row = the step along its path). Threads split
-// the (row, head) pairs; nothing is reduced across them.
+// the (key / value head, row, query head) units, key / value head first; nothing is reduced across them. A thread
+// walks its units of one key / value head together, a block of keys at a time, so every row and every query head
+// of the group reads that block once from memory: over a long cache a k-row verification reads the cache about as
+// often as a one-token step (one pass per row and head read it k x heads / kv_heads times).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -56,7 +60,9 @@ inline float dot(const float* a, const float* b, int64_t d) {
 }
 
 // 16 keys' dots at once, each bitwise ``dot``: the same lanes, then the same tree as a transposed reduction.
-inline vf dot16(const float* q, const float* k, int64_t d) {
+// ``kTail``: d is not a multiple of 16 (without one the accumulators never leave the registers).
+template <bool kTail>
+__attribute__((always_inline)) inline vf dot16(const float* q, const float* k, int64_t d) {
   vf acc[kLanes];
   for (int j = 0; j < kLanes; ++j) acc[j] = vf{};
   int64_t i = 0;
@@ -64,7 +70,7 @@ inline vf dot16(const float* q, const float* k, int64_t d) {
     const vf qv = load(q + i);
     for (int j = 0; j < kLanes; ++j) acc[j] = acc[j] + qv * load(k + j * d + i);
   }
-  if (i < d) {  // the last inputs, lane by lane as ``dot`` adds them
+  if (kTail && i < d) {  // the last inputs, lane by lane as ``dot`` adds them
     float part[kLanes];
     for (int j = 0; j < kLanes; ++j) {
       __builtin_memcpy(part, &acc[j], sizeof(part));
@@ -110,69 +116,145 @@ inline vf vexp(vf x) {
   return under ? vf{} : p * scale;
 }
 
-// out[0 .. n) = sum over the seen keys j, in order, of p_j v_j[0 .. n): F vectors of 16 features in registers, the
-// last n - 16 F features lane by lane (the same operations either way).
-template <int F>
-void weigh(const float* p, const float* v, const float* bias, int64_t length, int64_t d, int64_t n, float* out) {
+// For G query heads reading one row's keys (one ``bias``): out[g][0 .. n) += sum over the seen keys j in [j0, j1),
+// in order, of e[g][j] v_j[0 .. n): F vectors of 16 features in registers (loaded from and stored back to ``out``:
+// exact), the last n - 16 F features lane by lane; each value vector is loaded once for the G heads. Called for
+// consecutive key blocks from out = 0, a head's sums are those of one pass over every key (the same operations, the
+// same order, whatever G).
+template <int G, int F>
+void weigh(const float* const* e, const float* v, const float* bias, int64_t j0, int64_t j1, int64_t d, int64_t n,
+           float* const* out, int64_t i0) {
   const float hidden = -std::numeric_limits<float>::infinity();
-  vf acc[F > 0 ? F : 1];
-  for (int c = 0; c < F; ++c) acc[c] = vf{};
-  float rest[kLanes] = {0};
+  vf acc[G][F > 0 ? F : 1];
+  float rest[G][kLanes];
   const int64_t tail = n - F * kLanes;
-  for (int64_t j = 0; j < length; ++j) {
-    if (bias[j] == hidden) continue;
-    const float* vj = v + j * d;
-    const vf pv = splat(p[j]);
-#pragma GCC unroll 4
-    for (int c = 0; c < F; ++c) acc[c] = acc[c] + pv * load(vj + c * kLanes);
-    for (int64_t l = 0; l < tail; ++l) rest[l] = rest[l] + p[j] * vj[F * kLanes + l];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < F; ++c) acc[g][c] = load(out[g] + i0 + c * kLanes);
+    for (int64_t l = 0; l < tail; ++l) rest[g][l] = out[g][i0 + F * kLanes + l];
   }
-  for (int c = 0; c < F; ++c) __builtin_memcpy(out + c * kLanes, &acc[c], sizeof(vf));
-  for (int64_t l = 0; l < tail; ++l) out[F * kLanes + l] = rest[l];
+  for (int64_t j = j0; j < j1; ++j) {
+    if (bias[j] == hidden) continue;
+    const float* vj = v + j * d + i0;
+    for (int c = 0; c < F; ++c) {
+      const vf vv = load(vj + c * kLanes);
+      for (int g = 0; g < G; ++g) acc[g][c] = acc[g][c] + splat(e[g][j]) * vv;
+    }
+    for (int64_t l = 0; l < tail; ++l)
+      for (int g = 0; g < G; ++g) rest[g][l] = rest[g][l] + e[g][j] * vj[F * kLanes + l];
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < F; ++c) __builtin_memcpy(out[g] + i0 + c * kLanes, &acc[g][c], sizeof(vf));
+    for (int64_t l = 0; l < tail; ++l) out[g][i0 + F * kLanes + l] = rest[g][l];
+  }
 }
 
-// One row and head: s [L rounded up to 16] is scratch.
-void one(const float* q, const float* k, const float* v, const float* bias, int64_t length, int64_t d,
-         float scaling, float* out, float* s) {
-  const float hidden = -std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-  vf mv = splat(hidden);  // the max in any order is the max
-  for (; j + kLanes <= length; j += kLanes) {
-    const vf b = load(bias + j);
-    const vf sv = dot16(q, k + j * d, d) * splat(scaling) + b;
-    __builtin_memcpy(s + j, &sv, sizeof(sv));
-    mv = (b != splat(hidden) && sv > mv) ? sv : mv;
-  }
-  float m = hidden;
-  for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
-  for (; j < length; ++j) {
-    s[j] = dot(q, k + j * d, d) * scaling + bias[j];
-    if (bias[j] != hidden && s[j] > m) m = s[j];
-  }
-  for (j = 0; j < length; j += kLanes) {  // s is padded: the lanes past L are computed and not read
-    const vf e = vexp(load(s + j) - splat(m));
-    float tail[kLanes];
-    for (int l = 0; l < kLanes; ++l) tail[l] = j + l < length ? bias[j + l] : hidden;
-    const vf b = j + kLanes <= length ? load(bias + j) : load(tail);
-    const vf kept = b != splat(hidden) ? e : vf{};  // a key the row does not see: 0 (NaN-free, as if skipped)
-    __builtin_memcpy(s + j, &kept, sizeof(kept));
-  }
-  float den = 0.f;
-  for (j = 0; j < length; ++j) den = den + s[j];  // in key order; the unseen add +0
-  for (j = 0; j < length; j += kLanes) {
-    const vf p = load(s + j) / splat(den);
-    __builtin_memcpy(s + j, &p, sizeof(p));
-  }
+template <int G>
+void weigh_features(const float* const* e, const float* v, const float* bias, int64_t j0, int64_t j1, int64_t d,
+                    float* const* out) {
   for (int64_t i0 = 0; i0 < d; i0 += 4 * kLanes) {  // 64 features at a time in registers, keys in order
     const int64_t n = d - i0 < 4 * kLanes ? d - i0 : 4 * kLanes;
     switch (n / kLanes) {
-      case 4: weigh<4>(s, v + i0, bias, length, d, n, out + i0); break;
-      case 3: weigh<3>(s, v + i0, bias, length, d, n, out + i0); break;
-      case 2: weigh<2>(s, v + i0, bias, length, d, n, out + i0); break;
-      case 1: weigh<1>(s, v + i0, bias, length, d, n, out + i0); break;
-      default: weigh<0>(s, v + i0, bias, length, d, n, out + i0);
+      case 4: weigh<G, 4>(e, v, bias, j0, j1, d, n, out, i0); break;
+      case 3: weigh<G, 3>(e, v, bias, j0, j1, d, n, out, i0); break;
+      case 2: weigh<G, 2>(e, v, bias, j0, j1, d, n, out, i0); break;
+      case 1: weigh<G, 1>(e, v, bias, j0, j1, d, n, out, i0); break;
+      default: weigh<G, 0>(e, v, bias, j0, j1, d, n, out, i0);
     }
   }
+}
+
+void weigh_heads(const float* const* e, int G, const float* v, const float* bias, int64_t j0, int64_t j1, int64_t d,
+                 float* const* out) {
+  switch (G) {
+    case 4: weigh_features<4>(e, v, bias, j0, j1, d, out); break;
+    case 3: weigh_features<3>(e, v, bias, j0, j1, d, out); break;
+    case 2: weigh_features<2>(e, v, bias, j0, j1, d, out); break;
+    default: weigh_features<1>(e, v, bias, j0, j1, d, out);
+  }
+}
+
+constexpr int64_t kBlock = 64;  // keys per block (a multiple of kLanes): 16 KB of keys or values at d = 64, in L1
+
+// s[i, j] = q[i] . k_j * scaling + bias[i][j] for the first ``whole`` keys (a multiple of 16), a block of keys
+// at a time for every pair; mv[i]: the lane-wise max of the seen scores.
+template <bool kTail>
+void scores(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
+            float scaling, float* s, int64_t stride, vf* mv) {
+  const float hidden = -std::numeric_limits<float>::infinity();
+  for (int64_t j0 = 0; j0 < whole; j0 += kBlock) {
+    const int64_t j1 = j0 + kBlock < whole ? j0 + kBlock : whole;
+    for (int64_t i = 0; i < P; ++i) {
+      vf m = mv[i];
+      for (int64_t j = j0; j < j1; j += kLanes) {
+        const vf b = load(bias[i] + j);
+        const vf sv = dot16<kTail>(q[i], k + j * d, d) * splat(scaling) + b;
+        __builtin_memcpy(s + i * stride + j, &sv, sizeof(sv));
+        m = (b != splat(hidden) && sv > m) ? sv : m;
+      }
+      mv[i] = m;
+    }
+  }
+}
+
+// Several (row, head) pairs over one key / value head: ``q[i]``, ``bias[i]`` [L], ``out[i]`` [d] per pair i < P; ``s``
+// scratch [P, stride]. Each key block is read once for every pair (from memory once, then from the nearest cache),
+// and each pair's arithmetic is the one-pair computation's, in the same order:
+//   s_j = (q . k_j, 16 lanes then a fixed sum) * scaling + bias_j   (keys 16 at a time, the last L % 16 one by one)
+//   m = max s_j;  e_j = exp(s_j - m) (one vectorized exp for every key);  den = sum of e_j, one after another;
+//   out = (sum of e_j v_j, in key order, block after block) / den
+void pairs(const float* const* q, const float* k, const float* v, const float* const* bias, float* const* out,
+           int64_t P, int64_t length, int64_t d, float scaling, float* s, int64_t stride) {
+  const float hidden = -std::numeric_limits<float>::infinity();
+  const int64_t whole = length / kLanes * kLanes;  // keys scored 16 at a time
+  std::vector<vf> mv(P, splat(hidden));  // the max in any order is the max
+  if (d % kLanes == 0)
+    scores<false>(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
+  else
+    scores<true>(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
+  for (int64_t i = 0; i < P; ++i) {
+    float* si = s + i * stride;
+    const float* bi = bias[i];
+    float m = hidden;
+    for (int l = 0; l < kLanes; ++l) m = mv[i][l] > m ? mv[i][l] : m;
+    for (int64_t j = whole; j < length; ++j) {
+      si[j] = dot(q[i], k + j * d, d) * scaling + bi[j];
+      if (bi[j] != hidden && si[j] > m) m = si[j];
+    }
+    for (int64_t j = length; j < stride; ++j) si[j] = 0.f;  // the padding lanes: computed below, never read
+    for (int64_t j = 0; j < length; j += kLanes) {
+      const vf e = vexp(load(si + j) - splat(m));
+      vf b;
+      if (j + kLanes <= length) {
+        b = load(bi + j);
+      } else {  // the last keys: lanes past L count as unseen
+        float tail[kLanes];
+        for (int l = 0; l < kLanes; ++l) tail[l] = j + l < length ? bi[j + l] : hidden;
+        b = load(tail);
+      }
+      const vf kept = b != splat(hidden) ? e : vf{};  // a key the row does not see: 0 (NaN-free, as if skipped)
+      __builtin_memcpy(si + j, &kept, sizeof(kept));
+    }
+    for (int64_t c = 0; c < d; ++c) out[i][c] = 0.f;
+  }
+  // den = sum of e_j in key order (the unseen add +0), for every pair at once: their chains of dependent additions
+  // run side by side instead of one after another
+  std::vector<float> den(P, 0.f);
+  for (int64_t j = 0; j < length; ++j)
+    for (int64_t i = 0; i < P; ++i) den[i] = den[i] + s[i * stride + j];
+  // out = sum of e_j v_j, block after block, by up to 4 heads of one row at a time (they read the same keys); then / den
+  std::vector<const float*> e(P);
+  for (int64_t i = 0; i < P; ++i) e[i] = s + i * stride;
+  for (int64_t j0 = 0; j0 < length; j0 += kBlock) {
+    const int64_t j1 = j0 + kBlock < length ? j0 + kBlock : length;
+    for (int64_t i = 0; i < P;) {
+      int G = 1;
+      while (G < 4 && i + G < P && bias[i + G] == bias[i]) ++G;
+      weigh_heads(e.data() + i, G, v, bias[i], j0, j1, d, out + i);
+      i += G;
+    }
+  }
+  for (int64_t i = 0; i < P; ++i)
+    for (int64_t c = 0; c < d; ++c) out[i][c] = out[i][c] / den[i];
 }
 
 }  // namespace
@@ -197,13 +279,28 @@ torch::Tensor attention(torch::Tensor qkv, torch::Tensor kbuf, torch::Tensor vbu
   const float* vp = vbuf.data_ptr<float>();
   const float* bp = bias.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t stride = qkv.size(1) * d, group = heads / kvh;
+  const int64_t stride_q = qkv.size(1) * d, group = heads / kvh;
   const float scale = static_cast<float>(scaling);
-  at::parallel_for(0, T * heads, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> s((L + kLanes - 1) / kLanes * kLanes + kLanes, 0.f);
-    for (int64_t i = a; i < b; ++i) {
-      const int64_t t = i / heads, h = i % heads, g = h / group;
-      one(qp + t * stride + h * d, kp + g * C * d, vp + g * C * d, bp + t * L, L, d, scale, op + i * d, s.data());
+  // units (kv head, row, head in its group), kv head first: a thread's units of one kv head share its key reads
+  const int64_t per_kv = T * group;
+  at::parallel_for(0, kvh * per_kv, 1, [&](int64_t a, int64_t b) {
+    const int64_t stride = (L + kLanes - 1) / kLanes * kLanes + kLanes;
+    thread_local std::vector<float> scratch;  // reused across calls: no page faults for a long cache's scores
+    std::vector<const float*> qs, bs;
+    std::vector<float*> os;
+    for (int64_t lo = a; lo < b;) {
+      const int64_t g = lo / per_kv, hi = (g + 1) * per_kv < b ? (g + 1) * per_kv : b;
+      qs.clear(), bs.clear(), os.clear();
+      for (int64_t u = lo; u < hi; ++u) {
+        const int64_t t = (u % per_kv) / group, h = g * group + u % group;
+        qs.push_back(qp + t * stride_q + h * d);
+        bs.push_back(bp + t * L);
+        os.push_back(op + (t * heads + h) * d);
+      }
+      if (scratch.size() < static_cast<size_t>((hi - lo) * stride)) scratch.resize((hi - lo) * stride);
+      pairs(qs.data(), kp + g * C * d, vp + g * C * d, bs.data(), os.data(), hi - lo, L, d, scale, scratch.data(),
+            stride);
+      lo = hi;
     }
   });
   return out;
