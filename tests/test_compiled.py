@@ -166,6 +166,21 @@ def test_the_draft_path_timer_runs_both_engines(monkeypatch):
     assert 0 < eager_ms < float("inf") and 0 < compiled_ms < float("inf")  # both built: the programs were kept
 
 
+def test_a_timing_verdict_is_taken_again_when_a_kernel_changes(monkeypatch):
+    """``compiled.timed_verdict`` keeps a measurement with the kernels' sources digest: read back while they are the
+    same, measured again (and saved) once they are not."""
+    calls = []
+
+    def timer():
+        calls.append(1)
+        return 2.0, 1.0
+
+    name = "verdict-test-" + str(id(calls))
+    assert compiled.timed_verdict(name, timer)["compiled_ms"] == 1.0 and len(calls) == 1
+    assert compiled.timed_verdict(name, timer)["kernels"] == kernels.sources_digest() and len(calls) == 1
+    monkeypatch.setattr(kernels, "sources_digest", lambda: "another kernel")
+    assert compiled.timed_verdict(name, timer)["kernels"] == "another kernel" and len(calls) == 2
+
 
 @pytest.mark.parametrize("fmt", ["w8a8", "w4a8"])
 def test_integer_format_layers_around_their_kernels_stay_row_exact_and_lossless(models, fmt, monkeypatch):

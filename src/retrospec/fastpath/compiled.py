@@ -405,17 +405,19 @@ def build(lean, decoder, row_exact: bool, progress=None, draft: bool = False) ->
 
 
 def timed_verdict(name: str, timer, redo: bool = False, keys: tuple[str, ...] = ("eager_ms", "compiled_ms")) -> dict:
-    """{"eager_ms", "compiled_ms", ...}: read from ``cache_home()/compiled/<name>.json`` where it has ``keys``, else
-    (or ``redo``) ``timer()`` -> (eager ms, compiled ms) or a dict of ``keys``, measured here and saved there."""
+    """{"eager_ms", "compiled_ms", ...}: read from ``cache_home()/compiled/<name>.json`` where it has ``keys`` and was
+    measured with the kernels as they are (``kernels.sources_digest``), else (or ``redo``) ``timer()`` -> (eager ms,
+    compiled ms) or a dict of ``keys``, measured here and saved there."""
     path = cache_home() / "compiled" / f"{name}.json"
+    digest = kernels.sources_digest()
     try:
         verdict = json.loads(path.read_text()) if path.exists() and not redo else None
     except (OSError, ValueError):
         verdict = None
-    if not isinstance(verdict, dict) or any(k not in verdict for k in keys):
+    if not isinstance(verdict, dict) or any(k not in verdict for k in keys) or verdict.get("kernels") != digest:
         got = timer()
         verdict = dict(zip(("eager_ms", "compiled_ms"), got)) if isinstance(got, tuple) else dict(got)
-        verdict = {k: round(v, 3) if isinstance(v, float) else v for k, v in verdict.items()}
+        verdict = {k: round(v, 3) if isinstance(v, float) else v for k, v in verdict.items()} | {"kernels": digest}
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps(verdict))
     return verdict

@@ -17,11 +17,13 @@ compiled programs call it).
 - ``attention()``: ``attention(qkv, kbuf, vbuf, bias, heads, scaling)``, rows' attention over a cache, each row's bits
   depending only on the keys it sees (``attention.cpp``; portable C++, vectorized for the CPU it is built on): the
   compiled decoder layers' attention (``fastpath.compiled``).
+- ``sources_digest()``: a digest of the sources, for caches of measurements that depend on them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -56,6 +58,14 @@ def avx512_cpu(vnni: bool = False) -> bool:
 def w4a8_cpu() -> bool:
     """Whether this CPU can run the ``w4a8`` kernel: AVX-512 with VNNI, on Linux."""
     return avx512_cpu(vnni=True)
+
+
+@functools.cache
+def sources_digest() -> str:
+    """A digest of every kernel's source: measurements of code that calls the kernels (a compiled program's timing
+    verdict) keep it and are taken again when a kernel changes."""
+    text = b"\0".join(path.read_bytes() for path in sorted(HERE.glob("*.cpp")))
+    return hashlib.sha256(text).hexdigest()[:16]
 
 
 def w4a8():
