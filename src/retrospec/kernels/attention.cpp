@@ -18,7 +18,8 @@
 // the (key / value head, row, query head) units, key / value head first; nothing is reduced across them. A thread
 // walks its units of one key / value head together, a block of keys at a time, so every row and every query head
 // of the group reads that block once from memory: over a long cache a k-row verification reads the cache about as
-// often as a one-token step (one pass per row and head read it k x heads / kv_heads times).
+// often as a one-token step (one pass per row and head read it k x heads / kv_heads times), and the query heads of
+// one row share each key's and each value's loads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -59,10 +60,9 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return acc[0];
 }
 
-// 16 keys' dots at once, each bitwise ``dot``: the same lanes, then the same tree as a transposed reduction.
-// ``kTail``: d is not a multiple of 16 (without one the accumulators never leave the registers).
-template <bool kTail>
-__attribute__((always_inline)) inline vf dot16(const float* q, const float* k, int64_t d) {
+// 16 keys' dots at once, each bitwise ``dot``: the same lanes, then the same tree as a transposed reduction (for d
+// not a multiple of 16; ``dot8`` serves the others).
+inline vf dot16(const float* q, const float* k, int64_t d) {
   vf acc[kLanes];
   for (int j = 0; j < kLanes; ++j) acc[j] = vf{};
   int64_t i = 0;
@@ -70,7 +70,7 @@ __attribute__((always_inline)) inline vf dot16(const float* q, const float* k, i
     const vf qv = load(q + i);
     for (int j = 0; j < kLanes; ++j) acc[j] = acc[j] + qv * load(k + j * d + i);
   }
-  if (kTail && i < d) {  // the last inputs, lane by lane as ``dot`` adds them
+  if (i < d) {  // the last inputs, lane by lane as ``dot`` adds them
     float part[kLanes];
     for (int j = 0; j < kLanes; ++j) {
       __builtin_memcpy(part, &acc[j], sizeof(part));
@@ -90,6 +90,36 @@ __attribute__((always_inline)) inline vf dot16(const float* q, const float* k, i
            SHUFFLE(c[2 * m], c[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return SHUFFLE(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +  // + 1: keys 0 .. 15
          SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// 8 keys' dots for G query heads at once, each key's bits ``dot``'s (d a multiple of 16): every key vector is
+// loaded once for the G heads; the same lanes, then the same tree as ``dot16``'s on 8 keys; lanes 0..7 of out[g].
+template <int G>
+__attribute__((always_inline)) inline void dot8(const float* const* q, const float* k, int64_t d, vf* out) {
+  vf acc[G][8];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 8; ++j) acc[g][j] = vf{};
+  for (int64_t i = 0; i + kLanes <= d; i += kLanes) {
+    vf qv[G];
+    for (int g = 0; g < G; ++g) qv[g] = load(q[g] + i);
+    for (int j = 0; j < 8; ++j) {
+      const vf kv = load(k + j * d + i);
+      for (int g = 0; g < G; ++g) acc[g][j] = acc[g][j] + qv[g] * kv;
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    vf b[4], c[2];
+    for (int m = 0; m < 4; ++m)
+      b[m] = SHUFFLE(acc[g][2 * m], acc[g][2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+             SHUFFLE(acc[g][2 * m], acc[g][2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int m = 0; m < 2; ++m)
+      c[m] = SHUFFLE(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+             SHUFFLE(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vf e = SHUFFLE(c[0], c[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                 SHUFFLE(c[0], c[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    out[g] = SHUFFLE(e, e, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
+             SHUFFLE(e, e, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+  }
 }
 
 // exp(x) for x <= 0, 16 at a time (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); below
@@ -177,7 +207,8 @@ constexpr int64_t kBlock = 64;  // keys per block (a multiple of kLanes): 16 KB 
 
 // s[i, j] = q[i] . k_j * scaling + bias[i][j] for the first ``whole`` keys (a multiple of 16), a block of keys
 // at a time for every pair; mv[i]: the lane-wise max of the seen scores.
-template <bool kTail>
+// s[i, j] = q[i] . k_j * scaling + bias[i][j] for the first ``whole`` keys (a multiple of 16), a block of keys
+// at a time for every pair; mv[i]: the lane-wise max of the seen scores. d not a multiple of 16.
 void scores(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
             float scaling, float* s, int64_t stride, vf* mv) {
   const float hidden = -std::numeric_limits<float>::infinity();
@@ -187,11 +218,52 @@ void scores(const float* const* q, const float* k, const float* const* bias, int
       vf m = mv[i];
       for (int64_t j = j0; j < j1; j += kLanes) {
         const vf b = load(bias[i] + j);
-        const vf sv = dot16<kTail>(q[i], k + j * d, d) * splat(scaling) + b;
+        const vf sv = dot16(q[i], k + j * d, d) * splat(scaling) + b;
         __builtin_memcpy(s + i * stride + j, &sv, sizeof(sv));
         m = (b != splat(hidden) && sv > m) ? sv : m;
       }
       mv[i] = m;
+    }
+  }
+}
+
+// ``scores`` for G heads of one row (one ``bias``) at once, 8 keys at a time (``dot8``), d a multiple of 16: the
+// same bits, each key vector loaded once for the G heads.
+template <int G>
+void scores_heads(const float* const* q, const float* k, const float* bias, int64_t j0, int64_t j1, int64_t d,
+                  float scaling, float* const* s, vf* mv) {
+  const float hidden = -std::numeric_limits<float>::infinity();
+  for (int64_t j = j0; j < j1; j += kLanes) {
+    vf lo[G], hi[G];
+    dot8<G>(q, k + j * d, d, lo);
+    dot8<G>(q, k + (j + 8) * d, d, hi);
+    const vf b = load(bias + j);
+    for (int g = 0; g < G; ++g) {
+      const vf dots = SHUFFLE(lo[g], hi[g], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);  // keys j..j+15
+      const vf sv = dots * splat(scaling) + b;
+      __builtin_memcpy(s[g] + j, &sv, sizeof(sv));
+      mv[g] = (b != splat(hidden) && sv > mv[g]) ? sv : mv[g];
+    }
+  }
+}
+
+// ``scores`` (d a multiple of 16) by runs of up to 3 pairs of one row (3 heads x 8 keys of accumulators: 24 of the
+// 32 vector registers)
+void scores_rows(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
+                 float scaling, float* s, int64_t stride, vf* mv) {
+  std::vector<float*> si(P);
+  for (int64_t i = 0; i < P; ++i) si[i] = s + i * stride;
+  for (int64_t j0 = 0; j0 < whole; j0 += kBlock) {
+    const int64_t j1 = j0 + kBlock < whole ? j0 + kBlock : whole;
+    for (int64_t i = 0; i < P;) {
+      int G = 1;
+      while (G < 3 && i + G < P && bias[i + G] == bias[i]) ++G;
+      switch (G) {
+        case 3: scores_heads<3>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
+        case 2: scores_heads<2>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
+        default: scores_heads<1>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i);
+      }
+      i += G;
     }
   }
 }
@@ -208,9 +280,9 @@ void pairs(const float* const* q, const float* k, const float* v, const float* c
   const int64_t whole = length / kLanes * kLanes;  // keys scored 16 at a time
   std::vector<vf> mv(P, splat(hidden));  // the max in any order is the max
   if (d % kLanes == 0)
-    scores<false>(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
+    scores_rows(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
   else
-    scores<true>(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
+    scores(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
   for (int64_t i = 0; i < P; ++i) {
     float* si = s + i * stride;
     const float* bi = bias[i];
@@ -241,7 +313,8 @@ void pairs(const float* const* q, const float* k, const float* v, const float* c
   std::vector<float> den(P, 0.f);
   for (int64_t j = 0; j < length; ++j)
     for (int64_t i = 0; i < P; ++i) den[i] = den[i] + s[i * stride + j];
-  // out = sum of e_j v_j, block after block, by up to 4 heads of one row at a time (they read the same keys); then / den
+  // out = sum of e_j v_j, block after block, by up to 4 heads of one row at a time (they read the same keys);
+  // then / den
   std::vector<const float*> e(P);
   for (int64_t i = 0; i < P; ++i) e[i] = s + i * stride;
   for (int64_t j0 = 0; j0 < length; j0 += kBlock) {
