@@ -271,9 +271,10 @@ def test_the_attention_kernel_is_attention_and_a_row_sees_only_its_keys():
     attention = torch.ops.retrospec.attention
     gen = torch.Generator().manual_seed(0)
     # d = 24: not a multiple of the kernel's 16 lanes; 300 positions: several key blocks, and rows reading them at once;
-    # groups of 3, 4 and 2 query heads per key / value head (the kernel scores up to 3 heads of a row together)
+    # groups of 3, 4 and 2 query heads per key / value head (the kernel scores up to 3 heads of a row together); 20
+    # rows: 60 units of a key / value head, walked in two passes
     for heads, kv_heads, d, cache, cases in ((6, 2, 24, 80, ((1, 1), (1, 37), (5, 50), (8, 73))),
-                                             (6, 2, 64, 300, ((1, 300), (11, 290), (3, 129))),
+                                             (6, 2, 64, 300, ((1, 300), (11, 290), (3, 129), (20, 250))),
                                              (8, 2, 64, 300, ((1, 300), (4, 131))), (4, 2, 64, 300, ((2, 200),))):
         kbuf, vbuf = (torch.randn(1, kv_heads, cache, d, generator=gen) for _ in "kv")
         for rows, length in cases:

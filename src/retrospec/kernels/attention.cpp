@@ -204,6 +204,7 @@ void weigh_heads(const float* const* e, int G, const float* v, const float* bias
 }
 
 constexpr int64_t kBlock = 64;  // keys per block (a multiple of kLanes): 16 KB of keys or values at d = 64, in L1
+constexpr int64_t kPass = 48;  // units of one key / value head walked together at most (bounds the scratch)
 
 // s[i, j] = q[i] . k_j * scaling + bias[i][j] for the first ``whole`` keys (a multiple of 16), a block of keys
 // at a time for every pair; mv[i]: the lane-wise max of the seen scores.
@@ -362,7 +363,9 @@ torch::Tensor attention(torch::Tensor qkv, torch::Tensor kbuf, torch::Tensor vbu
     std::vector<const float*> qs, bs;
     std::vector<float*> os;
     for (int64_t lo = a; lo < b;) {
-      const int64_t g = lo / per_kv, hi = (g + 1) * per_kv < b ? (g + 1) * per_kv : b;
+      // up to kPass units of one kv head per pass (their scores: kPass x L floats of scratch, whatever the rows)
+      const int64_t g = lo / per_kv, end = (g + 1) * per_kv < b ? (g + 1) * per_kv : b;
+      const int64_t hi = end - lo > kPass ? lo + kPass : end;
       qs.clear(), bs.clear(), os.clear();
       for (int64_t u = lo; u < hi; ++u) {
         const int64_t t = (u % per_kv) / group, h = g * group + u % group;
