@@ -248,25 +248,34 @@ void scores_heads(const float* const* q, const float* k, const float* bias, int6
   }
 }
 
+// fn(j0, j1, i, G) for every block [j0, j1) of the first ``length`` keys and, within it, every run of G <= ``most``
+// consecutive units i .. i + G - 1 of one row (one ``bias``): the units that can share each key's loads.
+template <typename Fn>
+void by_rows(const float* const* bias, int64_t P, int64_t length, int most, Fn fn) {
+  for (int64_t j0 = 0; j0 < length; j0 += kBlock) {
+    const int64_t j1 = j0 + kBlock < length ? j0 + kBlock : length;
+    for (int64_t i = 0; i < P;) {
+      int G = 1;
+      while (G < most && i + G < P && bias[i + G] == bias[i]) ++G;
+      fn(j0, j1, i, G);
+      i += G;
+    }
+  }
+}
+
 // ``scores`` (d a multiple of 16) by runs of up to 3 pairs of one row (3 heads x 8 keys of accumulators: 24 of the
 // 32 vector registers)
 void scores_rows(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
                  float scaling, float* s, int64_t stride, vf* mv) {
   std::vector<float*> si(P);
   for (int64_t i = 0; i < P; ++i) si[i] = s + i * stride;
-  for (int64_t j0 = 0; j0 < whole; j0 += kBlock) {
-    const int64_t j1 = j0 + kBlock < whole ? j0 + kBlock : whole;
-    for (int64_t i = 0; i < P;) {
-      int G = 1;
-      while (G < 3 && i + G < P && bias[i + G] == bias[i]) ++G;
-      switch (G) {
-        case 3: scores_heads<3>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
-        case 2: scores_heads<2>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
-        default: scores_heads<1>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i);
-      }
-      i += G;
+  by_rows(bias, P, whole, 3, [&](int64_t j0, int64_t j1, int64_t i, int G) {
+    switch (G) {
+      case 3: scores_heads<3>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
+      case 2: scores_heads<2>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
+      default: scores_heads<1>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i);
     }
-  }
+  });
 }
 
 // Several (row, head) pairs over one key / value head: ``q[i]``, ``bias[i]`` [L], ``out[i]`` [d] per pair i < P; ``s``
@@ -318,15 +327,9 @@ void pairs(const float* const* q, const float* k, const float* v, const float* c
   // then / den
   std::vector<const float*> e(P);
   for (int64_t i = 0; i < P; ++i) e[i] = s + i * stride;
-  for (int64_t j0 = 0; j0 < length; j0 += kBlock) {
-    const int64_t j1 = j0 + kBlock < length ? j0 + kBlock : length;
-    for (int64_t i = 0; i < P;) {
-      int G = 1;
-      while (G < 4 && i + G < P && bias[i + G] == bias[i]) ++G;
-      weigh_heads(e.data() + i, G, v, bias[i], j0, j1, d, out + i);
-      i += G;
-    }
-  }
+  by_rows(bias, P, length, 4, [&](int64_t j0, int64_t j1, int64_t i, int G) {
+    weigh_heads(e.data() + i, G, v, bias[i], j0, j1, d, out + i);
+  });
   for (int64_t i = 0; i < P; ++i)
     for (int64_t c = 0; c < d; ++c) out[i][c] = out[i][c] / den[i];
 }
