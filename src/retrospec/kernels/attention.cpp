@@ -207,8 +207,6 @@ constexpr int64_t kBlock = 64;  // keys per block (a multiple of kLanes): 16 KB 
 constexpr int64_t kPass = 48;  // units of one key / value head walked together at most (bounds the scratch)
 
 // s[i, j] = q[i] . k_j * scaling + bias[i][j] for the first ``whole`` keys (a multiple of 16), a block of keys
-// at a time for every pair; mv[i]: the lane-wise max of the seen scores.
-// s[i, j] = q[i] . k_j * scaling + bias[i][j] for the first ``whole`` keys (a multiple of 16), a block of keys
 // at a time for every pair; mv[i]: the lane-wise max of the seen scores. d not a multiple of 16.
 void scores(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
             float scaling, float* s, int64_t stride, vf* mv) {
