@@ -23,8 +23,8 @@ A draft's arithmetic changes what it proposes, never the output (the rules read 
 program need not be bitwise the eager block: it is kept where it is within ``compiled.ROUNDED_TOLERANCE`` of the
 block's own ``run`` on probes (one row, a chain, a tree), and faster here (timed at one row right after a sweep of
 64 MiB of other memory, as after a target step, interleaved; the verdict cached beside the program), and takes levels
-up to the widest one it was also faster for over a 4,096-position cache (its attention reads the cache once per row
-and head, so wide levels over long caches may favour the block's own). When:
+up to the widest one it was also faster for over a 4,096-position cache (wide levels over long caches may favour
+the block's own attention on some machines). When:
 ``RETROSPEC_COMPILE`` as for the target's layers (``auto``: blocks of hidden size at least
 ``compiled.AUTO_MIN_HIDDEN``; ``on``: any), for float32 blocks on the CPU without target features. A failed
 compile leaves the block's own modules with one warning.
@@ -210,8 +210,8 @@ def _checked(block, program: BlockProgram) -> str | None:
 def _timed(block, program: BlockProgram, reps: int = 9) -> dict:
     """{"eager_ms", "compiled_ms"}: median ms of a one-row drafting call over a 512-key ring and 512 cached positions,
     each timed right after a sweep of ``SWEEP_BYTES`` (as after a target step), the block's own and the program's in
-    turn; "max_rows": the widest level up to which the program was also faster over ``LONG`` cached positions (its
-    attention reads the cache once per row and head: many rows over a long cache favour the block's own attention)."""
+    turn; "max_rows": the widest level up to which the program was also faster over ``LONG`` cached positions (many
+    rows over a long cache may favour the block's own attention)."""
     call = _probe(block, 1, 512, 512, torch.Generator().manual_seed(1))
     sweep = torch.ones(SWEEP_BYTES // 4)
 
