@@ -60,46 +60,16 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return acc[0];
 }
 
-// 16 keys' dots at once, each bitwise ``dot``: the same lanes, then the same tree as a transposed reduction (for d
-// not a multiple of 16; ``dot8`` serves the others).
-inline vf dot16(const float* q, const float* k, int64_t d) {
-  vf acc[kLanes];
-  for (int j = 0; j < kLanes; ++j) acc[j] = vf{};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    const vf qv = load(q + i);
-    for (int j = 0; j < kLanes; ++j) acc[j] = acc[j] + qv * load(k + j * d + i);
-  }
-  if (i < d) {  // the last inputs, lane by lane as ``dot`` adds them
-    float part[kLanes];
-    for (int j = 0; j < kLanes; ++j) {
-      __builtin_memcpy(part, &acc[j], sizeof(part));
-      for (int64_t l = 0; i + l < d; ++l) part[l] = part[l] + q[i + l] * k[j * d + i + l];
-      __builtin_memcpy(&acc[j], part, sizeof(part));
-    }
-  }
-  vf b[8], c[4], e[2];
-  for (int m = 0; m < 8; ++m)  // lanes l + (l + 8): keys 2m | 2m + 1 in the halves
-    b[m] = SHUFFLE(acc[2 * m], acc[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           SHUFFLE(acc[2 * m], acc[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int m = 0; m < 4; ++m)  // + 4: keys 4m .. 4m + 3 in the quarters
-    c[m] = SHUFFLE(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           SHUFFLE(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int m = 0; m < 2; ++m)  // + 2: keys 8m .. 8m + 7 in lane pairs
-    e[m] = SHUFFLE(c[2 * m], c[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           SHUFFLE(c[2 * m], c[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return SHUFFLE(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +  // + 1: keys 0 .. 15
-         SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// 8 keys' dots for G query heads at once, each key's bits ``dot``'s (d a multiple of 16): every key vector is
-// loaded once for the G heads; the same lanes, then the same tree as ``dot16``'s on 8 keys; lanes 0..7 of out[g].
-template <int G>
+// 8 keys' dots for G query heads at once, each key's bits ``dot``'s: every key vector is loaded once for the G
+// heads; the same lanes (``kTail``: d not a multiple of 16, the last inputs lane by lane as ``dot`` adds them; without
+// one the accumulators never leave the registers), then ``dot``'s tree as a transposed reduction; lanes 0..7 of out[g].
+template <int G, bool kTail>
 __attribute__((always_inline)) inline void dot8(const float* const* q, const float* k, int64_t d, vf* out) {
   vf acc[G][8];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 8; ++j) acc[g][j] = vf{};
-  for (int64_t i = 0; i + kLanes <= d; i += kLanes) {
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
     vf qv[G];
     for (int g = 0; g < G; ++g) qv[g] = load(q[g] + i);
     for (int j = 0; j < 8; ++j) {
@@ -107,12 +77,21 @@ __attribute__((always_inline)) inline void dot8(const float* const* q, const flo
       for (int g = 0; g < G; ++g) acc[g][j] = acc[g][j] + qv[g] * kv;
     }
   }
+  if (kTail && i < d) {
+    float part[kLanes];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 8; ++j) {
+        __builtin_memcpy(part, &acc[g][j], sizeof(part));
+        for (int64_t l = 0; i + l < d; ++l) part[l] = part[l] + q[g][i + l] * k[j * d + i + l];
+        __builtin_memcpy(&acc[g][j], part, sizeof(part));
+      }
+  }
   for (int g = 0; g < G; ++g) {
     vf b[4], c[2];
-    for (int m = 0; m < 4; ++m)
+    for (int m = 0; m < 4; ++m)  // lanes l + (l + 8): keys 2m | 2m + 1 in the halves
       b[m] = SHUFFLE(acc[g][2 * m], acc[g][2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
              SHUFFLE(acc[g][2 * m], acc[g][2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < 2; ++m)  // + 4: keys 4m .. 4m + 3 in the quarters
       c[m] = SHUFFLE(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
              SHUFFLE(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     const vf e = SHUFFLE(c[0], c[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
@@ -206,36 +185,16 @@ void weigh_heads(const float* const* e, int G, const float* v, const float* bias
 constexpr int64_t kBlock = 64;  // keys per block (a multiple of kLanes): 16 KB of keys or values at d = 64, in L1
 constexpr int64_t kPass = 48;  // units of one key / value head walked together at most (bounds the scratch)
 
-// s[i, j] = q[i] . k_j * scaling + bias[i][j] for the first ``whole`` keys (a multiple of 16), a block of keys
-// at a time for every pair; mv[i]: the lane-wise max of the seen scores. d not a multiple of 16.
-void scores(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
-            float scaling, float* s, int64_t stride, vf* mv) {
-  const float hidden = -std::numeric_limits<float>::infinity();
-  for (int64_t j0 = 0; j0 < whole; j0 += kBlock) {
-    const int64_t j1 = j0 + kBlock < whole ? j0 + kBlock : whole;
-    for (int64_t i = 0; i < P; ++i) {
-      vf m = mv[i];
-      for (int64_t j = j0; j < j1; j += kLanes) {
-        const vf b = load(bias[i] + j);
-        const vf sv = dot16(q[i], k + j * d, d) * splat(scaling) + b;
-        __builtin_memcpy(s + i * stride + j, &sv, sizeof(sv));
-        m = (b != splat(hidden) && sv > m) ? sv : m;
-      }
-      mv[i] = m;
-    }
-  }
-}
-
-// ``scores`` for G heads of one row (one ``bias``) at once, 8 keys at a time (``dot8``), d a multiple of 16: the
-// same bits, each key vector loaded once for the G heads.
-template <int G>
+// s[g][j] = q[g] . k_j * scaling + bias[j] for G heads of one row (one ``bias``) and keys [j0, j1) (multiples of 16),
+// 8 keys at a time (``dot8``); mv[g]: the lane-wise max of the seen scores.
+template <int G, bool kTail>
 void scores_heads(const float* const* q, const float* k, const float* bias, int64_t j0, int64_t j1, int64_t d,
                   float scaling, float* const* s, vf* mv) {
   const float hidden = -std::numeric_limits<float>::infinity();
   for (int64_t j = j0; j < j1; j += kLanes) {
     vf lo[G], hi[G];
-    dot8<G>(q, k + j * d, d, lo);
-    dot8<G>(q, k + (j + 8) * d, d, hi);
+    dot8<G, kTail>(q, k + j * d, d, lo);
+    dot8<G, kTail>(q, k + (j + 8) * d, d, hi);
     const vf b = load(bias + j);
     for (int g = 0; g < G; ++g) {
       const vf dots = SHUFFLE(lo[g], hi[g], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);  // keys j..j+15
@@ -261,17 +220,18 @@ void by_rows(const float* const* bias, int64_t P, int64_t length, int most, Fn f
   }
 }
 
-// ``scores`` (d a multiple of 16) by runs of up to 3 pairs of one row (3 heads x 8 keys of accumulators: 24 of the
-// 32 vector registers)
-void scores_rows(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
+// ``scores_heads`` for every pair over the first ``whole`` keys (a multiple of 16), by runs of up to 3 pairs of one
+// row (3 heads x 8 keys of accumulators: 24 of the 32 vector registers)
+template <bool kTail>
+void scores(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
                  float scaling, float* s, int64_t stride, vf* mv) {
   std::vector<float*> si(P);
   for (int64_t i = 0; i < P; ++i) si[i] = s + i * stride;
   by_rows(bias, P, whole, 3, [&](int64_t j0, int64_t j1, int64_t i, int G) {
     switch (G) {
-      case 3: scores_heads<3>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
-      case 2: scores_heads<2>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
-      default: scores_heads<1>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i);
+      case 3: scores_heads<3, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
+      case 2: scores_heads<2, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i); break;
+      default: scores_heads<1, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i);
     }
   });
 }
@@ -288,9 +248,9 @@ void pairs(const float* const* q, const float* k, const float* v, const float* c
   const int64_t whole = length / kLanes * kLanes;  // keys scored 16 at a time
   std::vector<vf> mv(P, splat(hidden));  // the max in any order is the max
   if (d % kLanes == 0)
-    scores_rows(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
+    scores<false>(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
   else
-    scores(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
+    scores<true>(q, k, bias, P, whole, d, scaling, s, stride, mv.data());
   for (int64_t i = 0; i < P; ++i) {
     float* si = s + i * stride;
     const float* bi = bias[i];
