@@ -17,9 +17,10 @@ from retrospec.drafters import REGISTRY
 from retrospec.fastpath import engine as engine_mod
 from retrospec.fastpath import engine_for
 from retrospec.fastpath.linear import (HEAD_LAYOUTS, KernelLinear, PackedLinear, head_logits, kernel_available,
-                                       kernel_matmul, kernel_streamed, onednn_available, pack_weight)
+                                       kernel_matmul, kernel_prefetch, kernel_streamed, onednn_available,
+                                       pack_weight)
 from retrospec.fastpath.rows import rows_invariant
-from retrospec.fastpath.plan import ROWS, Plan, load_or_measure, linear_layers
+from retrospec.fastpath.plan import PREFETCH_BYTES, ROWS, Plan, load_or_measure, linear_layers
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
 
@@ -62,22 +63,23 @@ def test_kernel_linear_equals_linear_and_each_row_is_alone(bias):
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="no AVX-512 or no C++ compiler here: the f32 kernel is not built")
-def test_the_kernels_two_loop_orders_give_the_same_bits():
-    """Streamed (output after output) and register-blocked calls of 1..4 rows: bitwise the same products, so the
-    plan's choice between them changes the speed only."""
+def test_the_kernels_loop_orders_and_prefetch_distances_give_the_same_bits():
+    """Streamed (output after output) and register-blocked calls of 1..4 rows, and any prefetch distance at any row
+    count: bitwise the same products, so the plan's choices among them change the speed only."""
     torch.manual_seed(0)
-    before = kernel_streamed(0)
+    before, ahead = kernel_streamed(0), kernel_prefetch(0)
     try:
         for n, k in ((80, 48), (37, 50), (300, 23), (64, 576)):
             w = torch.randn(n, k)
-            for rows in (1, 2, 3, 4):
+            for rows in (1, 2, 3, 4, 5, 9):
                 x = torch.randn(rows, k)
-                kernel_streamed(0)
+                kernel_streamed(0), kernel_prefetch(0)
                 blocked = kernel_matmul(x, w)
-                kernel_streamed(4)
-                assert torch.equal(kernel_matmul(x, w), blocked)
+                for streamed, nbytes in ((4, 0), (0, 64), (4, 4096), (0, 1 << 15)):
+                    kernel_streamed(streamed), kernel_prefetch(nbytes)
+                    assert torch.equal(kernel_matmul(x, w), blocked), (n, k, rows, streamed, nbytes)
     finally:
-        kernel_streamed(before)
+        kernel_streamed(before), kernel_prefetch(ahead)
 
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
@@ -175,6 +177,10 @@ def test_a_measured_plan_is_cached_per_machine_and_shapes(target, tmp_path, monk
     assert len(files) == 1 and json.loads(files[0].read_text())["key"] == plan.key
     again = load_or_measure(lins, head)
     assert again.source == "cache" and again.packed_rows == plan.packed_rows and again.head == plan.head
+    assert (again.streamed, again.prefetch) == (plan.streamed, plan.prefetch)
+    if HAS_KERNEL:  # the prefetch distance is one of those timed, the fastest of them
+        timed = {int(nbytes): ms for nbytes, ms in plan.ms["prefetch"].items()}
+        assert set(timed) == set(PREFETCH_BYTES) and plan.prefetch == min(timed, key=timed.get)
     files[0].write_text("{not json")  # a corrupt cache entry is measured again, not trusted
     assert load_or_measure(lins, head).source == "measured"
 

@@ -43,7 +43,7 @@ from ..weight_only import WeightOnlyLinear
 from . import aot, compiled
 from .draft import draft_choice, pack_linears, row_product
 from .lean import LeanDecoder
-from .linear import head_logits, kernel_available, kernel_streamed, pack_weight
+from .linear import head_logits, kernel_available, kernel_prefetch, kernel_streamed, pack_weight
 from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode, model_plan_key
 from .rows import linear_modules, rows_invariant
 
@@ -167,6 +167,7 @@ class EngineModel:
                 self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
                 if self.plan.uses_kernel:
                     kernel_streamed(self.plan.streamed)  # the kernel's loop order measured for these shapes
+                    kernel_prefetch(self.plan.prefetch)
             else:
                 self.plan = forced_plan(how)
             if self.plan.packed_rows:  # the copy's own decoder linears; the caller's modules are untouched
@@ -268,7 +269,7 @@ class EngineModel:
             d.update(packed_rows=self.plan.packed_rows, kernel=self.plan.kernel, head=self.plan.head,
                      plan=self.plan.source, plan_seconds=round(self.plan.seconds, 2))
             if self.plan.uses_kernel:
-                d["streamed"] = self.plan.streamed
+                d.update(streamed=self.plan.streamed, prefetch=self.plan.prefetch)
         return d
 
 

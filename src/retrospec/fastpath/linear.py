@@ -86,6 +86,13 @@ def kernel_streamed(rows: int) -> int:
     return kernels.f32().set_streamed(rows)
 
 
+def kernel_prefetch(nbytes: int) -> int:
+    """Make ``kernels.f32``'s register-blocked calls prefetch the weights ``nbytes`` ahead of their loads into L2 (0:
+    no prefetching; streamed calls leave their one stream to the hardware); the same bits whatever the distance, only
+    the speed differs (``fastpath.plan`` measures it). Process-wide; returns the previous setting."""
+    return kernels.f32().set_prefetch(nbytes)
+
+
 def kernel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[..., in] x [out, in] -> [..., out] through ``kernels.f32`` (float32 rows)."""
     y = torch.ops.retrospec.f32_mm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])

@@ -5,14 +5,17 @@ T = 1..64 rows by a weight matrix. ``measure_plan`` times, on the model's own we
 - the decoder's linear layers, plain ``F.linear`` against oneDNN prepacked and, where it is built, ``kernels.f32``
   (``KernelLinear``), per row count in ``ROWS``: whole layers until ``SAMPLE_BYTES`` of weights (past the last-level
   cache: memory-bound like the real forward), scaled up;
-- the output head in each of ``linear.HEAD_LAYOUTS`` per row count.
+- the output head in each of ``linear.HEAD_LAYOUTS`` per row count;
+- how far ahead the kernel prefetches weights (``PREFETCH_BYTES``) and up to how many rows it streams
+  (``STREAM_ROWS``): loop choices of the same products.
 The kernel gives each row the same bits whatever the number of rows, which makes a verification bitwise one-token
 steps only if every row count takes it: it is taken for all row counts or none, where a one-row call (a decode
 step) plus an 8-row call (a verification) cost at most ``KERNEL_SLACK`` times the fastest other paths', separately
 for the decoder's linears and for the head (exact verification is worth a cost within the timing's own noise).
 Paths are timed in turn, so drift of the machine hits all alike.
-The ``Plan`` is cached as JSON under ``cache_home()/fastpath/`` keyed by machine, torch version, threads, dtype and
-shapes. A plan only picks among computations of the same products; it never changes what is computed.
+The ``Plan`` is cached as JSON under ``cache_home()/fastpath/`` keyed by machine, torch version, threads, dtype,
+shapes and the kernels' sources. A plan only picks among computations of the same products; it never changes what
+is computed.
 
 ``RETROSPEC_FASTPATH``: ``auto`` (default), ``packed`` (oneDNN everywhere: the tests force the fast path with it),
 ``kernel`` (``kernels.f32`` everywhere it is built), ``plain`` (plain matmuls, the engine's attention only) or
@@ -33,20 +36,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..atomic import write_text_atomic
 from ..paths import cache_home
 from ..weight_only import FORMAT_ATTR
-from .linear import HEAD_LAYOUTS, head_logits, kernel_available, kernel_matmul, kernel_streamed, onednn_available, \
-    pack_weight, packed_matmul
+from .linear import HEAD_LAYOUTS, head_logits, kernel_available, kernel_matmul, kernel_prefetch, kernel_streamed, \
+    onednn_available, pack_weight, packed_matmul
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a forward of r rows uses the bucket >= r
 SAMPLE_BYTES = 96 << 20  # decoder weights timed per measurement (then scaled to the whole decoder)
 REPS = 5
 MODES = ("auto", "packed", "kernel", "plain", "off")
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 KERNEL_ROWS = (1, 8)  # a decode step and a verification: where the kernel is compared with the other paths
 KERNEL_SLACK = 1.05  # taken where it costs at most this factor of the fastest others
 STREAM_ROWS = (1, 2, 4)  # row counts where the kernel's streamed loop order is timed against its blocked one
+PREFETCH_BYTES = (0, 8 << 10, 16 << 10, 32 << 10)  # how far ahead the kernel may prefetch (timed at KERNEL_ROWS)
 
 
 def bucket(rows: int) -> int | None:
@@ -65,6 +70,7 @@ class Plan:
     packed_rows: list[int] = field(default_factory=list)  # buckets where PackedLinear beats F.linear
     kernel: bool = False  # decoder linears as ``KernelLinear`` (then no packed rows)
     streamed: int = 2  # the kernel streams calls of at most this many rows (``linear.kernel_streamed``)
+    prefetch: int = 16 << 10  # bytes ahead the kernel prefetches weights (``linear.kernel_prefetch``)
     head: dict[int, str] = field(default_factory=dict)  # bucket -> layout in HEAD_LAYOUTS
     ms: dict = field(default_factory=dict)  # what was measured: {"linear": {path: {rows: ms}}, "head": {...}}
     key: str = ""
@@ -86,7 +92,7 @@ class Plan:
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
         return cls(packed_rows=[int(r) for r in d["packed_rows"]], kernel=bool(d.get("kernel")),
-                   streamed=int(d.get("streamed", 2)),
+                   streamed=int(d.get("streamed", 2)), prefetch=int(d.get("prefetch", 16 << 10)),
                    head={int(k): v for k, v in d["head"].items()},
                    ms=d.get("ms", {}), key=d.get("key", ""), seconds=0.0, source="cache")
 
@@ -130,7 +136,8 @@ def plan_key(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor |
     shapes = sorted({tuple(m.weight.shape) for m in decoder_linears})
     w = decoder_linears[0].weight if decoder_linears else head_weight
     parts = [machine_id(), torch.__version__, str(torch.get_num_threads()), str(w.dtype if w is not None else ""),
-             str(shapes), str(len(decoder_linears)), str(tuple(head_weight.shape) if head_weight is not None else ())]
+             str(shapes), str(len(decoder_linears)), str(tuple(head_weight.shape) if head_weight is not None else ()),
+             kernels.sources_digest()]  # a changed kernel is timed again (and so are the costs keyed on this)
     if w is not None and w.device.type != "cpu":  # a GPU's plan and profile are not the CPU's (CPU keys unchanged)
         parts.append(w.device.type)
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
@@ -200,6 +207,18 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
         kernel_streamed(streamed)
         return [kernel_matmul(xs[m.in_features], m.weight) for m in sample]
 
+    prefetch, ahead = Plan.prefetch, {}
+    if kernel:  # how far ahead to prefetch: the distance with the least time summed over KERNEL_ROWS
+        ahead = {nbytes: 0.0 for nbytes in PREFETCH_BYTES}
+        for r in KERNEL_ROWS:
+            xs = {m.in_features: torch.randn(1, r, m.in_features, dtype=dtype) for m in sample}
+            for nbytes, ms in interleaved_ms({nbytes: lambda nbytes=nbytes: (kernel_prefetch(nbytes),
+                                                                              through_kernel(xs, 0))
+                                              for nbytes in PREFETCH_BYTES}).items():
+                ahead[nbytes] += ms
+        prefetch = min(PREFETCH_BYTES, key=ahead.get)
+        kernel_prefetch(prefetch)
+
     for r in ROWS:
         xs = {m.in_features: torch.randn(1, r, m.in_features, dtype=dtype) for m in sample}
         paths = {"plain": lambda: [F.linear(xs[m.in_features], m.weight) for m in sample],
@@ -231,8 +250,9 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
         for r in ROWS:
             head[r] = "kernel" if whole else min((lay for lay in layouts if lay != "kernel"),
                                                  key=lambda lay: head_ms[lay][r])
-    return Plan(packed_rows=packed_rows, kernel=kernel, streamed=streamed, head=head,
-                ms={"linear": lin, "head": head_ms, "sampled_share": 1 / scale}, key=key,
+    return Plan(packed_rows=packed_rows, kernel=kernel, streamed=streamed, prefetch=prefetch, head=head,
+                ms={"linear": lin, "head": head_ms, "sampled_share": 1 / scale,
+                    "prefetch": {nbytes: scale * ms for nbytes, ms in ahead.items()}}, key=key,
                 seconds=time.perf_counter() - t0, source="measured")
 
 

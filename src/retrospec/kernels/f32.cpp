@@ -9,11 +9,15 @@
 //   y[r, n] = the 16 lanes of acc summed (a fixed tree)
 // (the last block masked where K is not a multiple of 16), so each row's result is bitwise independent of the
 // others (row invariance). Two loop orders compute these same bits: for a few rows, output after output, each
-// weight row read once as one sequential stream (what the hardware prefetcher follows best); for more rows, blocks
-// of (rows x outputs) accumulators (one weight load serves every row of the block; independent chains hide the FMA
-// latency). Which row counts stream is the caller's choice (``set_streamed``: measured by ``fastpath.plan``); it
-// changes the speed, never a bit. Threads split the outputs. Over ``kMaxRows`` rows (a prompt) it calls
-// at::matmul (compute-bound there; its rows are not this kernel's bits).
+// weight row read once as one sequential stream; for more rows, blocks of (up to 4 rows x 4 outputs) accumulators
+// (one weight load serves every row of the block, one input load every output; independent chains hide the FMA
+// latency; the block's 4 weight rows are read from cache again for each further 4 rows). The blocked order
+// prefetches the weights it will read ``prefetch`` bytes ahead into L2: without it, a call of 3..16 rows computed
+// and waited on memory in turn (1.4-2x the time of the same call with it, on a 2-core AMD EPYC); the streamed one
+// leaves its one stream to the hardware prefetcher (a prefetch per load cost a one-row call 2-4 % there). Which
+// row counts stream and how far ahead to prefetch are the caller's choice (``set_streamed``, ``set_prefetch``:
+// measured by ``fastpath.plan``); they change the speed, never a bit. Threads split the outputs. Over ``kMaxRows``
+// rows (a prompt) it calls at::matmul (compute-bound there; its rows are not this kernel's bits).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,27 +28,29 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 64, kChunk = 32, kOuts = 8;  // rows handled here; outputs per parallel work, per unit
+constexpr int64_t kMaxRows = 64, kChunk = 32, kOuts = 4;  // rows handled here; outputs per parallel work, per block
 std::atomic<int64_t> streamed{2};  // calls of at most this many rows run output after output (see the header)
+std::atomic<int64_t> prefetch{16 << 10};  // bytes ahead of its loads a blocked call prefetches (0: none)
 
-template <int R, int NO, bool kPrefetch = true>
-void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t outs) {
+// rows [0, R) x outputs [0, NO): y[r, j] = x[r] . w[j] (the header's arithmetic), prefetching (kPrefetch) each
+// weight row ``ahead`` floats beyond the part it loads
+template <int R, int NO, bool kPrefetch>
+void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead) {
   __m512 acc[R][NO];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t full = K / 16 * 16;
   for (int64_t k = 0; k < full; k += 16) {
     __m512 wv[NO];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int j = 0; j < NO; ++j) {
-      // fetch the same inputs of the outputs kOuts ahead (the next unit's weights, while this one computes)
-      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (kOuts + j) * K + k), _MM_HINT_T0);
+      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + ahead), _MM_HINT_T1);
       wv[j] = _mm512_loadu_ps(w + j * K + k);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
     }
   }
@@ -58,55 +64,44 @@ void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NO && j < outs; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+    for (int j = 0; j < NO; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-// rows [0, R) x kOuts outputs: one block of 8 accumulator chains per row for up to 2 rows, two blocks of 4 above
-template <int R>
-void unit(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-  if constexpr (R <= 2) {
-    block<R, kOuts>(x, K, w, y, ldy, kOuts);
-  } else {
-    block<R, kOuts / 2>(x, K, w, y, ldy, kOuts / 2);
-    block<R, kOuts / 2>(x, K, w + kOuts / 2 * K, y + kOuts / 2, ldy, kOuts / 2);
+// rows [0, R) (R = 1..4) x outputs [0, NO) of a call
+template <int NO, bool kPrefetch>
+void rows_block(int64_t R, const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead) {
+  switch (R) {
+    case 4: block<4, NO, kPrefetch>(x, K, w, y, ldy, ahead); break;
+    case 3: block<3, NO, kPrefetch>(x, K, w, y, ldy, ahead); break;
+    case 2: block<2, NO, kPrefetch>(x, K, w, y, ldy, ahead); break;
+    default: block<1, NO, kPrefetch>(x, K, w, y, ldy, ahead); break;
   }
 }
 
-// every row x outputs [n0, n1) of a call of at most 4 rows, output after output: one weight row, one stream
-void streamed_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
-                    int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    switch (M) {
-      case 4: block<4, 1, false>(x, K, w + n * K, y + n, N, 1); break;
-      case 3: block<3, 1, false>(x, K, w + n * K, y + n, N, 1); break;
-      case 2: block<2, 1, false>(x, K, w + n * K, y + n, N, 1); break;
-      default: block<1, 1, false>(x, K, w + n * K, y + n, N, 1); break;
-    }
-  }
-}
-
-// every row x outputs [n0, n1): streamed (above) where the caller chose it for M rows; else per unit of kOuts
-// outputs (read from memory once, then from L1), rows by 4, then the rest; outputs past the last full unit one at a
-// time
-void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  if (M <= std::min<int64_t>(4, streamed.load(std::memory_order_relaxed)))
-    return streamed_range(x, M, K, w, y, N, n0, n1);
+// every row x outputs [n0, n1) of M rows, per block of kOuts outputs, rows by 4 (then the rest); outputs past the
+// last full block one at a time
+template <bool kPrefetch>
+void blocked_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+                   int64_t n1, int64_t ahead) {
   int64_t n = n0;
-  for (; n + kOuts <= n1; n += kOuts) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) unit<4>(x + r * K, K, w + n * K, y + r * N + n, N);
-    switch (M - r) {
-      case 3: unit<3>(x + r * K, K, w + n * K, y + r * N + n, N); break;
-      case 2: unit<2>(x + r * K, K, w + n * K, y + r * N + n, N); break;
-      case 1: unit<1>(x + r * K, K, w + n * K, y + r * N + n, N); break;
-      default: break;
-    }
+  for (; n + kOuts <= n1; n += kOuts)
+    for (int64_t r = 0; r < M; r += 4)
+      rows_block<kOuts, kPrefetch>(std::min<int64_t>(4, M - r), x + r * K, K, w + n * K, y + r * N + n, N, ahead);
+  for (; n < n1; ++n)
+    for (int64_t r = 0; r < M; r += 4)
+      rows_block<1, kPrefetch>(std::min<int64_t>(4, M - r), x + r * K, K, w + n * K, y + r * N + n, N, ahead);
+}
+
+// every row x outputs [n0, n1): output after output where the caller chose it for M rows (at most 4), one stream
+// left to the hardware prefetcher; else blocked, prefetching ``prefetch`` bytes ahead where that is set
+void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  if (M <= std::min<int64_t>(4, streamed.load(std::memory_order_relaxed))) {
+    for (int64_t n = n0; n < n1; ++n) rows_block<1, false>(M, x, K, w + n * K, y + n, N, 0);
+    return;
   }
-  for (; n < n1; ++n) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) block<4, 1>(x + r * K, K, w + n * K, y + r * N + n, N, 1);
-    for (; r < M; ++r) block<1, 1>(x + r * K, K, w + n * K, y + r * N + n, N, 1);
-  }
+  const int64_t ahead = prefetch.load(std::memory_order_relaxed) / int64_t(sizeof(float));
+  if (ahead) return blocked_range<true>(x, M, K, w, y, N, n0, n1, ahead);
+  blocked_range<false>(x, M, K, w, y, N, n0, n1, 0);
 }
 
 }  // namespace
@@ -156,6 +151,12 @@ torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w) { return f32_mm_cat(x, {w
 // calls of at most ``rows`` rows (0..4) run output after output from now on; returns the previous setting
 int64_t set_streamed(int64_t rows) { return streamed.exchange(std::max<int64_t>(0, std::min<int64_t>(4, rows))); }
 
+// calls in the blocked order prefetch the weights ``bytes`` ahead of their loads from now on (0: no prefetching);
+// returns the previous setting
+int64_t set_prefetch(int64_t bytes) {
+  return prefetch.exchange(std::max<int64_t>(0, std::min<int64_t>(1 << 20, bytes)));
+}
+
 TORCH_LIBRARY_FRAGMENT(retrospec, m) {
   m.def("f32_mm(Tensor x, Tensor w) -> Tensor");
   m.def("f32_mm_cat(Tensor x, Tensor[] ws) -> Tensor");
@@ -169,4 +170,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_mm", &f32_mm, "f32 matmul for few rows (see the header)");
   m.def("f32_mm_cat", &f32_mm_cat, "f32 matmuls by several weights side by side (see f32_mm_cat)");
   m.def("set_streamed", &set_streamed, "calls of at most this many rows (0..4) stream output after output");
+  m.def("set_prefetch", &set_prefetch, "blocked calls prefetch weights this many bytes ahead of their loads (0: none)");
 }
