@@ -92,7 +92,7 @@ class Plan:
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
         return cls(packed_rows=[int(r) for r in d["packed_rows"]], kernel=bool(d.get("kernel")),
-                   streamed=int(d.get("streamed", 2)), prefetch=int(d.get("prefetch", 16 << 10)),
+                   streamed=int(d.get("streamed", cls.streamed)), prefetch=int(d.get("prefetch", cls.prefetch)),
                    head={int(k): v for k, v in d["head"].items()},
                    ms=d.get("ms", {}), key=d.get("key", ""), seconds=0.0, source="cache")
 

@@ -28,7 +28,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 64, kChunk = 32, kOuts = 4;  // rows handled here; outputs per parallel work, per block
+constexpr int64_t kMaxRows = 64, kChunk = 32;  // rows handled here; outputs per unit of parallel work
+constexpr int64_t kRows = 4, kOuts = 4;  // a block's rows and outputs (also the most rows that stream)
 std::atomic<int64_t> streamed{2};  // calls of at most this many rows run output after output (see the header)
 std::atomic<int64_t> prefetch{16 << 10};  // bytes ahead of its loads a blocked call prefetches (0: none)
 
@@ -67,7 +68,7 @@ void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int
     for (int j = 0; j < NO; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-// rows [0, R) (R = 1..4) x outputs [0, NO) of a call
+// rows [0, R) (R = 1..kRows) x outputs [0, NO) of a call
 template <int NO, bool kPrefetch>
 void rows_block(int64_t R, const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead) {
   switch (R) {
@@ -78,24 +79,24 @@ void rows_block(int64_t R, const float* x, int64_t K, const float* w, float* y, 
   }
 }
 
-// every row x outputs [n0, n1) of M rows, per block of kOuts outputs, rows by 4 (then the rest); outputs past the
-// last full block one at a time
+// every row x outputs [n0, n1) of M rows, per block of kOuts outputs, rows by kRows (then the rest); outputs past
+// the last full block one at a time
 template <bool kPrefetch>
 void blocked_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
                    int64_t n1, int64_t ahead) {
   int64_t n = n0;
   for (; n + kOuts <= n1; n += kOuts)
-    for (int64_t r = 0; r < M; r += 4)
-      rows_block<kOuts, kPrefetch>(std::min<int64_t>(4, M - r), x + r * K, K, w + n * K, y + r * N + n, N, ahead);
+    for (int64_t r = 0; r < M; r += kRows)
+      rows_block<kOuts, kPrefetch>(std::min(kRows, M - r), x + r * K, K, w + n * K, y + r * N + n, N, ahead);
   for (; n < n1; ++n)
-    for (int64_t r = 0; r < M; r += 4)
-      rows_block<1, kPrefetch>(std::min<int64_t>(4, M - r), x + r * K, K, w + n * K, y + r * N + n, N, ahead);
+    for (int64_t r = 0; r < M; r += kRows)
+      rows_block<1, kPrefetch>(std::min(kRows, M - r), x + r * K, K, w + n * K, y + r * N + n, N, ahead);
 }
 
-// every row x outputs [n0, n1): output after output where the caller chose it for M rows (at most 4), one stream
+// every row x outputs [n0, n1): output after output where the caller chose it for M rows (at most kRows), one stream
 // left to the hardware prefetcher; else blocked, prefetching ``prefetch`` bytes ahead where that is set
 void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  if (M <= std::min<int64_t>(4, streamed.load(std::memory_order_relaxed))) {
+  if (M <= std::min(kRows, streamed.load(std::memory_order_relaxed))) {
     for (int64_t n = n0; n < n1; ++n) rows_block<1, false>(M, x, K, w + n * K, y + n, N, 0);
     return;
   }
@@ -149,7 +150,7 @@ torch::Tensor f32_mm_cat(torch::Tensor x, std::vector<torch::Tensor> ws) {
 torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w) { return f32_mm_cat(x, {w}); }
 
 // calls of at most ``rows`` rows (0..4) run output after output from now on; returns the previous setting
-int64_t set_streamed(int64_t rows) { return streamed.exchange(std::max<int64_t>(0, std::min<int64_t>(4, rows))); }
+int64_t set_streamed(int64_t rows) { return streamed.exchange(std::max<int64_t>(0, std::min(kRows, rows))); }
 
 // calls in the blocked order prefetch the weights ``bytes`` ahead of their loads from now on (0: no prefetching);
 // returns the previous setting
