@@ -170,7 +170,11 @@ def test_cli_generate_and_info(cli, saved_models, tmp_path):
     assert recs.rc == 0, recs.err
     assert [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()] == [
         r for r in exported if r["prompt"] in want]
+    greedy = cli("corpus", "export", tmp_path / "corpus", "--target", saved_models.target, "--temperature", 0,
+                 "--out", tmp_path / "g.jsonl")  # every record here is greedy
+    assert greedy.rc == 0 and (tmp_path / "g.jsonl").read_text() == (tmp_path / "c.jsonl").read_text(), greedy.err
     for bad, fragment in ((["--source", "wiki"], "sources are mbpp"), (["--heldout-prompts", "1"], "share in"),
+                          (["--temperature", "0.7"], "sampled at 0"),
                           (["--heldout-prompts", "0.5", "--skip-heldout", "0.1"], "no --skip-heldout"),
                           (["--heldout-records", "0.5", "--skip-heldout", "0.1"], "no --skip-heldout"),
                           (["--heldout-records", "0"], "share in"),
@@ -290,6 +294,9 @@ def test_cli_pack_and_unpack(cli, saved_models, tmp_path):
     assert res.rc == 0 and read_corpus(tmp_path / "u") == read_corpus(tmp_path / "c")
     res = cli("corpus", "unpack", tmp_path / "c", "--out", tmp_path / "v")  # a corpus, not a pack
     assert res.rc == 2 and "not a packed corpus" in res.err and "Traceback" not in res.err
+    res = cli("corpus", "export", tmp_path / "p", "--out", tmp_path / "x.jsonl")  # a pack, not a corpus
+    assert res.rc == 2 and "unpack it first" in res.err and "Traceback" not in res.err
+    assert not (tmp_path / "x.jsonl").exists()
 
 
 def test_the_corpus_kept_in_the_repository_unpacks_for_the_bundled_target(tmp_path):

@@ -60,6 +60,9 @@ def add_parser(sub) -> None:
                         "scores a store on their completions)")
     e.add_argument("--source", default=None, metavar="NAME[,NAME]",
                    help="only the records of these prompt sources (e.g. stdlib, or self-instruct,tasks)")
+    e.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="only the records sampled at this temperature (0: the greedy replies, what a greedy decode "
+                        "meets)")
     e.set_defaults(func=run_export)
     i = verbs.add_parser("info", help="print a corpus's manifest")
     i.add_argument("path")
@@ -184,6 +187,12 @@ def run_export(args) -> int:
             raise RetrospecError(f"--source {args.source!r}: this corpus's sources are "
                                  f"{', '.join(sorted(str(p) for p in present if p is not None))}")
         records = [r for r in records if r.get("source") in wanted]
+    if args.temperature is not None:
+        present = sorted({float(r["temperature"]) for r in records if r.get("temperature") is not None})
+        if args.temperature not in present:
+            raise RetrospecError(f"--temperature {args.temperature:g}: this corpus's records were sampled at "
+                                 f"{', '.join(f'{t:g}' for t in present) or 'no recorded temperature'}")
+        records = [r for r in records if r.get("temperature") == args.temperature]
     if held is not None:  # prompts only: no tokenizer needed
         rows = {}
         for r in records:

@@ -321,8 +321,11 @@ def read_corpus(path: str | Path, target=None) -> list[dict]:
     d = Path(path)
     manifest = read_manifest(d)
     where = f"corrupt corpus {path}"
+    shards = sorted(d.glob("shard-*.jsonl"))
+    if not shards and "packed" in manifest:
+        raise RetrospecError(f"{path} is a packed corpus; unpack it first: retrospec corpus unpack {path} --out DIR")
     out = []
-    for f in sorted(d.glob("shard-*.jsonl")):
+    for f in shards:
         for number, record in read_jsonl(f, where):
             for key in ("prompt_ids", "output_ids"):
                 ids = record.get(key)
