@@ -109,7 +109,9 @@ def test_eval_walks_the_targets_own_replies_as_a_decode(cli, saved_models, files
         out = walk(tmp_path / kind)
         assert out["walked_documents"] == len(walked) > 0 and out["decode_steps"] == len(walked), kind
         assert out["decode_tau"] == pytest.approx(sum(len(r["completion_ids"]) for r in walked) / len(walked))
-    assert 1 <= walk(stores / "suffix")["decode_tau"] < out["decode_tau"]
+        assert out["ceiling_tau"] == pytest.approx(out["decode_tau"])  # the tree already holds the best path
+    other = walk(stores / "suffix")
+    assert 1 <= other["decode_tau"] < out["decode_tau"] and other["ceiling_steps"] > 0
 
 
 @pytest.mark.parametrize("kind,shape", [("suffix", None), ("dense", None), ("suffix", (2, 3)), ("dense", (1, 2))])
@@ -154,6 +156,18 @@ def test_a_decode_walk_counts_what_greedy_verification_accepts():
     assert _walk(ids, 5, three) == (6, 24)
     assert _walk(ids, 5, three, max_new=10) == (3, 10)  # 3 + 1, 3 + 1, then room for 1 drafted: 1 + 1
     assert _walk_summary([0, 1], [(6, 24), (2, 3)]) == {"walked_documents": 2, "decode_steps": 8, "decode_tau": 27 / 8}
+
+
+def test_the_ceiling_drafts_the_retrieved_row_that_matches_longest():
+    import numpy as np
+
+    from retrospec.bench.datastore_eval import _best_chain
+
+    rows = np.array([[5, 6, 9, -1], [5, 6, 7, 8], [4, 6, 7, 8], [5, 6, 7, -1]])  # [M, L], -1 after an end
+    assert _best_chain(rows, [5, 6, 7, 8, 1]).tokens.tolist() == [5, 6, 7, 8]
+    assert _best_chain(rows, [5, 6, 9]).tokens.tolist() == [5, 6, 9]  # a row's end is no match
+    assert _best_chain(rows, [1, 2]).tokens.tolist() == [5, 6, 9]  # none matches: the first row, accepting none
+    assert len(_best_chain(np.zeros((0, 4), np.int64), [1])) == 0
 
 
 def test_id_generations_are_saved_and_reused(cli, saved_models, stores, tmp_path):

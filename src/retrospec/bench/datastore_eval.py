@@ -21,6 +21,11 @@ scored: what the target wrote, which is what a drafter meets while decoding.
   tokens (``--from-generations``) it is the tau of an ungated greedy bench of the same prompts and length, up to
   the hidden states' rounding; ``tree_prefix`` counts every position once, ``decode_tau`` only those a decode
   meets (after an accepted draft it skips ahead);
+- both: ``ceiling_tau``, the same walks with each step drafting, of every continuation the drafter retrieved there
+  (REST: its sampled occurrences; DReSD: its neighbours that passed the token filter), the one that matches the
+  text longest. At a step no tree built from those continuations, whatever its ranking or node budget, accepts
+  more than that path, so ``ceiling_tau`` is what re-ranking the same retrieval can reach (over a walk, up to
+  where the steps land); beyond it takes a store whose contents recur in the text, or more neighbours searched;
 - latency, p50 / p99 in milliseconds, wall clock and thread CPU time: ``search`` (suffix: longest-suffix search;
   dense: transform + FAISS search) and ``lookup`` (the drafter's whole step: search, continuations / filtering,
   tree), the target forward excluded.
@@ -119,11 +124,32 @@ def _walks(docs: list[TokenDoc], walked: list[int], proposer, max_new: int | Non
     return out
 
 
-def _walk_summary(walked: list[int], walks: list[tuple[int, int]]) -> dict:
+def _walk_summary(walked: list[int], walks: list[tuple[int, int]], name: str = "decode") -> dict:
     """Walks' totals; ``decode_tau`` = tokens / steps, as the bench's tau is new tokens / target calls."""
     steps, tokens = sum(s for s, _ in walks), sum(t for _, t in walks)
-    return {"walked_documents": len(walked), "decode_steps": steps,
-            "decode_tau": tokens / steps if steps else 0.0}
+    out = {f"{name}_steps": steps, f"{name}_tau": tokens / steps if steps else 0.0}
+    return {"walked_documents": len(walked)} | out if name == "decode" else out
+
+
+def _best_chain(rows: np.ndarray, truth: list[int]) -> DraftTree:
+    """The one row of ``rows`` [M, L] (-1 padded) that reproduces ``truth`` longest, as a chain: the path any tree
+    built from these rows (whatever its ranking or node budget) could at best accept along the text."""
+    if not len(rows):
+        return DraftTree.empty()
+    want = np.full(rows.shape[1], -2, dtype=np.int64)
+    want[: min(len(truth), rows.shape[1])] = truth[: rows.shape[1]]
+    matched = np.cumprod(rows == want, axis=1).sum(1)  # [M] prefix each row reproduces
+    best = rows[int(matched.argmax())]
+    return DraftTree.chain([int(t) for t in best if t >= 0])
+
+
+def _ceiling(docs: list[TokenDoc], walked: list[int], candidates, max_new: int | None, budget: int) -> dict:
+    """``ceiling_tau``: the walks again, each step drafting ``_best_chain`` of the continuations the drafter
+    retrieved there (``candidates(d, ids, pos)`` -> [M, L]): at each step, what no ranking of them exceeds."""
+    def proposer(d: int, ids: list[int]):
+        return lambda pos, _budget: _best_chain(candidates(d, ids, pos), ids[pos + 1 : pos + 1 + budget])
+
+    return _walk_summary(walked, _walks(docs, walked, proposer, max_new, budget), "ceiling")
 
 
 class Timer:
@@ -188,12 +214,19 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
             return drafter.propose(ctx, budget)
         return propose
 
+    def candidates(d: int, ids: list[int], pos: int) -> np.ndarray:
+        match = store.search(ids[max(0, pos - drafter.max_suffix + 1) : pos + 1], drafter.max_suffix,
+                             drafter.min_suffix)
+        return np.zeros((0, draft_len), np.int32) if match is None else store.sample(match, draft_len,
+                                                                                      drafter.max_samples)
+
     walked = _walked(docs, walk_docs, seed)
     walks = _walks(docs, walked, proposer, max_new, num_drafts * draft_len)
+    ceiling = _ceiling(docs, walked, candidates, max_new, num_drafts * draft_len)
     return {"queries": n, "num_drafts": num_drafts, "draft_len": draft_len, "hit_rate": hits / n if n else 0.0,
             "mean_match_length": float(np.mean(lengths)) if lengths else 0.0,
             "top1_prefix": float(np.mean(top1)) if n else 0.0, "tree_prefix": float(np.mean(tree_acc)) if n else 0.0,
-            } | _walk_summary(walked, walks) | search_t.summary("search") | lookup_t.summary("lookup")
+            } | _walk_summary(walked, walks) | ceiling | search_t.summary("search") | lookup_t.summary("lookup")
 
 
 def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queries: int = 1000, k: int = 10,
@@ -243,9 +276,15 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
             return drafter.tree(drafter.continuations(hidden[row_of[d] + pos - 1], ids[pos]), budget)
         return propose
 
+    def candidates(d: int, ids: list[int], pos: int) -> np.ndarray:
+        if pos == 0:
+            return np.zeros((0, drafter._len), np.int64)
+        return drafter.continuations(hidden[row_of[d] + pos - 1], ids[pos])
+
     walks = _walks(docs, walked, proposer, max_new, budget)
+    ceiling = _ceiling(docs, walked, candidates, max_new, budget)
     return {"queries": len(queries), "num_drafts": num_drafts, "draft_len": min(draft_len, store.value_len), "k": k,
             "match_len": match_len, "mrr_next_token": float(np.mean(rr1)),
             f"mrr_{match_len}_tokens": float(np.mean(rrn)), "top1_prefix": float(np.mean(top1)),
-            "tree_prefix": float(np.mean(tree_acc))} | _walk_summary(walked, walks) | search_t.summary("search") \
-        | lookup_t.summary("lookup")
+            "tree_prefix": float(np.mean(tree_acc))} | _walk_summary(walked, walks) | ceiling \
+        | search_t.summary("search") | lookup_t.summary("lookup")
