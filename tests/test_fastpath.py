@@ -20,7 +20,8 @@ from retrospec.fastpath.linear import (HEAD_LAYOUTS, KernelLinear, PackedLinear,
                                        kernel_matmul, kernel_prefetch, kernel_streamed, onednn_available,
                                        pack_weight)
 from retrospec.fastpath.rows import rows_invariant
-from retrospec.fastpath.plan import PREFETCH_BYTES, ROWS, Plan, load_or_measure, linear_layers
+from retrospec.fastpath.plan import ATTENTION_AHEAD, PREFETCH_BYTES, ROWS, Plan, attention_prefetch, \
+    attention_shape, load_or_measure, linear_layers
 from retrospec.types import DraftTree
 from retrospec.verify import Verifier
 
@@ -80,6 +81,31 @@ def test_the_kernels_loop_orders_and_prefetch_distances_give_the_same_bits():
                     assert torch.equal(kernel_matmul(x, w), blocked), (n, k, rows, streamed, nbytes)
     finally:
         kernel_streamed(before), kernel_prefetch(ahead)
+
+
+def test_the_attention_kernels_prefetch_distance_changes_no_bit():
+    """Prefetching keys and values any distance ahead (or not at all), over caches and masks of several shapes,
+    rows of one call and a tree's gaps: bitwise the same attention, so the plan's choice changes the speed only."""
+    from retrospec import kernels
+
+    if kernels.attention() is None:
+        pytest.skip("no C++ compiler here: the attention kernel is not built")
+    op, gen = torch.ops.retrospec.attention, torch.Generator().manual_seed(0)
+    before = attention_prefetch(0)
+    try:
+        for length, d, heads, kv_heads, rows in ((1029, 64, 9, 3, 1), (777, 64, 8, 2, 5), (300, 48, 4, 4, 16),
+                                                 (70, 72, 6, 3, 3)):
+            qkv = torch.randn(rows, heads + 2 * kv_heads, d, generator=gen)
+            k, v = (torch.randn(1, kv_heads, length + 40, d, generator=gen) for _ in "kv")
+            bias = torch.zeros(rows, length)
+            bias[:, 3::7] = float("-inf")  # keys a row does not see, as a tree's rows skip their siblings
+            attention_prefetch(0)
+            plain = op(qkv, k, v, bias, heads, 0.125)
+            for keys in (1, 16, 64, 4096):
+                attention_prefetch(keys)
+                assert torch.equal(op(qkv, k, v, bias, heads, 0.125), plain), (length, d, rows, keys)
+    finally:
+        attention_prefetch(before)
 
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
@@ -183,6 +209,15 @@ def test_a_measured_plan_is_cached_per_machine_and_shapes(target, tmp_path, monk
         assert set(timed) == set(PREFETCH_BYTES) and plan.prefetch == min(timed, key=timed.get)
     files[0].write_text("{not json")  # a corrupt cache entry is measured again, not trusted
     assert load_or_measure(lins, head).source == "measured"
+    from retrospec import kernels
+
+    shape = attention_shape(target.config)  # with the attention's shape: its prefetch timed too, its own entry
+    timed = load_or_measure(lins, head, attention=shape, layers=2)
+    assert timed.key != plan.key and len(list((tmp_path / "fastpath").glob("*.json"))) == 2
+    if kernels.attention() is not None:
+        ms = {int(keys): t for keys, t in timed.ms["attention_ahead"].items()}
+        assert set(ms) == set(ATTENTION_AHEAD) and timed.attention_ahead == min(ms, key=ms.get)
+    assert load_or_measure(lins, head, attention=shape, layers=2).attention_ahead == timed.attention_ahead
 
 
 def test_auto_mode_uses_the_measured_plan(target, tmp_path, monkeypatch):

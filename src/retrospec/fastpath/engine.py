@@ -44,7 +44,8 @@ from . import aot, compiled
 from .draft import draft_choice, pack_linears, row_product
 from .lean import LeanDecoder
 from .linear import head_logits, kernel_available, kernel_prefetch, kernel_streamed, pack_weight
-from .plan import ROWS, Plan, forced_plan, linear_layers, load_or_measure, median_ms, mode, model_plan_key
+from .plan import ROWS, Plan, attention_prefetch, attention_shape, forced_plan, linear_layers, load_or_measure, \
+    median_ms, mode, model_plan_key
 from .rows import linear_modules, rows_invariant
 
 CROSSOVER_LENGTHS = (256, 1024, 4096, 16384)  # cache lengths at which hybrid tree attention is timed against sdpa
@@ -164,10 +165,14 @@ class EngineModel:
                 self.head_fn = row_product(head.weight, head_choice)
                 pack_dtype = torch.bfloat16 if choice == "packed-bf16" else None
             elif how == "auto":
-                self.plan = load_or_measure(linears, head.weight, remeasure=remeasure)
+                shape = attention_shape(clone.config) if attention == "prefix_block" else None
+                self.plan = load_or_measure(linears, head.weight, remeasure=remeasure, attention=shape,
+                                            layers=int(getattr(clone.config, "num_hidden_layers", 1) or 1))
                 if self.plan.uses_kernel:
                     kernel_streamed(self.plan.streamed)  # the kernel's loop order measured for these shapes
                     kernel_prefetch(self.plan.prefetch)
+                if shape is not None:
+                    attention_prefetch(self.plan.attention_ahead)
             else:
                 self.plan = forced_plan(how)
             if self.plan.packed_rows:  # the copy's own decoder linears; the caller's modules are untouched
@@ -270,6 +275,8 @@ class EngineModel:
                      plan=self.plan.source, plan_seconds=round(self.plan.seconds, 2))
             if self.plan.uses_kernel:
                 d.update(streamed=self.plan.streamed, prefetch=self.plan.prefetch)
+            if self.plan.ms.get("attention_ahead"):
+                d["attention_ahead"] = self.plan.attention_ahead
         return d
 
 

@@ -7,7 +7,9 @@ T = 1..64 rows by a weight matrix. ``measure_plan`` times, on the model's own we
   cache: memory-bound like the real forward), scaled up;
 - the output head in each of ``linear.HEAD_LAYOUTS`` per row count;
 - how far ahead the kernel prefetches weights (``PREFETCH_BYTES``) and up to how many rows it streams
-  (``STREAM_ROWS``): loop choices of the same products.
+  (``STREAM_ROWS``): loop choices of the same products;
+- given the model's attention shape, whether ``kernels.attention`` prefetches the cache ahead of its reads
+  (``ATTENTION_AHEAD`` keys), timed over ``ATTENTION_CACHE`` positions of one-row attention: the same bits either way.
 The kernel gives each row the same bits whatever the number of rows, which makes a verification bitwise one-token
 steps only if every row count takes it: it is taken for all row counts or none, where a one-row call (a decode
 step) plus an 8-row call (a verification) cost at most ``KERNEL_SLACK`` times the fastest other paths', separately
@@ -52,6 +54,8 @@ KERNEL_ROWS = (1, 8)  # a decode step and a verification: where the kernel is co
 KERNEL_SLACK = 1.05  # taken where it costs at most this factor of the fastest others
 STREAM_ROWS = (1, 2, 4)  # row counts where the kernel's streamed loop order is timed against its blocked one
 PREFETCH_BYTES = (0, 8 << 10, 16 << 10, 32 << 10)  # how far ahead the kernel may prefetch (timed at KERNEL_ROWS)
+ATTENTION_AHEAD = (0, 64)  # keys ahead the attention kernel may prefetch keys and values (0: none)
+ATTENTION_CACHE = 4096  # cached positions the attention's prefetch is timed over (layers until SAMPLE_BYTES)
 
 
 def bucket(rows: int) -> int | None:
@@ -71,6 +75,7 @@ class Plan:
     kernel: bool = False  # decoder linears as ``KernelLinear`` (then no packed rows)
     streamed: int = 2  # the kernel streams calls of at most this many rows (``linear.kernel_streamed``)
     prefetch: int = 16 << 10  # bytes ahead the kernel prefetches weights (``linear.kernel_prefetch``)
+    attention_ahead: int = 64  # keys ahead the attention kernel prefetches the cache (``attention_prefetch``)
     head: dict[int, str] = field(default_factory=dict)  # bucket -> layout in HEAD_LAYOUTS
     ms: dict = field(default_factory=dict)  # what was measured: {"linear": {path: {rows: ms}}, "head": {...}}
     key: str = ""
@@ -93,6 +98,7 @@ class Plan:
     def from_json(cls, d: dict) -> "Plan":
         return cls(packed_rows=[int(r) for r in d["packed_rows"]], kernel=bool(d.get("kernel")),
                    streamed=int(d.get("streamed", cls.streamed)), prefetch=int(d.get("prefetch", cls.prefetch)),
+                   attention_ahead=int(d.get("attention_ahead", cls.attention_ahead)),
                    head={int(k): v for k, v in d["head"].items()},
                    ms=d.get("ms", {}), key=d.get("key", ""), seconds=0.0, source="cache")
 
@@ -132,12 +138,57 @@ def linear_layers(decoder: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for m in decoder.modules() if type(m) is torch.nn.Linear]
 
 
-def plan_key(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None) -> str:
+def attention_prefetch(keys: int) -> int:
+    """Make ``kernels.attention`` prefetch keys and values ``keys`` keys ahead of its reads (0: none), process-wide;
+    the same bits whatever the distance. Returns the previous distance (0 where the kernel is not built)."""
+    module = kernels.attention()
+    return module.set_prefetch(keys) if module is not None else 0
+
+
+def attention_shape(config) -> tuple[int, int, int] | None:
+    """(heads, kv heads, head dim) of a transformers config, or None where it does not say."""
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    if not heads or not hidden:
+        return None
+    return int(heads), int(getattr(config, "num_key_value_heads", None) or heads), \
+        int(getattr(config, "head_dim", None) or hidden // heads)
+
+
+@torch.inference_mode()
+def measure_attention_ahead(shape: tuple[int, int, int], layers: int) -> dict[int, float]:
+    """{keys ahead: ms} of one-row attention over ``ATTENTION_CACHE`` cached positions in each of up to ``layers``
+    layers' buffers (as many as fill ``SAMPLE_BYTES``: past the last-level cache, like a long decode step)."""
+    heads, kv_heads, head_dim = shape
+    per_layer = 2 * kv_heads * ATTENTION_CACHE * head_dim * 4
+    n = max(1, min(layers, SAMPLE_BYTES // per_layer))
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(1, kv_heads, ATTENTION_CACHE, head_dim, generator=gen),
+               torch.randn(1, kv_heads, ATTENTION_CACHE, head_dim, generator=gen)) for _ in range(n)]
+    qkv = torch.randn(1, heads + 2 * kv_heads, head_dim, generator=gen)
+    bias = torch.zeros(1, ATTENTION_CACHE)
+    op = torch.ops.retrospec.attention
+    before = attention_prefetch(ATTENTION_AHEAD[-1])
+
+    def run(keys: int):
+        attention_prefetch(keys)
+        for k, v in caches:
+            op(qkv, k, v, bias, heads, 1.0)
+
+    try:
+        return interleaved_ms({keys: lambda keys=keys: run(keys) for keys in ATTENTION_AHEAD})
+    finally:
+        attention_prefetch(before)
+
+
+def plan_key(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None,
+             attention: tuple[int, int, int] | None = None) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in decoder_linears})
     w = decoder_linears[0].weight if decoder_linears else head_weight
     parts = [machine_id(), torch.__version__, str(torch.get_num_threads()), str(w.dtype if w is not None else ""),
              str(shapes), str(len(decoder_linears)), str(tuple(head_weight.shape) if head_weight is not None else ()),
              kernels.sources_digest()]  # a changed kernel is timed again (and so are the costs keyed on this)
+    if attention is not None:  # the attention's prefetch is timed on its shape
+        parts.append(str(tuple(attention)))
     if w is not None and w.device.type != "cpu":  # a GPU's plan and profile are not the CPU's (CPU keys unchanged)
         parts.append(w.device.type)
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
@@ -186,8 +237,10 @@ def median_ms(fn, reps: int = REPS, device: torch.device | None = None) -> float
 
 
 @torch.inference_mode()
-def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None, key: str = "") -> Plan:
-    """Time plain against prepacked linears and every head layout on these weights (see the module docstring)."""
+def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None, key: str = "",
+                 attention: tuple[int, int, int] | None = None, layers: int = 1) -> Plan:
+    """Time plain against prepacked linears and every head layout on these weights, and with ``attention`` (heads,
+    kv heads, head dim; ``layers`` of them) the attention kernel's prefetch (see the module docstring)."""
     t0 = time.perf_counter()
     sample, total, nbytes = [], sum(m.weight.numel() * m.weight.element_size() for m in decoder_linears), 0
     for m in decoder_linears:  # whole modules in forward order until SAMPLE_BYTES
@@ -250,9 +303,15 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
         for r in ROWS:
             head[r] = "kernel" if whole else min((lay for lay in layouts if lay != "kernel"),
                                                  key=lambda lay: head_ms[lay][r])
-    return Plan(packed_rows=packed_rows, kernel=kernel, streamed=streamed, prefetch=prefetch, head=head,
+    attention_ms = {}
+    if attention is not None and dtype == torch.float32 and kernels.attention() is not None:
+        attention_ms = measure_attention_ahead(attention, layers)
+    attention_ahead = min(attention_ms, key=attention_ms.get) if attention_ms else Plan.attention_ahead
+    return Plan(packed_rows=packed_rows, kernel=kernel, streamed=streamed, prefetch=prefetch,
+                attention_ahead=attention_ahead, head=head,
                 ms={"linear": lin, "head": head_ms, "sampled_share": 1 / scale,
-                    "prefetch": {nbytes: scale * ms for nbytes, ms in ahead.items()}}, key=key,
+                    "prefetch": {nbytes: scale * ms for nbytes, ms in ahead.items()},
+                    "attention_ahead": attention_ms}, key=key,
                 seconds=time.perf_counter() - t0, source="measured")
 
 
@@ -289,12 +348,12 @@ def interleaved_ms(fns: dict, reps: int = REPS) -> dict:
 
 
 def load_or_measure(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tensor | None,
-                    remeasure: bool = False) -> Plan:
+                    remeasure: bool = False, attention: tuple[int, int, int] | None = None, layers: int = 1) -> Plan:
     """The cached plan for these shapes on this machine, measured (and written atomically) when absent."""
-    key = plan_key(decoder_linears, head_weight)
+    key = plan_key(decoder_linears, head_weight, attention)
 
     def measure():
-        plan = measure_plan(decoder_linears, head_weight, key)
+        plan = measure_plan(decoder_linears, head_weight, key, attention, layers)
         return plan, plan.to_json()
 
     return cached_json(cache_home() / "fastpath" / f"{key}.json", measure, remeasure,
