@@ -215,10 +215,7 @@ def eval_suffix(store, docs: list[TokenDoc], *, max_queries: int = 1000, seed: i
         return propose
 
     def candidates(d: int, ids: list[int], pos: int) -> np.ndarray:
-        match = store.search(ids[max(0, pos - drafter.max_suffix + 1) : pos + 1], drafter.max_suffix,
-                             drafter.min_suffix)
-        return np.zeros((0, draft_len), np.int32) if match is None else store.sample(match, draft_len,
-                                                                                      drafter.max_samples)
+        return drafter.continuations(ids[: pos + 1])
 
     walked = _walked(docs, walk_docs, seed)
     walks = _walks(docs, walked, proposer, max_new, num_drafts * draft_len)
@@ -277,8 +274,8 @@ def eval_dense(store, model: torch.nn.Module, docs: list[TokenDoc], *, max_queri
         return propose
 
     def candidates(d: int, ids: list[int], pos: int) -> np.ndarray:
-        if pos == 0:
-            return np.zeros((0, drafter._len), np.int64)
+        if pos == 0:  # no state produced the first token: no retrieval
+            return np.zeros((0, 1), np.int64)
         return drafter.continuations(hidden[row_of[d] + pos - 1], ids[pos])
 
     walks = _walks(docs, walked, proposer, max_new, budget)

@@ -11,6 +11,8 @@ defaults: 3 x 20 greedy, 10 x 10 sampling, as ``dresd``, so the two compare at e
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import RetrospecError
 from ..tree import frequency_trie
 from ..types import DraftTree
@@ -43,15 +45,19 @@ class RestDrafter:
         self._len = self.draft_len or length
         self._nodes = self.max_nodes or (self.num_drafts or k) * self._len
 
+    def continuations(self, tokens) -> np.ndarray:
+        """[S, L] continuations of the longest suffix of ``tokens`` found in the store, in lexicographic order
+        (-1 after an EOS); no rows where no suffix of ``min_suffix`` tokens occurs."""
+        match = self.store.search(tokens, self.max_suffix, self.min_suffix)
+        if match is None:
+            return np.zeros((0, self._len), dtype=np.int32)
+        return self.store.sample(match, self._len, self.max_samples)
+
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         n = min(self._nodes, budget)
         if n <= 0:
             return DraftTree.empty()
-        match = self.store.search(ctx.tokens, self.max_suffix, self.min_suffix)
-        if match is None:
-            return DraftTree.empty()
-        rows = self.store.sample(match, self._len, self.max_samples)  # [S, L] in lexicographic order
-        return frequency_trie(rows, None, n, presorted=True)
+        return frequency_trie(self.continuations(ctx.tokens), None, n, presorted=True)
 
     def observe(self, accepted: int, drafted: int) -> None:
         pass

@@ -167,7 +167,7 @@ def measure_attention_ahead(shape: tuple[int, int, int], layers: int) -> dict[in
     qkv = torch.randn(1, heads + 2 * kv_heads, head_dim, generator=gen)
     bias = torch.zeros(1, ATTENTION_CACHE)
     op = torch.ops.retrospec.attention
-    before = attention_prefetch(ATTENTION_AHEAD[-1])
+    before = attention_prefetch(0)  # the distance in force, restored after
 
     def run(keys: int):
         attention_prefetch(keys)
