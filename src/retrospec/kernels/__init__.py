@@ -15,8 +15,8 @@ compiled programs call it).
   a handle (``w8a8_hold`` / ``w8a8_release``), so a compiled layer can call it (``w8a8.cpp``; glue only, where this
   build has fbgemm).
 - ``attention()``: ``attention(qkv, kbuf, vbuf, bias, heads, scaling)``, rows' attention over a cache, each row's bits
-  depending only on the keys it sees (``attention.cpp``; portable C++, vectorized for the CPU it is built on): the
-  compiled decoder layers' attention (``fastpath.compiled``).
+  depending only on the keys it sees (``attention.cpp``; portable C++ in vectors of the CPU's width, ``vector_width``):
+  the compiled decoder layers' attention (``fastpath.compiled``).
 - ``sources_digest()``: a digest of the sources, for caches of measurements that depend on them.
 """
 
@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 F32_FLAGS = ("-O3", "-fopenmp", *AVX512_FLAGS)
 W4A8_FLAGS = (*F32_FLAGS, "-mavx512vnni")
+VECTOR_FLAGS = {"avx512": AVX512_FLAGS, "avx2": ("-mavx2", "-mfma"), "portable": ()}  # attention builds, widest 1st
 _BUILT: dict[str, object] = {}  # kernel name -> loaded module, or None where it cannot run here
 _SHAPES: dict[str, object] = {}  # operator -> its registered shape function (once per process)
 
@@ -90,10 +91,17 @@ def w8a8():
                    "w8a8 layers are not compiled", python_module=False)
 
 
+def vector_width() -> str:
+    """Which of ``VECTOR_FLAGS`` the attention kernel is built with here: ``avx512`` (16 floats a vector), ``avx2``
+    (8, with FMA) or ``portable`` (4: SSE, NEON; the compiler's own choice of instructions)."""
+    if avx512_cpu():
+        return "avx512"
+    return "avx2" if getattr(torch.cpu, "_is_avx2_supported", lambda: False)() else "portable"
+
+
 def attention():
     """The ``attention`` kernel module, or None where it cannot be built (no C++ compiler)."""
-    vector = AVX512_FLAGS if avx512_cpu() else ("-mavx2", "-mfma") if getattr(
-        torch.cpu, "_is_avx2_supported", lambda: False)() else ()
+    vector = VECTOR_FLAGS[vector_width()]
     return _kernel("attention", ("-O3", "-fopenmp", "-ffp-contract=off", *vector), True,
                    lambda qkv, kbuf, vbuf, bias, heads, scaling: qkv.new_empty(qkv.shape[0], heads * qkv.shape[2]),
                    "decoder layers are not compiled", op="attention")

@@ -10,7 +10,9 @@
 // position, so a row's sums change with where masked keys sit and how many rows share the call: a draft tree's rows
 // (whose visible keys are not a prefix) and a k-token verification would not be bitwise the one-token steps along
 // their paths. Here, per row and head, with keys in cache order:
-//   s_j = (q . k_j, 16 lanes then a fixed sum) * scaling + bias_j      for the keys the row sees (skipped otherwise)
+//   s_j = (q . k_j, kLanes lanes then a fixed sum) * scaling + bias_j  for the keys the row sees (skipped otherwise)
+//     (kLanes: the CPU's vector, 16 floats with AVX-512, 8 with AVX2, else 4; the products summed by fused
+//     multiply-adds where the CPU has them, in every path: a build's arithmetic is fixed by its width)
 //   m = max s_j;  e_j = exp(s_j - m) (one vectorized exp for every key);  den = sum of e_j, one after another;
 //   out = (sum of e_j v_j, in order) / den
 // A key a row does not see adds nothing anywhere, so its result depends only on the keys it sees, in their order:
@@ -21,10 +23,16 @@
 // often as a one-token step (one pass per row and head read it k x heads / kv_heads times), and the query heads of
 // one row share each key's and each value's loads.
 // Over a long cache each block's keys (and values) are prefetched into L2 ``ahead`` keys before they are read, at a
-// distance the caller sets (``set_prefetch``; 0: none): one stream a thread, which the hardware prefetcher alone left
-// at about two thirds of the rate the weights' matmuls read memory at. A prefetch changes no arithmetic.
+// distance the caller sets (``set_prefetch``; 0: none), by the first units that read the block: one stream a thread,
+// which the hardware prefetcher alone left at about two thirds of the rate the weights' matmuls read memory at. A
+// prefetch changes no arithmetic.
+#ifndef RETROSPEC_ATTENTION_CORE_ONLY  // defined by the test that builds the core alone for each vector width
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <atomic>
 #include <cmath>
@@ -34,16 +42,31 @@
 
 namespace {
 
-constexpr int kLanes = 16;
+#define INLINE __attribute__((always_inline)) inline  // every helper: its vectors stay in registers
+
+// The vector: the CPU's own width, so the compiler never splits one (a split vector went through memory: several
+// times slower); kScoreHeads / kWeighVecs: how many query heads ``scores`` and feature vectors ``weigh`` keep in
+// registers at once (AVX-512 has 32 vector registers, the others 16).
+#if defined(__AVX512F__)
+#define RS_LANES 16
+constexpr int kScoreHeads = 3, kWeighVecs = 4;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RS_LANES 8
+constexpr int kScoreHeads = 1, kWeighVecs = 2;
+#else
+#define RS_LANES 4
+constexpr int kScoreHeads = 2, kWeighVecs = 2;
+#endif
+constexpr int kLanes = RS_LANES;
 std::atomic<int64_t> prefetch_keys{64};  // keys ahead of its reads a call prefetches keys and values (0: none)
 
 // The cache lines of [p, p + bytes) into L2 (a hint: never faults, changes nothing computed).
-inline void prefetch_l2(const float* p, int64_t bytes) {
+INLINE void prefetch_l2(const float* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
 }
-typedef float vf __attribute__((vector_size(64)));  // 16 floats: the compiler maps it to the CPU's vectors
-typedef int vi __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * RS_LANES)));
+typedef int vi __attribute__((vector_size(4 * RS_LANES)));
 
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -51,71 +74,136 @@ typedef int vi __attribute__((vector_size(64)));
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
 
-inline vf load(const float* p) {
+INLINE vf load(const float* p) {
   vf v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline vf splat(float x) { return vf{} + x; }
+#if RS_LANES == 16  // a broadcast (vf{} + x would add: not x where x is -0)
+INLINE vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#elif RS_LANES == 8
+INLINE vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
+#else
+INLINE vf splat(float x) { return vf{x, x, x, x}; }
+#endif
 
-// One key's score lanes -> their sum, by the fixed tree acc[l] += acc[l + w] for w = 8, 4, 2, 1.
-inline float dot(const float* a, const float* b, int64_t d) {
-  float acc[kLanes] = {0};  // lane l: inputs l, l + 16, l + 32, ... in order
+// a * b + c rounded once where the CPU fuses multiply-adds, in every path below (the vector lanes and the scalar
+// tails alike), else rounded twice everywhere: either way a key's bits are the same on whichever path sums it.
+// ``in_register``: a vector loaded once and kept in a register for the several multiply-adds that read it (the
+// compiler would fold the load into each of them: one load per multiply-add, which bounded both loops).
+#if defined(__AVX512F__)
+INLINE vf fma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+INLINE float fma1(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+INLINE void in_register(vf& x) { __asm__("" : "+v"(x)); }
+#elif RS_LANES == 8
+INLINE vf fma(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+INLINE float fma1(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+INLINE void in_register(vf& x) { __asm__("" : "+x"(x)); }
+#else
+INLINE vf fma(vf a, vf b, vf c) { return a * b + c; }  // built with -ffp-contract=off: never fused
+INLINE float fma1(float a, float b, float c) { return a * b + c; }
+INLINE void in_register(vf&) {}
+#endif
+
+// One key's score lanes -> their sum, by the fixed tree acc[l] += acc[l + w] for w = kLanes / 2, ..., 2, 1.
+INLINE float dot(const float* a, const float* b, int64_t d) {
+  float acc[kLanes] = {0};  // lane l: inputs l, l + kLanes, l + 2 kLanes, ... in order
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] + a[i + l] * b[i + l];
-  for (int64_t l = 0; i + l < d; ++l) acc[l] = acc[l] + a[i + l] * b[i + l];
+    for (int l = 0; l < kLanes; ++l) acc[l] = fma1(a[i + l], b[i + l], acc[l]);
+  for (int64_t l = 0; i + l < d; ++l) acc[l] = fma1(a[i + l], b[i + l], acc[l]);
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) acc[l] = acc[l] + acc[l + w];
   return acc[0];
 }
 
-// 8 keys' dots for G query heads at once, each key's bits ``dot``'s: every key vector is loaded once for the G
-// heads; the same lanes (``kTail``: d not a multiple of 16, the last inputs lane by lane as ``dot`` adds them; without
-// one the accumulators never leave the registers), then ``dot``'s tree as a transposed reduction; lanes 0..7 of out[g].
-template <int G, bool kTail>
-__attribute__((always_inline)) inline void dot8(const float* const* q, const float* k, int64_t d, vf* out) {
-  vf acc[G][8];
+// ``dot``'s lanes for N keys and G query heads at once (acc[g][j]: key j, head g): every key vector is loaded once
+// for the G heads; ``kTail``: d not a multiple of kLanes, the last inputs lane by lane as ``dot`` adds them (without
+// one the accumulators never leave the registers).
+template <int G, int N, bool kTail>
+INLINE void lanes(const float* const* q, const float* k, int64_t d, vf (*acc)[N]) {
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 8; ++j) acc[g][j] = vf{};
+    for (int j = 0; j < N; ++j) acc[g][j] = vf{};
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) {
     vf qv[G];
     for (int g = 0; g < G; ++g) qv[g] = load(q[g] + i);
-    for (int j = 0; j < 8; ++j) {
-      const vf kv = load(k + j * d + i);
-      for (int g = 0; g < G; ++g) acc[g][j] = acc[g][j] + qv[g] * kv;
+    for (int j = 0; j < N; ++j) {
+      vf kv = load(k + j * d + i);
+      in_register(kv);  // one load for the G heads
+      for (int g = 0; g < G; ++g) acc[g][j] = fma(qv[g], kv, acc[g][j]);
     }
   }
   if (kTail && i < d) {
     float part[kLanes];
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < N; ++j) {
         __builtin_memcpy(part, &acc[g][j], sizeof(part));
-        for (int64_t l = 0; i + l < d; ++l) part[l] = part[l] + q[g][i + l] * k[j * d + i + l];
+        for (int64_t l = 0; i + l < d; ++l) part[l] = fma1(q[g][i + l], k[j * d + i + l], part[l]);
         __builtin_memcpy(&acc[g][j], part, sizeof(part));
       }
   }
-  for (int g = 0; g < G; ++g) {
-    vf b[4], c[2];
-    for (int m = 0; m < 4; ++m)  // lanes l + (l + 8): keys 2m | 2m + 1 in the halves
-      b[m] = SHUFFLE(acc[g][2 * m], acc[g][2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-             SHUFFLE(acc[g][2 * m], acc[g][2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int m = 0; m < 2; ++m)  // + 4: keys 4m .. 4m + 3 in the quarters
-      c[m] = SHUFFLE(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-             SHUFFLE(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    const vf e = SHUFFLE(c[0], c[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-                 SHUFFLE(c[0], c[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    out[g] = SHUFFLE(e, e, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
-             SHUFFLE(e, e, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-  }
 }
 
-// exp(x) for x <= 0, 16 at a time (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); below
+// ``dot``'s tree over the lanes of kKeys keys at once, as a transposed reduction: tree(a) lane j = key j's sum
+// (lanes 0..7 with 16 lanes, every lane otherwise).
+#if RS_LANES == 16
+constexpr int kKeys = 8;
+INLINE vf tree(const vf* a) {
+  vf b[4], c[2];
+  for (int m = 0; m < 4; ++m)  // lanes l + (l + 8): keys 2m | 2m + 1 in the halves
+    b[m] = SHUFFLE(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(a[2 * m], a[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int m = 0; m < 2; ++m)  // + 4: keys 4m .. 4m + 3 in the quarters
+    c[m] = SHUFFLE(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUFFLE(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vf e = SHUFFLE(c[0], c[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SHUFFLE(c[0], c[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUFFLE(e, e, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
+         SHUFFLE(e, e, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#elif RS_LANES == 8
+constexpr int kKeys = 8;
+INLINE vf tree(const vf* a) {
+  vf b[4], c[2];
+  for (int m = 0; m < 4; ++m)  // lanes l + (l + 4): keys 2m | 2m + 1 in the halves
+    b[m] = SHUFFLE(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(a[2 * m], a[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int m = 0; m < 2; ++m)  // + 2: keys 4m .. 4m + 3 in the quarters
+    c[m] = SHUFFLE(b[2 * m], b[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           SHUFFLE(b[2 * m], b[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#else
+constexpr int kKeys = 4;
+INLINE vf tree(const vf* a) {
+  vf b[2];
+  for (int m = 0; m < 2; ++m)  // lanes l + (l + 2): keys 2m | 2m + 1 in the halves
+    b[m] = SHUFFLE(a[2 * m], a[2 * m + 1], 0, 1, 4, 5) + SHUFFLE(a[2 * m], a[2 * m + 1], 2, 3, 6, 7);
+  return SHUFFLE(b[0], b[1], 0, 2, 4, 6) + SHUFFLE(b[0], b[1], 1, 3, 5, 7);
+}
+#endif
+
+// kLanes keys' dots for G query heads, each key's bits ``dot``'s: out[g] lane j = q[g] . k_j.
+template <int G, bool kTail>
+INLINE void dots(const float* const* q, const float* k, int64_t d, vf* out) {
+  vf acc[G][kKeys];
+  lanes<G, kKeys, kTail>(q, k, d, acc);
+#if RS_LANES == 16
+  vf hi[G][kKeys];
+  lanes<G, kKeys, kTail>(q, k + kKeys * d, d, hi);
+  for (int g = 0; g < G; ++g)  // keys 0..7 | 8..15
+    out[g] = SHUFFLE(tree(acc[g]), tree(hi[g]), 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+#else
+  for (int g = 0; g < G; ++g) out[g] = tree(acc[g]);
+#endif
+}
+
+// exp(x) for x <= 0, kLanes at a time (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); below
 // -87 (under float's smallest normal) it is 0. Every value goes through here, so a key's e_j is the same wherever
 // it sits.
-inline vf vexp(vf x) {
+INLINE vf vexp(vf x) {
   const vi under = x < splat(-87.0f);
   x = x < splat(-87.0f) ? splat(-87.0f) : x;
   vf t = x * splat(1.44269504088896341f) + splat(0.5f);
@@ -137,8 +225,8 @@ inline vf vexp(vf x) {
 }
 
 // For G query heads reading one row's keys (one ``bias``): out[g][0 .. n) += sum over the seen keys j in [j0, j1),
-// in order, of e[g][j] v_j[0 .. n): F vectors of 16 features in registers (loaded from and stored back to ``out``:
-// exact), the last n - 16 F features lane by lane; each value vector is loaded once for the G heads. Called for
+// in order, of e[g][j] v_j[0 .. n): F vectors of kLanes features in registers (loaded from and stored back to ``out``:
+// exact), the last n - kLanes F features lane by lane; each value vector is loaded once for the G heads. Called for
 // consecutive key blocks from out = 0, a head's sums are those of one pass over every key (the same operations, the
 // same order, whatever G).
 template <int G, int F>
@@ -152,16 +240,21 @@ void weigh(const float* const* e, const float* v, const float* bias, int64_t j0,
     for (int c = 0; c < F; ++c) acc[g][c] = load(out[g] + i0 + c * kLanes);
     for (int64_t l = 0; l < tail; ++l) rest[g][l] = out[g][i0 + F * kLanes + l];
   }
+  const float* ep[G];
+  for (int g = 0; g < G; ++g) ep[g] = e[g];
   for (int64_t j = j0; j < j1; ++j) {
     if (ahead) prefetch_l2(v + (j + ahead) * d + i0, n * int64_t(sizeof(float)));
     if (bias[j] == hidden) continue;
     const float* vj = v + j * d + i0;
+    vf ev[G];
+    for (int g = 0; g < G; ++g) ev[g] = splat(ep[g][j]);
     for (int c = 0; c < F; ++c) {
-      const vf vv = load(vj + c * kLanes);
-      for (int g = 0; g < G; ++g) acc[g][c] = acc[g][c] + splat(e[g][j]) * vv;
+      vf vv = load(vj + c * kLanes);
+      in_register(vv);  // one load for the G heads
+      for (int g = 0; g < G; ++g) acc[g][c] = fma(ev[g], vv, acc[g][c]);
     }
     for (int64_t l = 0; l < tail; ++l)
-      for (int g = 0; g < G; ++g) rest[g][l] = rest[g][l] + e[g][j] * vj[F * kLanes + l];
+      for (int g = 0; g < G; ++g) rest[g][l] = fma1(ep[g][j], vj[F * kLanes + l], rest[g][l]);
   }
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < F; ++c) __builtin_memcpy(out[g] + i0 + c * kLanes, &acc[g][c], sizeof(vf));
@@ -172,8 +265,9 @@ void weigh(const float* const* e, const float* v, const float* bias, int64_t j0,
 template <int G>
 void weigh_features(const float* const* e, const float* v, const float* bias, int64_t j0, int64_t j1, int64_t d,
                     float* const* out, int64_t ahead) {
-  for (int64_t i0 = 0; i0 < d; i0 += 4 * kLanes) {  // 64 features at a time in registers, keys in order
-    const int64_t n = d - i0 < 4 * kLanes ? d - i0 : 4 * kLanes;
+  constexpr int64_t at_once = kWeighVecs * kLanes;  // features in registers (64 with AVX-512), keys in order
+  for (int64_t i0 = 0; i0 < d; i0 += at_once) {
+    const int64_t n = d - i0 < at_once ? d - i0 : at_once;
     switch (n / kLanes) {
       case 4: weigh<G, 4>(e, v, bias, j0, j1, d, n, out, i0, ahead); break;
       case 3: weigh<G, 3>(e, v, bias, j0, j1, d, n, out, i0, ahead); break;
@@ -197,21 +291,19 @@ void weigh_heads(const float* const* e, int G, const float* v, const float* bias
 constexpr int64_t kBlock = 64;  // keys per block (a multiple of kLanes): 16 KB of keys or values at d = 64, in L1
 constexpr int64_t kPass = 48;  // units of one key / value head walked together at most (bounds the scratch)
 
-// s[g][j] = q[g] . k_j * scaling + bias[j] for G heads of one row (one ``bias``) and keys [j0, j1) (multiples of 16),
-// 8 keys at a time (``dot8``); mv[g]: the lane-wise max of the seen scores.
+// s[g][j] = q[g] . k_j * scaling + bias[j] for G heads of one row (one ``bias``) and keys [j0, j1) (multiples of
+// kLanes), kLanes at a time (``dots``); mv[g]: the lane-wise max of the seen scores.
 template <int G, bool kTail>
 void scores_heads(const float* const* q, const float* k, const float* bias, int64_t j0, int64_t j1, int64_t d,
                   float scaling, float* const* s, vf* mv, int64_t ahead) {
   const float hidden = -std::numeric_limits<float>::infinity();
   for (int64_t j = j0; j < j1; j += kLanes) {
-    vf lo[G], hi[G];
+    vf dj[G];  // keys j .. j + kLanes - 1
     if (ahead) prefetch_l2(k + (j + ahead) * d, kLanes * d * int64_t(sizeof(float)));
-    dot8<G, kTail>(q, k + j * d, d, lo);
-    dot8<G, kTail>(q, k + (j + 8) * d, d, hi);
+    dots<G, kTail>(q, k + j * d, d, dj);
     const vf b = load(bias + j);
     for (int g = 0; g < G; ++g) {
-      const vf dots = SHUFFLE(lo[g], hi[g], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);  // keys j..j+15
-      const vf sv = dots * splat(scaling) + b;
+      const vf sv = dj[g] * splat(scaling) + b;
       __builtin_memcpy(s[g] + j, &sv, sizeof(sv));
       mv[g] = (b != splat(hidden) && sv > mv[g]) ? sv : mv[g];
     }
@@ -233,18 +325,19 @@ void by_rows(const float* const* bias, int64_t P, int64_t length, int most, Fn f
   }
 }
 
-// ``scores_heads`` for every pair over the first ``whole`` keys (a multiple of 16), by runs of up to 3 pairs of one
-// row (3 heads x 8 keys of accumulators: 24 of the 32 vector registers)
+// ``scores_heads`` for every pair over the first ``whole`` keys (a multiple of kLanes), by runs of up to kScoreHeads
+// pairs of one row (with AVX-512 3 heads x 8 keys of accumulators: 24 of the 32 vector registers)
 template <bool kTail>
 void scores(const float* const* q, const float* k, const float* const* bias, int64_t P, int64_t whole, int64_t d,
                  float scaling, float* s, int64_t stride, vf* mv, int64_t ahead) {
   std::vector<float*> si(P);
   for (int64_t i = 0; i < P; ++i) si[i] = s + i * stride;
-  by_rows(bias, P, whole, 3, [&](int64_t j0, int64_t j1, int64_t i, int G) {
+  by_rows(bias, P, whole, kScoreHeads, [&](int64_t j0, int64_t j1, int64_t i, int G) {
+    const int64_t first = i ? 0 : ahead;  // the block's first units prefetch for every unit after them
     switch (G) {
-      case 3: scores_heads<3, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i, ahead); break;
-      case 2: scores_heads<2, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i, ahead); break;
-      default: scores_heads<1, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i, ahead);
+      case 3: scores_heads<3, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i, first); break;
+      case 2: scores_heads<2, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i, first); break;
+      default: scores_heads<1, kTail>(q + i, k, bias[i], j0, j1, d, scaling, si.data() + i, mv + i, first);
     }
   });
 }
@@ -252,13 +345,13 @@ void scores(const float* const* q, const float* k, const float* const* bias, int
 // Several (row, head) pairs over one key / value head: ``q[i]``, ``bias[i]`` [L], ``out[i]`` [d] per pair i < P; ``s``
 // scratch [P, stride]. Each key block is read once for every pair (from memory once, then from the nearest cache),
 // and each pair's arithmetic is the one-pair computation's, in the same order:
-//   s_j = (q . k_j, 16 lanes then a fixed sum) * scaling + bias_j   (keys 16 at a time, the last L % 16 one by one)
+//   s_j = (q . k_j, kLanes lanes then a fixed sum) * scaling + bias_j   (kLanes keys at a time, the last one by one)
 //   m = max s_j;  e_j = exp(s_j - m) (one vectorized exp for every key);  den = sum of e_j, one after another;
 //   out = (sum of e_j v_j, in key order, block after block) / den
 void pairs(const float* const* q, const float* k, const float* v, const float* const* bias, float* const* out,
            int64_t P, int64_t length, int64_t d, float scaling, float* s, int64_t stride, int64_t ahead) {
   const float hidden = -std::numeric_limits<float>::infinity();
-  const int64_t whole = length / kLanes * kLanes;  // keys scored 16 at a time
+  const int64_t whole = length / kLanes * kLanes;  // keys scored kLanes at a time
   std::vector<vf> mv(P, splat(hidden));  // the max in any order is the max
   if (d % kLanes == 0)
     scores<false>(q, k, bias, P, whole, d, scaling, s, stride, mv.data(), ahead);
@@ -299,13 +392,15 @@ void pairs(const float* const* q, const float* k, const float* v, const float* c
   std::vector<const float*> e(P);
   for (int64_t i = 0; i < P; ++i) e[i] = s + i * stride;
   by_rows(bias, P, length, 4, [&](int64_t j0, int64_t j1, int64_t i, int G) {
-    weigh_heads(e.data() + i, G, v, bias[i], j0, j1, d, out + i, ahead);
+    weigh_heads(e.data() + i, G, v, bias[i], j0, j1, d, out + i, i ? 0 : ahead);  // the first prefetch for all
   });
   for (int64_t i = 0; i < P; ++i)
     for (int64_t c = 0; c < d; ++c) out[i][c] = out[i][c] / den[i];
 }
 
 }  // namespace
+
+#ifndef RETROSPEC_ATTENTION_CORE_ONLY
 
 torch::Tensor attention(torch::Tensor qkv, torch::Tensor kbuf, torch::Tensor vbuf, torch::Tensor bias,
                         int64_t heads, double scaling) {
@@ -371,3 +466,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "rows' attention (see the header)");
   m.def("set_prefetch", &set_prefetch, "calls prefetch keys and values this many keys ahead of their reads (0: none)");
 }
+#endif
