@@ -19,9 +19,9 @@ from retrospec.identity import model_identity
 from retrospec.models import load_model
 from retrospec.models.longspec import load_longspec
 from retrospec.train.common import adamw, pick_precision, warmup_stable_decay
-from retrospec.train.longspec_distill import (DistillConfig, check_config, corpus_records, coverage,
-                                              distill_longspec, follow_corpora, frequency_vocab, heldout_sample,
-                                              is_heldout, make_batches, sequence_of)
+from retrospec.train.longspec_distill import (FINE_TUNE_LR, FRESH_LR, DistillConfig, check_config, corpus_records,
+                                              coverage, distill_longspec, follow_corpora, frequency_vocab,
+                                              heldout_sample, is_heldout, make_batches, peak_lr, sequence_of)
 from retrospec.train.resume import RESUME_FILE, load_stable_state
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -157,6 +157,17 @@ def test_cli_refuses_bad_input(cli, saved_models, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_the_default_peak_rate_is_lower_from_a_trained_block():
+    """Without --lr: 1e-3 for a fresh block, new feature layers or a resumed run; 1e-4 from a trained --init block
+    (a hot rate first undoes what it learnt); a given --lr always wins."""
+    base = DistillConfig(target="t", corpus="c", out="o")
+    assert peak_lr(base) == FRESH_LR == 1e-3
+    assert peak_lr(DistillConfig(**{**base.__dict__, "init": "b"})) == FINE_TUNE_LR == 1e-4
+    assert peak_lr(DistillConfig(**{**base.__dict__, "init": "b", "features": "auto"})) == FRESH_LR
+    assert peak_lr(DistillConfig(**{**base.__dict__, "resume": "r"})) == FRESH_LR
+    assert peak_lr(DistillConfig(**{**base.__dict__, "init": "b", "lr": 5e-4})) == 5e-4
+
+
 def test_warmup_stable_decay_schedule():
     lr = lambda x: warmup_stable_decay(x, 1.0, 0.1, 0.2)
     assert lr(0.0) == 0.0 and lr(0.05) == pytest.approx(0.5)  # warm-up
@@ -194,6 +205,7 @@ def test_wsd_run_writes_a_state_that_a_later_run_resumes(saved_models, tmp_path)
                               "draft_vocab": 8, "max_tokens": 60})
     m2 = distill_longspec(second, log=lambda *_: None, target=target)
     assert m2["config"]["warmup"] == 0.0 and m2["draft_vocab"] == 24
+    assert m1["config"]["lr"] == m2["config"]["lr"] == FRESH_LR  # the rate each ran at, recorded
     assert m2["tokens_total"] == state["tokens_total"] + m2["tokens_seen"]
     assert m2["resumed_recipe"]["tokens_seen"] == m1["tokens_seen"]
     assert (tmp_path / "b" / RESUME_FILE).is_file()

@@ -105,8 +105,9 @@ def add_parser(sub) -> None:
     ev.add_argument("--out", help="write the results as JSON to this file")
     ev.set_defaults(func=run_longspec_eval)
 
-    ds = _add_distill(tsub, "longspec-distill", "a LongSpec block", "block directory to create", 0.04, "1e-3",
-                      "drafting over a frequency-ranked vocabulary (FR-Spec)", "corpus output tokens")
+    ds = _add_distill(tsub, "longspec-distill", "a LongSpec block", "block directory to create", 0.04, None,
+                      "drafting over a frequency-ranked vocabulary (FR-Spec)", "corpus output tokens",
+                      lr_help="1e-3; 1e-4 from a trained --init block that gains no --features")
     ds.add_argument("--init", default=None, help="block to start from (directory or bundled name, e.g. "
                                                  "smollm2-135m-longspec); default a fresh identity block")
     ds.add_argument("--draft-vocab", type=int, default=16384,
@@ -141,8 +142,10 @@ def add_parser(sub) -> None:
     pk.set_defaults(func=run_longspec_pack)
 
 
-def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, how: str, counted: str):
-    """A distiller's parser with the flags both distillers share."""
+def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str | None, how: str, counted: str,
+                 lr_help: str | None = None):
+    """A distiller's parser with the flags both distillers share (``lr`` None: the trainer chooses, ``lr_help``
+    says how)."""
     p = tsub.add_parser(name, help=f"distil {what} on a corpus of the target's own outputs ('retrospec corpus "
                                    f"generate'), {how}")
     p.add_argument("--target", required=True, help=TARGET_HELP.format("smollm2-135m"))
@@ -154,7 +157,8 @@ def _add_distill(tsub, name: str, what: str, out: str, heldout: float, lr: str, 
     p.add_argument("--max-tokens", type=int, default=None, help=f"stop after this many {counted}")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (wall clock)")
     p.add_argument("--heldout", type=float, default=heldout, help=f"share of prompts held out (default {heldout})")
-    p.add_argument("--lr", type=float, default=float(lr), help=f"peak learning rate (default {lr})")
+    p.add_argument("--lr", type=float, default=None if lr is None else float(lr),
+                   help=f"peak learning rate (default {lr_help or lr})")
     p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="training forwards in float32 or under bfloat16 autocast; auto (default) times one batch "
                         "both ways here and keeps the faster")
