@@ -12,11 +12,14 @@
 // weight row read once as one sequential stream; for more rows, blocks of (up to 4 rows x 4 outputs) accumulators
 // (one weight load serves every row of the block, one input load every output; independent chains hide the FMA
 // latency; the block's 4 weight rows are read from cache again for each further 4 rows). The blocked order
-// prefetches the weights it will read ``prefetch`` bytes ahead into L2: without it, a call of 3..16 rows computed
-// and waited on memory in turn (1.4-2x the time of the same call with it, on a 2-core AMD EPYC); the streamed one
-// leaves its one stream to the hardware prefetcher (a prefetch per load cost a one-row call 2-4 % there). Which
-// row counts stream and how far ahead to prefetch are the caller's choice (``set_streamed``, ``set_prefetch``:
-// measured by ``fastpath.plan``); they change the speed, never a bit. Threads split the outputs. Over ``kMaxRows``
+// prefetches the weights it will read ``prefetch`` bytes ahead into L2, each block of outputs the lines that far past
+// its start, spread over its row blocks: without it, a call of 3..16 rows computed and waited on memory in turn
+// (1.4-2x the time of the same call with it, on a 2-core AMD EPYC), and with the whole block's prefetches issued
+// by its first row block, memory idled while the later ones computed (16 rows: 33 -> 30.5 ms for SmolLM2-135M's
+// linears on a 2-core Intel Xeon); the streamed one leaves its one stream to the hardware prefetcher (a prefetch
+// per load cost a one-row call 2-4 % on the AMD EPYC). Which row counts stream and how far ahead to prefetch are
+// the caller's choice (``set_streamed``, ``set_prefetch``: measured by ``fastpath.plan``); they change the speed,
+// never a bit. Threads split the outputs. Over ``kMaxRows``
 // rows (a prompt) it calls at::matmul (compute-bound there; its rows are not this kernel's bits).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,21 +36,21 @@ constexpr int64_t kRows = 4, kOuts = 4;  // a block's rows and outputs (also the
 std::atomic<int64_t> streamed{2};  // calls of at most this many rows run output after output (see the header)
 std::atomic<int64_t> prefetch{16 << 10};  // bytes ahead of its loads a blocked call prefetches (0: none)
 
-// rows [0, R) x outputs [0, NO): y[r, j] = x[r] . w[j] (the header's arithmetic), prefetching (kPrefetch) each
-// weight row ``ahead`` floats beyond the part it loads
+// rows [0, R) x outputs [0, NO): y[r, j] = x[r] . w[j] (the header's arithmetic), prefetching (kPrefetch) the cache
+// lines [pf, pf_end) into L2, ``per_step`` of them per block of 16 inputs, in order
 template <int R, int NO, bool kPrefetch>
-void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead) {
+void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const char* pf, const char* pf_end,
+           int per_step) {
   __m512 acc[R][NO];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t full = K / 16 * 16;
   for (int64_t k = 0; k < full; k += 16) {
     __m512 wv[NO];
+    if constexpr (kPrefetch)
+      for (int p = 0; p < per_step && pf < pf_end; ++p, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
 #pragma GCC unroll 4
-    for (int j = 0; j < NO; ++j) {
-      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + ahead), _MM_HINT_T1);
-      wv[j] = _mm512_loadu_ps(w + j * K + k);
-    }
+    for (int j = 0; j < NO; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k);
@@ -70,37 +73,48 @@ void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int
 
 // rows [0, R) (R = 1..kRows) x outputs [0, NO) of a call
 template <int NO, bool kPrefetch>
-void rows_block(int64_t R, const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead) {
+void rows_block(int64_t R, const float* x, int64_t K, const float* w, float* y, int64_t ldy, const char* pf = nullptr,
+                const char* pf_end = nullptr, int per_step = 0) {
   switch (R) {
-    case 4: block<4, NO, kPrefetch>(x, K, w, y, ldy, ahead); break;
-    case 3: block<3, NO, kPrefetch>(x, K, w, y, ldy, ahead); break;
-    case 2: block<2, NO, kPrefetch>(x, K, w, y, ldy, ahead); break;
-    default: block<1, NO, kPrefetch>(x, K, w, y, ldy, ahead); break;
+    case 4: block<4, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
+    case 3: block<3, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
+    case 2: block<2, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
+    default: block<1, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
   }
 }
 
 // every row x outputs [n0, n1) of M rows, per block of kOuts outputs, rows by kRows (then the rest); outputs past
-// the last full block one at a time
+// the last full block one at a time. Prefetching (kPrefetch), a block's weights (kOuts rows of K) are prefetched
+// ``ahead`` bytes before it is read: the block being read prefetches the lines that far past it, spread over all of
+// its row blocks (each its share, a few lines per 16 inputs), so memory keeps streaming while the later row blocks
+// compute from cache (from the first row block alone, memory would idle while the others compute: with 16 rows,
+// three quarters of the time).
 template <bool kPrefetch>
 void blocked_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
                    int64_t n1, int64_t ahead) {
+  const int64_t row_blocks = (M + kRows - 1) / kRows, bytes = kOuts * K * int64_t(sizeof(float));
+  const int64_t share = (bytes / 64 + row_blocks - 1) / row_blocks * 64;  // bytes a row block prefetches
+  const int per_step = int((share / 64 + K / 16 - 1) / std::max<int64_t>(1, K / 16));  // lines per 16 inputs
   int64_t n = n0;
-  for (; n + kOuts <= n1; n += kOuts)
-    for (int64_t r = 0; r < M; r += kRows)
-      rows_block<kOuts, kPrefetch>(std::min(kRows, M - r), x + r * K, K, w + n * K, y + r * N + n, N, ahead);
+  for (; n + kOuts <= n1; n += kOuts) {
+    const char* pf = reinterpret_cast<const char*>(w + n * K) + ahead;
+    for (int64_t r = 0, b = 0; r < M; r += kRows, ++b)
+      rows_block<kOuts, kPrefetch>(std::min(kRows, M - r), x + r * K, K, w + n * K, y + r * N + n, N,
+                                   pf + b * share, pf + std::min(bytes, (b + 1) * share), per_step);
+  }
   for (; n < n1; ++n)
     for (int64_t r = 0; r < M; r += kRows)
-      rows_block<1, kPrefetch>(std::min(kRows, M - r), x + r * K, K, w + n * K, y + r * N + n, N, ahead);
+      rows_block<1, false>(std::min(kRows, M - r), x + r * K, K, w + n * K, y + r * N + n, N);
 }
 
 // every row x outputs [n0, n1): output after output where the caller chose it for M rows (at most kRows), one stream
 // left to the hardware prefetcher; else blocked, prefetching ``prefetch`` bytes ahead where that is set
 void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
   if (M <= std::min(kRows, streamed.load(std::memory_order_relaxed))) {
-    for (int64_t n = n0; n < n1; ++n) rows_block<1, false>(M, x, K, w + n * K, y + n, N, 0);
+    for (int64_t n = n0; n < n1; ++n) rows_block<1, false>(M, x, K, w + n * K, y + n, N);
     return;
   }
-  const int64_t ahead = prefetch.load(std::memory_order_relaxed) / int64_t(sizeof(float));
+  const int64_t ahead = prefetch.load(std::memory_order_relaxed);
   if (ahead) return blocked_range<true>(x, M, K, w, y, N, n0, n1, ahead);
   blocked_range<false>(x, M, K, w, y, N, n0, n1, 0);
 }
