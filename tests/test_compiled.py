@@ -318,3 +318,21 @@ def test_the_attention_kernel_is_exact_at_every_vector_width(width, tmp_path):
     done = subprocess.run([str(program)], capture_output=True, text=True)
     lanes = {"avx512": 16, "avx2": 8, "portable": 4}[width]
     assert done.returncode == 0 and done.stdout.strip() == f"ok 168 rows, {lanes} lanes", done.stdout
+
+
+@pytest.mark.parametrize("width", ["avx512", "avx2"])
+def test_the_f32_kernel_keeps_each_rows_bits_at_every_vector_width(width, tmp_path):
+    """The f32 matmul kernel's core built alone for each width this CPU runs (16 floats with AVX-512, 8 with AVX2):
+    a row's result is bitwise the same in calls of 1 to 16 rows, streamed or blocked, at any prefetch distance, and
+    within float error of a float64 product (``tests/f32_widths.cpp``)."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    order = list(kernels.VECTOR_FLAGS)
+    if compiler is None or order.index(width) < order.index(kernels.vector_width()):
+        pytest.skip(f"no C++ compiler here, or this CPU does not run {width}")
+    program = tmp_path / "f32_widths"
+    subprocess.run([compiler, "-O2", *kernels.VECTOR_FLAGS[width], f"-I{Path(kernels.__file__).parent}",
+                    str(Path(__file__).resolve().parent / "f32_widths.cpp"), "-o", str(program)],
+                   check=True, capture_output=True)
+    done = subprocess.run([str(program)], capture_output=True, text=True)
+    lanes = {"avx512": 16, "avx2": 8}[width]
+    assert done.returncode == 0 and done.stdout.strip() == f"ok 400 calls, {lanes} lanes", done.stdout

@@ -43,7 +43,7 @@ def test_packed_linear_equals_linear(bias):
     assert packed.weight is lin.weight  # shared, never copied
 
 
-@pytest.mark.skipif(not HAS_KERNEL, reason="no AVX-512 or no C++ compiler here: the f32 kernel is not built")
+@pytest.mark.skipif(not HAS_KERNEL, reason="no AVX-512 or AVX2, or no C++ compiler here: the f32 kernel is not built")
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_linear_equals_linear_and_each_row_is_alone(bias):
     """``kernels.f32`` on shapes off its blocking (inputs not a multiple of 16, outputs not of 8): within float
@@ -63,7 +63,7 @@ def test_kernel_linear_equals_linear_and_each_row_is_alone(bias):
     assert fast.weight is lin.weight  # shared, never copied
 
 
-@pytest.mark.skipif(not HAS_KERNEL, reason="no AVX-512 or no C++ compiler here: the f32 kernel is not built")
+@pytest.mark.skipif(not HAS_KERNEL, reason="no AVX-512 or AVX2, or no C++ compiler here: the f32 kernel is not built")
 def test_the_kernels_loop_orders_and_prefetch_distances_give_the_same_bits():
     """Streamed (output after output) and register-blocked calls of 1..4 rows, and any prefetch distance at any row
     count: bitwise the same products, so the plan's choices among them change the speed only."""

@@ -134,7 +134,7 @@ def test_choice_is_measured_once_and_overrides(monkeypatch, tmp_path):
     files = list((tmp_path / "fastpath").glob("draft-*.json"))
     assert len(files) == 1 and first in fdraft.CHOICES  # no integer format unless the caller allows them
     data = json.loads(files[0].read_text())
-    measured = set(fdraft.CHOICES) - (set() if kernel_available(weights[0]) else {"kernel"})  # no AVX-512: no kernel
+    measured = set(fdraft.CHOICES) - (set() if kernel_available(weights[0]) else {"kernel"})  # no AVX-512 or AVX2: no kernel
     assert data["choice"] == first and set(data["ms"]) == measured
     monkeypatch.setattr(fdraft, "measure_choice", lambda *a, **k: pytest.fail("measured twice"))
     assert fdraft.draft_choice(weights) == first  # read from the cache
@@ -154,7 +154,7 @@ def test_choice_is_measured_once_and_overrides(monkeypatch, tmp_path):
         assert fdraft.draft_choice(weights) == "kernel"
 
 
-@pytest.mark.skipif(not kernel_available(), reason="no AVX-512 or no C++ compiler: no f32 kernel")
+@pytest.mark.skipif(not kernel_available(), reason="no AVX-512 or AVX2, or no C++ compiler: no f32 kernel")
 def test_drafts_through_the_f32_kernel_are_exact(monkeypatch):
     """``kernel`` as a draft's path: the LongSpec block's linears and head rows and a draft model's engine run
     ``kernels.f32``; greedy output stays the oracle's."""

@@ -6,8 +6,9 @@ T = 1 and 51 ms at T = 2; oneDNN with a prepacked weight 21-25 ms at both), so `
 
 ``PackedLinear`` multiplies by a weight reordered once by oneDNN (``mkldnn._reorder_linear_weight``, as inductor's
 freezing pass does) through ``mkldnn._linear_pointwise``; over ``max_rows`` rows (a prefill) it takes ``F.linear``.
-``KernelLinear`` multiplies by the weight as it is through ``kernels.f32`` (AVX-512 dot products, each row's bits
-independent of how many rows share the call). ``head_logits`` computes ``hidden @ W.T`` in one of ``HEAD_LAYOUTS``.
+``KernelLinear`` multiplies by the weight as it is through ``kernels.f32`` (AVX-512 or AVX2 dot products, each row's
+bits independent of how many rows share the call). ``head_logits`` computes ``hidden @ W.T`` in one of
+``HEAD_LAYOUTS``.
 All compute the same products (tested within tolerance, greedy identical). A bfloat16 packed copy is for drafts
 only. Invariant: a ``PackedLinear`` or ``KernelLinear`` never owns or writes the caller's weight.
 """

@@ -10,7 +10,7 @@ compiled programs call it).
 
 - ``w4a8()``: ``w4a8_mm(x, w, sz)``, the ``w4a8`` weight format's matmul (``w4a8.cpp``; AVX-512 VNNI).
 - ``f32()``: ``f32_mm(x, w)``, ``x @ w.T`` in float32 for up to 64 rows, each row's bits independent of the others
-  (``f32.cpp``; AVX-512): one of the float32 matmul paths ``fastpath.plan`` measures.
+  (``f32.cpp``; AVX-512 or AVX2): one of the float32 matmul paths ``fastpath.plan`` measures.
 - ``w8a8()``: ``w8a8_mm(x, qweight, handle)``, the ``w8a8`` format's matmul by fbgemm's prepacked weights held under
   a handle (``w8a8_hold`` / ``w8a8_release``), so a compiled layer can call it (``w8a8.cpp``; glue only, where this
   build has fbgemm).
@@ -76,8 +76,11 @@ def w4a8():
 
 
 def f32():
-    """The ``f32`` kernel module (``f32_mm``), or None where this CPU has no AVX-512 or it cannot be built."""
-    return _kernel("f32", F32_FLAGS, avx512_cpu(), lambda x, w: x.new_empty(x.shape[0], w.shape[0]),
+    """The ``f32`` kernel module (``f32_mm``), or None where this CPU has neither AVX-512 nor AVX2 or it cannot be
+    built (AVX-512: 16 floats a vector; AVX2 with FMA: 8, so its bits differ from an AVX-512 machine's)."""
+    width = vector_width()
+    flags = F32_FLAGS if width == "avx512" else ("-O3", "-fopenmp", *VECTOR_FLAGS["avx2"])
+    return _kernel("f32", flags, width != "portable", lambda x, w: x.new_empty(x.shape[0], w.shape[0]),
                    "float32 matmuls stay PyTorch's",
                    more={"f32_mm_cat": lambda x, ws: x.new_empty(x.shape[0], sum(w.shape[0] for w in ws))})
 

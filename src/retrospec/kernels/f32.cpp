@@ -1,17 +1,17 @@
 // f32 matmul for a few rows: y = x w^T with x [M, K] and w [N, K] (an nn.Linear weight, as it is: no copy, no
-// repacking), float32, AVX-512, for the M = 1..64 rows of a decode step or a verification.
+// repacking), float32, AVX-512 or AVX2 with FMA, for the M = 1..64 rows of a decode step or a verification.
 //
 // Why hand-written: float32 BLAS picks its blocking and reduction order by the number of rows (gemv for one row, a
 // blocked gemm for several), so a row's result changes with how many rows share the call, and a k-token verification
 // is then not bitwise k one-token steps; and PyTorch's small-M float32 paths stay well above the memory floor on
 // some CPUs. Here every output is one dot product computed the same way whatever M is: per row r and output n,
-//   acc = 0; for each block of 16 inputs k (in order): acc = fma(x[r, k..k+15], w[n, k..k+15], acc)
-//   y[r, n] = the 16 lanes of acc summed (a fixed tree)
-// (the last block masked where K is not a multiple of 16), so each row's result is bitwise independent of the
+//   acc = 0; for each block of kW inputs k (in order): acc = fma(x[r, k..k+kW-1], w[n, k..k+kW-1], acc)
+//   y[r, n] = the kW lanes of acc summed (a fixed tree)       (kW: 16 with AVX-512, 8 with AVX2)
+// (the last block masked where K is not a multiple of kW), so each row's result is bitwise independent of the
 // others (row invariance). Two loop orders compute these same bits: for a few rows, output after output, each
-// weight row read once as one sequential stream; for more rows, blocks of (up to 4 rows x 4 outputs) accumulators
-// (one weight load serves every row of the block, one input load every output; independent chains hide the FMA
-// latency; the block's 4 weight rows are read from cache again for each further 4 rows). The blocked order
+// weight row read once as one sequential stream; for more rows, blocks of (up to kRows rows x 4 outputs)
+// accumulators (one weight load serves every row of the block, one input load every output; independent chains hide
+// the FMA latency; the block's 4 weight rows are read from cache again for each further kRows rows). The blocked order
 // prefetches the weights it will read ``prefetch`` bytes ahead into L2, each block of outputs the lines that far past
 // its start, spread over its row blocks: without it, a call of 3..16 rows computed and waited on memory in turn
 // (1.4-2x the time of the same call with it, on a 2-core AMD EPYC), and with the whole block's prefetches issued
@@ -21,8 +21,10 @@
 // the caller's choice (``set_streamed``, ``set_prefetch``: measured by ``fastpath.plan``); they change the speed,
 // never a bit. Threads split the outputs. Over ``kMaxRows``
 // rows (a prompt) it calls at::matmul (compute-bound there; its rows are not this kernel's bits).
+#ifndef RETROSPEC_F32_CORE_ONLY  // defined by the test that builds the core alone for each vector width
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#endif
 #include <immintrin.h>
 
 #include <algorithm>
@@ -32,43 +34,75 @@
 namespace {
 
 constexpr int64_t kMaxRows = 64, kChunk = 32;  // rows handled here; outputs per unit of parallel work
-constexpr int64_t kRows = 4, kOuts = 4;  // a block's rows and outputs (also the most rows that stream)
+
+// The vector: 16 floats with AVX-512 (blocks of 4 rows x 4 outputs: 16 of the 32 registers accumulate), else 8
+// with AVX2 and FMA (2 rows x 4 outputs: 8 of the 16); kW inputs of a row per multiply-add, the last K % kW
+// loaded with zeros past K; ``vsum``: the kW lanes summed by the tree s[l] += s[l + w], w = kW / 2, ..., 2, 1.
+#if defined(__AVX512F__)
+typedef __m512 V;
+constexpr int64_t kW = 16, kRows = 4, kOuts = 4;  // lanes; a block's rows and outputs (kRows: the most that stream)
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vload_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(V v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+#else
+typedef __m256 V;
+constexpr int64_t kW = 8, kRows = 2, kOuts = 4;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vload_first(const float* p, int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane));
+}
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(V v) {
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+#endif
 std::atomic<int64_t> streamed{2};  // calls of at most this many rows run output after output (see the header)
 std::atomic<int64_t> prefetch{16 << 10};  // bytes ahead of its loads a blocked call prefetches (0: none)
 
 // rows [0, R) x outputs [0, NO): y[r, j] = x[r] . w[j] (the header's arithmetic), prefetching (kPrefetch) the cache
-// lines [pf, pf_end) into L2, ``per_step`` of them per block of 16 inputs, in order
+// lines [pf, pf_end) into L2, ``per_step`` of them per kW inputs, in order
 template <int R, int NO, bool kPrefetch>
 void block(const float* x, int64_t K, const float* w, float* y, int64_t ldy, const char* pf, const char* pf_end,
            int per_step) {
-  __m512 acc[R][NO];
+  V acc[R][NO];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t full = K / 16 * 16;
-  for (int64_t k = 0; k < full; k += 16) {
-    __m512 wv[NO];
+    for (int j = 0; j < NO; ++j) acc[r][j] = vzero();
+  const int64_t full = K / kW * kW;
+  for (int64_t k = 0; k < full; k += kW) {
+    V wv[NO];
     if constexpr (kPrefetch)
       for (int p = 0; p < per_step && pf < pf_end; ++p, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
 #pragma GCC unroll 4
-    for (int j = 0; j < NO; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
+    for (int j = 0; j < NO; ++j) wv[j] = vload(w + j * K + k);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      const V xv = vload(x + r * K + k);
 #pragma GCC unroll 4
-      for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+      for (int j = 0; j < NO; ++j) acc[r][j] = vfma(xv, wv[j], acc[r][j]);
     }
   }
   if (full < K) {  // the last, partial block: masked loads (zeros beyond K)
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - full)) - 1);
-    __m512 wv[NO];
-    for (int j = 0; j < NO; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * K + full);
+    V wv[NO];
+    for (int j = 0; j < NO; ++j) wv[j] = vload_first(w + j * K + full, K - full);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + full);
-      for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+      const V xv = vload_first(x + r * K + full, K - full);
+      for (int j = 0; j < NO; ++j) acc[r][j] = vfma(xv, wv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NO; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+    for (int j = 0; j < NO; ++j) y[r * ldy + j] = vsum(acc[r][j]);
 }
 
 // rows [0, R) (R = 1..kRows) x outputs [0, NO) of a call
@@ -76,8 +110,8 @@ template <int NO, bool kPrefetch>
 void rows_block(int64_t R, const float* x, int64_t K, const float* w, float* y, int64_t ldy, const char* pf = nullptr,
                 const char* pf_end = nullptr, int per_step = 0) {
   switch (R) {
-    case 4: block<4, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
-    case 3: block<3, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
+    case 4: block<kRows < 4 ? kRows : 4, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
+    case 3: block<kRows < 3 ? kRows : 3, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
     case 2: block<2, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
     default: block<1, NO, kPrefetch>(x, K, w, y, ldy, pf, pf_end, per_step); break;
   }
@@ -86,7 +120,7 @@ void rows_block(int64_t R, const float* x, int64_t K, const float* w, float* y, 
 // every row x outputs [n0, n1) of M rows, per block of kOuts outputs, rows by kRows (then the rest); outputs past
 // the last full block one at a time. Prefetching (kPrefetch), a block's weights (kOuts rows of K) are prefetched
 // ``ahead`` bytes before it is read: the block being read prefetches the lines that far past it, spread over all of
-// its row blocks (each its share, a few lines per 16 inputs), so memory keeps streaming while the later row blocks
+// its row blocks (each its share, a few lines per kW inputs), so memory keeps streaming while the later row blocks
 // compute from cache (from the first row block alone, memory would idle while the others compute: with 16 rows,
 // three quarters of the time).
 template <bool kPrefetch>
@@ -94,7 +128,7 @@ void blocked_range(const float* x, int64_t M, int64_t K, const float* w, float* 
                    int64_t n1, int64_t ahead) {
   const int64_t row_blocks = (M + kRows - 1) / kRows, bytes = kOuts * K * int64_t(sizeof(float));
   const int64_t share = (bytes / 64 + row_blocks - 1) / row_blocks * 64;  // bytes a row block prefetches
-  const int per_step = int((share / 64 + K / 16 - 1) / std::max<int64_t>(1, K / 16));  // lines per 16 inputs
+  const int per_step = int((share / 64 + K / kW - 1) / std::max<int64_t>(1, K / kW));  // lines per kW inputs
   int64_t n = n0;
   for (; n + kOuts <= n1; n += kOuts) {
     const char* pf = reinterpret_cast<const char*>(w + n * K) + ahead;
@@ -120,6 +154,8 @@ void rows_range(const float* x, int64_t M, int64_t K, const float* w, float* y, 
 }
 
 }  // namespace
+
+#ifndef RETROSPEC_F32_CORE_ONLY
 
 // x [M, K] float32, weights ws[i] [N_i, K] float32 -> [M, sum of N_i]: the products by each weight side by side,
 // in one parallel region (a layer's q/k/v or gate/up in one call); each column's bits are those of a call with its
@@ -187,3 +223,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_streamed", &set_streamed, "calls of at most this many rows (0..4) stream output after output");
   m.def("set_prefetch", &set_prefetch, "blocked calls prefetch weights this many bytes ahead of their loads (0: none)");
 }
+#endif
