@@ -99,7 +99,18 @@ def vector_width() -> str:
     (8, with FMA) or ``portable`` (4: SSE, NEON; the compiler's own choice of instructions)."""
     if avx512_cpu():
         return "avx512"
-    return "avx2" if getattr(torch.cpu, "_is_avx2_supported", lambda: False)() else "portable"
+    avx2 = getattr(torch.cpu, "_is_avx2_supported", lambda: False)()
+    return "avx2" if avx2 and _has_fma() else "portable"
+
+
+@functools.cache
+def _has_fma() -> bool:
+    """Whether the CPU has FMA (every AVX2 CPU but a rare few): /proc/cpuinfo's flags where there is one."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return True
+    return not flags or " fma " in f" {flags.split(':', 1)[-1]} "
 
 
 def attention():
