@@ -303,9 +303,10 @@ def test_the_attention_kernel_is_attention_and_a_row_sees_only_its_keys():
 @pytest.mark.parametrize("width", ["avx512", "avx2", "portable"])
 def test_the_attention_kernel_is_exact_at_every_vector_width(width, tmp_path):
     """The kernel's core built alone (no PyTorch: a few seconds) for each vector width this CPU runs (16 floats with
-    AVX-512, 8 with AVX2, 4 with the portable build that SSE and NEON machines get): every row of a chain and of a tree
-    (head sizes 64, 24, 20 and 7: tails past the lanes; 1 to 300 keys) is bitwise the one-row computation over the
-    keys it sees, gathered in order, and within float error of a float64 softmax (``tests/attention_widths.cpp``)."""
+    AVX-512, 8 with AVX2, 4 with the portable build that SSE and NEON machines get): every query head of every row of
+    a chain and of a tree (3 heads a row, walked together; head sizes 64, 24, 20 and 7: tails past the lanes; 1 to
+    300 keys) is bitwise the one-row computation over the keys it sees, gathered in order, and within float error of
+    a float64 softmax (``tests/attention_widths.cpp``)."""
     compiler = shutil.which("c++") or shutil.which("g++")
     order = list(kernels.VECTOR_FLAGS)  # widest first: a CPU runs its own width and every narrower one
     if compiler is None or order.index(width) < order.index(kernels.vector_width()):
@@ -313,11 +314,11 @@ def test_the_attention_kernel_is_exact_at_every_vector_width(width, tmp_path):
     flags = list(kernels.VECTOR_FLAGS[width])
     tests = Path(__file__).resolve().parent
     program = tmp_path / "attention_widths"
-    subprocess.run([compiler, "-O2", "-ffp-contract=off", *flags, f"-I{Path(kernels.__file__).parent}",
+    subprocess.run([compiler, "-O3", "-ffp-contract=off", *flags, f"-I{Path(kernels.__file__).parent}",
                     str(tests / "attention_widths.cpp"), "-o", str(program)], check=True, capture_output=True)
     done = subprocess.run([str(program)], capture_output=True, text=True)
     lanes = {"avx512": 16, "avx2": 8, "portable": 4}[width]
-    assert done.returncode == 0 and done.stdout.strip() == f"ok 168 rows, {lanes} lanes", done.stdout
+    assert done.returncode == 0 and done.stdout.strip() == f"ok 504 units, {lanes} lanes", done.stdout
 
 
 @pytest.mark.parametrize("width", ["avx512", "avx2"])
@@ -330,7 +331,7 @@ def test_the_f32_kernel_keeps_each_rows_bits_at_every_vector_width(width, tmp_pa
     if compiler is None or order.index(width) < order.index(kernels.vector_width()):
         pytest.skip(f"no C++ compiler here, or this CPU does not run {width}")
     program = tmp_path / "f32_widths"
-    subprocess.run([compiler, "-O2", *kernels.VECTOR_FLAGS[width], f"-I{Path(kernels.__file__).parent}",
+    subprocess.run([compiler, "-O3", *kernels.VECTOR_FLAGS[width], f"-I{Path(kernels.__file__).parent}",
                     str(Path(__file__).resolve().parent / "f32_widths.cpp"), "-o", str(program)],
                    check=True, capture_output=True)
     done = subprocess.run([str(program)], capture_output=True, text=True)

@@ -157,14 +157,17 @@ def test_cli_refuses_bad_input(cli, saved_models, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_the_default_peak_rate_is_lower_from_a_trained_block():
-    """Without --lr: 1e-3 for a fresh block, new feature layers or a resumed run; 1e-4 from a trained --init block
-    (a hot rate first undoes what it learnt); a given --lr always wins."""
+def test_the_default_peak_rate_is_lower_from_a_trained_block(tmp_path):
+    """Without --lr: 1e-3 for a fresh block or new feature layers; 1e-4 from a trained --init block (a hot rate first
+    undoes what it learnt); a resumed run goes on at its predecessor's rate (1e-3 where that is unreadable); a given
+    --lr always wins."""
     base = DistillConfig(target="t", corpus="c", out="o")
     assert peak_lr(base) == FRESH_LR == 1e-3
     assert peak_lr(DistillConfig(**{**base.__dict__, "init": "b"})) == FINE_TUNE_LR == 1e-4
     assert peak_lr(DistillConfig(**{**base.__dict__, "init": "b", "features": "auto"})) == FRESH_LR
-    assert peak_lr(DistillConfig(**{**base.__dict__, "resume": "r"})) == FRESH_LR
+    assert peak_lr(DistillConfig(**{**base.__dict__, "resume": str(tmp_path / "none")})) == FRESH_LR
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": {"lr": FINE_TUNE_LR}}))
+    assert peak_lr(DistillConfig(**{**base.__dict__, "resume": str(tmp_path)})) == FINE_TUNE_LR
     assert peak_lr(DistillConfig(**{**base.__dict__, "init": "b", "lr": 5e-4})) == 5e-4
 
 

@@ -107,7 +107,8 @@ def add_parser(sub) -> None:
 
     ds = _add_distill(tsub, "longspec-distill", "a LongSpec block", "block directory to create", 0.04, None,
                       "drafting over a frequency-ranked vocabulary (FR-Spec)", "corpus output tokens",
-                      lr_help="1e-3; 1e-4 from a trained --init block that gains no --features")
+                      lr_help="1e-3; 1e-4 from a trained --init block without --features; --resume: the resumed "
+                              "run's")
     ds.add_argument("--init", default=None, help="block to start from (directory or bundled name, e.g. "
                                                  "smollm2-135m-longspec); default a fresh identity block")
     ds.add_argument("--draft-vocab", type=int, default=16384,

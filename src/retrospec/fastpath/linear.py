@@ -80,6 +80,11 @@ def kernel_available(weight: torch.Tensor | None = None) -> bool:
     return kernels.f32() is not None
 
 
+def kernel_most_streamed() -> int:
+    """The most rows a ``kernels.f32`` call can stream (4 with AVX-512, 2 with AVX2): ``kernel_streamed`` caps there."""
+    return kernels.f32().most_streamed()
+
+
 def kernel_streamed(rows: int) -> int:
     """Make ``kernels.f32`` compute calls of at most ``rows`` rows (0..4) output after output (one sequential stream
     per weight row) and larger calls in register blocks; the same bits either way, only the speed differs

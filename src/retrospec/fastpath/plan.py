@@ -42,8 +42,8 @@ from .. import kernels
 from ..atomic import write_text_atomic
 from ..paths import cache_home
 from ..weight_only import FORMAT_ATTR
-from .linear import HEAD_LAYOUTS, head_logits, kernel_available, kernel_matmul, kernel_prefetch, kernel_streamed, \
-    onednn_available, pack_weight, packed_matmul
+from .linear import HEAD_LAYOUTS, head_logits, kernel_available, kernel_matmul, kernel_most_streamed, \
+    kernel_prefetch, kernel_streamed, onednn_available, pack_weight, packed_matmul
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a forward of r rows uses the bucket >= r
 SAMPLE_BYTES = 96 << 20  # decoder weights timed per measurement (then scaled to the whole decoder)
@@ -253,6 +253,7 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
     can_pack = bool(sample) and all(p is not None for p in packed)
     dtype = sample[0].weight.dtype if sample else (head_weight.dtype if head_weight is not None else torch.float32)
     kernel = bool(sample) and kernel_available(sample[0].weight)
+    stream_rows = [r for r in STREAM_ROWS if r <= kernel_most_streamed()] if kernel else []  # the build's own cap
     lin: dict[str, dict[int, float]] = {path: {} for path in ("plain", "packed", "kernel", "streamed")
                                         if (path != "packed" or can_pack) and (path in ("plain", "packed") or kernel)}
 
@@ -278,10 +279,10 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
                  "packed": lambda: [packed_matmul(xs[m.in_features], p) for m, p in zip(sample, packed)],
                  "kernel": lambda: through_kernel(xs, 0), "streamed": lambda: through_kernel(xs, r)}
         for path, ms in interleaved_ms({path: paths[path] for path in lin
-                                        if path != "streamed" or r in STREAM_ROWS}).items():
+                                        if path != "streamed" or r in stream_rows}).items():
             lin[path][r] = scale * ms
     packed = None  # free the sampled packed copies before the head's
-    streamed = _streamed_rows(lin.get("kernel", {}), lin.get("streamed", {}))
+    streamed = _streamed_rows(lin.get("kernel", {}), lin.get("streamed", {}), stream_rows)
     if kernel:
         kernel_streamed(streamed)
         lin["kernel"] = {r: min(t, lin["streamed"][r]) if r <= streamed else t for r, t in lin["kernel"].items()}
@@ -315,11 +316,11 @@ def measure_plan(decoder_linears: list[torch.nn.Linear], head_weight: torch.Tens
                 seconds=time.perf_counter() - t0, source="measured")
 
 
-def _streamed_rows(blocked: dict[int, float], streamed: dict[int, float]) -> int:
-    """The most rows (of ``STREAM_ROWS``, or 0) up to which the kernel's streamed order was at least as fast as its
-    blocked one at every measured row count."""
+def _streamed_rows(blocked: dict[int, float], streamed: dict[int, float], rows: list[int] | tuple = STREAM_ROWS) -> int:
+    """The most rows (of ``rows``, or 0) up to which the kernel's streamed order was at least as fast as its blocked
+    one at every measured row count."""
     best = 0
-    for r in STREAM_ROWS:
+    for r in rows:
         if r not in streamed or streamed[r] > blocked[r]:
             break
         best = r

@@ -12,7 +12,7 @@
 // their paths. Here, per row and head, with keys in cache order:
 //   s_j = (q . k_j, kLanes lanes then a fixed sum) * scaling + bias_j  for the keys the row sees (skipped otherwise)
 //     (kLanes: the CPU's vector, 16 floats with AVX-512, 8 with AVX2, else 4; the products summed by fused
-//     multiply-adds where the CPU has them, in every path: a build's arithmetic is fixed by its width)
+//     multiply-adds in the AVX-512 and AVX2 builds, in every path: a build's arithmetic is fixed by its width)
 //   m = max s_j;  e_j = exp(s_j - m) (one vectorized exp for every key);  den = sum of e_j, one after another;
 //   out = (sum of e_j v_j, in order) / den
 // A key a row does not see adds nothing anywhere, so its result depends only on the keys it sees, in their order:
@@ -88,8 +88,9 @@ INLINE vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
 INLINE vf splat(float x) { return vf{x, x, x, x}; }
 #endif
 
-// a * b + c rounded once where the CPU fuses multiply-adds, in every path below (the vector lanes and the scalar
-// tails alike), else rounded twice everywhere: either way a key's bits are the same on whichever path sums it.
+// a * b + c rounded once where the build fuses multiply-adds (AVX-512, AVX2), in every path below (the vector lanes
+// and the scalar tails alike), else rounded twice everywhere: either way a key's bits are the same on whichever path
+// sums it.
 // ``in_register``: a vector loaded once and kept in a register for the several multiply-adds that read it (the
 // compiler would fold the load into each of them: one load per multiply-add, which bounded both loops).
 #if defined(__AVX512F__)

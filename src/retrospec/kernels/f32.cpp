@@ -52,7 +52,7 @@ inline float vsum(V v) {
   const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
 }
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 V;
 constexpr int64_t kW = 8, kRows = 2, kOuts = 4;
 inline V vzero() { return _mm256_setzero_ps(); }
@@ -67,6 +67,8 @@ inline float vsum(V v) {
   const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
 }
+#else
+#error "the f32 kernel is built with AVX-512 or with AVX2 and FMA (kernels.f32 passes the flags)"
 #endif
 std::atomic<int64_t> streamed{2};  // calls of at most this many rows run output after output (see the header)
 std::atomic<int64_t> prefetch{16 << 10};  // bytes ahead of its loads a blocked call prefetches (0: none)
@@ -199,7 +201,7 @@ torch::Tensor f32_mm_cat(torch::Tensor x, std::vector<torch::Tensor> ws) {
 // x [M, K] float32, w [N, K] float32 -> [M, N] float32
 torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w) { return f32_mm_cat(x, {w}); }
 
-// calls of at most ``rows`` rows (0..4) run output after output from now on; returns the previous setting
+// calls of at most ``rows`` rows (0..kRows) run output after output from now on; returns the previous setting
 int64_t set_streamed(int64_t rows) { return streamed.exchange(std::max<int64_t>(0, std::min(kRows, rows))); }
 
 // calls in the blocked order prefetch the weights ``bytes`` ahead of their loads from now on (0: no prefetching);
@@ -220,7 +222,8 @@ TORCH_LIBRARY_IMPL(retrospec, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_mm", &f32_mm, "f32 matmul for few rows (see the header)");
   m.def("f32_mm_cat", &f32_mm_cat, "f32 matmuls by several weights side by side (see f32_mm_cat)");
-  m.def("set_streamed", &set_streamed, "calls of at most this many rows (0..4) stream output after output");
+  m.def("set_streamed", &set_streamed, "calls of at most this many rows (0..most_streamed()) stream one by one");
+  m.def("most_streamed", []() { return kRows; }, "the most rows a call can stream (4 with AVX-512, 2 with AVX2)");
   m.def("set_prefetch", &set_prefetch, "blocked calls prefetch weights this many bytes ahead of their loads (0: none)");
 }
 #endif

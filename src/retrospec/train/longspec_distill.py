@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import math
 import random
 import time
@@ -361,13 +362,19 @@ FRESH_LR, FINE_TUNE_LR = 1e-3, 1e-4  # ``peak_lr``'s defaults
 
 
 def peak_lr(cfg: DistillConfig) -> float:
-    """``cfg.lr`` where given; else ``FINE_TUNE_LR`` from a trained ``--init`` block that gains no new feature path
-    (at 1e-3 such a run first undoes the block: held-out agreement 0.553 -> 0.473 after 63K tokens on SmolLM2's
-    bundled block, 0.550 at 1e-4), ``FRESH_LR`` for a fresh block, new feature layers, or a resumed run (whose
-    stable phase goes on at the rate it had)."""
+    """``cfg.lr`` where given; else a resumed run's own rate (its stable phase goes on at it: the manifest of the run
+    it resumes), ``FINE_TUNE_LR`` from a trained ``--init`` block without ``--features`` (at 1e-3 such a run first
+    undoes the block: held-out agreement 0.553 -> 0.473 after 63K tokens on SmolLM2's bundled block, 0.550 at 1e-4),
+    ``FRESH_LR`` for a fresh block or with ``--features`` (new feature layers learn from scratch)."""
     if cfg.lr is not None:
         return cfg.lr
-    return FINE_TUNE_LR if cfg.init and cfg.resume is None and not cfg.features else FRESH_LR
+    if cfg.resume is not None:
+        try:
+            rate = json.loads((Path(cfg.resume) / MANIFEST).read_text())["config"]["lr"]
+            return float(rate) if rate else FRESH_LR
+        except (OSError, ValueError, KeyError, TypeError):
+            return FRESH_LR
+    return FINE_TUNE_LR if cfg.init and not cfg.features else FRESH_LR
 
 
 def check_config(cfg: DistillConfig) -> None:
