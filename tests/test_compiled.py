@@ -300,6 +300,19 @@ def test_the_attention_kernel_is_attention_and_a_row_sees_only_its_keys():
         assert torch.equal(attention(qkv[row:row + 1], k, v, torch.zeros(1, seen.numel()), heads, 0.3)[0], out[row])
 
 
+def _core_alone(driver: str, width: str, tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    """Compile ``tests/<driver>`` (a kernel's core without PyTorch, its folder on the include path) for ``width`` at
+    -O3 like the kernels, and run it; skipped without a C++ compiler or where this CPU does not run that width."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    order = list(kernels.VECTOR_FLAGS)  # widest first: a CPU runs its own width and every narrower one
+    if compiler is None or order.index(width) < order.index(kernels.vector_width()):
+        pytest.skip(f"no C++ compiler here, or this CPU does not run {width}")
+    program = tmp_path / Path(driver).stem
+    subprocess.run([compiler, "-O3", *flags, *kernels.VECTOR_FLAGS[width], f"-I{Path(kernels.__file__).parent}",
+                    str(Path(__file__).resolve().parent / driver), "-o", str(program)], check=True, capture_output=True)
+    return subprocess.run([str(program)], capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("width", ["avx512", "avx2", "portable"])
 def test_the_attention_kernel_is_exact_at_every_vector_width(width, tmp_path):
     """The kernel's core built alone (no PyTorch: a few seconds) for each vector width this CPU runs (16 floats with
@@ -307,16 +320,7 @@ def test_the_attention_kernel_is_exact_at_every_vector_width(width, tmp_path):
     a chain and of a tree (3 heads a row, walked together; head sizes 64, 24, 20 and 7: tails past the lanes; 1 to
     300 keys) is bitwise the one-row computation over the keys it sees, gathered in order, and within float error of
     a float64 softmax (``tests/attention_widths.cpp``)."""
-    compiler = shutil.which("c++") or shutil.which("g++")
-    order = list(kernels.VECTOR_FLAGS)  # widest first: a CPU runs its own width and every narrower one
-    if compiler is None or order.index(width) < order.index(kernels.vector_width()):
-        pytest.skip(f"no C++ compiler here, or this CPU does not run {width}")
-    flags = list(kernels.VECTOR_FLAGS[width])
-    tests = Path(__file__).resolve().parent
-    program = tmp_path / "attention_widths"
-    subprocess.run([compiler, "-O3", "-ffp-contract=off", *flags, f"-I{Path(kernels.__file__).parent}",
-                    str(tests / "attention_widths.cpp"), "-o", str(program)], check=True, capture_output=True)
-    done = subprocess.run([str(program)], capture_output=True, text=True)
+    done = _core_alone("attention_widths.cpp", width, tmp_path, "-ffp-contract=off")
     lanes = {"avx512": 16, "avx2": 8, "portable": 4}[width]
     assert done.returncode == 0 and done.stdout.strip() == f"ok 504 units, {lanes} lanes", done.stdout
 
@@ -326,14 +330,6 @@ def test_the_f32_kernel_keeps_each_rows_bits_at_every_vector_width(width, tmp_pa
     """The f32 matmul kernel's core built alone for each width this CPU runs (16 floats with AVX-512, 8 with AVX2):
     a row's result is bitwise the same in calls of 1 to 16 rows, streamed or blocked, at any prefetch distance, and
     within float error of a float64 product (``tests/f32_widths.cpp``)."""
-    compiler = shutil.which("c++") or shutil.which("g++")
-    order = list(kernels.VECTOR_FLAGS)
-    if compiler is None or order.index(width) < order.index(kernels.vector_width()):
-        pytest.skip(f"no C++ compiler here, or this CPU does not run {width}")
-    program = tmp_path / "f32_widths"
-    subprocess.run([compiler, "-O3", *kernels.VECTOR_FLAGS[width], f"-I{Path(kernels.__file__).parent}",
-                    str(Path(__file__).resolve().parent / "f32_widths.cpp"), "-o", str(program)],
-                   check=True, capture_output=True)
-    done = subprocess.run([str(program)], capture_output=True, text=True)
+    done = _core_alone("f32_widths.cpp", width, tmp_path)
     lanes = {"avx512": 16, "avx2": 8}[width]
     assert done.returncode == 0 and done.stdout.strip() == f"ok 400 calls, {lanes} lanes", done.stdout
