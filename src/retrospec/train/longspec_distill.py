@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import math
 import random
 import time
@@ -362,18 +361,12 @@ FRESH_LR, FINE_TUNE_LR = 1e-3, 1e-4  # ``peak_lr``'s defaults
 
 
 def peak_lr(cfg: DistillConfig) -> float:
-    """``cfg.lr`` where given; else a resumed run's own rate (its stable phase goes on at it: the manifest of the run
-    it resumes), ``FINE_TUNE_LR`` from a trained ``--init`` block without ``--features`` (at 1e-3 such a run first
-    undoes the block: held-out agreement 0.553 -> 0.473 after 63K tokens on SmolLM2's bundled block, 0.550 at 1e-4),
-    ``FRESH_LR`` for a fresh block or with ``--features`` (new feature layers learn from scratch)."""
+    """``cfg.lr`` where given (a resumed run's is its predecessor's: ``resume_run`` keeps it); else ``FINE_TUNE_LR``
+    from a trained ``--init`` block without ``--features`` (at 1e-3 such a run first undoes the block: held-out
+    agreement 0.553 -> 0.473 after 63K tokens on SmolLM2's bundled block, 0.550 at 1e-4), ``FRESH_LR`` for a fresh
+    block or with ``--features`` (new feature layers learn from scratch)."""
     if cfg.lr is not None:
         return cfg.lr
-    if cfg.resume is not None:
-        try:
-            rate = json.loads((Path(cfg.resume) / MANIFEST).read_text())["config"]["lr"]
-            return float(rate) if rate else FRESH_LR
-        except (OSError, ValueError, KeyError, TypeError):
-            return FRESH_LR
     return FINE_TUNE_LR if cfg.init and not cfg.features else FRESH_LR
 
 
@@ -461,7 +454,6 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
     """Distil a block for ``cfg.target`` on ``cfg.corpus``, save it to ``cfg.out``; returns the manifest. Under
     several processes (``train.distributed``) each runs this; rank 0 logs and saves."""
     check_config(cfg)
-    cfg = replace(cfg, lr=peak_lr(cfg))
     dist = setup(cfg.device, fsdp=cfg.fsdp)
     log = dist.log(log)
     parts = corpus_parts(cfg.corpus, growing=cfg.follow)
@@ -498,8 +490,9 @@ def distill_longspec(cfg: DistillConfig, log=print, target=None) -> dict:
                                                       if block.vocab is not None else ""))
     for p in block.parameters():
         p.requires_grad_(True)
-    opt = adamw(block.parameters(), cfg.lr, cfg.weight_decay, betas=tuple(cfg.betas))
+    opt = adamw(block.parameters(), peak_lr(cfg), cfg.weight_decay, betas=tuple(cfg.betas))  # set every step
     cfg, previous, before = resume_run(cfg, block, opt, MANIFEST, log, target=as_module(target))
+    cfg = replace(cfg, lr=peak_lr(cfg))
     dist.same_start(block)
     stable: dict = {}
     first = first_batch(train, cfg)

@@ -113,7 +113,8 @@ def resume_run(cfg, model: torch.nn.Module, opt: torch.optim.Optimizer, manifest
     ``opt`` (refused if trained for another ``target``); returns (``cfg`` with no warm-up, the previous run's
     manifest, tokens trained before this run). With ``precision`` ``auto``, the run keeps the precision the one it
     resumes measured: timing it again could choose the other on a busy machine, and a chain would no longer train
-    as one run (nor a resumed run give the same weights twice)."""
+    as one run (nor a resumed run give the same weights twice); with ``lr`` None (a distiller's default), its peak
+    rate, so the stable phase goes on at the rate it had."""
     if not cfg.resume:
         return cfg, None, 0
     previous = load_stable_state(cfg.resume, model, opt, cfg, manifest, target)
@@ -123,6 +124,9 @@ def resume_run(cfg, model: torch.nn.Module, opt: torch.optim.Optimizer, manifest
     if getattr(cfg, "precision", None) == "auto" and previous.get("precision") in ("float32", "bfloat16"):
         kept["precision"] = previous["precision"]
         log(f"precision {kept['precision']}, as the run resumed (--precision to choose another)")
+    rate = (previous.get("config") or {}).get("lr")
+    if hasattr(cfg, "lr") and cfg.lr is None and isinstance(rate, (int, float)) and rate > 0:
+        kept["lr"] = float(rate)
     return replace(cfg, warmup=0.0, **kept), previous, previous["tokens_total"]  # the stable rate from the first step
 
 
