@@ -7,6 +7,7 @@ blocks are random (weights scaled up so every branch matters) or identity-initia
 - the state's memory is the same at 2K and 8K context; the cross-attention shift rule is honoured;
 - greedy output equals the oracle (chain and tree; random block and one that gets accepted), and after every step
   the ring equals one rebuilt from the committed tokens;
+- the tree is the best nodes of the beam by cumulative draft log-prob, best first (a bigram draft, enumerated);
 - tree drafts at temperature 1 commit tokens distributed as the target's (chi-square, 20k draws of the rule on a
   real LongSpec tree, and seeded end-to-end runs);
 - save / load round trip; a block for another target is refused with one line.
@@ -33,6 +34,7 @@ from retrospec.errors import RetrospecError
 from retrospec.models.longspec import DraftState, LongSpecDraft, grouped_attention, load_longspec, save_longspec
 from retrospec.models.longspec.state import ROOM
 from retrospec.sampling import probs_from_logits
+from retrospec.tree import depths
 from retrospec.types import DraftTree, SpecStats
 from retrospec.verify import Verifier
 
@@ -367,10 +369,13 @@ def test_tree_shape_and_budget():
     tree = drafter.propose(ctx, 100)
     assert len(tree) == 12 and tree.draft_probs is None
     par = tree.parents.tolist()
-    assert par[:3] == [-1, -1, -1] and all(0 <= p < 3 for p in par[3:8]) and all(3 <= p < 8 for p in par[8:])
+    assert all(p < i for i, p in enumerate(par))  # parents before children
+    assert sorted(depths(tree.parents).tolist()) == [1] * 3 + [2] * 5 + [3] * 4  # the whole beam fits in 100 nodes
     pairs = list(zip(par, tree.tokens.tolist()))
     assert len(set(pairs)) == len(pairs)  # siblings are distinct tokens
-    assert len(drafter.propose(ctx, 5)) == 5 and len(drafter.propose(ctx, 0)) == 0
+    for b in range(13):  # a smaller budget drafts a prefix of a larger one
+        cut = drafter.propose(ctx, b)
+        assert cut.tokens.tolist() == tree.tokens.tolist()[:b] and cut.parents.tolist() == par[:b]
     chain = LongSpecDrafter(block, gamma=3)
     chain.prefill(ctx)
     assert chain.propose(ctx, 10).is_chain and len(chain.propose(ctx, 10)) == 3
@@ -378,6 +383,65 @@ def test_tree_shape_and_budget():
     for bad in ("", "4,0", "a,b"):
         with pytest.raises(RetrospecError):
             parse_tree(bad)
+
+
+def beam_reference(root: torch.Tensor, table: torch.Tensor, levels, n: int, eos=()) -> list[tuple]:
+    """The best ``n`` nodes of the beam, as token paths, enumerated here without the drafter (float64): depth 1 is
+    the root's top ``levels[0]`` tokens; each later depth keeps the top ``levels[d]`` (node, token) pairs over every
+    node of the depth before by cumulative log-prob; a bigram draft (``table[token]``: next-token logits); nothing
+    follows an EOS token."""
+    lp = table.double().log_softmax(-1)
+    r = root.double().log_softmax(-1)
+    level = sorted((((t,), float(r[t])) for t in range(len(r))), key=lambda x: -x[1])[: levels[0]]
+    found = list(level)
+    for width in levels[1:]:
+        cands = [(path + (t,), score + float(lp[path[-1], t]))
+                 for path, score in level if path[-1] not in eos for t in range(lp.shape[1])]
+        level = sorted(cands, key=lambda x: -x[1])[:width]
+        found += level
+    return [path for path, _ in sorted(found, key=lambda x: -x[1])[:n]]
+
+
+def paths_of(tree: DraftTree) -> list[tuple]:
+    out: list[tuple] = []
+    for tok, par in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        out.append((out[par] if par >= 0 else ()) + (tok,))
+    return out
+
+
+@pytest.mark.parametrize("sharp, depth_of_5", [(0.5, (1, 2)), (3.0, (1, 6)), (12.0, (4, 6))],
+                         ids=["flat", "mixed", "peaked"])
+def test_tree_is_the_best_nodes_of_the_beam_best_first(sharp, depth_of_5):
+    """With a bigram draft standing in for the block, the tree of budget n is the n nodes of highest cumulative draft
+    log-prob among the beam's (``beam_reference``), best first, so a smaller budget drafts a prefix of a larger one;
+    drafting stops at the first depth none of whose children could enter the best n (a peaked draft goes deep in few
+    nodes, a flat one stays shallow); nothing is drafted below an EOS."""
+    g = torch.Generator().manual_seed(int(sharp * 10))
+    v = 12
+    table = sharp * torch.randn(v, v, generator=g)  # [V, V] next-token logits by token
+    root = sharp * torch.randn(v, generator=g)
+    target = make_target("llama")
+    drafter = LongSpecDrafter(LongSpecDraft.for_target(target, window=4), tree=(4, 6, 6, 6, 6, 6))
+    calls = []
+
+    def bigram(ids, parents, target_kv):
+        calls.append(len(ids))
+        return table[torch.as_tensor(ids)]  # [len(ids), V]
+
+    drafter._speculate = bigram
+    levels, eos = (4, 6, 6, 6, 6, 6), {3}
+    full = drafter._tree(root, 34, None, eos, levels)
+    assert set(paths_of(full)) == set(beam_reference(root, table, levels, 34, eos)) and len(full) == 34
+    for n in (1, 2, 5, 9, 16):
+        calls.clear()
+        tree = drafter._tree(root, n, None, eos, levels)
+        assert paths_of(tree) == beam_reference(root, table, levels, n, eos)  # the same nodes in the same order
+        assert paths_of(tree) == paths_of(full)[:n]
+        assert not any(t in eos for path in paths_of(tree) for t in path[:-1])  # nothing below an EOS
+        deepest = max(len(path) for path in paths_of(tree))
+        assert deepest - 1 <= len(calls) <= min(deepest, len(levels) - 1)  # at most one depth drafted in vain
+        if n == 5:
+            assert depth_of_5[0] <= deepest <= depth_of_5[1]
 
 
 def test_graft_merges_a_chain_into_a_tree():

@@ -14,9 +14,10 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
   n(b): expected node count with budget b, estimated like E(b).
 - E(b): expected tokens committed per step. A step with budget B also tells what any b <= B would have committed:
   the accepted path's node indices increase (parents precede children), so the first b nodes keep exactly the
-  accepted nodes with index < b (exact for chains; for breadth-first trees an approximation). E(b) = 1 + decayed
-  mean of those counts, from a half-step prior so one unlucky step does not close the gate: acceptance 0.5 per
-  position for the first budgets, and a larger budget starts from the largest one known.
+  accepted nodes with index < b (exact for chains and, up to rounding, for trees handed out best first like
+  ``longspec``'s; for other trees an approximation). E(b) = 1 + decayed mean of those counts, from a half-step
+  prior so one unlucky step does not close the gate: acceptance 0.5 per position for the first budgets, and a
+  larger budget starts from the largest one known.
 
 Decision: b* = argmax_b E(b) / cost(b) over 0 and every budget tried. At the top of what was tried, while the
 drafter fills its budget, the budget grows 4x (1, 4, 16, ... capped by the positions left), or 2x where the larger

@@ -8,11 +8,15 @@ The draft block (``models.longspec``) attends to a sliding window of its own key
 Both modes draft deterministically (``draft_probs=None`` = one-hot q), verified exactly by ``GreedyMatch`` or the
 multi-draft ``RejectionSampling`` at any temperature:
 - chain (``gamma=N``): the draft's argmax chain of N tokens.
-- tree (default ``tree=(4, 16, 16, 16, 16)``): depth 1 = the root's top-``w1`` tokens; each later depth runs the
-  draft once over the previous level (batched, tree mask) and keeps the global top-``w_d`` (node, token) pairs by
-  cumulative draft log-prob (raw, whatever the temperature), flattened breadth-first (at most ``budget`` nodes).
-  Siblings are distinct tokens (a top-k over node x vocabulary), which makes the one-hot multi-draft rule exact
-  (the seed's p/q rejection over top-k children is biased: not done here). Nothing is drafted below an EOS.
+- tree (default ``tree=(4, 16, 16, 16, 16)``), handed out best first (EAGLE-2's re-ranking: Li et al., "EAGLE-2:
+  Faster Inference of Language Models with Dynamic Draft Trees", 2024): depth 1 = the root's top-``w1`` tokens; each
+  later depth runs the draft once over the previous level (batched, tree mask) and keeps the global top-``w_d``
+  (node, token) pairs by cumulative draft log-prob (raw, whatever the temperature). The tree is the ``budget`` nodes
+  of highest cumulative log-prob over every depth, best first: a smaller budget drafts a prefix of a larger one, and
+  a confident draft goes deep in few nodes (a breadth-first cut of 8 nodes never passes depth 2). A depth is drafted
+  only while one of its children could still enter the best ``budget``. Siblings are distinct tokens (a top-k over
+  node x vocabulary), which makes the one-hot multi-draft rule exact (the seed's p/q rejection over top-k children
+  is biased: not done here). Nothing is drafted below an EOS.
 
 Lookup branch (``lookup=K``, default 10; ours, not in the paper): the prompt-lookup chain (``pld``'s n-gram match
 over prompt + output, K tokens) is drafted first and the block's chain or tree is merged into it as a trie (a block
@@ -181,33 +185,53 @@ class LongSpecDrafter:
             logits = self._speculate([tok], [i], target_kv)[0]  # parent: tentative token i (0 = the root)
         return DraftTree.chain(tokens)
 
+    def _expand(self, scores: torch.Tensor, toks: torch.Tensor, logits: torch.Tensor, k: int, eos: torch.Tensor):
+        """The best ``k`` children of a level: (node, token) pairs by cumulative log-prob over every node and draft
+        column, best first; no child below an EOS token, siblings distinct. ``scores``: [L] the nodes' cumulative
+        log-probs, ``toks``: [L] their target ids, ``logits``: [L, V] the block's logits after each. Returns (scores
+        [k'], node rows (list), target ids [k']), k' <= k. The global best k are among each node's own best k, so
+        only [L, k] candidates are ranked, never [L, V]."""
+        logits = logits.float()
+        k = min(k, logits.shape[-1])
+        top, cols = logits.topk(k, dim=-1)  # [L, k] each node's best columns, best first
+        cand = scores[:, None] + (top - logits.logsumexp(-1, keepdim=True))  # [L, k] cumulative log-probs
+        cand = torch.minimum(cand, scores[:, None])  # a child never above its parent, whatever the rounding
+        if eos.numel():
+            cand[torch.isin(toks, eos)] = float("-inf")  # nothing follows an EOS token
+        best, flat = cand.flatten().topk(min(k, cand.numel()))  # [k] best first
+        live = torch.isfinite(best)
+        best, flat = best[live], flat[live]
+        rows = flat // k
+        return best, rows.tolist(), self.block.token_ids(cols[rows, flat % k])
+
     def _tree(self, root_logits: torch.Tensor, n: int, target_kv, eos_ids, levels: tuple[int, ...]) -> DraftTree:
-        """The beam tree of ``levels`` (widths per depth: ``self.tree``, or its first levels near the end of a
-        generation), at most ``n`` nodes."""
+        """The best ``n`` nodes of the beam of ``levels`` (widths per depth: ``self.tree``, or its first levels near
+        the end of a generation) by cumulative draft log-prob, best first (module docstring)."""
         vocab = root_logits.shape[-1]  # K columns (the draft vocabulary, or the target's V)
         eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=root_logits.device)
         k = min(levels[0], n, vocab)
         scores, cols = root_logits.float().log_softmax(-1).topk(k)  # [k] cumulative log-probs, best first
         toks = self.block.token_ids(cols)  # target ids (columns differ under a draft vocabulary)
-        tokens, parents = toks.tolist(), [-1] * k
-        level = list(range(k))  # tree indices of the last level (tentative index = tree index + 1; 0 = root)
+        tokens, parents, found = toks.tolist(), [-1] * k, scores.tolist()  # every node drafted, in drafting order
+        level = list(range(k))  # tree indices of the last level, best first (tentative index = tree index + 1)
         for width in levels[1:]:
-            room = n - len(tokens)
-            if room <= 0:
-                break
-            logits = self._speculate(toks, [i + 1 for i in parents[level[0]: level[-1] + 1]], target_kv)
-            cand = scores[:, None] + logits.float().log_softmax(-1)  # [level, V]
-            if eos.numel():
-                cand[torch.isin(toks, eos)] = float("-inf")  # nothing follows an EOS token
-            k = min(width, room, int(torch.isfinite(cand).sum()))
+            floor = sorted(found, reverse=True)[n - 1] if len(found) >= n else float("-inf")  # the n-th best so far
+            if found[level[0]] <= floor:  # no child of this level can enter the best n: it would score at most its
+                break                     # parent's, and ties go to the node drafted first
+            logits = self._speculate(toks, [p + 1 for p in parents[level[0]: level[-1] + 1]], target_kv)
+            # no more than n children: the best n over every depth hold at most n of any one depth
+            scores, rows, toks = self._expand(scores, toks, logits, min(width, n), eos)
+            k = len(rows)
             if k == 0:
                 break
-            scores, flat = cand.flatten().topk(k)  # global top-k over (node x vocabulary), best first
-            toks = self.block.token_ids(flat % vocab)
-            parents.extend(level[j] for j in (flat // vocab).tolist())
+            parents.extend(level[j] for j in rows)
             level = list(range(len(tokens), len(tokens) + k))
             tokens.extend(toks.tolist())
-        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+            found.extend(scores.tolist())
+        keep = sorted(range(len(tokens)), key=lambda i: (-found[i], i))[:n]  # best first, so parents before children
+        index = {old: new for new, old in enumerate(keep)}
+        return DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.long),
+                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long))
 
     def observe(self, accepted: int, drafted: int) -> None:
         """Nothing to do: the ring catches up with the committed tokens at the next ``propose`` (module docstring)."""
