@@ -376,6 +376,9 @@ def test_tree_shape_and_budget():
     for b in range(13):  # a smaller budget drafts a prefix of a larger one
         cut = drafter.propose(ctx, b)
         assert cut.tokens.tolist() == tree.tokens.tolist()[:b] and cut.parents.tolist() == par[:b]
+    capped = LongSpecDrafter(block, tree=(3, 5, 4), nodes=4)  # the knob ``nodes``: at most the tree's best 4
+    capped.prefill(ctx)
+    assert capped.propose(ctx, 100).tokens.tolist() == tree.tokens.tolist()[:4]
     chain = LongSpecDrafter(block, gamma=3)
     chain.prefill(ctx)
     assert chain.propose(ctx, 10).is_chain and len(chain.propose(ctx, 10)) == 3

@@ -113,7 +113,8 @@ class LongSpecDrafter:
     name = "longspec"
     needs: frozenset[str] = frozenset({"target_kv"})
 
-    def __init__(self, block: LongSpecDraft, gamma: int | None = None, tree=None, lookup: int = 0):
+    def __init__(self, block: LongSpecDraft, gamma: int | None = None, tree=None, lookup: int = 0,
+                 nodes: int | None = None):
         if gamma is not None and tree is not None:
             raise RetrospecError("longspec drafts a chain (gamma) or a tree (tree), not both")
         self.block = block
@@ -124,6 +125,7 @@ class LongSpecDrafter:
         self.fast = fast_block(block)  # what drafts: the block's fast copy (its weights, or integer copies of them)
         self.gamma = gamma
         self.tree = None if gamma is not None else parse_tree(DEFAULT_TREE if tree is None else tree)
+        self.nodes = nodes  # at most this many nodes a step, whatever the budget (None: the budget's)
         self.state: DraftState | None = None
         self.root_feature: torch.Tensor | None = None  # [H] the root's feature (a block with features)
 
@@ -152,6 +154,8 @@ class LongSpecDrafter:
     @torch.no_grad()
     def propose(self, ctx: DecodeContext, budget: int) -> DraftTree:
         levels = None if self.tree is None else self.tree[: ctx.max_depth]  # the tree's levels that fit
+        if self.nodes is not None:
+            budget = min(budget, self.nodes)
         n = min(budget, chain_room(ctx, self.gamma) if self.gamma is not None else sum(levels))
         if n <= 0:  # an undrafted step costs nothing here: the ring catches up when drafting resumes (one append)
             return DraftTree.empty()
@@ -337,10 +341,10 @@ def load_longspec_block(spec: MethodSpec, target, draft, options: dict, *, conte
 
 
 def _make_longspec(*, target=None, block=None, gamma: int | None = None, tree=None,
-                   lookup: int = DEFAULT_LOOKUP) -> LongSpecDrafter:
+                   lookup: int = DEFAULT_LOOKUP, nodes: int | None = None) -> LongSpecDrafter:
     if not isinstance(block, LongSpecDraft):
         block = load_block(block, target)
-    return LongSpecDrafter(block, gamma=gamma, tree=tree, lookup=lookup)
+    return LongSpecDrafter(block, gamma=gamma, tree=tree, lookup=lookup, nodes=nodes)
 
 
 SPEC = register(MethodSpec(
@@ -349,5 +353,7 @@ SPEC = register(MethodSpec(
                 max=MAX_DRAFT),
            Knob("tree", "widths", None, "beam tree widths per depth (default 4,16,16,16,16)", parse=parse_tree),
            Knob("lookup", "int", DEFAULT_LOOKUP, "also draft a prompt-lookup chain of N tokens, merged into the "
-                "tree (0: off)", min=0, max=MAX_DRAFT)),
+                "tree (0: off)", min=0, max=MAX_DRAFT),
+           Knob("nodes", "int", None, "draft at most N nodes a step (the tree's best N; default: the budget's)",
+                min=1, max=MAX_TREE_WIDTH)),
     draft="block", needs=frozenset({"target_kv"}), load=load_longspec_block))
