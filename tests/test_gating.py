@@ -10,7 +10,7 @@ import pytest
 from retrospec.config import SamplingConfig
 from retrospec.decode import autoregressive_generate, speculative_generate
 from retrospec.drafters import REGISTRY
-from retrospec.gating import Gate, GateProfile, profile_for
+from retrospec.gating import STALL, Gate, GateProfile, profile_for
 from retrospec.types import SpecStats
 
 from conftest import sharpen, tiny_llama
@@ -308,6 +308,20 @@ def test_one_stalled_step_does_not_close_the_gate(where):
         gate.update(b, nodes, list(range(min(nodes, 2))), draft_s, verify_s, CTX + i)
     assert budgets[40] > 0 and min(budgets[20:40]) >= 2  # drafting, and paying, before the stall
     assert budgets[41:].count(0) <= 2 and min(budgets[45:]) >= 2, budgets[38:60]
+
+
+def test_a_drafter_cheap_on_most_steps_is_priced_at_its_mean():
+    # a lookup chain fills the budget alone on three steps of four (0.4 ms), the block drafts deep on the fourth
+    # (6 ms, under a plain step): the dear steps are a real cost, not stalls, so the budget's drafting time is
+    # their mean (~1.8 ms), not ~STALL x the cheap steps' (which would make the budget look cheaper than it is)
+    gate = Gate(GateProfile(), "longspec")
+    gate.update(0, 0, [], 0.0, PLAIN, CTX)  # a plain step: what a drafting timing may cost without being a stall
+    for i in range(200):
+        gate.update(4, 4, [0], 0.006 if i % 4 == 3 else 0.0004, PLAIN + 0.004, CTX)
+    assert gate.draft_s[4] == pytest.approx((3 * 0.0004 + 0.006) / 4, rel=0.6)
+    assert gate.draft_s[4] > 2 * STALL * 0.0004
+    gate.update(4, 4, [0], 50 * PLAIN, PLAIN + 0.004, CTX)  # over a plain step and over STALL x: still a stall
+    assert gate.draft_s[4] < 0.7 * 0.006 + 0.3 * PLAIN
 
 
 def test_a_stall_in_the_first_drafting_step_does_not_close_the_gate():

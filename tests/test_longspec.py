@@ -289,13 +289,21 @@ def test_state_memory_is_flat_in_context_length():
 
 
 class CheckedDrafter(LongSpecDrafter):
-    """After every drafting step, the ring must equal one rebuilt from the committed tokens (all but the root); a
-    step left undrafted (budget 0) leaves it behind, caught up by the next drafting step."""
+    """After every step that calls the block, the ring must equal one rebuilt from the committed tokens (all but the
+    root); a step left undrafted (budget 0), or one the lookup chain fills alone, leaves it behind untouched, caught
+    up by the next step that calls the block (``chain_only`` counts those steps)."""
+
+    chain_only = 0
 
     def propose(self, ctx, budget):
+        before = self.state.length
         tree = super().propose(ctx, budget)
         if budget <= 0:
             assert len(tree) == 0 and self.state.length <= len(ctx.tokens) - 1
+            return tree
+        if self.lookup is not None and self.state.length == before < len(ctx.tokens) - 1:
+            assert len(tree) == budget and tree.is_chain and self.state.tentative == 0  # the chain alone
+            self.chain_only += 1
             return tree
         fresh = DraftState(self.block)
         fresh.append(ctx.tokens[:-1])
@@ -328,8 +336,8 @@ def test_greedy_equals_oracle(arch, mode, kind):
         target, block = mimic_pair(arch)
     want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=40)
     stats = SpecStats()
-    chunks = list(speculative_generate(target, CheckedDrafter(block, **mode), PROMPT, sampling=GREEDY,
-                                       max_new_tokens=40, stats=stats))
+    drafter = CheckedDrafter(block, **mode)
+    chunks = list(speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40, stats=stats))
     assert [t for c in chunks for t in c] == want
     assert stats.new_tokens == stats.target_calls + stats.accepted_tokens
     if kind == "mimic":  # whole drafts accepted
@@ -355,6 +363,29 @@ def test_undrafted_steps_leave_the_ring_behind_and_a_drafting_step_catches_it_up
     drafter = Gated(block, gamma=4)
     out = [t for c in speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=40) for t in c]
     assert out == want and drafter.steps >= 20
+
+
+@pytest.mark.parametrize("mode", [{"gamma": 4}, {"tree": (4, 16, 16)}], ids=["chain", "tree"])
+def test_steps_the_lookup_chain_fills_leave_the_ring_behind(mode):
+    """Budgets a gate might give (0, small ones the lookup chain fills alone, large ones it does not): steps that
+    do not call the block leave the ring untouched, and the next one that does catches it up (CheckedDrafter);
+    greedy output still equals the oracle's."""
+
+    class Budgets(CheckedDrafter):
+        steps = 0
+
+        def propose(self, ctx, budget):
+            self.steps += 1
+            return super().propose(ctx, min(budget, (2, 1, 0, 3, 12, 2, 2, 16)[self.steps % 8]))
+
+    target, block = mimic_pair("llama")
+    want = autoregressive_generate(target, PROMPT, sampling=GREEDY, max_new_tokens=48)
+    drafter = Budgets(block, lookup=6, **mode)
+    stats = SpecStats()
+    out = [t for c in speculative_generate(target, drafter, PROMPT, sampling=GREEDY, max_new_tokens=48,
+                                           stats=stats) for t in c]
+    assert out == want
+    assert 0 < drafter.chain_only < drafter.steps - 2  # both kinds of step ran
 
 
 def test_tree_shape_and_budget():

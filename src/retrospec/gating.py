@@ -8,7 +8,9 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
   between them (budget 0 drafts nothing). verify(n): seconds to verify, accept and commit n nodes (n = 0: a plain
   step), kept per target across requests (``GateProfile``, by context-length bucket, linear between node counts,
   read so it never falls as n grows) and measured once per bucket when unknown. In both averages one timing counts
-  at most ``STALL`` x the average (a stall is not a new cost); the first drafting step of a request with nothing
+  at most ``STALL`` x the average (a stall is not a new cost), a drafting timing at least up to a plain step (the
+  cost of some drafters varies from step to step: a lookup chain that fills the budget alone, else a block that
+  drafts several levels; their cheap steps must not make the dear ones look like stalls); the first drafting step of a request with nothing
   carried is a warm-up: the next step drafts the same budget again and its timing replaces the warm-up's (a first
   call may pack weights or load a kernel: a 57 ms first call once priced a 1.2 ms drafter out of a whole run).
   n(b): expected node count with budget b, estimated like E(b).
@@ -82,12 +84,15 @@ class Curve(dict):
         self.xs = sorted(self)
         self._fit: Curve | None = None  # ``rising``'s fit, rebuilt after a change
 
-    def ema(self, x, value: float) -> None:
-        """Fold one timing into x's average; a timing over ``STALL`` x the average counts as ``STALL`` x (a step the
-        process was descheduled in, a garbage collection): one stall must not price a budget out for the ~100 steps
-        until a probe measures it again, while a real rise still passes, by 1.3x per timing."""
+    def ema(self, x, value: float, floor: float = 0.0) -> None:
+        """Fold one timing into x's average; a timing over ``STALL`` x the average (and over ``floor``) counts as
+        that much (a step the process was descheduled in, a garbage collection): one stall must not price a budget
+        out for the ~100 steps until a probe measures it again, while a real rise still passes, by 1.3x per
+        timing. ``floor``: timings up to it are never a stall (drafting: a plain step; a drafter whose cost
+        varies from step to step, like a lookup chain that alone fills the budget or else a block drafting deep,
+        is priced at its mean, not at its cheap steps)."""
         old = self.get(x)
-        self[x] = value if old is None else COST_DECAY * old + (1 - COST_DECAY) * min(value, STALL * old)
+        self[x] = value if old is None else COST_DECAY * old + (1 - COST_DECAY) * min(value, max(STALL * old, floor))
 
     def at(self, x: float) -> float | None:
         """Piecewise-linear through the points; flat beyond the last one; None when there are none."""
@@ -320,7 +325,7 @@ class Gate:
         if not self.enabled or budget == 0 or depth_bound:
             return
         if self.warm:
-            self.draft_s.ema(budget, draft_s)
+            self.draft_s.ema(budget, draft_s, floor=self.profile.verify_cost(context_tokens, 0) or 0.0)
         elif self.redo == budget:  # the step after the warm-up, at its budget: this timing replaces the warm-up's
             self.draft_s[budget], self.warm, self.redo = draft_s, True, 0
         else:  # the warm-up: kept until the next step measures the same budget again

@@ -32,11 +32,11 @@ produced the root, fused into the root's feature (``target_feature``); every dra
 Speed: the block's fast copy (``fast_block``: possibly bfloat16, int8 or 4-bit) changes what is proposed, never the
 output.
 State consistency: the ring holds every committed token but the last, like the target's cache. ``observe`` only
-gets counts and runs before the loop extends ``ctx.tokens``, so the ring catches up at the top of a drafting
-``propose`` from ``ctx.tokens`` itself (a step the gate leaves undrafted does not touch it: the tokens it missed
-are appended in one call when drafting resumes), and every tentative token is dropped at its end. After any
-drafting step the ring equals one rebuilt from the committed tokens (tested); the target cache length is checked
-against it every drafting step.
+gets counts and runs before the loop extends ``ctx.tokens``, so the ring catches up from ``ctx.tokens`` itself
+when a ``propose`` calls the block (a step the gate leaves undrafted, or one the lookup chain fills alone, does
+not touch it: the tokens it missed are appended in one call when the block drafts again), and every tentative
+token is dropped at its end. After any step that called the block the ring equals one rebuilt from the committed
+tokens (tested); the target cache length is checked against it at each of those steps.
 """
 
 from __future__ import annotations
@@ -159,11 +159,11 @@ class LongSpecDrafter:
         n = min(budget, chain_room(ctx, self.gamma) if self.gamma is not None else sum(levels))
         if n <= 0:  # an undrafted step costs nothing here: the ring catches up when drafting resumes (one append)
             return DraftTree.empty()
-        target_kv = self._sync(ctx)
         chain = self.lookup.propose(ctx, budget) if self.lookup is not None else DraftTree.empty()
-        if len(chain) >= budget:  # the lookup chain fills the budget: graft would cut every block node
-            self.root_feature = None
+        if len(chain) >= budget:  # the lookup chain fills the budget: graft would cut every block node, so the
+            self.root_feature = None  # block is not called and its ring catches up when it next drafts
             return chain
+        target_kv = self._sync(ctx)
         states = ctx.target.layer_states  # [n, H] or None
         self.root_feature = None if states is None else self.fast.target_feature(states.to(self.state.k.dtype))
         try:
