@@ -10,9 +10,10 @@ budget handed to ``Drafter.propose`` from what the decode loop measures anyway:
   read so it never falls as n grows) and measured once per bucket when unknown. In both averages one timing counts
   at most ``STALL`` x the average (a stall is not a new cost), a drafting timing at least up to a plain step (the
   cost of some drafters varies from step to step: a lookup chain that fills the budget alone, else a block that
-  drafts several levels; their cheap steps must not make the dear ones look like stalls); the first drafting step of a request with nothing
-  carried is a warm-up: the next step drafts the same budget again and its timing replaces the warm-up's (a first
-  call may pack weights or load a kernel: a 57 ms first call once priced a 1.2 ms drafter out of a whole run).
+  drafts several levels; their cheap steps must not make the dear ones look like stalls); the first drafting step
+  of a request with nothing carried is a warm-up: the next step drafts the same budget again and its timing
+  replaces the warm-up's (a first call may pack weights or load a kernel: a 57 ms first call once priced a 1.2 ms
+  drafter out of a whole run).
   n(b): expected node count with budget b, estimated like E(b).
 - E(b): expected tokens committed per step. A step with budget B also tells what any b <= B would have committed:
   the accepted path's node indices increase (parents precede children), so the first b nodes keep exactly the
